@@ -1,0 +1,228 @@
+"""The catalog: topics, subscriptions, leases and operations, in a compacted Kafka topic.
+
+Like Kafka Connect's config topic, the catalog is a single-partition, compacted topic whose
+records are `key -> JSON document` (a `None` value deletes the key). Every process can read it
+with kafka-python alone, so producers and operators need no Spark.
+
+Writes are read-modify-write under a fence: a writer uses the one transactional id
+`varadhi-catalog-writer`; `init_transactions` bumps its epoch and so fences every earlier writer.
+A writer reads the catalog (read_committed) after its own fence and commits its changes in one
+transaction. Any commit by somebody else in between needs a newer epoch, which makes our commit
+fail with a fencing error; `mutate` then re-fences, re-reads and re-applies (bounded retries).
+So concurrent or repeated commands can never interleave half-applied changes.
+
+Keys are `<kind>/<name>`, for example `topic/orders`, `subscription/orders-http`,
+`lease/orders-http/0`, `operation/orders-http`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.errors import KafkaError, TopicAlreadyExistsError
+
+from .errors import ConcurrentModification, KafkaUnavailable, VaradhiError
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+WRITER_ID = "varadhi-catalog-writer"
+Document = dict[str, Any]
+Changes = Mapping[str, Document | None]
+
+
+def key(kind: str, name: str) -> str:
+    return f"{kind}/{name}"
+
+
+class Snapshot:
+    """An immutable view of the catalog at one point: key -> document."""
+
+    def __init__(self, entries: Mapping[str, Document]):
+        self._entries = dict(entries)
+
+    def get(self, kind: str, name: str) -> Document | None:
+        return self._entries.get(key(kind, name))
+
+    def items(self, kind: str) -> dict[str, Document]:
+        prefix = f"{kind}/"
+        return {
+            k[len(prefix) :]: v for k, v in sorted(self._entries.items()) if k.startswith(prefix)
+        }
+
+
+class Catalog:
+    """Reads and writes the catalog topic. One instance per process; thread-safe."""
+
+    def __init__(self, settings: Settings | None = None, timeout_s: float = 30.0):
+        self.settings = settings or Settings.from_env()
+        self.topic = self.settings.catalog_topic
+        self.timeout_s = timeout_s
+        self._lock = threading.RLock()
+        self._entries: dict[str, Document] = {}
+        self._consumer: KafkaConsumer | None = None
+        self._producer: KafkaProducer | None = None
+        self._tp = TopicPartition(self.topic, 0)
+
+    # -- set-up ---------------------------------------------------------------------------
+    def ensure_topic(self) -> None:
+        """Create the catalog topic (compacted, one partition) if it does not exist."""
+        admin = self._admin()
+        try:
+            if self.topic in admin.list_topics():
+                return
+            admin.create_topics(
+                [
+                    NewTopic(
+                        self.topic,
+                        1,
+                        1,
+                        topic_configs={
+                            "cleanup.policy": "compact",
+                            "min.compaction.lag.ms": "60000",
+                        },
+                    )
+                ]
+            )
+        except TopicAlreadyExistsError:
+            pass
+        finally:
+            admin.close()
+
+    def _admin(self) -> KafkaAdminClient:
+        try:
+            return KafkaAdminClient(
+                bootstrap_servers=self.settings.bootstrap,
+                client_id="varadhi-catalog-admin",
+                request_timeout_ms=int(self.timeout_s * 1000),
+            )
+        except KafkaError as e:
+            raise KafkaUnavailable(f"cannot reach Kafka at {self.settings.bootstrap}: {e}") from e
+
+    # -- reading --------------------------------------------------------------------------
+    def snapshot(self) -> Snapshot:
+        """Everything committed so far (reads only what is new since the last call)."""
+        with self._lock:
+            self._catch_up()
+            return Snapshot(self._entries)
+
+    def get(self, kind: str, name: str) -> Document | None:
+        return self.snapshot().get(kind, name)
+
+    def _catch_up(self) -> None:
+        consumer = self._consumer_or_create()
+        end = consumer.end_offsets([self._tp])[self._tp]
+        deadline = time.monotonic() + self.timeout_s
+        while consumer.position(self._tp) < end:
+            if time.monotonic() > deadline:
+                raise KafkaUnavailable(f"timed out reading the catalog topic {self.topic}")
+            for records in consumer.poll(timeout_ms=200).values():
+                for record in records:
+                    name = record.key.decode("utf-8")
+                    if record.value is None:
+                        self._entries.pop(name, None)
+                    else:
+                        self._entries[name] = json.loads(record.value)
+
+    def _consumer_or_create(self) -> KafkaConsumer:
+        if self._consumer is None:
+            self.ensure_topic()
+            try:
+                consumer = KafkaConsumer(
+                    bootstrap_servers=self.settings.bootstrap,
+                    isolation_level="read_committed",
+                    auto_offset_reset="earliest",
+                    enable_auto_commit=False,
+                    group_id=None,
+                    client_id="varadhi-catalog-reader",
+                    request_timeout_ms=int(self.timeout_s * 1000) + 5000,
+                )
+            except KafkaError as e:
+                raise KafkaUnavailable(
+                    f"cannot reach Kafka at {self.settings.bootstrap}: {e}"
+                ) from e
+            consumer.assign([self._tp])
+            consumer.seek_to_beginning(self._tp)
+            self._consumer = consumer
+        return self._consumer
+
+    # -- writing --------------------------------------------------------------------------
+    def mutate(self, change: Callable[[Snapshot], Changes], attempts: int = 5) -> Changes:
+        """Apply `change(snapshot)` atomically and return what it wrote.
+
+        `change` must be a pure function of the snapshot: it may be called more than once (after
+        a concurrent write) and must raise a `VaradhiError` to refuse, which writes nothing.
+        """
+        with self._lock:
+            last: Exception | None = None
+            for attempt in range(attempts):
+                producer = self._producer_or_create()
+                self._catch_up()
+                changes = change(Snapshot(self._entries))
+                if not changes:
+                    return changes
+                try:
+                    producer.begin_transaction()
+                    for name, doc in changes.items():
+                        value = None if doc is None else json.dumps(doc, sort_keys=True).encode()
+                        producer.send(
+                            self.topic, key=name.encode("utf-8"), value=value, partition=0
+                        )
+                    producer.commit_transaction()
+                except KafkaError as e:  # fenced by a concurrent writer, or the broker went away
+                    last = e
+                    log.info("catalog write attempt %d failed (%s); retrying", attempt + 1, e)
+                    self._close_producer()
+                    time.sleep(0.05 * (attempt + 1))
+                    continue
+                self._catch_up()
+                return changes
+            raise ConcurrentModification(f"catalog write failed after {attempts} attempts: {last}")
+
+    def _producer_or_create(self) -> KafkaProducer:
+        if self._producer is None:
+            self.ensure_topic()
+            try:
+                producer = KafkaProducer(
+                    bootstrap_servers=self.settings.bootstrap,
+                    transactional_id=WRITER_ID,
+                    client_id="varadhi-catalog-writer",
+                    acks="all",
+                    request_timeout_ms=int(self.timeout_s * 1000),
+                )
+                producer.init_transactions()
+            except KafkaError as e:
+                raise KafkaUnavailable(
+                    f"cannot reach Kafka at {self.settings.bootstrap}: {e}"
+                ) from e
+            self._producer = producer
+        return self._producer
+
+    def _close_producer(self) -> None:
+        if self._producer is not None:
+            try:
+                self._producer.close(timeout=1)
+            except Exception:  # noqa: BLE001 - closing a fenced producer may raise; it is discarded
+                pass
+            self._producer = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_producer()
+            if self._consumer is not None:
+                self._consumer.close()
+                self._consumer = None
+
+
+def require(doc: Document | None, error: VaradhiError) -> Document:
+    """`doc`, or raise `error` when it is missing."""
+    if doc is None:
+        raise error
+    return doc

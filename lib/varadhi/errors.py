@@ -1,0 +1,62 @@
+"""The exception hierarchy. Every exception carries the data a caller needs to react to it.
+
+`VaradhiError` is the root; the CLI turns any of them into a one-line message and exit code 2
+(bad input or state: nothing was changed) or 1 (an operation failed part way).
+"""
+
+from __future__ import annotations
+
+
+class VaradhiError(Exception):
+    """Base of every error this package raises on purpose."""
+
+    exit_code = 1
+
+
+class InvalidArgument(VaradhiError):
+    """A name, count, option or document is invalid. Raised before any side effect."""
+
+    exit_code = 2
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(f"{field}: {message}" if field else message)
+        self.field = field
+
+
+class NotFound(VaradhiError):
+    """A topic, subscription or other catalog entry does not exist."""
+
+    exit_code = 2
+
+    def __init__(self, kind: str, name: str):
+        super().__init__(f"{kind} {name!r} does not exist")
+        self.kind = kind
+        self.name = name
+
+
+class AlreadyExists(VaradhiError):
+    """A create was asked for something the catalog already has."""
+
+    exit_code = 2
+
+    def __init__(self, kind: str, name: str):
+        super().__init__(f"{kind} {name!r} already exists")
+        self.kind = kind
+        self.name = name
+
+
+class ConcurrentModification(VaradhiError):
+    """Another writer changed the catalog entry between our read and our write. Safe to retry."""
+
+
+class Fenced(VaradhiError):
+    """This process lost its lease (a newer instance took over); it must stop without committing."""
+
+    def __init__(self, what: str, mine: int, current: int):
+        super().__init__(f"{what}: fenced (my epoch {mine}, current epoch {current})")
+        self.mine = mine
+        self.current = current
+
+
+class KafkaUnavailable(VaradhiError):
+    """The Kafka cluster could not be reached within the configured time."""
