@@ -1,0 +1,44 @@
+"""The `varadhi` command line. Each command group lives in its own module with a
+`register(subparsers)` function; `main` wires them up and turns `VaradhiError`s into one-line
+messages on stderr with exit code 2 (refused, nothing changed) or 1 (failed)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..errors import VaradhiError
+from . import topic
+
+COMMAND_GROUPS = [topic]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="varadhi",
+        description="Ordered, retried delivery of Kafka messages to HTTP endpoints on Spark.",
+    )
+    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for group in COMMAND_GROUPS:
+        group.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        return int(args.func(args) or 0)
+    except VaradhiError as e:
+        print(f"varadhi: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

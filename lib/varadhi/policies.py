@@ -1,0 +1,109 @@
+"""Typed, immutable configuration of a subscription: endpoint, retry and consumption policies.
+
+These are plain frozen dataclasses with defaults that match DESIGN.md section 2. Parsing YAML or
+CLI options into them, and validating them with messages that name the field, lives in
+`varadhi.subscriptions`; deciding what a response means lives in `varadhi.retry`.
+
+Secrets never live here: the endpoint names the environment variable that holds its auth header
+value (`auth_env`), and only the delivery code on executors reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Action = Literal["success", "retry", "dead_letter"]
+Backoff = Literal["fixed", "exponential"]
+OnDeadLetter = Literal["block", "skip"]
+Method = Literal["POST", "PUT", "PATCH"]
+
+
+@dataclass(frozen=True)
+class ResponseRule:
+    """`codes` is a status code (`"404"`), a class (`"4xx"`), or one of the pseudo codes
+    `"timeout"` and `"connection_error"`. `honour_retry_after` makes a retry wait at least as long
+    as the response's Retry-After header asks."""
+
+    codes: str
+    action: Action
+    honour_retry_after: bool = False
+
+
+DEFAULT_RESPONSES: tuple[ResponseRule, ...] = (
+    ResponseRule("2xx", "success"),
+    ResponseRule("429", "retry", honour_retry_after=True),
+    ResponseRule("503", "retry", honour_retry_after=True),
+    ResponseRule("5xx", "retry"),
+    ResponseRule("timeout", "retry"),
+    ResponseRule("connection_error", "retry"),
+    ResponseRule("4xx", "dead_letter"),
+    ResponseRule("3xx", "dead_letter"),
+)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    method: Method = "POST"
+    headers: tuple[tuple[str, str], ...] = ()
+    auth_header: str = "Authorization"
+    auth_env: str | None = None
+    # Connect fast (a local or in-VPC endpoint accepts in milliseconds; a dead one should fail
+    # the attempt, not the batch); allow requests long enough for a slow but healthy endpoint.
+    connect_timeout_ms: int = 2_000
+    request_timeout_ms: int = 10_000
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """`max_attempts` counts every delivery attempt, the first included."""
+
+    max_attempts: int = 5
+    backoff: Backoff = "exponential"
+    min_backoff_ms: int = 1_000
+    max_backoff_ms: int = 60_000
+    multiplier: float = 2.0
+    jitter: float = 0.2  # +/- this fraction of the computed delay, so retries do not stampede
+    responses: tuple[ResponseRule, ...] = DEFAULT_RESPONSES
+
+
+@dataclass(frozen=True)
+class ConsumptionPolicy:
+    """`concurrency`: delivery tasks per shard (Spark partitions of a micro-batch);
+    `max_in_flight`: concurrent HTTP requests per task; `max_messages_per_batch` bounds a
+    micro-batch (the Kafka source's maxOffsetsPerTrigger); when the failure rate of the last batch
+    passes `error_rate_threshold`, the shard waits `throttle_ms` before the next batch."""
+
+    concurrency: int = 2
+    max_in_flight: int = 64
+    max_messages_per_batch: int = 100_000
+    trigger_interval_ms: int = 500
+    error_rate_threshold: float = 0.5
+    throttle_ms: int = 5_000
+
+
+@dataclass(frozen=True)
+class SubscriptionSpec:
+    """Everything a user declares about a subscription (YAML `conf/subscriptions/*.yaml`)."""
+
+    name: str
+    topic: str
+    endpoint: Endpoint
+    shards: int = 1
+    grouped: bool = True
+    rq_partitions: int | None = None  # default: 2 * shards
+    dlq_partitions: int | None = None  # default: shards
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    consumption: ConsumptionPolicy = field(default_factory=ConsumptionPolicy)
+    on_dead_letter: OnDeadLetter = "block"
+    max_message_bytes: int = 1_048_576
+    dedup_window_ms: int | None = None
+
+    @property
+    def rq_topic(self) -> str:
+        return f"{self.name}.rq"
+
+    @property
+    def dlq_topic(self) -> str:
+        return f"{self.name}.dlq"
