@@ -99,6 +99,9 @@ class SubscriptionSpec:
     on_dead_letter: OnDeadLetter = "block"
     max_message_bytes: int = 1_048_576
     dedup_window_ms: int | None = None
+    # Accept a shard count that does not divide the main topic's produce storage topic (some
+    # shards then own more partitions than others; seed 000 "Considerations").
+    allow_uneven: bool = False
 
     @property
     def rq_topic(self) -> str:
