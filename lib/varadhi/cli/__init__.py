@@ -9,9 +9,9 @@ import logging
 import sys
 
 from ..errors import VaradhiError
-from . import topic
+from . import produce, topic
 
-COMMAND_GROUPS = [topic]
+COMMAND_GROUPS = [topic, produce]
 
 
 def build_parser() -> argparse.ArgumentParser:
