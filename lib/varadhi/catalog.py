@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -154,11 +155,18 @@ class Catalog:
         return self._consumer
 
     # -- writing --------------------------------------------------------------------------
-    def mutate(self, change: Callable[[Snapshot], Changes], attempts: int = 5) -> Changes:
+    def mutate(self, change: Callable[[Snapshot], Changes], attempts: int = 10) -> Changes:
         """Apply `change(snapshot)` atomically and return what it wrote.
 
         `change` must be a pure function of the snapshot: it may be called more than once (after
         a concurrent write) and must raise a `VaradhiError` to refuse, which writes nothing.
+
+        Hazard (kafka-python 3.0.12): when a transactional send fails because a newer writer
+        fenced us, the client may bump its epoch, drop the record and then report
+        `commit_transaction()` as successful with nothing written. So every record's
+        acknowledgement is checked before the commit, as Java's `commitTransaction` does.
+        Contending writers fence each other; retries back off with random jitter so that one of
+        them gets through.
         """
         with self._lock:
             last: Exception | None = None
@@ -170,17 +178,22 @@ class Catalog:
                     return changes
                 try:
                     producer.begin_transaction()
+                    futures = []
                     for name, doc in changes.items():
                         value = None if doc is None else json.dumps(doc, sort_keys=True).encode()
-                        producer.send(
-                            self.topic, key=name.encode("utf-8"), value=value, partition=0
+                        futures.append(
+                            producer.send(
+                                self.topic, key=name.encode("utf-8"), value=value, partition=0
+                            )
                         )
+                    for future in futures:
+                        future.get(timeout=self.timeout_s)
                     producer.commit_transaction()
                 except KafkaError as e:  # fenced by a concurrent writer, or the broker went away
                     last = e
                     log.info("catalog write attempt %d failed (%s); retrying", attempt + 1, e)
                     self._close_producer()
-                    time.sleep(0.05 * (attempt + 1))
+                    time.sleep(random.uniform(0.02, 0.05 * 2 ** min(attempt, 4)))
                     continue
                 self._catch_up()
                 return changes

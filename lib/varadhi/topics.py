@@ -228,9 +228,14 @@ def create_kafka_topics(catalog: Catalog, storages: Sequence[StorageTopic]) -> N
 
 def end_offsets(catalog: Catalog, storages: Sequence[StorageTopic]) -> dict[str, list[int]]:
     """Log-end offsets of every partition of `storages`: storage name -> [offset per partition]."""
-    consumer = KafkaConsumer(
-        bootstrap_servers=catalog.settings.bootstrap, client_id="varadhi-offsets"
-    )
+    try:
+        consumer = KafkaConsumer(
+            bootstrap_servers=catalog.settings.bootstrap,
+            client_id="varadhi-offsets",
+            enable_auto_commit=False,
+        )
+    except KafkaError as e:
+        raise KafkaUnavailable(f"cannot reach Kafka at {catalog.settings.bootstrap}: {e}") from e
     try:
         tps = [TopicPartition(st.name, p) for st in storages for p in range(st.partitions)]
         ends = consumer.end_offsets(tps) if tps else {}

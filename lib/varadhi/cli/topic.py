@@ -1,24 +1,165 @@
-"""`varadhi topic ...`: composite topic commands (placeholder: create only; to be completed)."""
+"""`varadhi topic ...`: create, grow, switch, describe and list composite topics.
+
+Every command validates its input before it changes anything; a refusal is one line on stderr and
+exit code 2. Partition counts must be 1, 2, 3 or a multiple of 4 or 6 (they shard evenly) unless
+`--allow-uneven` is given.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
 from ..topics import TopicService
 from . import common
 
+UNEVEN_HELP = "accept a partition count that cannot be sharded evenly (not 1, 2, 3, 4k or 6k)"
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("topic", help="composite topics")
+    p = sub.add_parser(
+        "topic",
+        help="composite topics",
+        description="A composite topic is an ordered list of Kafka storage topics "
+        "(<name>.0, <name>.1, ...) and a produce pointer; producers write to the storage topic "
+        "it points at.",
+    )
     tsub = p.add_subparsers(dest="topic_command", metavar="ACTION", required=True)
-    c = tsub.add_parser("create", help="create a composite topic")
-    c.add_argument("name")
-    c.add_argument("--partitions", type=int, required=True)
-    c.add_argument("--allow-uneven", action="store_true")
+
+    c = tsub.add_parser(
+        "create",
+        help="create a composite topic",
+        description="Create a composite topic with one storage topic (<name>.0) of P partitions.",
+    )
+    c.add_argument("name", metavar="NAME", help="letters, digits, '_' or '-' (no dots)")
+    c.add_argument("--partitions", type=int, required=True, metavar="P", help="partition count")
+    c.add_argument("--allow-uneven", action="store_true", help=UNEVEN_HELP)
+    common.add_output(c)
     c.set_defaults(func=_create)
+
+    a = tsub.add_parser(
+        "add-storage",
+        help="append a storage topic",
+        description="Append a storage topic with P partitions. Its scale factor K keeps every "
+        "group on the same shard when P is a multiple of the previous base count "
+        "(P_prev / K_prev); otherwise K=1 and this is a partition change: subscriptions may "
+        "need resharding. Producers keep writing to the current storage topic until "
+        "`topic switch-produce`.",
+    )
+    a.add_argument("name", metavar="NAME")
+    a.add_argument("--partitions", type=int, required=True, metavar="P", help="partition count")
+    a.add_argument("--allow-uneven", action="store_true", help=UNEVEN_HELP)
+    common.add_output(a)
+    a.set_defaults(func=_add_storage)
+
+    s = tsub.add_parser(
+        "switch-produce",
+        help="move the produce pointer to the next storage topic",
+        description="Move the produce pointer one storage topic on. Running producers follow "
+        "within about a second. Refused when it already points at the last storage topic.",
+    )
+    s.add_argument("name", metavar="NAME")
+    common.add_output(s)
+    s.set_defaults(func=_switch_produce)
+
+    d = tsub.add_parser(
+        "describe",
+        help="show storage topics, K, end offsets and the produce pointer",
+        description="Show a composite topic: its storage topics with partitions, K and "
+        "log-end offsets per partition, and the produce pointer.",
+    )
+    d.add_argument("name", metavar="NAME")
+    common.add_output(d)
+    d.set_defaults(func=_describe)
+
+    ls = tsub.add_parser(
+        "list",
+        help="list composite topics",
+        description="List every composite topic (internal queues included) with its storage "
+        "topics and produce pointer.",
+    )
+    common.add_output(ls)
+    ls.set_defaults(func=_list)
+
+
+def _service(args: argparse.Namespace) -> TopicService:
+    return TopicService(common.catalog(args))
 
 
 def _create(args: argparse.Namespace) -> int:
-    topic = TopicService(common.catalog(args)).create(args.name, args.partitions, args.allow_uneven)
-    print(f"created {topic.name}: {topic.produce_topic.name} with {args.partitions} partitions")
+    topic = _service(args).create(args.name, args.partitions, args.allow_uneven)
+    if args.output == "json":
+        common.emit_json(topic.to_dict())
+    else:
+        st = topic.produce_topic
+        print(f"created {topic.name}: storage topic {st.name} with {st.partitions} partitions")
     return 0
+
+
+def _add_storage(args: argparse.Namespace) -> int:
+    report = _service(args).add_storage(args.name, args.partitions, args.allow_uneven)
+    if args.output == "json":
+        common.emit_json({**report.storage.to_dict(), "partition_change": not report.compatible})
+    else:
+        print(
+            f"added {report.storage.name}: {report.storage.partitions} partitions, K={report.storage.k}"
+        )
+    if not report.compatible:
+        print(f"warning: {report.describe()}", file=sys.stderr)
+    return 0
+
+
+def _switch_produce(args: argparse.Namespace) -> int:
+    topic = _service(args).switch_produce(args.name)
+    if args.output == "json":
+        common.emit_json(topic.to_dict())
+    else:
+        print(
+            f"{topic.name} now produces to {topic.produce_topic.name} "
+            f"(storage topic {topic.produce_pointer})"
+        )
+    return 0
+
+
+def _describe(args: argparse.Namespace) -> int:
+    doc = _service(args).describe(args.name)
+    if args.output == "json":
+        common.emit_json(doc)
+    else:
+        print("\n".join(describe_lines(doc)))
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    service = _service(args)
+    docs = [service.describe(t.name) for t in service.list()]
+    if args.output == "json":
+        common.emit_json(docs)
+        return 0
+    if not docs:
+        print("no topics")
+    for i, doc in enumerate(docs):
+        if i:
+            print()
+        print("\n".join(describe_lines(doc)))
+    return 0
+
+
+def describe_lines(doc: dict[str, Any]) -> list[str]:
+    """A `TopicService.describe` document as a small table, the produce topic marked `*`."""
+    kind = " (internal)" if doc.get("internal") else ""
+    lines = [
+        f"topic {doc['name']}{kind}: produces to {doc['produce_topic']} "
+        f"(produce pointer {doc['produce_pointer']})",
+        f"  {'':1} {'#':>2}  {'storage topic':<24} {'partitions':>10} {'K':>4} {'messages':>10}"
+        "  end offsets",
+    ]
+    for i, st in enumerate(doc["storage_topics"]):
+        mark = "*" if i == doc["produce_pointer"] else ""
+        offsets = ",".join(str(o) for o in st["end_offsets"])
+        lines.append(
+            f"  {mark:1} {i:>2}  {st['name']:<24} {st['partitions']:>10} {st['k']:>4} "
+            f"{st['messages']:>10}  {offsets}"
+        )
+    return lines
