@@ -1,0 +1,443 @@
+"""The HTTP engine against a real HTTP server on loopback (no Kafka, no Spark, no mocks)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+
+import pytest
+
+from varadhi.delivery import DeliveryStats, HttpDeliverer, Outcome, Request
+from varadhi.errors import InvalidArgument
+from varadhi.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
+from varadhi.policies import Endpoint
+from varadhi.testing.endpoint import TestEndpoint
+
+
+class Group:
+    """A stream of `n` messages `<name>-1..n`; asserts the engine's protocol as it goes."""
+
+    def __init__(self, name: str, n: int, body: bytes = b"{}", extra: dict | None = None):
+        self.name, self.n, self.body, self.extra = name, n, body, extra or {}
+        self.sent = 0
+        self.waiting = False
+        self.finished = False
+        self.outcomes: list[Outcome] = []
+
+    def next_request(self) -> Request | None:
+        assert not self.waiting, f"{self.name}: asked for a request with one in flight"
+        assert not self.finished, f"{self.name}: asked again after returning None"
+        if self.sent == self.n:
+            self.finished = True
+            return None
+        self.sent += 1
+        self.waiting = True
+        headers = {
+            HTTP_MESSAGE_ID: f"{self.name}-{self.sent}",
+            HTTP_GROUP_ID: self.name,
+            HTTP_ATTEMPT: "1",
+            **self.extra,
+        }
+        return Request(self.body, headers)
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        assert self.waiting, f"{self.name}: outcome without a request in flight"
+        self.waiting = False
+        self.outcomes.append(outcome)
+
+
+@pytest.fixture
+def endpoint():
+    """A factory of started TestEndpoints, all stopped at teardown."""
+    started: list[TestEndpoint] = []
+
+    def make(**kwargs) -> TestEndpoint:
+        ep = TestEndpoint(**kwargs)
+        ep.start()
+        started.append(ep)
+        return ep
+
+    yield make
+    for ep in started:
+        ep.stop()
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deliver(url: str, streams, max_in_flight: int = 64, **endpoint) -> DeliveryStats:
+    with HttpDeliverer(Endpoint(url=url, **endpoint), max_in_flight=max_in_flight) as engine:
+        return engine.run(streams)
+
+
+# -- ordering and concurrency ---------------------------------------------------------------
+
+
+def test_order_per_stream_while_streams_run_concurrently(endpoint):
+    ep = endpoint(latency_ms=5)
+    groups = [Group(f"g{i}", 8) for i in range(30)]
+    stats = deliver(ep.url, groups, max_in_flight=10)
+
+    assert stats.requests == 240 and stats.by_status == {200: 240} and stats.streams == 30
+    seen: dict[str, list[int]] = defaultdict(list)
+    for r in ep.records():
+        seen[r.group_id].append(int(r.message_id.rsplit("-", 1)[1]))
+    assert seen == {g.name: list(range(1, 9)) for g in groups}
+    assert all(g.finished and len(g.outcomes) == 8 for g in groups)
+    assert 1 < ep.stats()["max_concurrent"] <= 10
+
+
+def test_a_stream_never_has_two_requests_in_flight(endpoint):
+    """With one stream, requests are strictly sequential at the server: each arrives only after
+    the previous one was answered (latency 20 ms each)."""
+    ep = endpoint(latency_ms=20)
+    stats = deliver(ep.url, [Group("solo", 5)], max_in_flight=64)
+    assert stats.requests == 5
+    assert ep.stats()["max_concurrent"] == 1
+    times = [r.received_ms for r in ep.records()]
+    assert all(b - a >= 19 for a, b in zip(times, times[1:], strict=False))
+
+
+def test_max_in_flight_is_filled_and_respected(endpoint):
+    ep = endpoint(latency_ms=30)
+    deliver(ep.url, [Group(f"g{i}", 3) for i in range(40)], max_in_flight=7)
+    assert ep.stats()["max_concurrent"] == 7
+
+
+def test_streams_are_pulled_lazily(endpoint):
+    ep = endpoint()
+    pulled = 0
+    pulled_at_first_outcome: list[int] = []
+
+    class Counting(Group):
+        def on_outcome(self, outcome):
+            pulled_at_first_outcome.append(pulled)
+            super().on_outcome(outcome)
+
+    def streams():
+        nonlocal pulled
+        for i in range(1_000):
+            pulled += 1
+            yield Counting(f"g{i}", 1)
+
+    deliver(ep.url, streams(), max_in_flight=4)
+    assert pulled == 1_000
+    assert pulled_at_first_outcome[0] == 4
+
+
+def test_ten_thousand_streams_complete(endpoint):
+    ep = endpoint()
+    groups = [Group(f"g{i}", 1) for i in range(10_000)]
+    stats = deliver(ep.url, iter(groups))
+    assert stats.streams == 10_000
+    assert stats.by_status == {200: 10_000}
+    assert ep.stats()["requests"] == 10_000
+    assert all(g.finished and g.outcomes[0].status == 200 for g in groups)
+
+
+def test_streams_without_requests_and_no_streams(endpoint):
+    ep = endpoint()
+    stats = deliver(ep.url, [Group("empty", 0), Group("one", 1), Group("empty2", 0)])
+    assert (stats.requests, stats.streams) == (1, 3)
+    assert deliver(ep.url, []).requests == 0
+
+
+# -- what reaches the server ----------------------------------------------------------------
+
+
+def test_headers_auth_and_body_reach_the_server(endpoint, monkeypatch):
+    monkeypatch.setenv("VARADHI_TEST_TOKEN", "Bearer s3cr3t-value")
+    ep = endpoint(record_headers=True)
+    group = Group(
+        "grüße",
+        2,
+        body=b"\x00binary\x00" * 100,
+        extra={"X-Custom": "per-message", "Authorization": "forged", "X-Static": "overridden"},
+    )
+    deliver(
+        ep.url,
+        [group],
+        headers=(("X-Static", "static"), ("Content-Type", "application/json")),
+        auth_env="VARADHI_TEST_TOKEN",
+    )
+    first, second = ep.records()
+    assert (first.method, first.body_bytes, first.group_id) == ("POST", 800, "grüße")
+    assert first.message_id == "grüße-1" and second.message_id == "grüße-2"
+    h = first.headers
+    assert h["Authorization"] == "Bearer s3cr3t-value"  # auth wins over a per-message header
+    assert h["X-Static"] == "static"  # so does the endpoint's configuration
+    assert h["X-Custom"] == "per-message"
+    assert h["Content-Type"] == "application/json"
+
+
+def test_large_bodies_go_without_expect_100_continue(endpoint):
+    """libcurl would send `Expect: 100-continue` and wait a round trip before a large body."""
+    ep = endpoint(record_headers=True)
+    deliver(ep.url, [Group("g", 1, body=b"x" * (2 << 20))])
+    (r,) = ep.records()
+    assert r.body_bytes == 2 << 20
+    assert "Expect" not in r.headers
+
+
+def test_default_content_type_and_custom_auth_header(endpoint, monkeypatch):
+    monkeypatch.setenv("VARADHI_TEST_KEY", "k-123")
+    ep = endpoint(record_headers=True)
+    deliver(ep.url, [Group("g", 1)], auth_env="VARADHI_TEST_KEY", auth_header="X-Api-Key")
+    (r,) = ep.records()
+    assert r.headers["Content-Type"] == "application/octet-stream"
+    assert r.headers["X-Api-Key"] == "k-123"
+    assert "Authorization" not in r.headers
+
+
+@pytest.mark.parametrize("method", ["PUT", "PATCH"])
+def test_put_and_patch_carry_the_body(endpoint, method):
+    ep = endpoint()
+    deliver(ep.url, [Group("g", 2, body=b"x" * 1024)], method=method)
+    assert [(r.method, r.body_bytes) for r in ep.records()] == [(method, 1024)] * 2
+
+
+def test_auth_value_never_shows(endpoint, monkeypatch, caplog, capfd):
+    secret = "Bearer do-not-print-me"
+    monkeypatch.setenv("VARADHI_TEST_TOKEN", secret)
+    caplog.set_level(logging.DEBUG)
+    ep = endpoint(script={"g-1": [500], "g-2": ["slow"]}, slow_ms=2_000)
+    group = Group("g", 3)
+    engine = HttpDeliverer(
+        Endpoint(url=ep.url, auth_env="VARADHI_TEST_TOKEN", request_timeout_ms=300)
+    )
+    with engine:
+        stats = engine.run([group])
+        refused = Group("r", 1)
+        HttpDeliverer(
+            Endpoint(url=f"http://127.0.0.1:{closed_port()}/", auth_env="VARADHI_TEST_TOKEN")
+        ).run([refused])
+        shown = [repr(engine), str(engine), repr(stats), caplog.text]
+        shown += [repr(o) for o in group.outcomes + refused.outcomes]
+    out, err = capfd.readouterr()
+    assert "Authorization:***" in repr(engine)
+    for text in [*shown, out, err]:
+        assert "do-not-print-me" not in text
+
+
+def test_missing_auth_env_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("VARADHI_NO_SUCH_VAR", raising=False)
+    with pytest.raises(InvalidArgument) as e:
+        HttpDeliverer(Endpoint(url="http://127.0.0.1:1/", auth_env="VARADHI_NO_SUCH_VAR"))
+    assert e.value.field == "endpoint.auth_env"
+    assert "VARADHI_NO_SUCH_VAR" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "changes,field",
+    [
+        ({"url": "ftp://127.0.0.1/"}, "endpoint.url"),
+        ({"url": "not a url"}, "endpoint.url"),
+        ({"method": "GET"}, "endpoint.method"),
+        ({"request_timeout_ms": 0}, "endpoint.request_timeout_ms"),
+        ({"headers": (("Bad Name", "v"),)}, "endpoint.headers"),
+        ({"headers": (("X-A", "v\r\nX-B: injected"),)}, "endpoint.headers"),
+    ],
+)
+def test_bad_endpoint_is_rejected(changes, field):
+    with pytest.raises(InvalidArgument) as e:
+        HttpDeliverer(Endpoint(**{"url": "http://127.0.0.1:1/", **changes}))
+    assert e.value.field == field
+
+
+def test_bad_max_in_flight_is_rejected():
+    with pytest.raises(InvalidArgument) as e:
+        HttpDeliverer(Endpoint(url="http://127.0.0.1:1/"), max_in_flight=0)
+    assert e.value.field == "max_in_flight"
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"X-Group": "a\r\nX-Evil: 1"},
+        {"X-Group": "a\nb"},
+        {"X-Group": "a\0"},
+        {"Bad:Name": "v"},
+        {"": "v"},
+    ],
+)
+def test_request_rejects_header_injection(headers):
+    with pytest.raises(InvalidArgument) as e:
+        Request(b"", headers)
+    assert e.value.field == "headers"
+
+
+# -- outcomes -------------------------------------------------------------------------------
+
+
+def test_statuses_and_retry_after_are_captured(endpoint):
+    ep = endpoint(script={"g-1": [503], "g-2": [429], "g-3": [500], "g-4": [404]}, retry_after_s=7)
+    group = Group("g", 5)
+    stats = deliver(ep.url, [group])
+    got = [(o.status, o.error, o.detail, o.retry_after) for o in group.outcomes]
+    assert got == [
+        (503, None, "HTTP 503", "7"),
+        (429, None, "HTTP 429", "7"),
+        (500, None, "HTTP 500", None),
+        (404, None, "HTTP 404", None),
+        (200, None, "HTTP 200", None),
+    ]
+    assert stats.by_status == {503: 1, 429: 1, 500: 1, 404: 1, 200: 1}
+    assert all(o.elapsed_ms > 0 for o in group.outcomes)
+
+
+def test_a_request_that_takes_too_long_is_a_timeout(endpoint):
+    ep = endpoint(script={"g-1": ["slow"]}, slow_ms=3_000)
+    group = Group("g", 2)
+    started = time.monotonic()
+    stats = deliver(ep.url, [group], request_timeout_ms=250)
+    first, second = group.outcomes
+    assert (first.status, first.error) == (None, "timeout")
+    assert first.detail.startswith("curl error 28:")
+    assert 200 <= first.elapsed_ms < 1_500
+    assert second.status == 200  # the stream goes on, on a fresh connection
+    assert stats.errors == {"timeout": 1}
+    assert time.monotonic() - started < 2.5
+
+
+def test_a_closed_port_is_a_connection_error():
+    group = Group("g", 2)
+    stats = deliver(f"http://127.0.0.1:{closed_port()}/", [group])
+    assert [(o.status, o.error) for o in group.outcomes] == [(None, "connection_error")] * 2
+    assert group.outcomes[0].detail.startswith("curl error 7:")
+    assert stats.errors == {"connection_error": 2} and stats.by_status == {}
+
+
+def test_a_connect_timeout_is_a_connection_error():
+    """A listener whose accept queue is full drops new SYNs: the connect times out and the
+    request was never sent, so it is a connection error, not a timeout."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        port = listener.getsockname()[1]
+        fillers = []
+        for _ in range(4):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            fillers.append(s)
+        try:
+            group = Group("g", 1)
+            deliver(f"http://127.0.0.1:{port}/", [group], connect_timeout_ms=200)
+        finally:
+            for s in fillers:
+                s.close()
+    (outcome,) = group.outcomes
+    assert (outcome.status, outcome.error) == (None, "connection_error")
+    assert outcome.detail.startswith("curl error 28:")
+
+
+def test_an_endpoint_going_away_between_runs(endpoint):
+    ep = endpoint()
+    with HttpDeliverer(Endpoint(url=ep.url)) as engine:
+        assert engine.run([Group("a", 3)]).by_status == {200: 3}
+        ep.stop()
+        gone = Group("b", 1)
+        engine.run([gone])
+    assert gone.outcomes[0].error == "connection_error"
+
+
+# -- connections ----------------------------------------------------------------------------
+
+
+def test_connections_are_kept_alive_and_reused_across_runs(endpoint):
+    ep = endpoint()
+    with HttpDeliverer(Endpoint(url=ep.url), max_in_flight=8) as engine:
+        engine.run([Group(f"a{i}", 50) for i in range(40)])
+        after_first = ep.stats()["connections"]
+        engine.run([Group(f"b{i}", 50) for i in range(40)])
+    stats = ep.stats()
+    assert stats["requests"] == 4_000
+    assert after_first <= 8
+    assert stats["connections"] == after_first
+
+
+def test_a_failing_stream_aborts_the_run_and_leaves_the_engine_usable(endpoint):
+    ep = endpoint(latency_ms=20)
+
+    class Boom(Group):
+        def on_outcome(self, outcome):
+            raise RuntimeError("stream bug")
+
+    with HttpDeliverer(Endpoint(url=ep.url), max_in_flight=4) as engine:
+        with pytest.raises(RuntimeError, match="stream bug"):
+            engine.run([Group("slow1", 5), Boom("boom", 1), Group("slow2", 5)])
+        after = [Group(f"c{i}", 2) for i in range(6)]
+        assert engine.run(after).by_status == {200: 12}
+        assert all(len(g.outcomes) == 2 for g in after)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.run([])
+
+
+# -- the test endpoint itself ---------------------------------------------------------------
+
+
+def test_endpoint_failures_are_seeded_and_independent_of_timing(endpoint):
+    def statuses(seed: int, max_in_flight: int) -> dict[str, int]:
+        ep = endpoint(fail_rate=0.3, seed=seed, mix={"500": 1, "503": 1, "404": 1})
+        deliver(ep.url, [Group(f"g{i}", 5) for i in range(40)], max_in_flight=max_in_flight)
+        return {r.message_id: r.status for r in ep.records()}
+
+    a = statuses(seed=5, max_in_flight=1)
+    assert a == statuses(seed=5, max_in_flight=32)
+    assert a != statuses(seed=6, max_in_flight=32)
+    failed = [s for s in a.values() if s != 200]
+    assert 30 <= len(failed) <= 90  # about 30% of 200
+    assert set(failed) == {500, 503, 404}
+
+
+def test_endpoint_script_then_ok_and_set_script(endpoint):
+    ep = endpoint(script={"g-1": [500, 503]})
+    group = Group("g", 1)
+    deliver(ep.url, [group])
+    ep.set_script("g-1", [404])
+    deliver(ep.url, [Group("g", 1), Group("g", 1)])
+    assert [r.status for r in ep.records()] == [500, 404, 200]
+
+
+def test_endpoint_stats_and_received_over_http(endpoint):
+    ep = endpoint(script={"g-2": [503]})
+    deliver(ep.url, [Group("g", 3)])
+    with urllib.request.urlopen(ep.url + "stats", timeout=5) as resp:
+        stats = json.load(resp)
+    assert stats["requests"] == 3 and stats["by_status"] == {"200": 2, "503": 1}
+    with urllib.request.urlopen(ep.url + "received?since=1", timeout=5) as resp:
+        received = json.load(resp)
+    assert [(r["seq"], r["message_id"], r["status"]) for r in received] == [
+        (1, "g-2", 503),
+        (2, "g-3", 200),
+    ]
+
+
+def test_endpoint_runs_standalone_and_records_to_a_file(tmp_path):
+    record = tmp_path / "received.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "varadhi.testing.endpoint", "--record", str(record)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:")
+        deliver(url, [Group("g", 2)])
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [r["message_id"] for r in lines] == ["g-1", "g-2"]
+    assert json.loads(err.strip().splitlines()[-1])["requests"] == 2
