@@ -40,7 +40,7 @@ UNMATCHED = ResponseRule("unmatched", "dead_letter")
 """What `classify` returns when no rule of the table matches the outcome."""
 
 _CODE = re.compile(r"[1-5](?:\d\d|xx)")
-_DELTA_SECONDS = re.compile(r"\d+")
+_DELTA_SECONDS = re.compile(r"[0-9]+")
 
 
 @dataclass(frozen=True)

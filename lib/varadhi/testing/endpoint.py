@@ -375,7 +375,10 @@ def _check_status(status: int) -> None:
 def _parse_answer(answer: Answer | str) -> Answer:
     if answer == "slow":
         return "slow"
-    status = int(answer)
+    try:
+        status = int(answer)
+    except (TypeError, ValueError):
+        raise ValueError(f"an answer is an HTTP status or 'slow', got {answer!r}") from None
     _check_status(status)
     return status
 
