@@ -217,9 +217,7 @@ def test_auth_value_never_shows(endpoint, monkeypatch, caplog, capfd):
     with engine:
         stats = engine.run([group])
         refused = Group("r", 1)
-        HttpDeliverer(
-            Endpoint(url=f"http://127.0.0.1:{closed_port()}/", auth_env="VARADHI_TEST_TOKEN")
-        ).run([refused])
+        deliver(f"http://127.0.0.1:{closed_port()}/", [refused], auth_env="VARADHI_TEST_TOKEN")
         shown = [repr(engine), str(engine), repr(stats), caplog.text]
         shown += [repr(o) for o in group.outcomes + refused.outcomes]
     out, err = capfd.readouterr()
