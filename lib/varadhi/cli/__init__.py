@@ -9,9 +9,9 @@ import logging
 import sys
 
 from ..errors import VaradhiError
-from . import produce, topic
+from . import produce, subscription, topic
 
-COMMAND_GROUPS = [topic, produce]
+COMMAND_GROUPS = [topic, produce, subscription]
 
 
 def build_parser() -> argparse.ArgumentParser:

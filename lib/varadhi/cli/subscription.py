@@ -1,0 +1,230 @@
+"""`varadhi subscription ...`: create, apply, describe, list, pause and resume subscriptions.
+
+Options and files are parsed into a `SubscriptionSpec` (`varadhi.subscriptions.parse_spec`)
+before the catalog or Kafka is touched, so a refused command changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import yaml
+
+from ..catalog import Catalog
+from ..errors import InvalidArgument
+from ..policies import SubscriptionSpec
+from ..subscriptions import Subscription, SubscriptionService, parse_spec
+from . import common
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "subscription",
+        help="subscriptions: deliver a topic to an HTTP endpoint",
+        description="Subscriptions deliver a composite topic to an HTTP endpoint in shards, "
+        "with a retry queue (<name>.rq) and a dead-letter queue (<name>.dlq).",
+    )
+    ssub = p.add_subparsers(dest="subscription_command", metavar="ACTION", required=True)
+
+    c = ssub.add_parser(
+        "create",
+        help="create a subscription from options",
+        description="Create a subscription and its RQ/DLQ topics. Options not given take the "
+        "defaults shown in conf/subscriptions/example.yaml; use `apply -f` for the rest.",
+    )
+    c.add_argument("name", help="subscription name (letters, digits, '_', '-')")
+    c.add_argument("--topic", required=True, help="the composite topic to consume")
+    c.add_argument("--endpoint", required=True, metavar="URL", help="http(s) URL to deliver to")
+    c.add_argument("--shards", type=int, required=True, help="shard count; divides partitions")
+    c.add_argument("--ungrouped", action="store_true", help="no per-group order (max parallelism)")
+    c.add_argument("--rq-partitions", type=int, metavar="N", help="default: 2 x shards")
+    c.add_argument("--dlq-partitions", type=int, metavar="N", help="default: shards")
+    c.add_argument("--max-attempts", type=int, metavar="N", help="attempts, first included")
+    c.add_argument("--backoff", choices=["fixed", "exponential"])
+    c.add_argument("--min-backoff", metavar="DURATION", help="e.g. 500ms, 1s (default 1s)")
+    c.add_argument("--max-backoff", metavar="DURATION", help="e.g. 60s, 5m (default 60s)")
+    c.add_argument(
+        "--on-dead-letter",
+        choices=["block", "skip"],
+        help="block: a group waits behind its dead-lettered message (default); skip: it moves on",
+    )
+    c.add_argument(
+        "--auth-env",
+        metavar="VAR",
+        help="environment variable holding the Authorization header value (never stored)",
+    )
+    c.add_argument(
+        "--allow-uneven",
+        action="store_true",
+        help="accept shards that do not divide the topic's partition count",
+    )
+    c.set_defaults(func=_create)
+
+    a = ssub.add_parser(
+        "apply",
+        help="create or update subscriptions from YAML",
+        description="Create or update the subscriptions of a YAML file: one subscription, or a "
+        "list under `subscriptions:`. All are checked before any is applied. Updates may change "
+        "endpoint, retry, consumption, on_dead_letter, max_message_bytes and dedup_window.",
+    )
+    a.add_argument("-f", "--file", required=True, metavar="FILE", help="YAML file")
+    a.set_defaults(func=_apply)
+
+    d = ssub.add_parser("describe", help="spec, state, queues and shard assignment")
+    d.add_argument("name")
+    common.add_output(d)
+    d.set_defaults(func=_describe)
+
+    ls = ssub.add_parser("list", help="list subscriptions")
+    common.add_output(ls)
+    ls.set_defaults(func=_list)
+
+    for action, paused, text in (
+        ("pause", True, "stop consuming (shards finish their current batch)"),
+        ("resume", False, "resume consuming"),
+    ):
+        pr = ssub.add_parser(action, help=text)
+        pr.add_argument("name")
+        pr.set_defaults(func=_set_paused, paused=paused)
+
+
+@contextmanager
+def _service(args: argparse.Namespace) -> Iterator[SubscriptionService]:
+    catalog: Catalog = common.catalog(args)
+    try:
+        yield SubscriptionService(catalog)
+    finally:
+        catalog.close()
+
+
+def _create(args: argparse.Namespace) -> int:
+    doc: dict[str, Any] = {
+        "name": args.name,
+        "topic": args.topic,
+        "endpoint": {"url": args.endpoint, "auth_env": args.auth_env},
+        "shards": args.shards,
+        "grouped": not args.ungrouped,
+        "rq_partitions": args.rq_partitions,
+        "dlq_partitions": args.dlq_partitions,
+        "retry": {
+            "max_attempts": args.max_attempts,
+            "backoff": args.backoff,
+            "min_backoff": args.min_backoff,
+            "max_backoff": args.max_backoff,
+        },
+        "on_dead_letter": args.on_dead_letter,
+        "allow_uneven": args.allow_uneven,
+    }
+    spec = parse_spec(doc, source="command line")
+    with _service(args) as service:
+        sub = service.create(spec)
+    print(_summary("created", sub))
+    return 0
+
+
+def load_specs(path: str) -> list[SubscriptionSpec]:
+    """The subscriptions of a YAML file: one document, or a list under `subscriptions:`."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = yaml.safe_load(f)
+    except OSError as e:
+        raise InvalidArgument(f"cannot read {path}: {e.strerror}", field="file") from None
+    except yaml.YAMLError as e:
+        raise InvalidArgument(f"{path} is not valid YAML: {' '.join(str(e).split())}") from None
+    if isinstance(doc, dict) and "subscriptions" in doc:
+        if len(doc) != 1:
+            others = ", ".join(sorted(str(k) for k in doc if k != "subscriptions"))
+            raise InvalidArgument(
+                f"{path}: a file with `subscriptions:` holds nothing else (found {others})"
+            )
+        items = doc["subscriptions"]
+        if not isinstance(items, list) or not items:
+            raise InvalidArgument(f"{path}: `subscriptions:` must be a non-empty list")
+        return [parse_spec(d, source=f"{path} subscriptions[{i}]") for i, d in enumerate(items)]
+    if doc is None:
+        raise InvalidArgument(f"{path} is empty")
+    return [parse_spec(doc, source=path)]
+
+
+def _apply(args: argparse.Namespace) -> int:
+    specs = load_specs(args.file)
+    with _service(args) as service:
+        results = service.apply_all(specs)
+    for action, sub in results:
+        print(_summary(action, sub))
+    return 0
+
+
+def _summary(action: str, sub: Subscription) -> str:
+    s = sub.spec
+    return (
+        f"{action} subscription {s.name}: topic {s.topic}, {sub.shard_count} shard(s), "
+        f"RQ {s.rq_topic} ({s.rq_partitions} partitions), "
+        f"DLQ {s.dlq_topic} ({s.dlq_partitions} partitions)"
+    )
+
+
+def _describe(args: argparse.Namespace) -> int:
+    with _service(args) as service:
+        info = service.describe(args.name)
+    if args.output == "json":
+        common.emit_json(info)
+        return 0
+    spec, state = info["spec"], info["state"]
+    endpoint = spec["endpoint"]
+    print(f"subscription  {info['name']}")
+    print(f"topic         {spec['topic']}")
+    print(f"endpoint      {endpoint['method']} {endpoint['url']}")
+    print(f"grouped       {'yes' if spec['grouped'] else 'no'}")
+    print(f"shards        {state['shard_count']}")
+    print(f"paused        {'yes' if state['paused'] else 'no'}")
+    print(f"generation    {state['generation']}")
+    print(f"dead letters  {spec['on_dead_letter']}")
+    for label in ("rq", "dlq"):
+        for st in info[label]["storage_topics"]:
+            print(
+                f"{label:<13} {st['name']}: {st['partitions']} partitions, "
+                f"{st['messages']} messages written"
+            )
+    for shard in info["shards"]:
+        parts = [
+            f"{queue} {a['storage_topic']}{a['partitions']}"
+            for queue in ("mq", "rq", "dlq")
+            for a in shard[queue]
+        ]
+        print(f"shard {shard['shard']:<7} {'  '.join(parts)}")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    with _service(args) as service:
+        subs = service.list()
+    if args.output == "json":
+        common.emit_json([sub.to_dict() for sub in subs])
+        return 0
+    rows = [("NAME", "TOPIC", "SHARDS", "GROUPED", "PAUSED", "ENDPOINT")]
+    rows += [
+        (
+            sub.name,
+            sub.spec.topic,
+            str(sub.shard_count),
+            "yes" if sub.spec.grouped else "no",
+            "yes" if sub.paused else "no",
+            sub.spec.endpoint.url,
+        )
+        for sub in subs
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
+    return 0
+
+
+def _set_paused(args: argparse.Namespace) -> int:
+    with _service(args) as service:
+        sub = service.set_paused(args.name, args.paused)
+    print(f"{'paused' if sub.paused else 'resumed'} subscription {sub.name}")
+    return 0
