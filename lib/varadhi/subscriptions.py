@@ -70,6 +70,10 @@ def parse_duration_ms(text: int | str, field: str) -> int:
         match = _DURATION_RE.fullmatch(text)
         if match:
             return int(match.group(1)) * _UNIT_MS[match.group(2)]
+        if text.strip().isascii() and text.strip().isdigit():
+            raise InvalidArgument(
+                f"{text!r} has no unit: write {text.strip()}ms or {text.strip()}s", field=field
+            )
     raise InvalidArgument(
         f"{text!r} is not a duration: use milliseconds (500) or a whole number with a unit "
         "(500ms, 2s, 1m, 1h)",

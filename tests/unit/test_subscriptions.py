@@ -166,6 +166,11 @@ def test_parse_duration_ms_refuses(text):
     assert e.value.field == "retry.min_backoff"
 
 
+def test_a_duration_string_without_unit_says_so():
+    with pytest.raises(InvalidArgument, match="'500' has no unit: write 500ms or 500s"):
+        subs.parse_duration_ms("500", "retry.min_backoff")
+
+
 def test_durations_in_documents():
     spec = parse(endpoint__connect_timeout="2s", retry__min_backoff="1s", dedup_window="30m")
     assert spec.endpoint.connect_timeout_ms == 2000
