@@ -9,9 +9,9 @@ import logging
 import sys
 
 from ..errors import VaradhiError
-from . import produce, subscription, topic
+from . import outbox, produce, subscription, topic
 
-COMMAND_GROUPS = [topic, produce, subscription]
+COMMAND_GROUPS = [topic, produce, subscription, outbox]
 
 
 def build_parser() -> argparse.ArgumentParser:
