@@ -1,0 +1,245 @@
+"""Executor side of a shard's micro-batch: turn records into group queues, deliver, report.
+
+`process_partition` is the body of a `mapInPandas` over the batch repartitioned by group key and
+sorted by origin. It gets three kinds of rows (column `kind`):
+
+- `mq`:   a record read from the main topic;
+- `rq`:   a record read from the retry queue (a failed attempt coming back);
+- `held`: a body parked in the state table (see `varadhi.group_state`).
+
+and yields rows of the state table's schema (`STATE_SCHEMA`) for everything that is not done:
+
+- `pending` rows: the new state of every group it touched;
+- `touched` rows: one per touched group, so the driver drops the group's old rows;
+- `out` rows: records to write to the RQ or DLQ;
+- one `stat` row with this partition's counters (JSON in `reason`).
+
+Malformed input (no value, undecodable key or headers, oversized value) never raises: it becomes
+an entry that is dead-lettered at once with the reason, in its group's order.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+import pandas as pd
+
+from . import messages as m
+from .delivery import HttpDeliverer
+from .group_state import Entry, GroupRun, RunCounts, merge
+from .policies import SubscriptionSpec
+
+STATE_COLUMNS = [
+    ("kind", "string"),
+    ("group_key", "string"),
+    ("group_id", "string"),
+    ("origin_index", "int"),
+    ("origin_partition", "int"),
+    ("origin_offset", "bigint"),
+    ("msg_id", "string"),
+    ("location", "string"),
+    ("value", "binary"),
+    ("headers", "string"),
+    ("attempts", "int"),
+    ("due_ms", "bigint"),
+    ("first_failure_ms", "bigint"),
+    ("last_failure_ms", "bigint"),
+    ("reason", "string"),
+    ("status", "int"),
+    ("source", "string"),
+    ("target", "string"),
+    ("batch_id", "bigint"),
+    ("app_id", "string"),
+]
+STATE_SCHEMA = ", ".join(f"{name} {kind}" for name, kind in STATE_COLUMNS)
+COLUMN_NAMES = [name for name, _ in STATE_COLUMNS]
+
+# A record a shard writes to its own RQ to wake itself up when a parked retry falls due while
+# no other input arrives (Spark runs a micro-batch only when there is new data).
+TICK_HEADER = "varadhi-tick"
+
+
+@dataclass(frozen=True)
+class BatchContext:
+    """What executors need to know; pickled into the mapInPandas closure (no secrets: the auth
+    header value is read from the environment by the delivery engine)."""
+
+    spec: SubscriptionSpec
+    mq_indexes: dict[str, int]  # main-topic storage name -> index
+    now_ms: int
+    seed: int
+
+
+def entry_from_record(row: dict, ctx: BatchContext) -> Entry:
+    """An `mq` or `rq` record as an Entry. A malformed record gets `invalid` set, so its run
+    dead-letters it in order without calling the endpoint."""
+    topic, partition, offset = row["topic"], int(row["partition"]), int(row["offset"])
+    source = f"{topic}/{partition}/{offset}"
+    problem = None
+    try:
+        headers = m.headers_to_dict((h["key"], h["value"]) for h in _headers(row))
+    except (UnicodeDecodeError, TypeError, KeyError):
+        headers, problem = {}, "malformed: undecodable headers"
+    msg_id = headers.get(m.H_MSG_ID) or f"{topic}-{partition}-{offset}"
+    group_id = headers.get(m.H_GROUP_ID) or None
+    if group_id is None and row["key"] is not None:
+        try:
+            group_id = bytes(row["key"]).decode("utf-8") or None
+        except UnicodeDecodeError:
+            problem = problem or "malformed: undecodable key"
+    value = None if row["value"] is None else bytes(row["value"])
+    if problem is None and value is None:
+        problem = "malformed: no value"
+    if problem is None and len(value) > ctx.spec.max_message_bytes:
+        problem = f"malformed: value of {len(value)} bytes exceeds {ctx.spec.max_message_bytes}"
+
+    entry = Entry(
+        origin=m.Origin(ctx.mq_indexes.get(topic, -1), partition, offset),
+        msg_id=msg_id,
+        group_id=group_id,
+        location="new",
+        value=value,
+        headers=headers,
+        source=source,
+        invalid=problem,
+    )
+    if row["kind"] == "rq":
+        try:
+            entry.origin = m.Origin.decode(headers[m.H_ORIGIN])
+            entry.attempts = int(headers.get(m.H_ATTEMPTS, "0"))
+            entry.due_ms = int(headers.get(m.H_DUE_MS, "0"))
+        except (KeyError, ValueError):
+            # Not written by a shard (or damaged): it matches no pending entry, so `merge`
+            # drops it as a stale duplicate instead of guessing where it belongs.
+            entry.origin, entry.attempts = m.Origin(-1, partition, offset), -1
+        entry.location = "rq"
+        entry.invalid = None
+    return entry
+
+
+def _headers(row: dict):
+    """The Kafka headers of a record row (column `kheaders`: the state's `headers` is JSON)."""
+    headers = row["kheaders"]
+    return () if headers is None else headers
+
+
+def entry_from_state(row: dict) -> Entry:
+    return Entry(
+        origin=m.Origin(
+            int(row["origin_index"]), int(row["origin_partition"]), int(row["origin_offset"])
+        ),
+        msg_id=row["msg_id"],
+        group_id=row["group_id"] if isinstance(row["group_id"], str) else None,
+        location=row["location"],
+        value=None if row.get("value") is None else bytes(row["value"]),
+        headers=json.loads(row["headers"]) if isinstance(row["headers"], str) else {},
+        attempts=_int(row["attempts"]),
+        due_ms=_int(row["due_ms"]),
+        first_failure_ms=_opt_int(row["first_failure_ms"]),
+        last_failure_ms=_opt_int(row["last_failure_ms"]),
+        reason=row["reason"] if isinstance(row["reason"], str) else None,
+        status=_opt_int(row["status"]),
+        source=row["source"] if isinstance(row["source"], str) else "",
+    )
+
+
+def _int(v) -> int:
+    return 0 if v is None or pd.isna(v) else int(v)
+
+
+def _opt_int(v) -> int | None:
+    return None if v is None or pd.isna(v) else int(v)
+
+
+def state_row(kind: str, key: str, e: Entry, target: str | None = None) -> dict:
+    return {
+        "kind": kind,
+        "group_key": key,
+        "group_id": e.group_id,
+        "origin_index": e.origin.index,
+        "origin_partition": e.origin.partition,
+        "origin_offset": e.origin.offset,
+        "msg_id": e.msg_id,
+        "location": e.location,
+        "value": e.value if (kind == "out" or e.location == "held") else None,
+        "headers": json.dumps(e.headers, sort_keys=True),
+        "attempts": e.attempts,
+        "due_ms": e.due_ms,
+        "first_failure_ms": e.first_failure_ms,
+        "last_failure_ms": e.last_failure_ms,
+        "reason": e.reason,
+        "status": e.status,
+        "source": e.source,
+        "target": target,
+        "batch_id": None,
+        "app_id": None,
+    }
+
+
+def process_partition(
+    frames: Iterator[pd.DataFrame], ctx: BatchContext, pending: dict[str, list[dict]]
+) -> Iterator[pd.DataFrame]:
+    """mapInPandas body. `pending` maps group key -> that group's pending state rows (no bodies)."""
+    started = time.monotonic()
+    counts = RunCounts()
+    candidates: dict[str, list[Entry]] = defaultdict(list)
+    for frame in frames:
+        for row in frame.to_dict("records"):
+            if row["kind"] == "held":
+                e = entry_from_state(row)
+                candidates[row["group_key"]].append(e)
+                continue
+            if row["kind"] == "rq" and _is_tick(row):
+                continue
+            e = entry_from_record(row, ctx)
+            candidates[row["group_key"]].append(e)
+
+    rng = random.Random(ctx.seed)
+    runs: list[tuple[str, GroupRun]] = []
+    for key, found in candidates.items():
+        old = [entry_from_state(r) for r in pending.get(key, ())]
+        queue = merge(old, found, counts)
+        run = GroupRun(queue, ctx.spec.retry, ctx.spec.on_dead_letter, _now_ms, rng, counts)
+        runs.append((key, run))
+
+    with HttpDeliverer(ctx.spec.endpoint, ctx.spec.consumption.max_in_flight) as http:
+        http.run(run for _, run in runs)
+
+    rows: list[dict] = []
+    for key, run in runs:
+        if key in pending:
+            rows.append({"kind": "touched", "group_key": key})
+        for e in run.remaining():
+            if e.location == "held" and e.value is None:
+                raise AssertionError(f"group {key}: held entry {e.msg_id} has no body")
+            rows.append(state_row("pending", key, e))
+        for out in run.outs:
+            rows.append(state_row("out", key, out.entry, target=out.target))
+    stat = asdict(counts) | {"seconds": round(time.monotonic() - started, 3), "groups": len(runs)}
+    rows.append({"kind": "stat", "reason": json.dumps(stat)})
+    yield to_frame(rows)
+
+
+def to_frame(rows: list[dict]) -> pd.DataFrame:
+    """Rows as a frame Arrow converts to `STATE_SCHEMA`. Text and binary columns must be object
+    columns holding None (an all-missing column would otherwise be float NaN, which pyspark's
+    Arrow conversion rejects)."""
+    frame = pd.DataFrame(rows, columns=COLUMN_NAMES)
+    for name, kind in STATE_COLUMNS:
+        if kind in ("string", "binary"):
+            column = frame[name].astype(object)
+            frame[name] = column.where(column.notna(), None)
+    return frame
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _is_tick(row: dict) -> bool:
+    return any(h["key"] == TICK_HEADER for h in _headers(row))

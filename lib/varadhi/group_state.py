@@ -1,0 +1,222 @@
+"""GroupState: what a shard remembers about groups that have something pending, and the pure
+"deliver or follow" logic that runs per group on executors.
+
+Model (seed 000's GroupState, made concrete)
+--------------------------------------------
+A group is *healthy* when nothing of it is pending; healthy groups have no state at all, so the
+common path writes nothing. A group with pending work has one `Entry` per pending message,
+ordered by `origin` (its position on the main topic: storage topic index, partition, offset),
+which is the group's produce order. Each entry has a `location`:
+
+- `new`:  read from the main topic in this micro-batch (body at hand);
+- `held`: body kept in the state table: a follower waiting behind its group's head, or a retry
+          that was read from the RQ before its due time (hazard 2: it is parked, never re-written);
+- `rq`:   a failed attempt written to the retry queue; the entry waits for that record to come
+          back (it then carries the body again) and is matched by (origin, attempts), so stale
+          duplicates in the RQ (from a replayed batch) are recognised and dropped (hazard 4);
+- `dlq`:  dead-lettered; in `block` mode it keeps its group blocked until it is re-driven.
+
+Only the first entry (the *head*) is ever delivered; everything behind it follows (hazard 1: a
+head that fails again keeps its place, because order comes from `origin`, not from RQ offsets).
+
+`GroupRun` is one group's run through a micro-batch. It implements the delivery engine's Stream
+protocol: the engine asks it for the next request and reports each outcome; the run decides,
+with `varadhi.retry.decide`, whether to go on, retry later or dead-letter. Ungrouped messages get
+a run of their own each (no order, full parallelism).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from . import messages as m
+from .delivery import Outcome, Request
+from .policies import RetryPolicy
+from .retry import decide
+
+Location = Literal["new", "held", "rq", "dlq"]
+
+
+@dataclass
+class Entry:
+    origin: m.Origin
+    msg_id: str
+    group_id: str | None
+    location: Location
+    value: bytes | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    attempts: int = 0
+    due_ms: int = 0
+    first_failure_ms: int | None = None
+    last_failure_ms: int | None = None
+    reason: str | None = None
+    status: int | None = None
+    source: str = ""  # "topic/partition/offset" where this copy was read, for the HTTP header
+    invalid: str | None = None  # why a malformed record cannot be delivered (dead-lettered at once)
+
+
+@dataclass(frozen=True)
+class Out:
+    """A record the shard must write to its RQ or DLQ after this micro-batch."""
+
+    target: Literal["rq", "dlq"]
+    entry: Entry
+
+
+@dataclass
+class RunCounts:
+    delivered: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    duplicates: int = 0
+    attempts: int = 0
+    failures: int = 0
+
+
+def merge(pending: Iterable[Entry], candidates: Iterable[Entry], counts: RunCounts) -> list[Entry]:
+    """One group's queue for this batch: its pending entries plus what the batch read.
+
+    - a main-topic record whose origin is already pending is a replay: dropped;
+    - an RQ record is accepted only when an `rq` entry with the same origin and attempt count
+      waits for it (it then lends that entry its body); anything else is a stale duplicate;
+    - a `held` row from the state table lends its body to the matching `held` entry.
+    The result is sorted by origin (produce order).
+    """
+    by_origin: dict[m.Origin, Entry] = {e.origin: replace(e) for e in pending}
+    for c in candidates:
+        known = by_origin.get(c.origin)
+        if c.location == "new":
+            if known is not None:
+                counts.duplicates += 1
+                continue
+            by_origin[c.origin] = c
+        elif c.location == "rq":
+            if known is None or known.location != "rq" or known.attempts != c.attempts:
+                counts.duplicates += 1
+                continue
+            known.value, known.location, known.source = c.value, "held", c.source
+            known.headers = c.headers or known.headers
+        elif (
+            c.location == "held"
+            and known is not None
+            and known.location == "held"
+            and known.value is None
+        ):
+            known.value = c.value
+            known.headers = c.headers or known.headers
+    return sorted(by_origin.values(), key=lambda e: e.origin)
+
+
+class GroupRun:
+    """Delivers one group's queue in order, following the failure (see the module docstring).
+
+    `on_dead_letter="skip"` lets a dead-lettered head leave the queue, so the group carries on.
+    `clock` returns ms since the epoch; `rng` drives backoff jitter (both injectable for tests).
+    """
+
+    def __init__(
+        self,
+        entries: list[Entry],
+        policy: RetryPolicy,
+        on_dead_letter: Literal["block", "skip"],
+        clock: Callable[[], int],
+        rng: random.Random,
+        counts: RunCounts,
+    ):
+        self.entries = entries
+        self.policy = policy
+        self.on_dead_letter = on_dead_letter
+        self.clock = clock
+        self.rng = rng
+        self.counts = counts
+        self.outs: list[Out] = []
+        self.delivered: list[Entry] = []
+        self._stopped = False
+
+    # -- Stream protocol ------------------------------------------------------------------
+    def next_request(self) -> Request | None:
+        while not self._stopped and self.entries:
+            head = self.entries[0]
+            if head.invalid and head.location in ("new", "held"):
+                now = self.clock()
+                head.first_failure_ms = head.first_failure_ms or now
+                head.last_failure_ms = now
+                head.reason = head.invalid
+                self._dead_letter(head)
+                continue
+            if head.location == "dlq" or head.value is None or head.due_ms > self.clock():
+                return None
+            return Request(body=head.value, headers=http_headers(head))
+        return None
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        head = self.entries[0]
+        now = self.clock()
+        head.attempts += 1
+        self.counts.attempts += 1
+        decision = decide(
+            self.policy,
+            head.attempts,
+            outcome.status,
+            outcome.error,
+            outcome.retry_after,
+            now,
+            self.rng,
+        )
+        if decision.action == "success":
+            self.entries.pop(0)
+            self.delivered.append(head)
+            self.counts.delivered += 1
+            return
+        self.counts.failures += 1
+        head.first_failure_ms = head.first_failure_ms or now
+        head.last_failure_ms = now
+        head.reason = decision.reason
+        head.status = outcome.status
+        if decision.action == "retry":
+            head.due_ms = decision.due_ms or now
+            self.outs.append(Out("rq", replace(head)))
+            head.location, head.value = "rq", None
+            self.counts.retried += 1
+            self._stopped = True
+            return
+        self._dead_letter(head)
+
+    def _dead_letter(self, head: Entry) -> None:
+        """Park the head in the DLQ; in block mode its group stops behind it."""
+        self.outs.append(Out("dlq", replace(head)))
+        self.counts.dead_lettered += 1
+        if self.on_dead_letter == "skip":
+            self.entries.pop(0)
+        else:
+            head.location, head.value = "dlq", None
+            self._stopped = True
+
+    # -- result ---------------------------------------------------------------------------
+    def remaining(self) -> list[Entry]:
+        """Entries still pending after the run: bodies at hand become `held`."""
+        out = []
+        for e in self.entries:
+            if e.location == "new":
+                e = replace(e, location="held")
+            out.append(e)
+        return out
+
+
+def http_headers(entry: Entry) -> dict[str, str]:
+    """The headers of a delivery: idempotency key, group, attempt number, source position."""
+    headers = {
+        m.HTTP_MESSAGE_ID: entry.msg_id,
+        m.HTTP_IDEMPOTENCY_KEY: entry.msg_id,
+        m.HTTP_ATTEMPT: str(entry.attempts + 1),
+        m.HTTP_SOURCE: entry.source,
+    }
+    if entry.group_id is not None:
+        headers[m.HTTP_GROUP_ID] = entry.group_id
+    produced = entry.headers.get(m.H_PRODUCED_MS)
+    if produced:
+        headers[m.HTTP_PRODUCED_AT] = produced
+    return headers

@@ -1,0 +1,745 @@
+"""The driver of one subscription shard: a Structured Streaming query and its micro-batch commit.
+
+One shard = one query reading, with the Kafka source's `assign`, exactly the main-topic (MQ) and
+retry-queue (RQ) partitions it owns, and delivering with `foreachBatch`:
+
+1. check the lease (a newer instance fences this one: DESIGN hazard 6);
+2. if the state table already holds this batch's commit (the driver died after committing state
+   but before Spark committed the batch), only re-send that commit's RQ/DLQ records and return;
+3. otherwise deliver on executors (`varadhi.batch.process_partition`, concurrent across groups,
+   ordered within a group) and collect what is not done: new group state and RQ/DLQ records;
+4. if anything changed, overwrite the shard's GroupState Delta table with it, idempotently
+   (`txnAppId` = subscription, generation, shard count, shard and reader layout; `txnVersion` =
+   batch id), together with the RQ/DLQ records to send (a transactional outbox);
+5. send those records in one Kafka transaction (transactional id per shard, the inner fence);
+6. return, and Spark commits the batch's offsets.
+
+A crash between any two steps replays the batch: before step 4 nothing was recorded (deliveries
+repeat: at-least-once); after it, step 2 re-sends the recorded records, and duplicates in the RQ
+are recognised by GroupState (`varadhi.group_state.merge`). Healthy batches write nothing.
+
+Reader layouts (DESIGN hazard 3). A shard reads one main-topic storage topic at a time: it moves
+from T_i to T_i+1 only when produce has moved off T_i more than a grace period ago (producers poll
+the catalog) and the shard has consumed all of T_i. Each layout has its own checkpoint, its own
+starting offsets (carried over from the previous layout) and its own idempotency id, since batch
+ids restart at 0 in a new checkpoint (hazard 7). Layout changes, pauses and SIGTERM all stop the
+query between batches (`_stop_between_batches`), never inside one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from . import messages as m
+from . import routing, subscriptions, topics
+from .batch import (
+    COLUMN_NAMES,
+    STATE_COLUMNS,
+    STATE_SCHEMA,
+    TICK_HEADER,
+    BatchContext,
+    process_partition,
+)
+from .catalog import Catalog, Snapshot, key
+from .errors import Fenced, VaradhiError
+from .leases import Lease
+from .settings import Settings
+
+log = logging.getLogger("varadhi.shard")
+
+READER_KIND = "reader"
+SEAL_GRACE_MS = 5_000  # producers refresh the produce pointer every second; allow five
+
+
+class StopRequested(Exception):
+    """Raised inside foreachBatch when the driver is stopping: the batch does nothing and is
+    replayed by the next query run."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one query run reads: `mq_index` of the main topic, from `starting_offsets`
+    (topic -> partition -> offset, -2 = earliest) when its checkpoint is new."""
+
+    generation: int
+    seq: int
+    mq_index: int
+    starting_offsets: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "seq": self.seq,
+            "mq_index": self.mq_index,
+            "starting_offsets": self.starting_offsets,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Layout:
+        return cls(
+            int(d["generation"]), int(d["seq"]), int(d["mq_index"]), d.get("starting_offsets") or {}
+        )
+
+
+@dataclass
+class ShardStats:
+    batches: int = 0
+    records: int = 0
+    delivered: int = 0
+    retried: int = 0
+    dead_lettered: int = 0
+    duplicates: int = 0
+    attempts: int = 0
+    failures: int = 0
+    replays: int = 0
+    last_batch: dict[str, Any] = field(default_factory=dict)
+
+
+def drained(consumed: dict[int, int], ends: dict[int, int]) -> bool:
+    """Every partition consumed up to its log end (pure)."""
+    return all(consumed.get(p, 0) >= end for p, end in ends.items())
+
+
+def next_layout(
+    layout: Layout, consumed: dict[str, dict[str, int]], next_topic: str, partitions: list[int]
+) -> Layout:
+    """The layout after `layout` has drained its main storage topic: the next one from its start,
+    and every other source (the RQ) from where this layout stopped (pure)."""
+    starting = {t: dict(p) for t, p in consumed.items() if t != next_topic}
+    starting[next_topic] = {str(p): -2 for p in partitions}
+    return Layout(layout.generation, layout.seq + 1, layout.mq_index + 1, starting)
+
+
+class ShardJob:
+    """Runs shard `shard` of subscription `name` until stopped, fenced or failed.
+
+    `run()` returns the process exit code: 0 stopped on request, 3 fenced by a newer instance,
+    1 failed. `max_batches`/`stop_when_idle_s` bound a run (tests, demo, benchmarks).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        shard: int,
+        settings: Settings | None = None,
+        spark: SparkSession | None = None,
+        stop_when_idle_s: float | None = None,
+    ):
+        self.settings = settings or Settings.from_env()
+        self.catalog = Catalog(self.settings)
+        self.name = name
+        self.shard = shard
+        self.stop_when_idle_s = stop_when_idle_s
+        self._spark = spark
+        self.stats = ShardStats()
+        self._batch_lock = threading.Lock()
+        self._stopping = False
+        self._signal = threading.Event()
+        self._last_batch_end = time.monotonic()
+        self._last_batch_start_ms = 0
+        self._next_due_ms: int | None = None
+        self._query = None
+        self._producer: KafkaProducer | None = None
+        self._tick_producer: KafkaProducer | None = None
+
+    # -- set-up ---------------------------------------------------------------------------
+    def _load(
+        self,
+    ) -> tuple[
+        subscriptions.Subscription,
+        topics.CompositeTopic,
+        topics.CompositeTopic,
+        topics.CompositeTopic,
+    ]:
+        snap = self.catalog.snapshot()
+        sub = subscriptions.from_snapshot(snap, self.name)
+        if not 0 <= self.shard < sub.shard_count:
+            raise VaradhiError(
+                f"shard {self.shard} is outside 0..{sub.shard_count - 1} of {self.name}"
+            )
+        return (
+            sub,
+            topics.from_snapshot(snap, sub.spec.topic),
+            topics.from_snapshot(snap, sub.spec.rq_topic),
+            topics.from_snapshot(snap, sub.spec.dlq_topic),
+        )
+
+    @property
+    def spark(self) -> SparkSession:
+        if self._spark is None:
+            from .spark import get_spark
+
+            self._spark = get_spark(f"varadhi-{self.name}-shard-{self.shard}")
+        return self._spark
+
+    def _owner(self, sub: subscriptions.Subscription) -> str:
+        return f"{self.name}/s{sub.shard_count}/{self.shard}"
+
+    def _paths(self, sub: subscriptions.Subscription, layout: Layout) -> tuple[str, str, str]:
+        base = f"{self.settings.warehouse}/{self.name}"
+        state = f"{base}/state/s{sub.shard_count}/shard-{self.shard}"
+        checkpoint = f"{base}/checkpoints/g{layout.generation}/s{sub.shard_count}/shard-{self.shard}/L{layout.seq}"
+        app_id = f"{self.name}.g{layout.generation}.s{sub.shard_count}.{self.shard}.L{layout.seq}"
+        return state, checkpoint, app_id
+
+    def _layout(self, sub: subscriptions.Subscription) -> Layout:
+        doc = self.catalog.get(READER_KIND, self._owner(sub))
+        if doc is not None:
+            layout = Layout.from_dict(doc)
+            if layout.generation == sub.generation:
+                return layout
+        return Layout(sub.generation, 0, 0, {})
+
+    def _save_layout(self, sub: subscriptions.Subscription, layout: Layout) -> None:
+        self.catalog.mutate(lambda _snap: {key(READER_KIND, self._owner(sub)): layout.to_dict()})
+
+    # -- main loop ------------------------------------------------------------------------
+    def run(self) -> int:
+        sub, _, _, _ = self._load()
+        lease = Lease(self.catalog, self._owner(sub))
+        lease.acquire()
+        self._lease = lease
+        self._install_signals()
+        try:
+            self._producer = KafkaProducer(
+                bootstrap_servers=self.settings.bootstrap,
+                transactional_id=f"varadhi.{self.name}.s{sub.shard_count}.shard-{self.shard}",
+                acks="all",
+                linger_ms=5,
+                max_request_size=16 * 1024 * 1024,
+            )
+            self._producer.init_transactions()
+            while True:
+                sub, mq, rq, dlq = self._load()
+                lease.check()
+                if self._signal.is_set():
+                    return 0
+                if sub.paused:
+                    log.info("%s shard %d: paused", self.name, self.shard)
+                    if self._wait_while_paused():
+                        return 0
+                    continue
+                layout = self._layout(sub)
+                outcome = self._run_query(sub, mq, rq, dlq, layout, lease)
+                if outcome in ("stop", "idle"):
+                    return 0
+        except Fenced as e:
+            log.warning("%s shard %d: %s; stopping without committing", self.name, self.shard, e)
+            return 3
+        finally:
+            self._close()
+
+    def _wait_while_paused(self) -> bool:
+        """Sleep until resumed (False) or asked to stop (True)."""
+        while not self._signal.wait(1.0):
+            self._lease.check()
+            if not subscriptions.from_snapshot(self.catalog.snapshot(), self.name).paused:
+                return False
+        return True
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self._signal.set())
+            signal.signal(signal.SIGINT, lambda *_: self._signal.set())
+
+    def request_stop(self) -> None:
+        self._signal.set()
+
+    def _run_query(self, sub, mq, rq, dlq, layout: Layout, lease: Lease) -> str:
+        """Run one query for `layout` until something asks it to stop; say why it stopped."""
+        mq_st = mq.storage(layout.mq_index)
+        mq_parts = subscriptions.owned_partitions(sub, mq, layout.mq_index, self.shard)
+        assign: dict[str, list[int]] = {}
+        if mq_parts:
+            assign[mq_st.name] = mq_parts
+        for i, st in enumerate(rq.storage_topics):
+            parts = subscriptions.internal_partitions(sub, rq, i, self.shard)
+            if parts:
+                assign[st.name] = parts
+        starting = {
+            t: {str(p): int(layout.starting_offsets.get(t, {}).get(str(p), -2)) for p in parts}
+            for t, parts in assign.items()
+        }
+        state_path, checkpoint, app_id = self._paths(sub, layout)
+        ctx_base = dict(
+            sub=sub, mq=mq, rq=rq, dlq=dlq, state_path=state_path, app_id=app_id, lease=lease
+        )
+        source = (
+            self.spark.readStream.format("kafka")
+            .option("kafka.bootstrap.servers", self.settings.bootstrap)
+            .option("assign", json.dumps(assign))
+            .option("startingOffsets", json.dumps(starting))
+            .option("includeHeaders", "true")
+            .option("failOnDataLoss", "true")
+            .option("kafka.isolation.level", "read_committed")
+            .option("maxOffsetsPerTrigger", str(sub.spec.consumption.max_messages_per_batch))
+            .load()
+        )
+        query = (
+            source.writeStream.foreachBatch(
+                lambda df, batch_id: self._on_batch(df, batch_id, **ctx_base)
+            )
+            .option("checkpointLocation", checkpoint)
+            .trigger(processingTime=f"{sub.spec.consumption.trigger_interval_ms} milliseconds")
+            .queryName(f"varadhi-{self.name}-{self.shard}-g{layout.generation}-L{layout.seq}")
+            .start()
+        )
+        self._query = query
+        self._stopping = False
+        log.info("%s shard %d: reading %s (layout %d)", self.name, self.shard, assign, layout.seq)
+        self._last_batch_end = time.monotonic()
+        try:
+            while True:
+                if not query.isActive:
+                    exc = query.exception()
+                    if exc is not None and "StopRequested" not in str(exc):
+                        if "Fenced" in str(exc):
+                            raise Fenced(f"lease {self._owner(sub)}", lease.epoch or 0, -1)
+                        raise VaradhiError(f"query failed: {exc}")
+                    return "stop"
+                if self._signal.is_set():
+                    self._stop_between_batches(query)
+                    return "stop"
+                lease.check()
+                current = subscriptions.from_snapshot(self.catalog.snapshot(), self.name)
+                if current.paused:
+                    self._stop_between_batches(query)
+                    return "paused"
+                if current.shard_count != sub.shard_count or current.generation != sub.generation:
+                    self._stop_between_batches(query)
+                    return "changed"
+                moved = self._maybe_next_layout(query, sub, layout)
+                if moved:
+                    return "layout"
+                self._maybe_tick(rq, sub)
+                if (
+                    self.stop_when_idle_s is not None
+                    and self._next_due_ms is None
+                    and time.monotonic() - self._last_batch_end > self.stop_when_idle_s
+                    and self._caught_up(query, assign)
+                ):
+                    self._stop_between_batches(query)
+                    return "idle"
+                time.sleep(0.5)
+        finally:
+            if query.isActive:
+                self._stop_between_batches(query)
+
+    def _stop_between_batches(self, query) -> None:
+        self._stopping = True
+        with self._batch_lock:
+            pass
+        query.stop()
+
+    # -- layouts, idleness and ticks ------------------------------------------------------
+    def _consumed(self, query) -> dict[str, dict[str, int]] | None:
+        """Offsets up to which the last completed batch read (None before the first batch)."""
+        progress = query.lastProgress
+        if progress is None:
+            return None
+        doc = json.loads(progress.json) if hasattr(progress, "json") else progress
+        sources = doc.get("sources") or []
+        end = sources[0].get("endOffset") if sources else None
+        if isinstance(end, str):
+            end = json.loads(end)
+        if not end:
+            return None
+        return {t: {str(p): int(o) for p, o in parts.items()} for t, parts in end.items()}
+
+    def _end_offsets(self, assign: dict[str, list[int]]) -> dict[str, dict[int, int]]:
+        consumer = KafkaConsumer(
+            bootstrap_servers=self.settings.bootstrap, isolation_level="read_committed"
+        )
+        try:
+            tps = [TopicPartition(t, p) for t, parts in assign.items() for p in parts]
+            ends = consumer.end_offsets(tps) if tps else {}
+            return {
+                t: {p: ends[TopicPartition(t, p)] for p in parts} for t, parts in assign.items()
+            }
+        finally:
+            consumer.close()
+
+    def _caught_up(self, query, assign: dict[str, list[int]]) -> bool:
+        consumed = self._consumed(query)
+        if consumed is None:
+            return not any(sum(v.values()) for v in self._end_offsets(assign).values())
+        ends = self._end_offsets(assign)
+        return all(
+            drained({int(p): o for p, o in consumed.get(t, {}).items()}, ends[t]) for t in assign
+        )
+
+    def _maybe_next_layout(self, query, sub, layout: Layout) -> bool:
+        mq = topics.from_snapshot(self.catalog.snapshot(), sub.spec.topic)
+        now_ms = int(time.time() * 1000)
+        if not topics.sealed(mq, layout.mq_index, now_ms, SEAL_GRACE_MS):
+            return False
+        current = mq.storage(layout.mq_index)
+        parts = subscriptions.owned_partitions(sub, mq, layout.mq_index, self.shard)
+        consumed = self._consumed(query) or {}
+        ends = self._end_offsets({current.name: parts})[current.name]
+        mine = {int(p): o for p, o in consumed.get(current.name, {}).items()}
+        if parts and not drained(mine, ends):
+            return False
+        self._stop_between_batches(query)
+        consumed = self._consumed(query) or {}
+        nxt = mq.storage(layout.mq_index + 1)
+        new = next_layout(
+            layout,
+            {t: p for t, p in consumed.items()},
+            nxt.name,
+            subscriptions.owned_partitions(sub, mq, layout.mq_index + 1, self.shard),
+        )
+        # Carry over RQ offsets that a still-empty progress did not report.
+        for t, p in layout.starting_offsets.items():
+            if t != current.name:
+                new.starting_offsets.setdefault(t, p)
+        self._save_layout(sub, new)
+        log.info(
+            "%s shard %d: %s drained; now reading %s", self.name, self.shard, current.name, nxt.name
+        )
+        return True
+
+    def _maybe_tick(self, rq: topics.CompositeTopic, sub) -> None:
+        """Wake the query when a parked retry falls due and no input would trigger a batch."""
+        due = self._next_due_ms
+        if due is None or int(time.time() * 1000) < due or self._last_batch_start_ms >= due:
+            return
+        st = rq.produce_topic
+        parts = subscriptions.internal_partitions(sub, rq, rq.produce_pointer, self.shard)
+        if not parts:
+            return
+        if self._tick_producer is None:
+            self._tick_producer = KafkaProducer(
+                bootstrap_servers=self.settings.bootstrap, linger_ms=0
+            )
+        self._tick_producer.send(
+            st.name, value=b"", partition=parts[0], headers=[(TICK_HEADER, b"1")]
+        )
+        self._tick_producer.flush(5)
+        self._last_batch_start_ms = int(time.time() * 1000)  # one tick per due time
+
+    # -- the micro-batch ------------------------------------------------------------------
+    def _on_batch(self, df: DataFrame, batch_id: int, **ctx) -> None:
+        if self._stopping:
+            raise StopRequested()
+        with self._batch_lock:
+            if self._stopping:
+                raise StopRequested()
+            self._last_batch_start_ms = int(time.time() * 1000)
+            try:
+                self._process(df, batch_id, **ctx)
+            finally:
+                self._last_batch_end = time.monotonic()
+
+    def _process(
+        self, df: DataFrame, batch_id: int, sub, mq, rq, dlq, state_path, app_id, lease
+    ) -> None:
+        spark = df.sparkSession
+        started = time.monotonic()
+        lease.check()
+        state = _read_state(spark, state_path)
+        meta = state.filter("kind = 'meta'").select("app_id", "batch_id").collect()
+        if meta and meta[0]["app_id"] == app_id and meta[0]["batch_id"] == batch_id:
+            self.stats.replays += 1
+            log.info(
+                "%s shard %d: batch %d already committed; re-sending its records",
+                self.name,
+                self.shard,
+                batch_id,
+            )
+            self._send_outs(state, app_id, batch_id, sub, rq, dlq)
+            return
+
+        pending_rows = state.filter("kind = 'pending'").drop("value").toPandas().to_dict("records")
+        pending: dict[str, list[dict]] = {}
+        for row in pending_rows:
+            pending.setdefault(row["group_key"], []).append(row)
+        now_ms = int(time.time() * 1000)
+        due_groups = _due_heads(pending, now_ms)
+
+        records = _records(df, sub, mq).persist()
+        try:
+            n_records = records.count()
+            if n_records == 0 and not due_groups:
+                self._finish_batch(batch_id, 0, {}, started, pending)
+                return
+            batch_groups = records.select("group_key").distinct()
+            if due_groups:
+                batch_groups = batch_groups.union(
+                    spark.createDataFrame([(g,) for g in due_groups], "group_key string")
+                )
+            held = (
+                state.filter("kind = 'pending' AND location = 'held'")
+                .join(batch_groups, "group_key", "left_semi")
+                .withColumn("kind", F.lit("held"))
+            )
+            candidates = records.unionByName(held, allowMissingColumns=True)
+            ctx = BatchContext(
+                spec=sub.spec,
+                mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
+                now_ms=now_ms,
+                seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
+            )
+            concurrency = sub.spec.consumption.concurrency
+            result = (
+                candidates.repartition(concurrency, "group_key")
+                .mapInPandas(lambda it: process_partition(it, ctx, pending), STATE_SCHEMA)
+                .toPandas()
+            )
+        finally:
+            records.unpersist()
+
+        stats = [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
+        touched = set(result.loc[result["kind"] == "touched", "group_key"])
+        new_rows = result[result["kind"].isin(["pending", "out"])].copy()
+        new_rows.loc[new_rows["kind"] == "out", "batch_id"] = batch_id
+        new_rows.loc[new_rows["kind"] == "out", "app_id"] = app_id
+        if touched or len(new_rows):
+            lease.check()
+            self._write_state(spark, state, state_path, touched, new_rows, app_id, batch_id)
+            self._send_outs(_read_state(spark, state_path), app_id, batch_id, sub, rq, dlq)
+        remaining = {g: rows for g, rows in pending.items() if g not in touched}
+        for row in new_rows[new_rows["kind"] == "pending"].to_dict("records"):
+            remaining.setdefault(row["group_key"], []).append(row)
+        self._finish_batch(batch_id, n_records, _sum(stats), started, remaining)
+
+    def _write_state(self, spark, state, path, touched, new_rows, app_id, batch_id) -> None:
+        kept = state.filter("kind = 'pending'")
+        if touched:
+            keys = spark.createDataFrame([(k,) for k in sorted(touched)], "group_key string")
+            kept = kept.join(keys, "group_key", "left_anti")
+        meta = dict.fromkeys(COLUMN_NAMES)
+        meta.update(kind="meta", app_id=app_id, batch_id=batch_id)
+        rows = [_clean(r) for r in new_rows.to_dict("records")] + [meta]
+        fresh = spark.createDataFrame(
+            [tuple(r[c] for c in COLUMN_NAMES) for r in rows], STATE_SCHEMA
+        )
+        (
+            kept.select(*fresh.columns)
+            .unionByName(fresh)
+            .write.format("delta")
+            .mode("overwrite")
+            .option("txnAppId", app_id)
+            .option("txnVersion", batch_id)
+            .save(path)
+        )
+
+    def _send_outs(self, state: DataFrame, app_id: str, batch_id: int, sub, rq, dlq) -> None:
+        """Send the RQ/DLQ records that the state table holds for this batch, in one transaction.
+
+        The table, not this process's memory, is the truth: if a fenced instance's commit won
+        the race for this batch, its records are the ones that match the state."""
+        outs = state.filter(
+            (F.col("kind") == "out") & (F.col("batch_id") == batch_id) & (F.col("app_id") == app_id)
+        ).toPandas()
+        if not len(outs):
+            return
+        producer = self._producer
+        assert producer is not None
+        targets = {
+            "rq": (
+                rq,
+                rq.produce_topic,
+                subscriptions.internal_partitions(sub, rq, rq.produce_pointer, self.shard),
+            ),
+            "dlq": (
+                dlq,
+                dlq.produce_topic,
+                subscriptions.internal_partitions(sub, dlq, dlq.produce_pointer, self.shard),
+            ),
+        }
+        try:
+            producer.begin_transaction()
+            for row in outs.to_dict("records"):
+                _, st, parts = targets[row["target"]]
+                partition = routing.internal_partition(routing.group_hash(row["group_key"]), parts)
+                producer.send(
+                    st.name,
+                    key=row["group_id"].encode() if isinstance(row["group_id"], str) else None,
+                    value=row["value"],
+                    partition=partition,
+                    headers=out_headers(row),
+                )
+            producer.commit_transaction()
+        except KafkaError as e:
+            if "Fenced" in type(e).__name__ or "fenced" in str(e).lower():
+                raise Fenced(
+                    f"producer of {self.name} shard {self.shard}", self._lease.epoch or 0, -1
+                ) from e
+            raise
+
+    def _finish_batch(self, batch_id, n_records, counts, started, pending) -> None:
+        s = self.stats
+        s.batches += 1
+        s.records += n_records
+        for k in ("delivered", "retried", "dead_lettered", "duplicates", "attempts", "failures"):
+            setattr(s, k, getattr(s, k) + int(counts.get(k, 0)))
+        s.last_batch = {
+            "batch_id": batch_id,
+            "records": n_records,
+            "seconds": round(time.monotonic() - started, 3),
+            **counts,
+        }
+        self._next_due_ms = _next_due(pending)
+        if n_records or counts:
+            log.info("%s shard %d: batch %s", self.name, self.shard, s.last_batch)
+        attempts, failures = int(counts.get("attempts", 0)), int(counts.get("failures", 0))
+        policy = self._throttle_policy
+        if policy and attempts >= 10 and failures / attempts > policy.error_rate_threshold:
+            log.warning(
+                "%s shard %d: failure rate %.0f%%; throttling %d ms",
+                self.name,
+                self.shard,
+                100 * failures / attempts,
+                policy.throttle_ms,
+            )
+            time.sleep(policy.throttle_ms / 1000)
+
+    @property
+    def _throttle_policy(self):
+        try:
+            return subscriptions.from_snapshot(self.catalog.snapshot(), self.name).spec.consumption
+        except VaradhiError:
+            return None
+
+    def _close(self) -> None:
+        for p in (self._producer, self._tick_producer):
+            if p is not None:
+                try:
+                    p.close(timeout=2)
+                except Exception:  # noqa: BLE001 - a fenced producer may refuse to close cleanly
+                    pass
+        self.catalog.close()
+
+
+# -- helpers (pure or Spark-expression builders) ---------------------------------------------
+
+
+def _read_state(spark: SparkSession, path: str) -> DataFrame:
+    from delta.tables import DeltaTable
+
+    if DeltaTable.isDeltaTable(spark, path):
+        return spark.read.format("delta").load(path)
+    return spark.createDataFrame([], STATE_SCHEMA)
+
+
+def _header(name: str):
+    return F.expr(
+        f"CAST(try_element_at(filter(headers, h -> h.key = '{name}'), 1).value AS STRING)"
+    )
+
+
+def _records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
+    """The batch's Kafka records with `kind` (mq/rq) and `group_key` (what orders them)."""
+    mq_names = [st.name for st in mq.storage_topics]
+    msg_id = F.coalesce(_header(m.H_MSG_ID), F.concat_ws("-", "topic", "partition", "offset"))
+    if sub.spec.grouped:
+        group = F.coalesce(
+            F.nullif(_header(m.H_GROUP_ID), F.lit("")),
+            F.nullif(F.col("key").cast("string"), F.lit("")),
+        )
+        group_key = F.coalesce(group, F.concat(F.lit("~"), msg_id))
+    else:
+        group_key = F.concat(F.lit("~"), msg_id)
+    return df.select(
+        F.when(F.col("topic").isin(mq_names), F.lit("mq")).otherwise(F.lit("rq")).alias("kind"),
+        group_key.alias("group_key"),
+        "topic",
+        "partition",
+        "offset",
+        "key",
+        "value",
+        F.col("headers").alias("kheaders"),
+    )
+
+
+def _due_heads(pending: dict[str, list[dict]], now_ms: int) -> list[str]:
+    """Groups whose head is a parked (held) message that is due now (pure)."""
+    out = []
+    for g, rows in pending.items():
+        head = min(
+            rows, key=lambda r: (r["origin_index"], r["origin_partition"], r["origin_offset"])
+        )
+        if head["location"] == "held" and int(head["due_ms"] or 0) <= now_ms:
+            out.append(g)
+    return out
+
+
+def _next_due(pending: dict[str, list[dict]]) -> int | None:
+    """The earliest due time of a parked head (pure); None when nothing is parked."""
+    dues = []
+    for rows in pending.values():
+        head = min(
+            rows, key=lambda r: (r["origin_index"], r["origin_partition"], r["origin_offset"])
+        )
+        if head["location"] == "held":
+            dues.append(int(head["due_ms"] or 0))
+    return min(dues) if dues else None
+
+
+def _sum(stats: list[dict]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for s in stats:
+        for k, v in s.items():
+            if isinstance(v, int):
+                total[k] = total.get(k, 0) + v
+    return total
+
+
+def out_headers(row: dict) -> list[tuple[str, bytes]]:
+    headers = json.loads(row["headers"]) if isinstance(row["headers"], str) else {}
+    origin = m.Origin(
+        int(row["origin_index"]), int(row["origin_partition"]), int(row["origin_offset"])
+    )
+    headers.update(
+        {
+            m.H_ORIGIN: origin.encode(),
+            m.H_ATTEMPTS: str(int(row["attempts"])),
+            m.H_DUE_MS: str(int(row["due_ms"] or 0)),
+            m.H_FIRST_FAILURE_MS: _opt(row["first_failure_ms"]),
+            m.H_LAST_FAILURE_MS: _opt(row["last_failure_ms"]),
+            m.H_REASON: row["reason"] if isinstance(row["reason"], str) else None,
+            m.H_STATUS: _opt(row["status"]),
+        }
+    )
+    return m.dict_to_headers(headers)
+
+
+_INT_COLUMNS = {name for name, kind in STATE_COLUMNS if kind in ("int", "bigint")}
+
+
+def _clean(row: dict) -> dict:
+    """A pandas row as Spark values: NaN -> None, floats of integer columns -> int."""
+    out = {}
+    for c in COLUMN_NAMES:
+        v = row.get(c)
+        if v is None or (isinstance(v, float) and v != v):
+            out[c] = None
+        elif c in _INT_COLUMNS:
+            out[c] = int(v)
+        else:
+            out[c] = v
+    return out
+
+
+def _opt(v) -> str | None:
+    try:
+        return None if v is None or v != v else str(int(v))
+    except (TypeError, ValueError):
+        return None
+
+
+def describe_reader(snapshot: Snapshot, name: str, owner: str) -> dict[str, Any] | None:
+    return snapshot.get(READER_KIND, owner)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run one job of the suite with spark-submit, the project's jars and its Python environment.
+#
+#   ./spark-submit.sh SUBSCRIPTION SHARD [job options]     a subscription shard
+#   ./spark-submit.sh --job NAME [job options]             any job in jobs/ (e.g. smoke_count)
+#
+# Environment: VARADHI_BOOTSTRAP (Kafka), VARADHI_WAREHOUSE (Delta tables, checkpoints),
+# VARADHI_SPARK_MASTER (default local[2]), VARADHI_DRIVER_MEMORY (default 2g).
+# PYSPARK_PYTHON is set to the project's venv: executors must import pycurl, mmh3 and pyarrow.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+case "${1:-}" in -h|--help|"") usage; exit 0 ;; esac
+
+if [[ ! -x "$ROOT/.venv/bin/python" || ! -d "$ROOT/.jars/spark" ]]; then
+  echo "spark-submit.sh: run scripts/setup first" >&2; exit 2
+fi
+if [[ "$1" == "--job" ]]; then
+  JOB="$ROOT/jobs/${2:?--job needs a name}.py"; shift 2
+  ARGS=("$@")
+else
+  [[ $# -ge 2 ]] || { usage >&2; exit 2; }
+  JOB="$ROOT/jobs/subscription_shard.py"
+  ARGS=(--subscription "$1" --shard "$2" "${@:3}")
+fi
+[[ -f "$JOB" ]] || { echo "spark-submit.sh: no job $JOB" >&2; exit 2; }
+
+export PYSPARK_PYTHON="$ROOT/.venv/bin/python"
+export PYSPARK_DRIVER_PYTHON="$ROOT/.venv/bin/python"
+export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
+export VARADHI_SPARK_MASTER="${VARADHI_SPARK_MASTER:-local[2]}"
+SPARK_HOME="$("$ROOT/.venv/bin/python" -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')"
+JARS="$(ls "$ROOT"/.jars/spark/*.jar | paste -sd, -)"
+exec "$SPARK_HOME/bin/spark-submit" \
+  --master "$VARADHI_SPARK_MASTER" \
+  --driver-memory "${VARADHI_DRIVER_MEMORY:-2g}" \
+  --jars "$JARS" \
+  --conf spark.ui.enabled=false \
+  --conf spark.log.level=WARN \
+  --conf spark.sql.shuffle.partitions=2 \
+  --conf spark.driver.bindAddress=127.0.0.1 \
+  --conf spark.driver.host=127.0.0.1 \
+  --conf spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension \
+  --conf spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog \
+  "$JOB" "${ARGS[@]}"
