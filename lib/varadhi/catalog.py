@@ -34,7 +34,7 @@ from .settings import Settings
 
 log = logging.getLogger(__name__)
 
-WRITER_ID = "varadhi-catalog-writer"
+WRITER_ID = "varadhi-catalog-writer"  # + "." + catalog topic: one fence per catalog
 Document = dict[str, Any]
 Changes = Mapping[str, Document | None]
 
@@ -117,10 +117,21 @@ class Catalog:
     def get(self, kind: str, name: str) -> Document | None:
         return self.snapshot().get(kind, name)
 
-    def _catch_up(self) -> None:
+    def _catch_up(self, past: int = -1) -> None:
+        """Read up to the last stable offset; first wait until it is beyond offset `past`.
+
+        `commit_transaction` returns once the coordinator has decided, before the commit markers
+        are on the catalog partition, so a writer that wants to read its own write passes the
+        offset of its last record (without the wait, `create` then `get` can miss the topic).
+        """
         consumer = self._consumer_or_create()
-        end = consumer.end_offsets([self._tp])[self._tp]
         deadline = time.monotonic() + self.timeout_s
+        end = consumer.end_offsets([self._tp])[self._tp]
+        while end <= past:
+            if time.monotonic() > deadline:
+                raise KafkaUnavailable(f"timed out waiting for the commit on {self.topic}")
+            time.sleep(0.01)
+            end = consumer.end_offsets([self._tp])[self._tp]
         while consumer.position(self._tp) < end:
             if time.monotonic() > deadline:
                 raise KafkaUnavailable(f"timed out reading the catalog topic {self.topic}")
@@ -186,8 +197,7 @@ class Catalog:
                                 self.topic, key=name.encode("utf-8"), value=value, partition=0
                             )
                         )
-                    for future in futures:
-                        future.get(timeout=self.timeout_s)
+                    last_offset = max(f.get(timeout=self.timeout_s).offset for f in futures)
                     producer.commit_transaction()
                 except KafkaError as e:  # fenced by a concurrent writer, or the broker went away
                     last = e
@@ -195,7 +205,7 @@ class Catalog:
                     self._close_producer()
                     time.sleep(random.uniform(0.02, 0.05 * 2 ** min(attempt, 4)))
                     continue
-                self._catch_up()
+                self._catch_up(past=last_offset)
                 return changes
             raise ConcurrentModification(f"catalog write failed after {attempts} attempts: {last}")
 
@@ -205,7 +215,7 @@ class Catalog:
             try:
                 producer = KafkaProducer(
                     bootstrap_servers=self.settings.bootstrap,
-                    transactional_id=WRITER_ID,
+                    transactional_id=f"{WRITER_ID}.{self.topic}",
                     client_id="varadhi-catalog-writer",
                     acks="all",
                     request_timeout_ms=int(self.timeout_s * 1000),

@@ -32,7 +32,7 @@ KIND = "topic"
 
 def validate_name(name: str, internal: bool = False) -> str:
     pattern = INTERNAL_NAME_RE if internal else NAME_RE
-    if not isinstance(name, str) or not pattern.match(name):
+    if not isinstance(name, str) or not pattern.fullmatch(name):
         raise InvalidArgument(
             f"{name!r} is not a valid name: use 1-200 letters, digits, '_' or '-', "
             "starting with a letter or digit",

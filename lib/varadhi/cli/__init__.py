@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    if not args.verbose:  # kafka-python logs retried, recovered errors (e.g. fencing) at ERROR
+        logging.getLogger("kafka").setLevel(logging.CRITICAL)
     try:
         return int(args.func(args) or 0)
     except VaradhiError as e:
