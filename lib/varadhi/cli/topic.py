@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from ..topics import TopicService
@@ -83,12 +85,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=_list)
 
 
-def _service(args: argparse.Namespace) -> TopicService:
-    return TopicService(common.catalog(args))
+@contextmanager
+def _service(args: argparse.Namespace) -> Iterator[TopicService]:
+    catalog = common.catalog(args)
+    try:
+        yield TopicService(catalog)
+    finally:
+        catalog.close()
 
 
 def _create(args: argparse.Namespace) -> int:
-    topic = _service(args).create(args.name, args.partitions, args.allow_uneven)
+    with _service(args) as service:
+        topic = service.create(args.name, args.partitions, args.allow_uneven)
     if args.output == "json":
         common.emit_json(topic.to_dict())
     else:
@@ -98,7 +106,8 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _add_storage(args: argparse.Namespace) -> int:
-    report = _service(args).add_storage(args.name, args.partitions, args.allow_uneven)
+    with _service(args) as service:
+        report = service.add_storage(args.name, args.partitions, args.allow_uneven)
     if args.output == "json":
         common.emit_json({**report.storage.to_dict(), "partition_change": not report.compatible})
     else:
@@ -111,7 +120,8 @@ def _add_storage(args: argparse.Namespace) -> int:
 
 
 def _switch_produce(args: argparse.Namespace) -> int:
-    topic = _service(args).switch_produce(args.name)
+    with _service(args) as service:
+        topic = service.switch_produce(args.name)
     if args.output == "json":
         common.emit_json(topic.to_dict())
     else:
@@ -123,7 +133,8 @@ def _switch_produce(args: argparse.Namespace) -> int:
 
 
 def _describe(args: argparse.Namespace) -> int:
-    doc = _service(args).describe(args.name)
+    with _service(args) as service:
+        doc = service.describe(args.name)
     if args.output == "json":
         common.emit_json(doc)
     else:
@@ -132,8 +143,8 @@ def _describe(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    service = _service(args)
-    docs = [service.describe(t.name) for t in service.list()]
+    with _service(args) as service:
+        docs = [service.describe(t.name) for t in service.list()]
     if args.output == "json":
         common.emit_json(docs)
         return 0
