@@ -187,9 +187,11 @@ def process_partition(
     """mapInPandas body. `pending` maps group key -> that group's pending state rows (no bodies)."""
     started = time.monotonic()
     counts = RunCounts()
+    records = 0
     candidates: dict[str, list[Entry]] = defaultdict(list)
     for frame in frames:
         for row in frame.to_dict("records"):
+            records += row["kind"] != "held"
             if row["kind"] == "held":
                 e = entry_from_state(row)
                 candidates[row["group_key"]].append(e)
@@ -220,7 +222,11 @@ def process_partition(
             rows.append(state_row("pending", key, e))
         for out in run.outs:
             rows.append(state_row("out", key, out.entry, target=out.target))
-    stat = asdict(counts) | {"seconds": round(time.monotonic() - started, 3), "groups": len(runs)}
+    stat = asdict(counts) | {
+        "records": records,
+        "groups": len(runs),
+        "seconds": round(time.monotonic() - started, 3),
+    }
     rows.append({"kind": "stat", "reason": json.dumps(stat)})
     yield to_frame(rows)
 

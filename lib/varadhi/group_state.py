@@ -34,6 +34,7 @@ from typing import Literal
 
 from . import messages as m
 from .delivery import Outcome, Request
+from .errors import InvalidArgument
 from .policies import RetryPolicy
 from .retry import decide
 
@@ -149,7 +150,10 @@ class GroupRun:
                 continue
             if head.location == "dlq" or head.value is None or head.due_ms > self.clock():
                 return None
-            return Request(body=head.value, headers=http_headers(head))
+            try:
+                return Request(body=head.value, headers=http_headers(head))
+            except InvalidArgument as e:  # e.g. a group or message id with CR/LF in it
+                head.invalid = f"malformed: {e}"
         return None
 
     def on_outcome(self, outcome: Outcome) -> None:

@@ -45,8 +45,6 @@ from pyspark.sql import functions as F
 from . import messages as m
 from . import routing, subscriptions, topics
 from .batch import (
-    COLUMN_NAMES,
-    STATE_COLUMNS,
     STATE_SCHEMA,
     TICK_HEADER,
     BatchContext,
@@ -56,6 +54,7 @@ from .catalog import Catalog, Snapshot, key
 from .errors import Fenced, VaradhiError
 from .leases import Lease
 from .settings import Settings
+from .state_store import StateStore, normalise
 
 log = logging.getLogger("varadhi.shard")
 
@@ -153,6 +152,8 @@ class ShardJob:
         self._query = None
         self._producer: KafkaProducer | None = None
         self._tick_producer: KafkaProducer | None = None
+        self._store: StateStore | None = None
+        self._offsets_consumer: KafkaConsumer | None = None
 
     # -- set-up ---------------------------------------------------------------------------
     def _load(
@@ -449,57 +450,49 @@ class ShardJob:
         spark = df.sparkSession
         started = time.monotonic()
         lease.check()
-        state = _read_state(spark, state_path)
-        meta = state.filter("kind = 'meta'").select("app_id", "batch_id").collect()
-        if meta and meta[0]["app_id"] == app_id and meta[0]["batch_id"] == batch_id:
+        if self._store is None or self._store.path != state_path:
+            self._store = StateStore(spark, state_path, self._lease.instance)
+        store = self._store
+        if store.meta() == (app_id, batch_id):
             self.stats.replays += 1
             log.info(
-                "%s shard %d: batch %d already committed; re-sending its records",
+                "%s shard %d: batch %d was committed; re-sending its records",
                 self.name,
                 self.shard,
                 batch_id,
             )
-            self._send_outs(state, app_id, batch_id, sub, rq, dlq)
+            self._send_outs(store.outs(app_id, batch_id), sub, rq, dlq)
             return
 
-        pending_rows = state.filter("kind = 'pending'").drop("value").toPandas().to_dict("records")
-        pending: dict[str, list[dict]] = {}
-        for row in pending_rows:
-            pending.setdefault(row["group_key"], []).append(row)
+        pending = store.pending()
         now_ms = int(time.time() * 1000)
         due_groups = _due_heads(pending, now_ms)
-
-        records = _records(df, sub, mq).persist()
+        records = _records(df, sub, mq)
+        held_keys = set(due_groups)
+        held_groups = store.held_groups()
+        if held_groups:  # the batch's groups that have parked bodies need them back
+            records = records.persist()
+            in_batch = {r[0] for r in records.select("group_key").distinct().collect()}
+            held_keys |= in_batch & held_groups
         try:
-            n_records = records.count()
-            if n_records == 0 and not due_groups:
-                self._finish_batch(batch_id, 0, {}, started, pending)
-                return
-            batch_groups = records.select("group_key").distinct()
-            if due_groups:
-                batch_groups = batch_groups.union(
-                    spark.createDataFrame([(g,) for g in due_groups], "group_key string")
-                )
-            held = (
-                state.filter("kind = 'pending' AND location = 'held'")
-                .join(batch_groups, "group_key", "left_semi")
-                .withColumn("kind", F.lit("held"))
-            )
-            candidates = records.unionByName(held, allowMissingColumns=True)
+            candidates = records
+            if held_keys:
+                held = spark.createDataFrame(normalise(store.held_rows(held_keys)), STATE_SCHEMA)
+                candidates = records.unionByName(held, allowMissingColumns=True)
             ctx = BatchContext(
                 spec=sub.spec,
                 mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
                 now_ms=now_ms,
                 seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
             )
-            concurrency = sub.spec.consumption.concurrency
             result = (
-                candidates.repartition(concurrency, "group_key")
+                candidates.repartition(sub.spec.consumption.concurrency, "group_key")
                 .mapInPandas(lambda it: process_partition(it, ctx, pending), STATE_SCHEMA)
                 .toPandas()
             )
         finally:
-            records.unpersist()
+            if held_groups:
+                records.unpersist()
 
         stats = [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
         touched = set(result.loc[result["kind"] == "touched", "group_key"])
@@ -508,73 +501,53 @@ class ShardJob:
         new_rows.loc[new_rows["kind"] == "out", "app_id"] = app_id
         if touched or len(new_rows):
             lease.check()
-            self._write_state(spark, state, state_path, touched, new_rows, app_id, batch_id)
-            self._send_outs(_read_state(spark, state_path), app_id, batch_id, sub, rq, dlq)
-        remaining = {g: rows for g, rows in pending.items() if g not in touched}
-        for row in new_rows[new_rows["kind"] == "pending"].to_dict("records"):
-            remaining.setdefault(row["group_key"], []).append(row)
-        self._finish_batch(batch_id, n_records, _sum(stats), started, remaining)
+            if not store.commit(touched, new_rows, app_id, batch_id):
+                log.warning(
+                    "%s shard %d: batch %d was committed by another writer",
+                    self.name,
+                    self.shard,
+                    batch_id,
+                )
+            self._send_outs(store.outs(app_id, batch_id), sub, rq, dlq)
+        counts = _sum(stats)
+        self._finish_batch(batch_id, counts.get("records", 0), counts, started, store.pending())
 
-    def _write_state(self, spark, state, path, touched, new_rows, app_id, batch_id) -> None:
-        kept = state.filter("kind = 'pending'")
-        if touched:
-            keys = spark.createDataFrame([(k,) for k in sorted(touched)], "group_key string")
-            kept = kept.join(keys, "group_key", "left_anti")
-        meta = dict.fromkeys(COLUMN_NAMES)
-        meta.update(kind="meta", app_id=app_id, batch_id=batch_id)
-        rows = [_clean(r) for r in new_rows.to_dict("records")] + [meta]
-        fresh = spark.createDataFrame(
-            [tuple(r[c] for c in COLUMN_NAMES) for r in rows], STATE_SCHEMA
-        )
-        (
-            kept.select(*fresh.columns)
-            .unionByName(fresh)
-            .write.format("delta")
-            .mode("overwrite")
-            .option("txnAppId", app_id)
-            .option("txnVersion", batch_id)
-            .save(path)
-        )
-
-    def _send_outs(self, state: DataFrame, app_id: str, batch_id: int, sub, rq, dlq) -> None:
-        """Send the RQ/DLQ records that the state table holds for this batch, in one transaction.
-
-        The table, not this process's memory, is the truth: if a fenced instance's commit won
-        the race for this batch, its records are the ones that match the state."""
-        outs = state.filter(
-            (F.col("kind") == "out") & (F.col("batch_id") == batch_id) & (F.col("app_id") == app_id)
-        ).toPandas()
+    def _send_outs(self, outs, sub, rq, dlq) -> None:
+        """Send a committed batch's RQ/DLQ records in one Kafka transaction (the inner fence)."""
         if not len(outs):
             return
         producer = self._producer
         assert producer is not None
         targets = {
             "rq": (
-                rq,
                 rq.produce_topic,
                 subscriptions.internal_partitions(sub, rq, rq.produce_pointer, self.shard),
             ),
             "dlq": (
-                dlq,
                 dlq.produce_topic,
                 subscriptions.internal_partitions(sub, dlq, dlq.produce_pointer, self.shard),
             ),
         }
         try:
             producer.begin_transaction()
+            futures = []
             for row in outs.to_dict("records"):
-                _, st, parts = targets[row["target"]]
+                st, parts = targets[row["target"]]
                 partition = routing.internal_partition(routing.group_hash(row["group_key"]), parts)
-                producer.send(
-                    st.name,
-                    key=row["group_id"].encode() if isinstance(row["group_id"], str) else None,
-                    value=row["value"],
-                    partition=partition,
-                    headers=out_headers(row),
+                futures.append(
+                    producer.send(
+                        st.name,
+                        key=row["group_id"].encode() if isinstance(row["group_id"], str) else None,
+                        value=row["value"],
+                        partition=partition,
+                        headers=out_headers(row),
+                    )
                 )
+            for f in futures:
+                f.get(timeout=30)
             producer.commit_transaction()
         except KafkaError as e:
-            if "Fenced" in type(e).__name__ or "fenced" in str(e).lower():
+            if "fenc" in f"{type(e).__name__} {e}".lower():
                 raise Fenced(
                     f"producer of {self.name} shard {self.shard}", self._lease.epoch or 0, -1
                 ) from e
@@ -615,6 +588,8 @@ class ShardJob:
             return None
 
     def _close(self) -> None:
+        if self._offsets_consumer is not None:
+            self._offsets_consumer.close()
         for p in (self._producer, self._tick_producer):
             if p is not None:
                 try:
@@ -625,14 +600,6 @@ class ShardJob:
 
 
 # -- helpers (pure or Spark-expression builders) ---------------------------------------------
-
-
-def _read_state(spark: SparkSession, path: str) -> DataFrame:
-    from delta.tables import DeltaTable
-
-    if DeltaTable.isDeltaTable(spark, path):
-        return spark.read.format("delta").load(path)
-    return spark.createDataFrame([], STATE_SCHEMA)
 
 
 def _header(name: str):
@@ -715,23 +682,6 @@ def out_headers(row: dict) -> list[tuple[str, bytes]]:
         }
     )
     return m.dict_to_headers(headers)
-
-
-_INT_COLUMNS = {name for name, kind in STATE_COLUMNS if kind in ("int", "bigint")}
-
-
-def _clean(row: dict) -> dict:
-    """A pandas row as Spark values: NaN -> None, floats of integer columns -> int."""
-    out = {}
-    for c in COLUMN_NAMES:
-        v = row.get(c)
-        if v is None or (isinstance(v, float) and v != v):
-            out[c] = None
-        elif c in _INT_COLUMNS:
-            out[c] = int(v)
-        else:
-            out[c] = v
-    return out
 
 
 def _opt(v) -> str | None:

@@ -1,0 +1,121 @@
+"""A shard's GroupState table in Delta, with the driver's in-memory copy of it.
+
+The table (one per subscription, shard count and shard) holds rows of `batch.STATE_SCHEMA`:
+
+- `pending`: one per pending message of a non-healthy group (see `varadhi.group_state`);
+- `out`:     the RQ/DLQ records of the last committed batch (a transactional outbox: they are
+             sent after the commit and re-sent if the batch is replayed);
+- `meta`:    which batch (`app_id`, `batch_id`) the table's content belongs to.
+
+It is small by design (healthy groups have no rows), so a shard keeps a copy in driver memory,
+loaded when its query starts, and replaces the whole table when a batch changed it: one Delta
+commit, idempotent per batch (`txnAppId`/`txnVersion`). Each commit carries `userMetadata`
+naming the writer instance; after writing, the shard reads the latest commit's metadata to learn
+whether its own write won (a fenced instance, or a replay whose txnVersion was already
+committed, is skipped silently by Delta) and reloads the table if it did not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pandas as pd
+from pyspark.sql import SparkSession
+
+from .batch import STATE_COLUMNS, STATE_SCHEMA, to_frame
+
+_INT_KINDS = {"int": "Int32", "bigint": "Int64"}
+
+
+def normalise(frame: pd.DataFrame) -> pd.DataFrame:
+    """Column types that convert to STATE_SCHEMA exactly (nullable ints, object text/binary)."""
+    frame = to_frame(frame.to_dict("records")) if len(frame) else to_frame([])
+    for name, kind in STATE_COLUMNS:
+        if kind in _INT_KINDS:
+            frame[name] = pd.array(
+                [None if pd.isna(v) else int(v) for v in frame[name]], dtype=_INT_KINDS[kind]
+            )
+    return frame
+
+
+class StateStore:
+    """The driver's copy of one shard's state table. Not thread-safe (the batch lock guards it)."""
+
+    def __init__(self, spark: SparkSession, path: str, writer: str):
+        self.spark = spark
+        self.path = path
+        self.writer = writer
+        self.frame = self._load()
+
+    def _load(self) -> pd.DataFrame:
+        from delta.tables import DeltaTable
+
+        if DeltaTable.isDeltaTable(self.spark, self.path):
+            return normalise(self.spark.read.format("delta").load(self.path).toPandas())
+        return normalise(pd.DataFrame(columns=[c for c, _ in STATE_COLUMNS]))
+
+    def reload(self) -> None:
+        self.frame = self._load()
+
+    # -- reading --------------------------------------------------------------------------
+    def meta(self) -> tuple[str | None, int | None]:
+        rows = self.frame[self.frame["kind"] == "meta"]
+        if not len(rows):
+            return None, None
+        row = rows.iloc[0]
+        return row["app_id"], (None if pd.isna(row["batch_id"]) else int(row["batch_id"]))
+
+    def pending(self) -> dict[str, list[dict]]:
+        """Group key -> its pending rows, without bodies (what executors need to decide)."""
+        rows = self.frame[self.frame["kind"] == "pending"].drop(columns=["value"])
+        out: dict[str, list[dict]] = {}
+        for row in rows.to_dict("records"):
+            out.setdefault(row["group_key"], []).append(row)
+        return out
+
+    def held_groups(self) -> set[str]:
+        f = self.frame
+        return set(f.loc[(f["kind"] == "pending") & (f["location"] == "held"), "group_key"])
+
+    def held_rows(self, keys: Iterable[str]) -> pd.DataFrame:
+        f = self.frame
+        rows = f[
+            (f["kind"] == "pending") & (f["location"] == "held") & f["group_key"].isin(set(keys))
+        ]
+        return rows.assign(kind="held")
+
+    def outs(self, app_id: str, batch_id: int) -> pd.DataFrame:
+        f = self.frame
+        return f[(f["kind"] == "out") & (f["app_id"] == app_id) & (f["batch_id"] == batch_id)]
+
+    # -- writing --------------------------------------------------------------------------
+    def commit(self, touched: set[str], new_rows: pd.DataFrame, app_id: str, batch_id: int) -> bool:
+        """Replace the table with: pending rows of untouched groups, `new_rows` (the touched
+        groups' new pending rows and this batch's outs) and a meta row. Returns whether this
+        writer's commit is the table's latest (False: someone else's won; the copy is reloaded).
+        """
+        f = self.frame
+        kept = f[(f["kind"] == "pending") & ~f["group_key"].isin(touched)]
+        meta = pd.DataFrame([{"kind": "meta", "app_id": app_id, "batch_id": batch_id}])
+        frame = normalise(pd.concat([kept, new_rows, meta], ignore_index=True))
+        stamp = f"{self.writer}/{app_id}/{batch_id}"
+        (
+            self.spark.createDataFrame(frame, STATE_SCHEMA)
+            .write.format("delta")
+            .mode("overwrite")
+            .option("txnAppId", app_id)
+            .option("txnVersion", batch_id)
+            .option("userMetadata", stamp)
+            .save(self.path)
+        )
+        if self._latest_stamp() == stamp:
+            self.frame = frame
+            return True
+        self.reload()
+        return False
+
+    def _latest_stamp(self) -> str | None:
+        from delta.tables import DeltaTable
+
+        rows = DeltaTable.forPath(self.spark, self.path).history(1).select("userMetadata").collect()
+        return rows[0]["userMetadata"] if rows else None
