@@ -52,6 +52,7 @@ from .batch import (
 )
 from .catalog import Catalog, Snapshot, key
 from .errors import Fenced, VaradhiError
+from .faults import crash_point
 from .leases import Lease
 from .settings import Settings
 from .state_store import StateStore, normalise
@@ -494,6 +495,7 @@ class ShardJob:
             if held_groups:
                 records.unpersist()
 
+        crash_point("after_delivery")
         stats = [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
         touched = set(result.loc[result["kind"] == "touched", "group_key"])
         new_rows = result[result["kind"].isin(["pending", "out"])].copy()
@@ -508,7 +510,9 @@ class ShardJob:
                     self.shard,
                     batch_id,
                 )
+            crash_point("after_state_commit")
             self._send_outs(store.outs(app_id, batch_id), sub, rq, dlq)
+            crash_point("after_send")
         counts = _sum(stats)
         self._finish_batch(batch_id, counts.get("records", 0), counts, started, store.pending())
 
