@@ -864,6 +864,9 @@ class Relay:
             for table in list(self._owned) if reading else ():
                 if table in stuck:
                     continue
+                if not store.renew(table):  # SQLite: keeps an idle relay's leases alive too
+                    self._lose(table)
+                    continue
                 batch = store.read(table, self.batch_size, cursors.get(table, 0))
                 if batch:
                     rows[table] = batch

@@ -44,6 +44,28 @@ def sqlite_db(tmp_path):
     return make
 
 
+@pytest.fixture
+def kafka_free_relay():
+    """make(path, outbox, clock) -> a Relay on a SQLite file that has not touched Kafka yet (it
+    connects to Kafka only when it has rows to send)."""
+    from varadhi.catalog import Catalog
+    from varadhi.outbox import Relay, connector
+    from varadhi.settings import Settings
+
+    relays = []
+
+    def make(path: str, outbox: Outbox, clock: FakeClock):
+        relay = Relay(
+            connector(sqlite=path), outbox, catalog=Catalog(Settings()), clock=clock, lease_ttl_s=10
+        )
+        relays.append(relay)
+        return relay
+
+    yield make
+    for relay in relays:
+        relay.close()
+
+
 def rows(path: str, table: str) -> list[tuple]:
     with sqlite3.connect(path) as conn:
         return conn.execute(
@@ -298,3 +320,17 @@ def _msg(i: int):
     from varadhi.producer import Message
 
     return Message(f"v{i}".encode(), "g")
+
+
+def test_an_idle_relay_keeps_its_leases(sqlite_db, kafka_free_relay):
+    outbox = Outbox()
+    path = sqlite_db(outbox)
+    clock = FakeClock()
+    relay = kafka_free_relay(path, outbox, clock)
+    assert relay.claim() == outbox.tables()
+    other = store(path, "other", clock)
+    for _ in range(10):  # 30 s of empty polls: the leases are renewed, not left to expire
+        clock.now += 3
+        assert relay.pump().relayed == {}
+        assert not other.acquire(outbox.tables()[0])
+    assert relay.owned == outbox.tables()
