@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -56,6 +56,7 @@ from .faults import crash_point
 from .leases import Lease
 from .settings import Settings
 from .state_store import StateStore, normalise
+from .status import ProgressPublisher
 
 log = logging.getLogger("varadhi.shard")
 
@@ -154,6 +155,10 @@ class ShardJob:
         self._producer: KafkaProducer | None = None
         self._tick_producer: KafkaProducer | None = None
         self._store: StateStore | None = None
+        self._summary: dict[str, int] = {}
+        self._publisher: ProgressPublisher | None = None
+        self._rate_window: list[tuple[float, int, int]] = []
+        self._where: dict[str, Any] = {}
         self._offsets_consumer: KafkaConsumer | None = None
 
     # -- set-up ---------------------------------------------------------------------------
@@ -223,6 +228,7 @@ class ShardJob:
                 max_request_size=16 * 1024 * 1024,
             )
             self._producer.init_transactions()
+            self._publisher = ProgressPublisher(self.settings, self.name, self.shard)
             while True:
                 sub, mq, rq, dlq = self._load()
                 lease.check()
@@ -230,6 +236,7 @@ class ShardJob:
                     return 0
                 if sub.paused:
                     log.info("%s shard %d: paused", self.name, self.shard)
+                    self._publish("paused", force=True)
                     if self._wait_while_paused():
                         return 0
                     continue
@@ -239,9 +246,41 @@ class ShardJob:
                     return 0
         except Fenced as e:
             log.warning("%s shard %d: %s; stopping without committing", self.name, self.shard, e)
+            self._publish("fenced", force=True)
             return 3
         finally:
+            self._publish("stopped", force=True)
             self._close()
+
+    def _publish(self, state: str, query=None, force: bool = False) -> None:
+        """Send a progress document (rate-limited unless forced); see `varadhi.status`."""
+        if self._publisher is None:
+            return
+        s = self.stats
+        now = time.monotonic()
+        self._rate_window = [w for w in self._rate_window if now - w[0] <= 60] + [
+            (now, s.delivered, s.failures)
+        ]
+        t0, d0, f0 = self._rate_window[0]
+        span = max(now - t0, 1e-9)
+        consumed = self._consumed(query) if query is not None else None
+        if consumed is not None:
+            self._where["consumed"] = consumed
+        doc = {
+            "state": state,
+            "shard": self.shard,
+            "instance": self._lease.instance,
+            "epoch": self._lease.epoch,
+            **self._where,
+            **self._summary,
+            "totals": {k: v for k, v in asdict(s).items() if isinstance(v, int)},
+            "rates": {
+                "delivered_per_s": round((s.delivered - d0) / span, 2) if span > 1 else 0.0,
+                "failures_per_s": round((s.failures - f0) / span, 2) if span > 1 else 0.0,
+            },
+            "last_batch": s.last_batch,
+        }
+        self._publisher.publish(doc, force=force)
 
     def _wait_while_paused(self) -> bool:
         """Sleep until resumed (False) or asked to stop (True)."""
@@ -300,6 +339,13 @@ class ShardJob:
         )
         self._query = query
         self._stopping = False
+        self._where = {
+            "generation": layout.generation,
+            "shard_count": sub.shard_count,
+            "layout": layout.seq,
+            "mq_index": layout.mq_index,
+            "reading": assign,
+        }
         log.info("%s shard %d: reading %s (layout %d)", self.name, self.shard, assign, layout.seq)
         self._last_batch_end = time.monotonic()
         try:
@@ -326,6 +372,7 @@ class ShardJob:
                 if moved:
                     return "layout"
                 self._maybe_tick(rq, sub)
+                self._publish("running", query)
                 if (
                     self.stop_when_idle_s is not None
                     and self._next_due_ms is None
@@ -570,6 +617,7 @@ class ShardJob:
             **counts,
         }
         self._next_due_ms = _next_due(pending)
+        self._summary = summarize(pending)
         if n_records or counts:
             log.info("%s shard %d: batch %s", self.name, self.shard, s.last_batch)
         attempts, failures = int(counts.get("attempts", 0)), int(counts.get("failures", 0))
@@ -592,6 +640,8 @@ class ShardJob:
             return None
 
     def _close(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
         if self._offsets_consumer is not None:
             self._offsets_consumer.close()
         for p in (self._producer, self._tick_producer):
@@ -658,6 +708,17 @@ def _next_due(pending: dict[str, list[dict]]) -> int | None:
         if head["location"] == "held":
             dues.append(int(head["due_ms"] or 0))
     return min(dues) if dues else None
+
+
+def summarize(pending: dict[str, list[dict]]) -> dict[str, int]:
+    """Counts for status: blocked groups and pending messages by where they wait (pure)."""
+    where = [r["location"] for rows in pending.values() for r in rows]
+    return {
+        "blocked_groups": len(pending),
+        "held": where.count("held"),
+        "rq_pending": where.count("rq"),
+        "dlq_pending": where.count("dlq"),
+    }
 
 
 def _sum(stats: list[dict]) -> dict[str, int]:

@@ -1,0 +1,46 @@
+"""`varadhi status NAME`: per shard and queue, lag, rates, blocked groups and DLQ depth."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import status
+from . import common
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "status",
+        help="lag, rates, blocked groups and DLQ depth of a subscription",
+        description="Status of a subscription from the shards' latest progress and Kafka's "
+        "current offsets. Works without Spark and while shards are stopped.",
+    )
+    p.add_argument("name", help="subscription name")
+    common.add_output(p)
+    p.set_defaults(func=_status)
+
+
+def _status(args: argparse.Namespace) -> int:
+    doc = status.collect(common.catalog(args), args.name)
+    if args.output == "json":
+        common.emit_json(doc)
+        return 0
+    flags = " (paused)" if doc["paused"] else ""
+    print(
+        f"subscription {doc['subscription']}{flags}: {doc['shard_count']} shards, generation {doc['generation']}"
+    )
+    print(
+        f"{'shard':>5}  {'state':<14} {'main lag':>9} {'rq lag':>7} {'rq pend':>7} {'dlq parked':>10} "
+        f"{'dlq depth':>9} {'blocked':>7} {'deliv/s':>8} {'fail/s':>7}"
+    )
+    for s in doc["shards"]:
+        q = s["queues"]
+        r = s["rates"]
+        print(
+            f"{s['shard']:>5}  {s['state']:<14} {q['main']['lag']:>9} {q['rq']['lag']:>7} "
+            f"{q['rq']['pending']:>7} {q['dlq']['parked']:>10} {q['dlq']['depth']:>9} "
+            f"{s['blocked_groups']:>7} {r.get('delivered_per_s', 0):>8} {r.get('failures_per_s', 0):>7}"
+        )
+    for key, op in doc["operations"].items():
+        print(f"operation {key}: {op.get('kind', '?')} {op.get('step', '')}".rstrip())
+    return 0

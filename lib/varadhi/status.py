@@ -1,0 +1,183 @@
+"""Shard progress and subscription status.
+
+Shards publish a progress document every few seconds (and when they stop) to a progress topic
+next to the catalog (`<catalog topic>_progress`, one partition, time-retained, keyed by
+`<subscription>/<shard>`). It is not compacted: its history is what the status notebook plots.
+`varadhi status` reads the newest document of each shard and adds what Kafka knows now (log-end
+offsets, hence lag, and DLQ depth), so status needs neither Spark nor a running shard.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.errors import TopicAlreadyExistsError
+
+from . import subscriptions, topics
+from .catalog import Catalog
+from .settings import Settings
+
+RETENTION_MS = 7 * 24 * 3600 * 1000
+SCAN_RECORDS = 5_000  # how far back status looks for each shard's newest document
+
+
+def progress_topic(settings: Settings) -> str:
+    return f"{settings.catalog_topic}_progress"
+
+
+def ensure_progress_topic(settings: Settings) -> None:
+    admin = KafkaAdminClient(bootstrap_servers=settings.bootstrap, client_id="varadhi-status")
+    try:
+        if progress_topic(settings) not in admin.list_topics():
+            admin.create_topics(
+                [
+                    NewTopic(
+                        progress_topic(settings),
+                        1,
+                        1,
+                        topic_configs={"retention.ms": str(RETENTION_MS)},
+                    )
+                ]
+            )
+    except TopicAlreadyExistsError:
+        pass
+    finally:
+        admin.close()
+
+
+class ProgressPublisher:
+    """Sends a shard's progress documents, at most every `interval_s` unless forced."""
+
+    def __init__(self, settings: Settings, subscription: str, shard: int, interval_s: float = 5.0):
+        ensure_progress_topic(settings)
+        self.topic = progress_topic(settings)
+        self.key = f"{subscription}/{shard}".encode()
+        self.interval_s = interval_s
+        self._last = 0.0
+        self._lock = threading.Lock()
+        self._producer = KafkaProducer(bootstrap_servers=settings.bootstrap, linger_ms=50)
+
+    def publish(self, doc: dict[str, Any], force: bool = False) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if not force and now - self._last < self.interval_s:
+                return
+            self._last = now
+            body = dict(doc, updated_ms=int(time.time() * 1000))
+            self._producer.send(
+                self.topic, key=self.key, value=json.dumps(body).encode(), partition=0
+            )
+            if force:
+                self._producer.flush(5)
+
+    def close(self) -> None:
+        self._producer.close(timeout=5)
+
+
+def latest_progress(settings: Settings, subscription: str) -> dict[int, dict[str, Any]]:
+    """The newest progress document of every shard of `subscription` (shard -> document)."""
+    ensure_progress_topic(settings)
+    tp = TopicPartition(progress_topic(settings), 0)
+    consumer = KafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False)
+    try:
+        consumer.assign([tp])
+        end = consumer.end_offsets([tp])[tp]
+        consumer.seek(tp, max(0, end - SCAN_RECORDS))
+        found: dict[int, dict[str, Any]] = {}
+        prefix = f"{subscription}/"
+        deadline = time.monotonic() + 10
+        while consumer.position(tp) < end and time.monotonic() < deadline:
+            for records in consumer.poll(timeout_ms=200).values():
+                for r in records:
+                    k = (r.key or b"").decode()
+                    if k.startswith(prefix):
+                        found[int(k[len(prefix) :])] = json.loads(r.value)
+        return found
+    finally:
+        consumer.close()
+
+
+def lag(
+    consumed: dict[str, dict[str, int]], ends: dict[str, list[int]], owned: dict[str, list[int]]
+) -> int:
+    """Messages not yet read by a shard: log end minus consumed, over the partitions it owns.
+    A partition the shard has not started reading counts from its log start (0) (pure)."""
+    total = 0
+    for topic, parts in owned.items():
+        for p in parts:
+            total += max(0, ends[topic][p] - int(consumed.get(topic, {}).get(str(p), 0)))
+    return total
+
+
+def collect(catalog: Catalog, name: str) -> dict[str, Any]:
+    """Status of subscription `name`: per shard and queue, lag, rates, blocked groups, DLQ depth,
+    generation and operations in progress."""
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    mq = topics.from_snapshot(snap, sub.spec.topic)
+    rq = topics.from_snapshot(snap, sub.spec.rq_topic)
+    dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
+    ends = topics.end_offsets(catalog, mq.storage_topics + rq.storage_topics + dlq.storage_topics)
+    progress = latest_progress(catalog.settings, name)
+    now = int(time.time() * 1000)
+    shards = []
+    for shard in range(sub.shard_count):
+        doc = progress.get(shard, {})
+        consumed = doc.get("consumed") or {}
+        mq_owned = {
+            st.name: subscriptions.owned_partitions(sub, mq, i, shard)
+            for i, st in enumerate(mq.storage_topics)
+            if i >= int(doc.get("mq_index", 0))
+        }
+        rq_owned = {
+            st.name: subscriptions.internal_partitions(sub, rq, i, shard)
+            for i, st in enumerate(rq.storage_topics)
+        }
+        dlq_owned = {
+            st.name: subscriptions.internal_partitions(sub, dlq, i, shard)
+            for i, st in enumerate(dlq.storage_topics)
+        }
+        age = (now - int(doc["updated_ms"])) if doc.get("updated_ms") else None
+        shards.append(
+            {
+                "shard": shard,
+                "state": doc.get("state", "never started")
+                if age is None or age < 60_000
+                else "silent",
+                "progress_age_ms": age,
+                "generation": doc.get("generation"),
+                "layout": doc.get("layout"),
+                "instance": doc.get("instance"),
+                "queues": {
+                    "main": {"lag": lag(consumed, ends, mq_owned)},
+                    "rq": {
+                        "lag": lag(consumed, ends, rq_owned),
+                        "pending": doc.get("rq_pending", 0),
+                    },
+                    "dlq": {
+                        "depth": sum(ends[t][p] for t, parts in dlq_owned.items() for p in parts),
+                        "parked": doc.get("dlq_pending", 0),
+                    },
+                },
+                "blocked_groups": doc.get("blocked_groups", 0),
+                "held": doc.get("held", 0),
+                "rates": doc.get("rates", {}),
+                "totals": doc.get("totals", {}),
+            }
+        )
+    operations = {
+        k: v for k, v in snap.items("operation").items() if k == name or k.startswith(f"{name}/")
+    }
+    return {
+        "subscription": name,
+        "paused": sub.paused,
+        "generation": sub.generation,
+        "shard_count": sub.shard_count,
+        "shards": shards,
+        "operations": operations,
+    }
