@@ -43,7 +43,6 @@ import json
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ from . import topics
 from .catalog import Catalog
 from .errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from .messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS
-from .producer import RESERVED_HEADER_PREFIX, plan
+from .producer import RESERVED_HEADER_PREFIX, new_message_id, plan
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -109,7 +108,7 @@ def route_frames(
             strict=True,
         ):
             group = None if _missing(group) else group
-            mid = uuid.uuid4().hex if _missing(mid) or mid == "" else mid
+            mid = new_message_id() if _missing(mid) or mid == "" else mid
             ids.append(mid)
             reason = _rejection(topic, group, headers, value, routes, max_bytes)
             if reason is None:
@@ -352,7 +351,8 @@ class DeltaOutbox:
                 if group is not None:
                     headers.append((H_GROUP_ID, group.encode()))
                 if not _missing(headers_json) and headers_json:
-                    headers.extend((k, v.encode()) for k, v in json.loads(headers_json).items())
+                    user = json.loads(headers_json).items()
+                    headers.extend((k, v.encode()) for k, v in user if v is not None)
                 producer.send(
                     storage,
                     value=bytes(value),

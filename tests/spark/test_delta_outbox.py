@@ -107,19 +107,22 @@ def test_appended_rows_arrive_once_each_in_the_routers_partitions(
     outbox = make_outbox()
     outbox.create_table()
     first = messages(topic, "a", 30)
-    second = messages(topic, "b", 30) + [(topic, None, "loose", None, b"ungrouped")]
+    loose = (topic, None, None, {"x": "y", "nothing": None}, b"ungrouped")  # id made for it
+    second = messages(topic, "b", 30) + [loose]
     append(spark, outbox, first)
-    append(spark, outbox, second)
-    append(spark, outbox, [("no-such-topic", "g0", "lost", None, b"x")])
+    append(spark, outbox, second + [("no-such-topic", "g0", "lost", None, b"x")])
     run(outbox)
 
     records = read_committed(bootstrap, f"{topic}.0")
     ids = [headers_to_dict(r.headers)[H_MSG_ID] for r in records]
-    assert sorted(ids) == sorted([m[2] for m in first + second])  # each exactly once
+    assert len(ids) == len(set(ids)) == 61  # each exactly once
+    assert set(m[2] for m in first + second) - set(ids) == {None}
     for r in records:
         headers = headers_to_dict(r.headers)
         if r.key is None:
             assert r.value == b"ungrouped" and H_GROUP_ID not in headers
+            assert headers["x"] == "y" and "nothing" not in headers
+            assert len(headers[H_MSG_ID]) == 32
             continue
         group = r.key.decode()
         assert headers[H_GROUP_ID] == group
