@@ -64,3 +64,13 @@ def unique_name():
         return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
     return make
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """One local SparkSession (Kafka and Delta jars, UI off) for the whole run."""
+    from varadhi.spark import get_spark
+
+    session = get_spark("varadhi-tests")
+    yield session
+    session.stop()

@@ -42,6 +42,7 @@ from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from . import dlq as dlq_ops
 from . import messages as m
 from . import routing, subscriptions, topics
 from .batch import (
@@ -461,9 +462,14 @@ class ShardJob:
         return True
 
     def _maybe_tick(self, rq: topics.CompositeTopic, sub) -> None:
-        """Wake the query when a parked retry falls due and no input would trigger a batch."""
+        """Wake the query when a parked retry falls due, or a re-drive waits, and no input
+        would trigger a batch."""
+        now = int(time.time() * 1000)
         due = self._next_due_ms
-        if due is None or int(time.time() * 1000) < due or self._last_batch_start_ms >= due:
+        if dlq_ops.pending_for(self.catalog.snapshot(), self.name, self.shard):
+            if now - self._last_batch_start_ms < 2_000:
+                return
+        elif due is None or now < due or self._last_batch_start_ms >= due:
             return
         st = rq.produce_topic
         parts = subscriptions.internal_partitions(sub, rq, rq.produce_pointer, self.shard)
@@ -512,6 +518,15 @@ class ShardJob:
             self._send_outs(store.outs(app_id, batch_id), sub, rq, dlq)
             return
 
+        redrive_ops = dlq_ops.pending_for(self.catalog.snapshot(), self.name, self.shard)
+        redriven = 0
+        if redrive_ops:
+            parked = dlq_ops.read_parked(
+                self.settings, dlq_ops.dlq_partitions(sub, dlq, self.shard)
+            )
+            chosen = [p for p in parked if any(sel.matches(p) for sel in redrive_ops.values())]
+            redriven = store.redrive(dlq_ops.redrive_rows(chosen, sub.spec.grouped))
+            log.info("%s shard %d: re-driving %d parked messages", self.name, self.shard, redriven)
         pending = store.pending()
         now_ms = int(time.time() * 1000)
         due_groups = _due_heads(pending, now_ms)
@@ -548,7 +563,7 @@ class ShardJob:
         new_rows = result[result["kind"].isin(["pending", "out"])].copy()
         new_rows.loc[new_rows["kind"] == "out", "batch_id"] = batch_id
         new_rows.loc[new_rows["kind"] == "out", "app_id"] = app_id
-        if touched or len(new_rows):
+        if touched or len(new_rows) or redrive_ops:
             lease.check()
             if not store.commit(touched, new_rows, app_id, batch_id):
                 log.warning(
@@ -560,6 +575,8 @@ class ShardJob:
             crash_point("after_state_commit")
             self._send_outs(store.outs(app_id, batch_id), sub, rq, dlq)
             crash_point("after_send")
+            if redrive_ops:
+                dlq_ops.mark_done(self.catalog, self.name, redrive_ops, self.shard)
         counts = _sum(stats)
         self._finish_batch(batch_id, counts.get("records", 0), counts, started, store.pending())
 

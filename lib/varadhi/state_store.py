@@ -89,6 +89,45 @@ class StateStore:
         return f[(f["kind"] == "out") & (f["app_id"] == app_id) & (f["batch_id"] == batch_id)]
 
     # -- writing --------------------------------------------------------------------------
+    def redrive(self, rows: list[dict]) -> int:
+        """Put re-driven DLQ messages back as `held` entries (in memory; the next `commit`
+        persists them). A `dlq` entry at the same origin is replaced; a message that is pending
+        anyway is left alone. Returns how many entries were added or replaced."""
+        if not rows:
+            return 0
+        f = self.frame
+        pending = f["kind"] == "pending"
+        at = {
+            (g, i, p, o): idx
+            for idx, g, i, p, o in zip(
+                f.index[pending],
+                f.loc[pending, "group_key"],
+                f.loc[pending, "origin_index"],
+                f.loc[pending, "origin_partition"],
+                f.loc[pending, "origin_offset"],
+                strict=True,
+            )
+        }
+        drop, add = [], []
+        for row in rows:
+            idx = at.get(
+                (
+                    row["group_key"],
+                    row["origin_index"],
+                    row["origin_partition"],
+                    row["origin_offset"],
+                )
+            )
+            if idx is None:
+                add.append(row)
+            elif f.at[idx, "location"] == "dlq":
+                drop.append(idx)
+                add.append(row)
+        self.frame = normalise(
+            pd.concat([f.drop(index=drop), pd.DataFrame(add)], ignore_index=True)
+        )
+        return len(add)
+
     def commit(self, touched: set[str], new_rows: pd.DataFrame, app_id: str, batch_id: int) -> bool:
         """Replace the table with: pending rows of untouched groups, `new_rows` (the touched
         groups' new pending rows and this batch's outs) and a meta row. Returns whether this
@@ -97,7 +136,8 @@ class StateStore:
         f = self.frame
         kept = f[(f["kind"] == "pending") & ~f["group_key"].isin(touched)]
         meta = pd.DataFrame([{"kind": "meta", "app_id": app_id, "batch_id": batch_id}])
-        frame = normalise(pd.concat([kept, new_rows, meta], ignore_index=True))
+        parts = [p for p in (kept, new_rows, meta) if len(p)]
+        frame = normalise(pd.concat(parts, ignore_index=True))
         stamp = f"{self.writer}/{app_id}/{batch_id}"
         (
             self.spark.createDataFrame(frame, STATE_SCHEMA)

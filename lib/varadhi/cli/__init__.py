@@ -9,9 +9,9 @@ import logging
 import sys
 
 from ..errors import VaradhiError
-from . import outbox, produce, status, subscription, topic
+from . import dlq, outbox, produce, status, subscription, topic
 
-COMMAND_GROUPS = [topic, produce, subscription, status, outbox]
+COMMAND_GROUPS = [topic, produce, subscription, status, dlq, outbox]
 
 
 def build_parser() -> argparse.ArgumentParser:

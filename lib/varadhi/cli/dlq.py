@@ -1,0 +1,92 @@
+"""`varadhi dlq list|unsideline`: browse parked messages and re-drive them."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from .. import dlq
+from ..catalog import Catalog
+from ..errors import VaradhiError
+from ..subscriptions import from_snapshot
+from . import common
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("dlq", help="dead-letter queue: list and unsideline (re-drive)")
+    dsub = p.add_subparsers(dest="dlq_command", metavar="ACTION", required=True)
+
+    ls = dsub.add_parser("list", help="list parked messages with reason, status, attempts, times")
+    ls.add_argument("name", help="subscription name")
+    ls.add_argument("--group-id", help="only this group's messages")
+    ls.add_argument(
+        "--limit", type=int, default=100, help="show the newest N (default 100; 0: all)"
+    )
+    common.add_output(ls)
+    ls.set_defaults(func=_list)
+
+    un = dsub.add_parser(
+        "unsideline",
+        help="re-drive parked messages in their original group order, attempts reset",
+        description="Record a re-drive; each running shard applies it at its next micro-batch. "
+        "A group blocked on its DLQ unblocks once its re-driven messages are delivered.",
+    )
+    un.add_argument("name", help="subscription name")
+    un.add_argument("--group-ids", nargs="+", default=[], metavar="G")
+    un.add_argument("--message-ids", nargs="+", default=[], metavar="ID")
+    un.add_argument("--failed-since", metavar="TIME", help="ISO-8601 (UTC if no zone) or epoch ms")
+    un.add_argument("--failed-until", metavar="TIME")
+    un.add_argument(
+        "--wait", type=float, default=0, metavar="SECONDS", help="wait until every shard applied it"
+    )
+    un.set_defaults(func=_unsideline)
+
+
+def _list(args: argparse.Namespace) -> int:
+    rows = dlq.list_parked(common.catalog(args), args.name, args.group_id, args.limit)
+    if args.output == "json":
+        common.emit_json(rows)
+        return 0
+    if not rows:
+        print("no parked messages")
+        return 0
+    print(f"{'message id':<24} {'group':<16} {'attempts':>8} {'status':>6} {'state':<18} reason")
+    for r in rows:
+        print(
+            f"{r['msg_id'][:24]:<24} {str(r['group_id'])[:16]:<16} {r['attempts']:>8} "
+            f"{str(r['status'] or '-'):>6} {r['state']:<18} {r['reason'] or ''}"
+        )
+    return 0
+
+
+def _unsideline(args: argparse.Namespace) -> int:
+    selector = dlq.Selector(
+        group_ids=tuple(args.group_ids),
+        message_ids=tuple(args.message_ids),
+        failed_since_ms=dlq.parse_time_ms(args.failed_since, "failed_since")
+        if args.failed_since
+        else None,
+        failed_until_ms=dlq.parse_time_ms(args.failed_until, "failed_until")
+        if args.failed_until
+        else None,
+    ).validate()
+    catalog = common.catalog(args)
+    op_id = dlq.request_unsideline(catalog, args.name, selector)
+    print(f"re-drive {op_id} recorded; running shards apply it at their next micro-batch")
+    if args.wait:
+        return _wait(catalog, args.name, op_id, args.wait)
+    return 0
+
+
+def _wait(catalog: Catalog, name: str, op_id: str, seconds: float) -> int:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        snap = catalog.snapshot()
+        doc = dlq.redrives(snap, name).get(op_id, {})
+        if len(doc.get("done", [])) >= from_snapshot(snap, name).shard_count:
+            print(f"re-drive {op_id} applied by every shard")
+            return 0
+        time.sleep(1)
+    raise VaradhiError(
+        f"re-drive {op_id} not applied by every shard within {seconds:g} s (are the shards running?)"
+    )
