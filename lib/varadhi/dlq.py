@@ -199,11 +199,14 @@ def read_parked(
 def dlq_partitions(
     sub, dlq: topics.CompositeTopic, shard: int | None = None
 ) -> dict[str, list[int]]:
+    """DLQ partitions to read: all of them (browsing), or those `shard` owns in the storage topics
+    the current shards own (`dlq_from` on; older ones are drained by feeders)."""
     if shard is None:
         return {st.name: list(range(st.partitions)) for st in dlq.storage_topics}
     return {
         st.name: subscriptions.internal_partitions(sub, dlq, i, shard)
         for i, st in enumerate(dlq.storage_topics)
+        if i >= sub.dlq_from
     }
 
 

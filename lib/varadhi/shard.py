@@ -307,6 +307,8 @@ class ShardJob:
         if mq_parts:
             assign[mq_st.name] = mq_parts
         for i, st in enumerate(rq.storage_topics):
+            if i < sub.rq_from:  # drained into the current RQ storage topics by feeders
+                continue
             parts = subscriptions.internal_partitions(sub, rq, i, self.shard)
             if parts:
                 assign[st.name] = parts

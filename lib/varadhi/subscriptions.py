@@ -493,6 +493,8 @@ class Subscription:
     at creation; a shard-count change moves it). `generation` numbers the checkpoint generation;
     an offset reset bumps it so checkpoints and idempotency keys start afresh (DESIGN hazard 7).
     `paused` asks the shard jobs to stop consuming; they honour it between batches.
+    `rq_from`/`dlq_from` are the first RQ/DLQ storage topics the current shards own: a
+    shard-count change adds new internal storage topics and feeders drain the older ones.
     """
 
     spec: SubscriptionSpec
@@ -500,6 +502,8 @@ class Subscription:
     created_ms: int
     paused: bool = False
     generation: int = 0
+    rq_from: int = 0
+    dlq_from: int = 0
 
     @property
     def name(self) -> str:
@@ -511,6 +515,8 @@ class Subscription:
             "generation": self.generation,
             "shard_count": self.shard_count,
             "created_ms": self.created_ms,
+            "rq_from": self.rq_from,
+            "dlq_from": self.dlq_from,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -528,6 +534,8 @@ class Subscription:
             created_ms=int(state["created_ms"]),
             paused=bool(state.get("paused", False)),
             generation=int(state.get("generation", 0)),
+            rq_from=int(state.get("rq_from", 0)),
+            dlq_from=int(state.get("dlq_from", 0)),
         )
 
 

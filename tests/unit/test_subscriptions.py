@@ -363,7 +363,14 @@ def test_subscription_round_trip_and_document_shape():
     sub = subs.Subscription(rich_spec(), shard_count=3, created_ms=123, paused=True, generation=4)
     d = sub.to_dict()
     assert set(d) == {"spec", "state"}
-    assert d["state"] == {"paused": True, "generation": 4, "shard_count": 3, "created_ms": 123}
+    assert d["state"] == {
+        "paused": True,
+        "generation": 4,
+        "shard_count": 3,
+        "created_ms": 123,
+        "rq_from": 0,
+        "dlq_from": 0,
+    }
     assert subs.Subscription.from_dict(json.loads(json.dumps(d, sort_keys=True))) == sub
 
 
