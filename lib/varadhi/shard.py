@@ -43,17 +43,18 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from . import dlq as dlq_ops
+from . import layouts, routing, subscriptions, topics
 from . import messages as m
-from . import routing, subscriptions, topics
 from .batch import (
     STATE_SCHEMA,
     TICK_HEADER,
     BatchContext,
     process_partition,
 )
-from .catalog import Catalog, Snapshot, key
+from .catalog import Catalog, key
 from .errors import Fenced, VaradhiError
 from .faults import crash_point
+from .layouts import READER_KIND, Layout, drained, next_layout
 from .leases import Lease
 from .settings import Settings
 from .state_store import StateStore, normalise
@@ -61,38 +62,12 @@ from .status import ProgressPublisher
 
 log = logging.getLogger("varadhi.shard")
 
-READER_KIND = "reader"
 SEAL_GRACE_MS = 5_000  # producers refresh the produce pointer every second; allow five
 
 
 class StopRequested(Exception):
     """Raised inside foreachBatch when the driver is stopping: the batch does nothing and is
     replayed by the next query run."""
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What one query run reads: `mq_index` of the main topic, from `starting_offsets`
-    (topic -> partition -> offset, -2 = earliest) when its checkpoint is new."""
-
-    generation: int
-    seq: int
-    mq_index: int
-    starting_offsets: dict[str, dict[str, int]] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "generation": self.generation,
-            "seq": self.seq,
-            "mq_index": self.mq_index,
-            "starting_offsets": self.starting_offsets,
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Layout:
-        return cls(
-            int(d["generation"]), int(d["seq"]), int(d["mq_index"]), d.get("starting_offsets") or {}
-        )
 
 
 @dataclass
@@ -107,21 +82,6 @@ class ShardStats:
     failures: int = 0
     replays: int = 0
     last_batch: dict[str, Any] = field(default_factory=dict)
-
-
-def drained(consumed: dict[int, int], ends: dict[int, int]) -> bool:
-    """Every partition consumed up to its log end (pure)."""
-    return all(consumed.get(p, 0) >= end for p, end in ends.items())
-
-
-def next_layout(
-    layout: Layout, consumed: dict[str, dict[str, int]], next_topic: str, partitions: list[int]
-) -> Layout:
-    """The layout after `layout` has drained its main storage topic: the next one from its start,
-    and every other source (the RQ) from where this layout stopped (pure)."""
-    starting = {t: dict(p) for t, p in consumed.items() if t != next_topic}
-    starting[next_topic] = {str(p): -2 for p in partitions}
-    return Layout(layout.generation, layout.seq + 1, layout.mq_index + 1, starting)
 
 
 class ShardJob:
@@ -193,14 +153,15 @@ class ShardJob:
         return self._spark
 
     def _owner(self, sub: subscriptions.Subscription) -> str:
-        return f"{self.name}/s{sub.shard_count}/{self.shard}"
+        return layouts.owner(self.name, sub.shard_count, self.shard)
 
     def _paths(self, sub: subscriptions.Subscription, layout: Layout) -> tuple[str, str, str]:
-        base = f"{self.settings.warehouse}/{self.name}"
-        state = f"{base}/state/s{sub.shard_count}/shard-{self.shard}"
-        checkpoint = f"{base}/checkpoints/g{layout.generation}/s{sub.shard_count}/shard-{self.shard}/L{layout.seq}"
-        app_id = f"{self.name}.g{layout.generation}.s{sub.shard_count}.{self.shard}.L{layout.seq}"
-        return state, checkpoint, app_id
+        wh, n, sc, sh = self.settings.warehouse, self.name, sub.shard_count, self.shard
+        return (
+            layouts.state_path(wh, n, sc, sh),
+            layouts.checkpoint_path(wh, n, sc, sh, layout),
+            layouts.app_id(n, sc, sh, layout),
+        )
 
     def _layout(self, sub: subscriptions.Subscription) -> Layout:
         doc = self.catalog.get(READER_KIND, self._owner(sub))
@@ -439,24 +400,20 @@ class ShardJob:
             return False
         current = mq.storage(layout.mq_index)
         parts = subscriptions.owned_partitions(sub, mq, layout.mq_index, self.shard)
-        consumed = self._consumed(query) or {}
+        consumed = layouts.merged(layout.starting_offsets, self._consumed(query) or {})
         ends = self._end_offsets({current.name: parts})[current.name]
         mine = {int(p): o for p, o in consumed.get(current.name, {}).items()}
         if parts and not drained(mine, ends):
             return False
         self._stop_between_batches(query)
-        consumed = self._consumed(query) or {}
+        consumed = layouts.merged(layout.starting_offsets, self._consumed(query) or {})
         nxt = mq.storage(layout.mq_index + 1)
         new = next_layout(
             layout,
-            {t: p for t, p in consumed.items()},
+            consumed,
             nxt.name,
             subscriptions.owned_partitions(sub, mq, layout.mq_index + 1, self.shard),
         )
-        # Carry over RQ offsets that a still-empty progress did not report.
-        for t, p in layout.starting_offsets.items():
-            if t != current.name:
-                new.starting_offsets.setdefault(t, p)
         self._save_layout(sub, new)
         log.info(
             "%s shard %d: %s drained; now reading %s", self.name, self.shard, current.name, nxt.name
@@ -773,7 +730,3 @@ def _opt(v) -> str | None:
         return None if v is None or v != v else str(int(v))
     except (TypeError, ValueError):
         return None
-
-
-def describe_reader(snapshot: Snapshot, name: str, owner: str) -> dict[str, Any] | None:
-    return snapshot.get(READER_KIND, owner)
