@@ -209,6 +209,10 @@ def test_bad_input_is_refused_before_anything_is_sent(make_topic, settings, read
         Producer("bad name", settings)
     with pytest.raises(InvalidArgument, match="internal queue"):
         Producer("orders.dlq", settings)
+    with pytest.raises(InvalidArgument, match="kafka_config: not a kafka-python .*: lingr_ms"):
+        Producer(name, settings, lingr_ms=5)
+    with pytest.raises(InvalidArgument, match="enable_idempotence: is set by the producer"):
+        Producer(name, settings, enable_idempotence=False)
     with Producer(name, settings, max_message_bytes=1000) as producer:
         with pytest.raises(InvalidArgument, match="group_id"):
             producer.send(b"x", group_id="")
