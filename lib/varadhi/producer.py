@@ -259,7 +259,7 @@ class Producer:
         max_message_bytes: int = 1_048_576,
         **kafka_config,
     ):
-        if topics.INTERNAL_NAME_RE.match(topic):
+        if isinstance(topic, str) and topics.INTERNAL_NAME_RE.fullmatch(topic):
             raise InvalidArgument(
                 f"{topic} is a subscription's internal queue; it cannot be produced to",
                 field="topic",
@@ -273,10 +273,10 @@ class Producer:
             raise InvalidArgument(
                 f"must be positive, got {max_message_bytes}", field="max_message_bytes"
             )
-        for reserved in ("transactional_id", "enable_idempotence", "bootstrap_servers"):
+        for reserved in ("enable_idempotence", "bootstrap_servers"):
             if reserved in kafka_config:
                 raise InvalidArgument(
-                    "is set by the producer (use the settings or transactional_id argument)",
+                    "is set by the producer (bootstrap servers come from the settings)",
                     field=reserved,
                 )
         unknown = sorted(set(kafka_config) - set(KafkaProducer.DEFAULT_CONFIG))
@@ -290,7 +290,11 @@ class Producer:
         self._owns_catalog = catalog is None
         self.catalog = catalog or Catalog(settings)
         self.settings = settings or self.catalog.settings
-        self._kafka_config = {**KAFKA_DEFAULTS, **kafka_config}
+        # The client's own request limit must not refuse a value this producer accepts: leave
+        # room for the key, the headers and the batch framing (the broker may still refuse it:
+        # its message.max.bytes is often about 1 MiB).
+        request_size = max(1_048_576, max_message_bytes + 65_536)
+        self._kafka_config = {**KAFKA_DEFAULTS, "max_request_size": request_size, **kafka_config}
         self._transactional_id = transactional_id
         # Ungrouped messages go round-robin from a random start, so that many short-lived
         # producers (one CLI call each) do not all start on partition 0.

@@ -223,7 +223,10 @@ def test_bad_input_is_refused_before_anything_is_sent(make_topic, settings, read
         with pytest.raises(InvalidArgument, match="reserved"):
             producer.send(b"x", headers={messages.H_GROUP_ID: "spoof"})
         producer.send(b"x" * 1000, group_id="g").get(5)  # the limit itself is fine
-    assert [len(r.value) for r in read_records(f"{name}.0", isolation="read_uncommitted")] == [1000]
+    with Producer(name, settings) as producer:  # the default limit, 1 MiB, with key and headers
+        producer.send(b"x" * 1_048_576, group_id="g", headers={"k": "v"}).get(5)
+    sizes = [len(r.value) for r in read_records(f"{name}.0", isolation="read_uncommitted")]
+    assert sizes == [1000, 1_048_576]
 
 
 def test_internal_topics_cannot_be_produced_to(topic_service, unique_name, settings):
