@@ -39,7 +39,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from . import dlq as dlq_ops
@@ -638,21 +638,29 @@ def _header(name: str):
     )
 
 
+def group_key_column(grouped: bool) -> Column:
+    """What orders a Kafka record (a Spark column over the Kafka source's columns): its group id
+    header, else its key, else "~" + its message id; always "~" + message id when ungrouped.
+
+    Shards and feeders (`varadhi.resharding`) must agree on it: a record's group key decides
+    which GroupState entry it belongs to and which shard's partitions a feeder routes it to.
+    """
+    msg_id = F.coalesce(_header(m.H_MSG_ID), F.concat_ws("-", "topic", "partition", "offset"))
+    if not grouped:
+        return F.concat(F.lit("~"), msg_id)
+    group = F.coalesce(
+        F.nullif(_header(m.H_GROUP_ID), F.lit("")),
+        F.nullif(F.col("key").cast("string"), F.lit("")),
+    )
+    return F.coalesce(group, F.concat(F.lit("~"), msg_id))
+
+
 def _records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
     """The batch's Kafka records with `kind` (mq/rq) and `group_key` (what orders them)."""
     mq_names = [st.name for st in mq.storage_topics]
-    msg_id = F.coalesce(_header(m.H_MSG_ID), F.concat_ws("-", "topic", "partition", "offset"))
-    if sub.spec.grouped:
-        group = F.coalesce(
-            F.nullif(_header(m.H_GROUP_ID), F.lit("")),
-            F.nullif(F.col("key").cast("string"), F.lit("")),
-        )
-        group_key = F.coalesce(group, F.concat(F.lit("~"), msg_id))
-    else:
-        group_key = F.concat(F.lit("~"), msg_id)
     return df.select(
         F.when(F.col("topic").isin(mq_names), F.lit("mq")).otherwise(F.lit("rq")).alias("kind"),
-        group_key.alias("group_key"),
+        group_key_column(sub.spec.grouped).alias("group_key"),
         "topic",
         "partition",
         "offset",
