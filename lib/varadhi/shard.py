@@ -52,7 +52,7 @@ from .batch import (
     process_partition,
 )
 from .catalog import Catalog, key
-from .errors import Fenced, VaradhiError
+from .errors import Fenced, InvalidArgument, VaradhiError
 from .faults import crash_point
 from .layouts import READER_KIND, Layout, drained, next_layout
 from .leases import Lease
@@ -134,7 +134,7 @@ class ShardJob:
         snap = self.catalog.snapshot()
         sub = subscriptions.from_snapshot(snap, self.name)
         if not 0 <= self.shard < sub.shard_count:
-            raise VaradhiError(
+            raise InvalidArgument(
                 f"shard {self.shard} is outside 0..{sub.shard_count - 1} of {self.name}"
             )
         return (
