@@ -129,6 +129,11 @@ def _headers(row: dict):
 
 
 def entry_from_state(row: dict) -> Entry:
+    """A state row as an Entry. A `held` entry never attempted that has a reason is a malformed
+    record parked behind its group's head (`state_row` keeps `invalid` in `reason`): it gets its
+    `invalid` back, so it is dead-lettered, not sent, when its turn comes."""
+    reason = row["reason"] if isinstance(row["reason"], str) else None
+    attempts = _int(row["attempts"])
     return Entry(
         origin=m.Origin(
             int(row["origin_index"]), int(row["origin_partition"]), int(row["origin_offset"])
@@ -138,13 +143,14 @@ def entry_from_state(row: dict) -> Entry:
         location=row["location"],
         value=None if row.get("value") is None else bytes(row["value"]),
         headers=json.loads(row["headers"]) if isinstance(row["headers"], str) else {},
-        attempts=_int(row["attempts"]),
+        attempts=attempts,
         due_ms=_int(row["due_ms"]),
         first_failure_ms=_opt_int(row["first_failure_ms"]),
         last_failure_ms=_opt_int(row["last_failure_ms"]),
-        reason=row["reason"] if isinstance(row["reason"], str) else None,
+        reason=reason,
         status=_opt_int(row["status"]),
         source=row["source"] if isinstance(row["source"], str) else "",
+        invalid=reason if row["location"] == "held" and attempts == 0 else None,
     )
 
 
@@ -172,7 +178,7 @@ def state_row(kind: str, key: str, e: Entry, target: str | None = None) -> dict:
         "due_ms": e.due_ms,
         "first_failure_ms": e.first_failure_ms,
         "last_failure_ms": e.last_failure_ms,
-        "reason": e.reason,
+        "reason": e.reason if e.reason is not None else e.invalid,
         "status": e.status,
         "source": e.source,
         "target": target,
@@ -217,7 +223,7 @@ def process_partition(
         if key in pending:
             rows.append({"kind": "touched", "group_key": key})
         for e in run.remaining():
-            if e.location == "held" and e.value is None:
+            if e.location == "held" and e.value is None and e.invalid is None:
                 raise AssertionError(f"group {key}: held entry {e.msg_id} has no body")
             rows.append(state_row("pending", key, e))
         for out in run.outs:
