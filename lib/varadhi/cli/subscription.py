@@ -1,4 +1,4 @@
-"""`varadhi subscription ...`: create, apply, describe, list, pause and resume subscriptions.
+"""`varadhi subscription ...`: create, apply, describe, list, pause, resume and change-shards.
 
 Options and files are parsed into a `SubscriptionSpec` (`varadhi.subscriptions.parse_spec`)
 before the catalog or Kafka is touched, so a refused command changes nothing.
@@ -89,6 +89,33 @@ def register(sub: argparse._SubParsersAction) -> None:
         pr = ssub.add_parser(action, help=text)
         pr.add_argument("name")
         pr.set_defaults(func=_set_paused, paused=paused)
+
+    cs = ssub.add_parser(
+        "change-shards",
+        help="change the shard count (shards stopped or paused)",
+        description="Change the shard count of a subscription whose shards are stopped (or "
+        "paused): new RQ/DLQ storage topics, GroupState resharded, new shards' positions carried "
+        "over, then feeders copy the old RQ/DLQ into the new ones. Each step is recorded in the "
+        "catalog; after a crash, run the same command again to resume. Start the new shards "
+        "once it has finished (they may run while external feeders still copy).",
+    )
+    cs.add_argument("name", help="subscription name")
+    cs.add_argument("--to", type=int, required=True, metavar="S", help="the new shard count")
+    cs.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
+    cs.add_argument(
+        "--allow-uneven",
+        action="store_true",
+        help="accept a count that does not divide the partitions the shards still read",
+    )
+    cs.add_argument(
+        "--feeders",
+        choices=["in-process", "external"],
+        default="in-process",
+        help="run the feeders in this process (default), or leave them to "
+        "`spark-submit.sh --job feeder` runs",
+    )
+    common.add_output(cs)
+    cs.set_defaults(func=_change_shards)
 
 
 @contextmanager
@@ -227,4 +254,38 @@ def _set_paused(args: argparse.Namespace) -> int:
     with _service(args) as service:
         sub = service.set_paused(args.name, args.paused)
     print(f"{'paused' if sub.paused else 'resumed'} subscription {sub.name}")
+    return 0
+
+
+def _change_shards(args: argparse.Namespace) -> int:
+    from ..resharding import ChangeShards, text_plan
+
+    text = args.output == "text"
+    catalog = common.catalog(args)
+    try:
+        service = ChangeShards(catalog, log=print if text and not args.dry_run else lambda _l: None)
+        if args.dry_run:
+            plan = service.plan(args.name, args.to, args.allow_uneven)
+            if text:
+                print(text_plan(plan))
+            else:
+                common.emit_json(plan.to_dict())
+            return 0
+        op = service.execute(args.name, args.to, args.allow_uneven, args.feeders)
+    finally:
+        catalog.close()
+    if not text:
+        common.emit_json(op)
+    elif op["step"] == "done":
+        print(f"subscription {args.name} now has {op['to']} shards; start shards 0..{op['to'] - 1}")
+    else:
+        print(
+            f"subscription {args.name} now has {op['to']} shards; start shards 0..{op['to'] - 1}. "
+            "Feeders still to run:"
+        )
+        for f in op["feeders"]:
+            if not f["done"]:
+                print(
+                    f"  ./spark-submit.sh --job feeder --subscription {args.name} --source {f['source']}"
+                )
     return 0

@@ -1,0 +1,61 @@
+"""Spark entry point: one feeder of a shard-count change (see `varadhi.resharding`).
+
+    ./spark-submit.sh --job feeder --subscription NAME --source STORAGE_TOPIC
+    spark-submit jobs/feeder.py --subscription NAME --source STORAGE_TOPIC --cluster
+
+A bounded batch job: it copies every record of an old RQ or DLQ storage topic into the new one,
+to the partitions of each record's new shard, and marks itself done in the operation document
+`operation/<sub>/change-shards` (the change is done when its last feeder is). Run it for each
+feeder `varadhi subscription change-shards NAME --to S --feeders external` lists; re-running a
+feeder is safe (the shards drop the duplicates).
+
+Exit codes: 0 copied, 2 refused (no such change in progress, or the source is not one of its
+feeders), 1 failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from varadhi.catalog import Catalog
+from varadhi.errors import VaradhiError
+from varadhi.resharding import check_feeder, feed
+from varadhi.settings import Settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--subscription", required=True)
+    parser.add_argument("--source", required=True, help="the old RQ/DLQ storage topic to drain")
+    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP)")
+    parser.add_argument(
+        "--cluster", action="store_true", help="use the cluster's Spark (no local jars)"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+    catalog = Catalog(Settings.from_env(bootstrap=args.bootstrap))
+    try:
+        check_feeder(catalog, args.subscription, args.source)
+        from varadhi.spark import get_spark
+
+        spark = get_spark(f"varadhi-{args.subscription}-feeder", local=not args.cluster)
+        n = feed(spark, catalog, args.subscription, args.source)
+        print(f"fed {n} records from {args.source}")
+        return 0
+    except VaradhiError as e:
+        print(f"varadhi: {e}", file=sys.stderr)
+        return e.exit_code
+    finally:
+        catalog.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

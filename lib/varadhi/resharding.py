@@ -1,0 +1,845 @@
+"""Changing a subscription's shard count (seed 000, ChangeShardCount), and the feeders.
+
+`varadhi subscription change-shards NAME --to S` moves a subscription from its current shard
+count to S while its shards are stopped (or the subscription is paused). The decision is a pure
+function (`plan_change`); executing it (`ChangeShards.execute`) takes these steps, each recorded
+in the catalog under `operation/<sub>/change-shards` *before* it is taken, so a re-run after a
+crash resumes at the recorded step (every step is idempotent):
+
+1. `fence`:    take the old shards' leases, so an old instance still alive (paused) stops;
+2. `queues`:   add a new RQ storage topic (2*S partitions) and DLQ storage topic (S partitions)
+               and switch their produce pointers to them. They are always added: an old RQ
+               partition's records were routed with `routing.internal_partition` over the OLD
+               owner's partitions, so new shards cannot read it in place;
+3. `state`:    reshard GroupState: every old shard's pending rows go to the table of the group's
+               new shard (plain Delta overwrite: nobody else writes now; the meta row is not
+               carried, so the new shards' first batch is not taken for a replay). The `out`
+               rows of each old table's last batch are re-sent to the new queues (a shard that
+               crashed between its commit and its send never sent them);
+4. `layouts`:  the new shards' reader layouts: the lowest main-topic storage topic any old shard
+               still reads, starting where the old shards stopped (`checkpoints.shard_position`,
+               per partition from its old owner; -2 = earliest where unknown), the new RQ
+               storage topic from its beginning;
+5. `activate`: the subscription's state, in place: `shard_count` = S, `rq_from`/`dlq_from` = the
+               new storage topics (the shards read and browse those on);
+6. `feed`:     the feeders copy every record of the old RQ/DLQ storage topics (read_committed,
+               ticks skipped) to the new ones, into the partitions of the group's new shard.
+               They never call the endpoint and never touch GroupState;
+7. `done`.
+
+Why new shards may read the new RQ while feeders still run (seed 000 lets them wait): here an RQ
+record is matched to its GroupState entry by (origin, attempts) and a group's delivery order
+comes from `origin` (its main-topic position), never from RQ positions (see
+`varadhi.group_state`). A record that arrives late only fills in the body of an entry that kept
+its place; its group waits for it meanwhile. A record that matches no `rq` entry (already
+consumed by an old shard, superseded by a later attempt, or a duplicate of a feeder re-run or of
+a re-sent `out` row) is dropped as a stale duplicate. So feeders are at-least-once and order
+holds without a barrier.
+
+Routing: a group's new shard is the one owning `routing.route(group_hash(group_key), P, K)` of
+the main topic's last storage topic (recorded in the operation as `route_by`, so the state step
+and the feeders agree even if a storage topic is added meanwhile). The new shards read every
+main-topic storage topic from the lowest one an old shard still reads; S must divide each of
+their partition counts and they must share one base count (no K=1 boundary between them), or a
+group would be read by two shards; `--allow-uneven` accepts that with a warning.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import pandas as pd
+
+from . import layouts, routing, subscriptions, topics
+from .catalog import Catalog, Snapshot, key
+from .checkpoints import Offsets, shard_position
+from .errors import InvalidArgument, NotFound, VaradhiError
+from .layouts import READER_KIND, Layout
+from .leases import Lease
+from .subscriptions import Subscription
+from .topics import CompositeTopic, StorageTopic
+
+OPERATION = "operation"
+KIND = "change-shards"
+STEPS = ("fence", "queues", "state", "layouts", "activate", "feed", "done")
+STALE_MS = 60_000  # running shards publish progress every 5 s; silent this long means dead
+FeederMode = Literal["in-process", "external"]
+Queue = Literal["rq", "dlq"]
+
+
+def operation_name(name: str) -> str:
+    """The catalog name of a subscription's shard-count change: `<sub>/change-shards`."""
+    return f"{name}/{KIND}"
+
+
+class ShardsRunning(InvalidArgument):
+    """Some shards of the subscription are not stopped; `shards` maps shard -> reported state."""
+
+    def __init__(self, name: str, shards: Mapping[int, str]):
+        listed = ", ".join(f"{s} ({state})" for s, state in sorted(shards.items()))
+        super().__init__(
+            f"shards of {name} are still running: {listed}; stop them, or pause the "
+            f"subscription (`varadhi subscription pause {name}`) and wait until they report "
+            "paused, then run change-shards again"
+        )
+        self.shards = dict(shards)
+
+
+# -- pure decisions ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Feeder:
+    queue: Queue
+    source: str
+    target: str
+    done: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "queue": self.queue,
+            "source": self.source,
+            "target": self.target,
+            "done": self.done,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a change from `from_shards` to `to_shards` does; `Plan.to_dict()` is the dry run."""
+
+    name: str
+    from_shards: int
+    to_shards: int
+    generation: int
+    mq_index: int  # lowest main-topic storage topic an old shard still reads
+    route_by: StorageTopic  # the main topic's last storage topic: decides a group's new shard
+    rq_target: StorageTopic
+    dlq_target: StorageTopic
+    rq_target_index: int
+    dlq_target_index: int
+    layout_seq: int
+    feeders: tuple[Feeder, ...]
+    before: tuple[dict[str, list[int]], ...]  # per old shard: storage topic -> partitions
+    after: tuple[dict[str, list[int]], ...]  # per new shard
+    layouts: tuple[Layout, ...]  # per new shard
+    warnings: tuple[str, ...] = ()
+    steps: tuple[str, ...] = field(default=STEPS)
+
+    def new_shard_of(self, group_key: str) -> int:
+        return new_shard_of(group_key, self.route_by, self.to_shards)
+
+    def operation_doc(self, step: str, mode: FeederMode) -> dict[str, Any]:
+        """The catalog document `operation/<sub>/change-shards` for `step`."""
+        return {
+            "kind": KIND,
+            "from": self.from_shards,
+            "to": self.to_shards,
+            "step": step,
+            "feeders": [f.to_dict() for f in self.feeders],
+            "feeders_mode": mode,
+            "generation": self.generation,
+            "mq_index": self.mq_index,
+            "route_by": self.route_by.to_dict(),
+            "rq_target": self.rq_target.name,
+            "rq_target_index": self.rq_target_index,
+            "dlq_target": self.dlq_target.name,
+            "dlq_target_index": self.dlq_target_index,
+            "layout_seq": self.layout_seq,
+            "warnings": list(self.warnings),
+            "updated_ms": int(time.time() * 1000),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "subscription": self.name,
+            "from": self.from_shards,
+            "to": self.to_shards,
+            "steps": [{"step": s, "does": STEP_TEXT[s]} for s in self.steps],
+            "mq_index": self.mq_index,
+            "route_by": self.route_by.to_dict(),
+            "assignment_before": [{"shard": i, "mq": parts} for i, parts in enumerate(self.before)],
+            "assignment_after": [
+                {
+                    "shard": j,
+                    "mq": parts,
+                    "rq": {self.rq_target.name: _owned(j, self.to_shards, self.rq_target)},
+                    "dlq": {self.dlq_target.name: _owned(j, self.to_shards, self.dlq_target)},
+                }
+                for j, parts in enumerate(self.after)
+            ],
+            "new_queues": {
+                "rq": self.rq_target.to_dict() | {"index": self.rq_target_index},
+                "dlq": self.dlq_target.to_dict() | {"index": self.dlq_target_index},
+            },
+            "feeders": [f.to_dict() for f in self.feeders],
+            "layouts": [lay.to_dict() for lay in self.layouts],
+            "warnings": list(self.warnings),
+        }
+
+
+STEP_TEXT = {
+    "fence": "take the old shards' leases (an old instance still alive stops)",
+    "queues": "add the new RQ and DLQ storage topics and switch their produce pointers",
+    "state": "reshard GroupState to the new shards' tables; re-send last-batch RQ/DLQ records",
+    "layouts": "write the new shards' reader layouts (positions carried over)",
+    "activate": "set shard_count, rq_from and dlq_from in the subscription's state",
+    "feed": "copy the old RQ/DLQ storage topics into the new ones (feeders)",
+    "done": "finished",
+}
+
+
+def _owned(shard: int, shard_count: int, st: StorageTopic) -> list[int]:
+    return routing.shard_partitions(shard, shard_count, st.partitions)
+
+
+def new_shard_of(group_key: str, route_by: StorageTopic, shard_count: int) -> int:
+    """The new shard of a group: the one owning the group's partition of `route_by`."""
+    partition = routing.route(routing.group_hash(group_key), route_by.partitions, route_by.k)
+    return routing.shard_of_partition(partition, shard_count, route_by.partitions)
+
+
+def internal_target(
+    group_key: str, route_by: StorageTopic, shard_count: int, target_partitions: int
+) -> int:
+    """The partition of a new RQ/DLQ storage topic (`target_partitions` partitions) for a group:
+    among its new shard's partitions, as `routing.internal_partition` (what the shard does)."""
+    shard = new_shard_of(group_key, route_by, shard_count)
+    owned = routing.shard_partitions(shard, shard_count, target_partitions)
+    return routing.internal_partition(routing.group_hash(group_key), owned)
+
+
+def check_stopped(
+    sub: Subscription, progress: Mapping[int, Mapping[str, Any]], now_ms: int
+) -> None:
+    """Refuse (`ShardsRunning`) unless every shard is stopped, fenced, never started or silent
+    for `STALE_MS` (a killed process cannot say it stopped), or the subscription is paused and
+    the shard says it is paused."""
+    running = {}
+    for shard in range(sub.shard_count):
+        doc = progress.get(shard)
+        if not doc:
+            continue
+        state = str(doc.get("state", ""))
+        if state in ("stopped", "fenced") or (state == "paused" and sub.paused):
+            continue
+        if now_ms - int(doc.get("updated_ms") or 0) >= STALE_MS:
+            continue
+        running[shard] = state
+    if running:
+        raise ShardsRunning(sub.name, running)
+
+
+def check_target(mq: CompositeTopic, mq_index: int, to: int, allow_uneven: bool) -> list[str]:
+    """Why `to` shards cannot own main-topic storage topics `mq_index..` evenly and
+    consistently. Refuses (`InvalidArgument`) unless `allow_uneven`; returns the warnings."""
+    problems = []
+    read = mq.storage_topics[mq_index:]
+    for st in read:
+        if st.partitions % to:
+            problems.append(f"{to} does not divide the {st.partitions} partitions of {st.name}")
+    bases = [(st.name, st.partitions / st.k) for st in read]
+    for (prev, base_prev), (name, base) in zip(bases, bases[1:], strict=False):
+        if base != base_prev:
+            problems.append(
+                f"{name} starts a new routing run (K=1 after {prev}): a group's messages in "
+                f"{prev} and {name} belong to different shards"
+            )
+    if problems and not allow_uneven:
+        if len({b for _, b in bases}) > 1:
+            hint = "let the shards read past the older storage topics first"
+        else:
+            common = [
+                d
+                for d in range(1, read[0].partitions + 1)
+                if all(st.partitions % d == 0 for st in read)
+            ]
+            hint = f"shard counts that divide them all: {', '.join(map(str, common))}"
+        raise InvalidArgument(
+            f"cannot change to {to} shards: {'; '.join(problems)} (the shards still read "
+            f"{', '.join(st.name for st in read)}); {hint}, or pass --allow-uneven to accept "
+            "uneven shards",
+            field="to",
+        )
+    return problems
+
+
+def merge_positions(
+    mq: CompositeTopic, from_shards: int, mq_index: int, positions: Mapping[int, Offsets]
+) -> Offsets:
+    """Every main-topic partition of storage topics `mq_index..` at its old owner's position
+    (-2, earliest, where the owner has none: it never read that storage topic)."""
+    out: Offsets = {}
+    for st in mq.storage_topics[mq_index:]:
+        out[st.name] = {}
+        for p in range(st.partitions):
+            owner = routing.shard_of_partition(p, from_shards, st.partitions)
+            out[st.name][str(p)] = int(positions.get(owner, {}).get(st.name, {}).get(str(p), -2))
+    return out
+
+
+def next_layout_seq(snapshot: Snapshot, name: str, to: int, generation: int) -> int:
+    """The layout seq for new shards at `to`: 0, or past the layouts a previous era at the same
+    shard count left (their checkpoints and Delta idempotency ids must not be reused)."""
+    seqs = [
+        int(doc["seq"])
+        for owner, doc in snapshot.items(READER_KIND).items()
+        if owner.startswith(f"{name}/s{to}/") and int(doc.get("generation", -1)) == generation
+    ]
+    return max(seqs) + 1 if seqs else 0
+
+
+def plan_change(
+    sub: Subscription,
+    mq: CompositeTopic,
+    rq: CompositeTopic,
+    dlq: CompositeTopic,
+    positions: Mapping[int, tuple[Layout, Offsets]],
+    to: int,
+    allow_uneven: bool = False,
+    layout_seq: int = 0,
+    rq_target_index: int | None = None,
+    dlq_target_index: int | None = None,
+    route_by: StorageTopic | None = None,
+) -> Plan:
+    """The plan for changing `sub` (still at its old shard count) to `to` shards (pure).
+
+    `positions` is every old shard's reader layout and consumed offsets. A fresh plan puts the
+    new queues after the current storage topics; a resumed one passes the recorded indexes.
+    """
+    if not isinstance(to, int) or isinstance(to, bool) or to < 1:
+        raise InvalidArgument(f"must be a positive integer, got {to!r}", field="to")
+    if to > topics.MAX_PARTITIONS:
+        raise InvalidArgument(f"must be at most {topics.MAX_PARTITIONS}, got {to}", field="to")
+    old = sub.shard_count
+    if to == old:
+        raise InvalidArgument(f"subscription {sub.name} already has {old} shards", field="to")
+    mq_index = min((lay.mq_index for lay, _ in positions.values()), default=0)
+    warnings = check_target(mq, mq_index, to, allow_uneven)
+    route_by = route_by or mq.storage_topics[-1]
+    rq_idx = len(rq.storage_topics) if rq_target_index is None else rq_target_index
+    dlq_idx = len(dlq.storage_topics) if dlq_target_index is None else dlq_target_index
+    rq_target = StorageTopic(topics.storage_name(rq.name, rq_idx), 2 * to, 1)
+    dlq_target = StorageTopic(topics.storage_name(dlq.name, dlq_idx), to, 1)
+    feeders = tuple(
+        Feeder("rq", rq.storage(i).name, rq_target.name) for i in range(sub.rq_from, rq_idx)
+    ) + tuple(
+        Feeder("dlq", dlq.storage(i).name, dlq_target.name) for i in range(sub.dlq_from, dlq_idx)
+    )
+    read = mq.storage_topics[mq_index:]
+    merged = merge_positions(mq, old, mq_index, {s: off for s, (_, off) in positions.items()})
+    new_layouts = []
+    for j in range(to):
+        starting = {
+            st.name: {str(p): merged[st.name][str(p)] for p in _owned(j, to, st)} for st in read
+        }
+        starting[rq_target.name] = {str(p): -2 for p in _owned(j, to, rq_target)}
+        new_layouts.append(Layout(sub.generation, layout_seq, mq_index, starting))
+    return Plan(
+        name=sub.name,
+        from_shards=old,
+        to_shards=to,
+        generation=sub.generation,
+        mq_index=mq_index,
+        route_by=route_by,
+        rq_target=rq_target,
+        dlq_target=dlq_target,
+        rq_target_index=rq_idx,
+        dlq_target_index=dlq_idx,
+        layout_seq=layout_seq,
+        feeders=feeders,
+        before=tuple({st.name: _owned(i, old, st) for st in read} for i in range(old)),
+        after=tuple({st.name: _owned(j, to, st) for st in read} for j in range(to)),
+        layouts=tuple(new_layouts),
+        warnings=tuple(warnings),
+    )
+
+
+def reshard_tables(
+    tables: Sequence[pd.DataFrame], shard_of: Callable[[str], int], to: int
+) -> tuple[list[pd.DataFrame], pd.DataFrame]:
+    """Old shards' state tables -> (the new shards' tables, the old tables' last-batch outs).
+
+    Only `pending` rows move (each to `shard_of(group_key)`); the meta row is dropped. `out`
+    rows are kept only when they belong to the batch the table's meta row names (pure).
+    """
+    pending, outs = [], []
+    for t in tables:
+        if not len(t):
+            continue
+        pending.append(t[t["kind"] == "pending"])
+        meta = t[t["kind"] == "meta"]
+        if len(meta):
+            app_id, batch_id = meta.iloc[0]["app_id"], meta.iloc[0]["batch_id"]
+            outs.append(
+                t[(t["kind"] == "out") & (t["app_id"] == app_id) & (t["batch_id"] == batch_id)]
+            )
+    columns = list(tables[0].columns) if tables else []
+    rows = pd.concat(pending, ignore_index=True) if pending else pd.DataFrame(columns=columns)
+    target = rows["group_key"].map(shard_of) if len(rows) else pd.Series(dtype=int)
+    new = [rows[target == j].reset_index(drop=True) for j in range(to)]
+    out = pd.concat(outs, ignore_index=True) if outs else pd.DataFrame(columns=columns)
+    return new, out
+
+
+def text_plan(plan: Plan) -> str:
+    """The dry run as text."""
+    lines = [
+        f"change-shards {plan.name}: {plan.from_shards} -> {plan.to_shards} shards "
+        f"(groups routed by {plan.route_by.name}: {plan.route_by.partitions} partitions, "
+        f"K={plan.route_by.k})",
+        "steps:",
+    ]
+    lines += [f"  {i + 1}. {s:<9} {STEP_TEXT[s]}" for i, s in enumerate(plan.steps[:-1])]
+    lines.append("main-topic partitions, before:")
+    lines += [f"  shard {i}: {_parts(a)}" for i, a in enumerate(plan.before)]
+    lines.append("after:")
+    lines += [f"  shard {j}: {_parts(a)}" for j, a in enumerate(plan.after)]
+    lines.append(
+        f"new RQ storage topic {plan.rq_target.name} ({plan.rq_target.partitions} partitions), "
+        f"new DLQ storage topic {plan.dlq_target.name} ({plan.dlq_target.partitions} partitions):"
+    )
+    for j in range(plan.to_shards):
+        lines.append(
+            f"  shard {j}: RQ {_owned(j, plan.to_shards, plan.rq_target)} "
+            f"DLQ {_owned(j, plan.to_shards, plan.dlq_target)}"
+        )
+    lines.append("feeders:" if plan.feeders else "feeders: none")
+    lines += [f"  {f.queue}: {f.source} -> {f.target}" for f in plan.feeders]
+    lines += [f"warning: {w}" for w in plan.warnings]
+    return "\n".join(lines)
+
+
+def _parts(assignment: Mapping[str, list[int]]) -> str:
+    return "  ".join(f"{t}{p}" for t, p in assignment.items())
+
+
+# -- I/O ------------------------------------------------------------------------------------
+
+
+def _load(snap: Snapshot, name: str):
+    sub = subscriptions.from_snapshot(snap, name)
+    return (
+        sub,
+        topics.from_snapshot(snap, sub.spec.topic),
+        topics.from_snapshot(snap, sub.spec.rq_topic),
+        topics.from_snapshot(snap, sub.spec.dlq_topic),
+    )
+
+
+class ChangeShards:
+    """Plans and executes shard-count changes against the catalog, Kafka and Delta.
+
+    `spark` is a factory, called only when a step needs Spark (the state step and in-process
+    feeders), so a dry run needs none. `log` receives one line per step taken.
+    """
+
+    def __init__(
+        self,
+        catalog: Catalog,
+        spark: Callable[[], Any] | None = None,
+        log: Callable[[str], None] = lambda _line: None,
+    ):
+        self.catalog = catalog
+        self._spark_factory = spark
+        self._spark = None
+        self.log = log
+
+    @property
+    def spark(self):
+        if self._spark is None:
+            if self._spark_factory is None:
+                from .spark import get_spark
+
+                self._spark = get_spark("varadhi-change-shards")
+            else:
+                self._spark = self._spark_factory()
+        return self._spark
+
+    def operation(self, name: str) -> dict[str, Any] | None:
+        return self.catalog.get(OPERATION, operation_name(name))
+
+    def plan(self, name: str, to: int, allow_uneven: bool = False) -> Plan:
+        """The plan a fresh change would follow (refusing what it would refuse); no effects."""
+        snap = self.catalog.snapshot()
+        sub, mq, rq, dlq = _load(snap, name)
+        op = snap.get(OPERATION, operation_name(name))
+        if op is not None and op.get("step") != "done":
+            self._check_resumable(op, name, to)
+            if STEPS.index(op["step"]) > STEPS.index("activate"):
+                raise InvalidArgument(
+                    f"the change of {name} to {to} shards is active and waits for its feeders "
+                    f"({', '.join(f['source'] for f in op['feeders'] if not f['done'])}); run "
+                    "it again without --dry-run, or run the feeders, to finish it"
+                )
+            return self._resumed_plan(snap, name, op)
+        self._check_no_pending_feeders(op, name)
+        check_stopped(sub, _progress(self.catalog, name), int(time.time() * 1000))
+        seq = next_layout_seq(snap, name, to, sub.generation)
+        return plan_change(sub, mq, rq, dlq, self._positions(sub), to, allow_uneven, layout_seq=seq)
+
+    def execute(
+        self, name: str, to: int, allow_uneven: bool = False, feeders: FeederMode = "in-process"
+    ) -> dict[str, Any]:
+        """Run (or resume) the change; returns the final operation document."""
+        snap = self.catalog.snapshot()
+        op = snap.get(OPERATION, operation_name(name))
+        if op is not None and op.get("step") != "done":
+            self._check_resumable(op, name, to)
+            op = dict(op, feeders_mode=feeders)
+            self.log(f"resuming the change {op['from']} -> {op['to']} at step {op['step']}")
+        else:
+            plan = self.plan(name, to, allow_uneven)
+            op = plan.operation_doc("fence", feeders)
+            self._write_op(name, op)
+            for w in plan.warnings:
+                self.log(f"warning: {w}")
+        step = op["step"]
+        if STEPS.index(step) <= STEPS.index("activate"):
+            snap = self.catalog.snapshot()
+            plan = self._resumed_plan(snap, name, op)
+            if step != "fence":  # fenced old shards report "fenced"; anything else is new
+                check_stopped(
+                    subscriptions.from_snapshot(snap, name),
+                    _progress(self.catalog, name),
+                    int(time.time() * 1000),
+                )
+            for s in STEPS[STEPS.index(step) : STEPS.index("feed")]:
+                getattr(self, f"_step_{s}")(plan)
+                op = dict(op, step=STEPS[STEPS.index(s) + 1])
+                if s not in ("layouts", "activate"):  # those two record it in their own write
+                    self._write_op(name, op)
+        return self._feed_all(name, op["feeders_mode"])
+
+    # -- steps ----------------------------------------------------------------------------
+    def _step_fence(self, plan: Plan) -> None:
+        for shard in range(plan.from_shards):
+            Lease(self.catalog, layouts.owner(plan.name, plan.from_shards, shard)).acquire()
+        self.log(f"fence: took the leases of shards 0..{plan.from_shards - 1}")
+
+    def _step_queues(self, plan: Plan) -> None:
+        sub = subscriptions.from_snapshot(self.catalog.snapshot(), plan.name)
+        service = topics.TopicService(self.catalog)
+        for composite, target, index in (
+            (sub.spec.rq_topic, plan.rq_target, plan.rq_target_index),
+            (sub.spec.dlq_topic, plan.dlq_target, plan.dlq_target_index),
+        ):
+            topic = service.get(composite)
+            if len(topic.storage_topics) == index:
+                service.add_storage(composite, target.partitions, allow_uneven=True)
+            elif (
+                len(topic.storage_topics) < index
+                or topic.storage(index).partitions != target.partitions
+            ):
+                raise VaradhiError(
+                    f"{composite} does not have the expected storage topic {target.name} with "
+                    f"{target.partitions} partitions; it was changed during the shard-count change"
+                )
+            while service.get(composite).produce_pointer < index:
+                service.switch_produce(composite)
+        self.log(
+            f"queues: {plan.rq_target.name} ({plan.rq_target.partitions} partitions) and "
+            f"{plan.dlq_target.name} ({plan.dlq_target.partitions}) take new failures"
+        )
+
+    def _step_state(self, plan: Plan) -> None:
+        from .batch import STATE_SCHEMA
+        from .state_store import StateStore, normalise
+
+        wh = self.catalog.settings.warehouse
+        old = [
+            StateStore(
+                self.spark, layouts.state_path(wh, plan.name, plan.from_shards, i), "-"
+            ).frame
+            for i in range(plan.from_shards)
+        ]
+        new, outs = reshard_tables(old, plan.new_shard_of, plan.to_shards)
+        for j, frame in enumerate(new):
+            (
+                self.spark.createDataFrame(normalise(frame), STATE_SCHEMA)
+                .write.format("delta")
+                .mode("overwrite")
+                .option("userMetadata", f"change-shards {plan.from_shards}->{plan.to_shards}")
+                .save(layouts.state_path(wh, plan.name, plan.to_shards, j))
+            )
+        self._resend(plan, outs)
+        self.log(
+            f"state: {sum(len(f) for f in new)} pending entries of "
+            f"{sum(f['group_key'].nunique() for f in new)} groups moved to "
+            f"{plan.to_shards} shards; {len(outs)} last-batch records re-sent"
+        )
+
+    def _resend(self, plan: Plan, outs: pd.DataFrame) -> None:
+        if not len(outs):
+            return
+        from kafka import KafkaProducer
+
+        from .shard import out_headers
+
+        targets = {"rq": plan.rq_target, "dlq": plan.dlq_target}
+        producer = KafkaProducer(bootstrap_servers=self.catalog.settings.bootstrap, acks="all")
+        try:
+            futures = []
+            for row in outs.to_dict("records"):
+                st = targets[row["target"]]
+                futures.append(
+                    producer.send(
+                        st.name,
+                        key=row["group_id"].encode() if isinstance(row["group_id"], str) else None,
+                        value=row["value"],
+                        partition=internal_target(
+                            row["group_key"], plan.route_by, plan.to_shards, st.partitions
+                        ),
+                        headers=out_headers(row),
+                    )
+                )
+            for f in futures:
+                f.get(timeout=30)
+        finally:
+            producer.close(timeout=5)
+
+    def _step_layouts(self, plan: Plan) -> None:
+        name = plan.name
+
+        def change(snap: Snapshot):
+            op = _require_op(snap, name)
+            writes: dict[str, Any] = {
+                key(READER_KIND, layouts.owner(name, plan.to_shards, j)): lay.to_dict()
+                for j, lay in enumerate(plan.layouts)
+            }
+            writes[key(OPERATION, operation_name(name))] = _touch(op, step="activate")
+            return writes
+
+        self.catalog.mutate(change)
+        self.log(f"layouts: {plan.to_shards} reader layouts from {plan.mq_index=}")
+
+    def _step_activate(self, plan: Plan) -> None:
+        name = plan.name
+
+        def change(snap: Snapshot):
+            doc = snap.get(subscriptions.KIND, name)
+            if doc is None:
+                raise NotFound("subscription", name)
+            state = dict(
+                doc["state"],
+                shard_count=plan.to_shards,
+                rq_from=plan.rq_target_index,
+                dlq_from=plan.dlq_target_index,
+            )
+            return {
+                key(subscriptions.KIND, name): {**doc, "state": state},
+                key(OPERATION, operation_name(name)): _touch(_require_op(snap, name), step="feed"),
+            }
+
+        self.catalog.mutate(change)
+        self.log(f"activate: {name} now has {plan.to_shards} shards")
+
+    def _feed_all(self, name: str, mode: FeederMode) -> dict[str, Any]:
+        op = _require_op(self.catalog.snapshot(), name)
+        if mode == "in-process":
+            for f in op["feeders"]:
+                if not f["done"]:
+                    n = feed(self.spark, self.catalog, name, f["source"])
+                    self.log(f"feed: {f['source']} -> {f['target']}: {n} records")
+        op = _require_op(self.catalog.snapshot(), name)
+        if all(f["done"] for f in op["feeders"]) and op["step"] != "done":
+            self._write_op(name, dict(op, step="done"))
+            op = _require_op(self.catalog.snapshot(), name)
+        return op
+
+    # -- helpers --------------------------------------------------------------------------
+    def _positions(self, sub: Subscription) -> dict[int, tuple[Layout, Offsets]]:
+        return {i: shard_position(self.catalog, sub, i) for i in range(sub.shard_count)}
+
+    def _resumed_plan(self, snap: Snapshot, name: str, op: Mapping[str, Any]) -> Plan:
+        """The recorded operation's plan, recomputed from the old shards' positions (frozen:
+        they are fenced and stopped)."""
+        sub, mq, rq, dlq = _load(snap, name)
+        if sub.shard_count != op["from"]:
+            raise VaradhiError(
+                f"subscription {sub.name} has {sub.shard_count} shards, but the change in "
+                f"progress is from {op['from']}; the catalog was changed by something else"
+            )
+        return plan_change(
+            sub,
+            mq,
+            rq,
+            dlq,
+            self._positions(sub),
+            int(op["to"]),
+            allow_uneven=True,  # checked when the operation was recorded
+            layout_seq=int(op["layout_seq"]),
+            rq_target_index=int(op["rq_target_index"]),
+            dlq_target_index=int(op["dlq_target_index"]),
+            route_by=StorageTopic.from_dict(op["route_by"]),
+        )
+
+    @staticmethod
+    def _check_resumable(op: Mapping[str, Any], name: str, to: int) -> None:
+        if int(op["to"]) != to:
+            raise InvalidArgument(
+                f"a change of {name} from {op['from']} to {op['to']} shards is in progress "
+                f"(step {op['step']}); run `varadhi subscription change-shards {name} "
+                f"--to {op['to']}` to finish it first",
+                field="to",
+            )
+
+    @staticmethod
+    def _check_no_pending_feeders(op: Mapping[str, Any] | None, name: str) -> None:
+        if op is not None and not all(f.get("done") for f in op.get("feeders", [])):
+            raise InvalidArgument(
+                f"the previous change of {name} still has feeders to run: "
+                + ", ".join(f["source"] for f in op["feeders"] if not f.get("done"))
+            )
+
+    def _write_op(self, name: str, op: dict[str, Any]) -> None:
+        doc = dict(op, subscription=name, updated_ms=int(time.time() * 1000))
+        self.catalog.mutate(lambda _snap: {key(OPERATION, operation_name(name)): doc})
+
+
+def _touch(op: Mapping[str, Any], **changes: Any) -> dict[str, Any]:
+    return {**op, **changes, "updated_ms": int(time.time() * 1000)}
+
+
+def _require_op(snap: Snapshot, name: str) -> dict[str, Any]:
+    op = snap.get(OPERATION, operation_name(name))
+    if op is None:
+        raise InvalidArgument(f"no shard-count change of {name} is recorded")
+    return op
+
+
+def _progress(catalog: Catalog, name: str) -> dict[int, dict[str, Any]]:
+    from .status import latest_progress
+
+    return latest_progress(catalog.settings, name)
+
+
+# -- feeders ------------------------------------------------------------------------------
+
+
+def feeder_source(op: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The recorded feeder for `source`, if the operation has reached its feed step (pure)."""
+    match = [f for f in op.get("feeders", []) if f["source"] == source]
+    if not match:
+        listed = ", ".join(f["source"] for f in op.get("feeders", [])) or "none"
+        raise InvalidArgument(
+            f"{source} is not a feeder source of this change (sources: {listed})", field="source"
+        )
+    if op["step"] not in ("feed", "done"):
+        raise InvalidArgument(
+            f"the change is at step {op['step']}; feeders run once it reaches `feed`",
+            field="source",
+        )
+    return match[0]
+
+
+def check_feeder(catalog: Catalog, name: str, source: str) -> dict[str, Any]:
+    """The recorded feeder of `name` for `source`, or `InvalidArgument` (before any Spark)."""
+    snap = catalog.snapshot()
+    subscriptions.from_snapshot(snap, name)  # must exist
+    return feeder_source(_require_op(snap, name), source)
+
+
+def feed(spark, catalog: Catalog, name: str, source: str) -> int:
+    """Copy every record of old RQ/DLQ storage topic `source` to the new one; returns how many.
+
+    A bounded Spark batch: read `source` from its start (for a DLQ, from the offset reset's
+    `dlq_start` where there is one) to its end, read_committed, skip tick records, and write
+    each record (key, value and headers kept) to the partition of the new storage topic that
+    its group's new shard owns (`internal_target` of `group_key_column`, the shard's own rule).
+    At-least-once: a re-run writes duplicates, which the shards drop. Marks the feeder done.
+    """
+    import json
+
+    from pyspark.sql import functions as F
+
+    from .batch import TICK_HEADER
+    from .shard import group_key_column
+
+    snap = catalog.snapshot()
+    op = _require_op(snap, name)
+    f = feeder_source(op, source)
+    sub = subscriptions.from_snapshot(snap, name)
+    route_by = StorageTopic.from_dict(op["route_by"])
+    to = int(op["to"])
+    queue = topics.from_snapshot(
+        snap, sub.spec.rq_topic if f["queue"] == "rq" else sub.spec.dlq_topic
+    )
+    target = queue.storage(int(op[f"{f['queue']}_target_index"]))
+    src_parts = queue.storage(queue.index_of(source)).partitions
+    start: dict[str, int] = {}
+    if f["queue"] == "dlq":  # an offset reset may have fast-forwarded the DLQ past some records
+        doc = snap.get(subscriptions.KIND, name) or {}
+        start = doc.get("state", {}).get("dlq_start", {}).get(source, {})
+    starting = {source: {str(p): int(start.get(str(p), -2)) for p in range(src_parts)}}
+
+    @F.pandas_udf("int")
+    def partition_of(keys: pd.Series) -> pd.Series:
+        return keys.map(lambda k: internal_target(k, route_by, to, target.partitions))
+
+    bootstrap = catalog.settings.bootstrap
+    records = (
+        spark.read.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("assign", json.dumps({source: list(range(src_parts))}))
+        .option("startingOffsets", json.dumps(starting))
+        .option("endingOffsets", "latest")
+        .option("includeHeaders", "true")
+        .option("kafka.isolation.level", "read_committed")
+        .load()
+    )
+    is_tick = F.coalesce(F.exists("headers", lambda h: h["key"] == TICK_HEADER), F.lit(False))
+    out = (
+        records.where(~is_tick)
+        .select("key", "value", "headers", group_key_column(sub.spec.grouped).alias("group_key"))
+        .select("key", "value", "headers", partition_of("group_key").alias("partition"))
+        .persist()
+    )
+    try:
+        n = out.count()
+        (
+            out.write.format("kafka")
+            .option("kafka.bootstrap.servers", bootstrap)
+            .option("kafka.acks", "all")
+            .option("topic", target.name)
+            .save()
+        )
+    finally:
+        out.unpersist()
+    _mark_fed(catalog, name, source, n)
+    return n
+
+
+def _mark_fed(catalog: Catalog, name: str, source: str, records: int) -> None:
+    def change(snap: Snapshot):
+        op = _require_op(snap, name)
+        feeders = [
+            dict(f, done=True, records=records, done_ms=int(time.time() * 1000))
+            if f["source"] == source
+            else f
+            for f in op["feeders"]
+        ]
+        step = "done" if op["step"] == "feed" and all(f["done"] for f in feeders) else op["step"]
+        return {key(OPERATION, operation_name(name)): _touch(op, feeders=feeders, step=step)}
+
+    catalog.mutate(change)
+
+
+__all__ = [
+    "ChangeShards",
+    "Feeder",
+    "Plan",
+    "ShardsRunning",
+    "check_stopped",
+    "check_target",
+    "feed",
+    "internal_target",
+    "merge_positions",
+    "new_shard_of",
+    "plan_change",
+    "reshard_tables",
+    "text_plan",
+]
