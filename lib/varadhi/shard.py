@@ -340,6 +340,7 @@ class ShardJob:
                 if (
                     self.stop_when_idle_s is not None
                     and self._next_due_ms is None
+                    and not self._batch_lock.locked()  # a batch is running: not idle
                     and time.monotonic() - self._last_batch_end > self.stop_when_idle_s
                     and self._caught_up(query, assign)
                 ):
@@ -372,17 +373,16 @@ class ShardJob:
         return {t: {str(p): int(o) for p, o in parts.items()} for t, parts in end.items()}
 
     def _end_offsets(self, assign: dict[str, list[int]]) -> dict[str, dict[int, int]]:
-        consumer = KafkaConsumer(
-            bootstrap_servers=self.settings.bootstrap, isolation_level="read_committed"
-        )
-        try:
-            tps = [TopicPartition(t, p) for t, parts in assign.items() for p in parts]
-            ends = consumer.end_offsets(tps) if tps else {}
-            return {
-                t: {p: ends[TopicPartition(t, p)] for p in parts} for t, parts in assign.items()
-            }
-        finally:
-            consumer.close()
+        # One consumer for the job's life (closed in `_close`): this runs every loop turn of an
+        # idle check, and a new kafka-python consumer per call cost CPU the batches need.
+        # Only the driver's main loop calls this (a consumer is not thread-safe).
+        if self._offsets_consumer is None:
+            self._offsets_consumer = KafkaConsumer(
+                bootstrap_servers=self.settings.bootstrap, isolation_level="read_committed"
+            )
+        tps = [TopicPartition(t, p) for t, parts in assign.items() for p in parts]
+        ends = self._offsets_consumer.end_offsets(tps) if tps else {}
+        return {t: {p: ends[TopicPartition(t, p)] for p in parts} for t, parts in assign.items()}
 
     def _caught_up(self, query, assign: dict[str, list[int]]) -> bool:
         consumed = self._consumed(query)
