@@ -9,9 +9,9 @@ import logging
 import sys
 
 from ..errors import VaradhiError
-from . import dlq, outbox, produce, status, subscription, topic
+from . import dlq, outbox, produce, replay, status, subscription, topic
 
-COMMAND_GROUPS = [topic, produce, subscription, status, dlq, outbox]
+COMMAND_GROUPS = [topic, produce, subscription, status, dlq, replay, outbox]
 
 
 def build_parser() -> argparse.ArgumentParser:
