@@ -9,9 +9,9 @@ import logging
 import sys
 
 from ..errors import VaradhiError
-from . import dlq, outbox, produce, replay, status, subscription, topic
+from . import dlq, jobs, outbox, produce, replay, status, subscription, topic
 
-COMMAND_GROUPS = [topic, produce, subscription, status, dlq, replay, outbox]
+COMMAND_GROUPS = [topic, produce, subscription, status, dlq, replay, outbox, jobs]
 
 
 def build_parser() -> argparse.ArgumentParser:

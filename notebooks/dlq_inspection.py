@@ -1,0 +1,260 @@
+# Databricks notebook source
+# MAGIC %md
+# MAGIC # Dead-letter queue: inspect and re-drive
+# MAGIC
+# MAGIC Messages land in a subscription's DLQ when their retries ran out or the endpoint's answer
+# MAGIC was fatal (a 4xx, by default). In block mode (`on_dead_letter: block`, the default) the
+# MAGIC group's later messages wait behind a parked one.
+# MAGIC
+# MAGIC This notebook:
+# MAGIC
+# MAGIC 1. lists the parked messages as a DataFrame (reason, HTTP status, attempts, failure times);
+# MAGIC 2. summarises them by reason and status, and by group;
+# MAGIC 3. lets you pick groups, message ids or a failure-time range;
+# MAGIC 4. re-drives (unsidelines) them: each shard puts them back at their original position with
+# MAGIC    their attempts reset and delivers them in their group's order, ahead of the group's live
+# MAGIC    traffic, which then follows;
+# MAGIC 5. watches until every shard applied the re-drive, and lists the DLQ again.
+# MAGIC
+# MAGIC Re-drive only after the cause is fixed (endpoint bug, missing resource), or the messages park
+# MAGIC again. Nothing changes unless the `execute` widget is `yes`.
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## Set up
+# MAGIC
+# MAGIC Edit the wheel path to where your workspace keeps it. Locally (`python notebooks/dlq_inspection.py`)
+# MAGIC the `%pip` line is a comment and widgets read `VARADHI_NB_<WIDGET>` environment variables.
+
+# COMMAND ----------
+
+# MAGIC %pip install --no-deps /Volumes/main/varadhi/artifacts/varadhi_spark-0.1.0-py3-none-any.whl kafka-python==3.0.12 mmh3==5.3.1 pycurl==7.49.0
+
+# COMMAND ----------
+
+import os
+import time
+
+import pandas as pd
+
+
+def widget(name, default, label, choices=None):
+    """The value of a Databricks widget; run locally, $VARADHI_NB_<NAME> or the default."""
+    try:
+        if choices:
+            dbutils.widgets.dropdown(name, default, choices, label)
+        else:
+            dbutils.widgets.text(name, default, label)
+    except NameError:  # `dbutils` is a Databricks global
+        return os.environ.get(f"VARADHI_NB_{name.upper()}", default)
+    return dbutils.widgets.get(name)
+
+
+try:
+    display
+except NameError:  # not on Databricks
+
+    def display(obj):
+        print(obj.to_string() if hasattr(obj, "to_string") else obj)
+
+
+BOOTSTRAP = widget(
+    "bootstrap", os.environ.get("VARADHI_BOOTSTRAP", "127.0.0.1:19092"), "Kafka bootstrap servers"
+)
+CATALOG_TOPIC = widget(
+    "catalog_topic", os.environ.get("VARADHI_CATALOG_TOPIC", "__varadhi_catalog"), "Catalog topic"
+)
+NAME = widget("subscription", "", "Subscription")
+GROUP_FILTER = widget("group_id", "", "Only this group (empty: all)")
+LIMIT = int(widget("limit", "1000", "Newest N parked messages (0: all)"))
+REDRIVE_GROUPS = widget("redrive_group_ids", "", "Re-drive groups (comma-separated)")
+REDRIVE_MESSAGES = widget("redrive_message_ids", "", "Re-drive message ids (comma-separated)")
+FAILED_SINCE = widget("failed_since", "", "Re-drive failed since (ISO-8601 or epoch ms)")
+FAILED_UNTIL = widget("failed_until", "", "... and until (optional)")
+EXECUTE = widget("execute", "no", "Execute the re-drive", ["no", "yes"]) == "yes"
+WAIT_S = float(widget("wait_seconds", "300", "Seconds to wait for the shards"))
+if not NAME:
+    raise ValueError("set the `subscription` widget to the subscription's name")
+
+os.environ["VARADHI_BOOTSTRAP"] = BOOTSTRAP
+os.environ["VARADHI_CATALOG_TOPIC"] = CATALOG_TOPIC
+
+from varadhi import dlq
+from varadhi.catalog import Catalog
+from varadhi.cli import main as varadhi_main
+from varadhi.settings import Settings
+from varadhi.subscriptions import SubscriptionService
+
+catalog = Catalog(Settings.from_env(bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC))
+
+
+def cli(argv):
+    """Run `varadhi ARGV...` here, exactly as on a command line; stop the notebook on failure."""
+    code = varadhi_main(["--bootstrap", BOOTSTRAP, *argv])
+    if code != 0:
+        raise RuntimeError(f"`varadhi {' '.join(map(str, argv))}` exited with {code}")
+
+
+def split(text):
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def parked_frame():
+    """The DLQ as a DataFrame: one row per parked message, newest last."""
+    rows = dlq.list_parked(catalog, NAME, group_id=GROUP_FILTER or None, limit=LIMIT)
+    df = pd.DataFrame(
+        rows,
+        columns=[
+            "msg_id",
+            "group_id",
+            "state",
+            "reason",
+            "status",
+            "attempts",
+            "first_failure_ms",
+            "last_failure_ms",
+            "origin",
+            "topic",
+            "partition",
+            "offset",
+            "value_bytes",
+        ],
+    )
+    for col in ("status", "attempts", "first_failure_ms", "last_failure_ms", "value_bytes"):
+        df[col] = pd.to_numeric(df[col]).astype("Int64")  # None -> <NA>
+    for col in ("first_failure_ms", "last_failure_ms"):
+        df[col.replace("_ms", "")] = pd.to_datetime(df[col].astype("float"), unit="ms", utc=True)
+    return df
+
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 1. Parked messages
+# MAGIC
+# MAGIC `state` is `parked`, `redrive requested` (a re-drive selected it and not every shard has
+# MAGIC applied it yet) or `redriven`. The same list from the command line:
+
+# COMMAND ----------
+
+cli(["dlq", "list", NAME, "--limit", "20"])
+
+# COMMAND ----------
+
+parked = parked_frame()
+print(f"{len(parked)} message(s) in the DLQ of {NAME}")
+display(parked.drop(columns=["first_failure_ms", "last_failure_ms"]))
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 2. By reason and status, and by group
+# MAGIC
+# MAGIC One reason and status for most messages usually means one cause (an endpoint returning
+# MAGIC 404 for a resource that does not exist yet). Groups with many parked messages are the ones
+# MAGIC whose traffic waits longest.
+
+# COMMAND ----------
+
+waiting = parked[parked["state"] != "redriven"]
+by_reason = (
+    waiting.fillna({"reason": "?", "status": -1})
+    .groupby(["reason", "status"])
+    .agg(
+        messages=("msg_id", "count"),
+        groups=("group_id", "nunique"),
+        first_failure=("first_failure", "min"),
+        last_failure=("last_failure", "max"),
+    )
+    .sort_values("messages", ascending=False)
+    .reset_index()
+)
+display(by_reason)
+
+# COMMAND ----------
+
+by_group = (
+    waiting.groupby("group_id", dropna=False)
+    .agg(
+        messages=("msg_id", "count"),
+        reasons=("reason", lambda r: ", ".join(sorted({str(x) for x in r}))),
+        oldest_failure=("first_failure", "min"),
+    )
+    .sort_values(["messages", "oldest_failure"], ascending=[False, True])
+    .reset_index()
+)
+display(by_group.head(50))
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 3. Pick what to re-drive
+# MAGIC
+# MAGIC Set one or more of the widgets `redrive_group_ids`, `redrive_message_ids`, `failed_since`
+# MAGIC (with an optional `failed_until`). A message is selected if any of them matches. Selecting
+# MAGIC a group re-drives all its parked messages, in order; selecting single messages of a group
+# MAGIC leaves the group blocked on the others.
+
+# COMMAND ----------
+
+selector = dlq.Selector(
+    group_ids=split(REDRIVE_GROUPS),
+    message_ids=split(REDRIVE_MESSAGES),
+    failed_since_ms=dlq.parse_time_ms(FAILED_SINCE, "failed_since") if FAILED_SINCE else None,
+    failed_until_ms=dlq.parse_time_ms(FAILED_UNTIL, "failed_until") if FAILED_UNTIL else None,
+)
+since = selector.failed_since_ms
+until = selector.failed_until_ms if selector.failed_until_ms is not None else 2**63
+picked = waiting[
+    waiting["group_id"].isin(selector.group_ids)
+    | waiting["msg_id"].isin(selector.message_ids)
+    | (waiting["last_failure_ms"].between(since, until) if since is not None else False)
+]
+print(f"{len(picked)} parked message(s) selected in {picked['group_id'].nunique()} group(s)")
+display(picked[["msg_id", "group_id", "reason", "status", "attempts", "last_failure"]])
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 4. Re-drive
+# MAGIC
+# MAGIC Records the re-drive in the catalog; every running shard applies it at its next
+# MAGIC micro-batch. The command-line equivalent is
+# MAGIC `varadhi dlq unsideline NAME --group-ids G1 G2 --wait 300`.
+
+# COMMAND ----------
+
+op_id = None
+if EXECUTE:
+    selector.validate()
+    op_id = dlq.request_unsideline(catalog, NAME, selector)
+    print(f"re-drive {op_id} recorded")
+else:
+    print("not executed: set the `execute` widget to `yes` to re-drive the selection")
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 5. Watch until applied
+# MAGIC
+# MAGIC A shard marks the re-drive done once its state holds the messages again. If nothing moves,
+# MAGIC check that the shard jobs run and are not paused (`varadhi status`).
+
+# COMMAND ----------
+
+if op_id is not None:
+    shard_count = SubscriptionService(catalog).get(NAME).shard_count
+    deadline = time.monotonic() + WAIT_S
+    done = []
+    while time.monotonic() < deadline:
+        done = dlq.redrives(catalog.snapshot(), NAME)[op_id].get("done", [])
+        print(f"applied by shard(s) {done} of {shard_count}")
+        if len(done) >= shard_count:
+            break
+        time.sleep(5)
+    else:
+        raise TimeoutError(f"re-drive {op_id} applied by {done} only after {WAIT_S:g} s")
+    after = parked_frame()
+    display(after[after["msg_id"].isin(picked["msg_id"])][["msg_id", "group_id", "state"]])
+cli(["status", NAME])

@@ -1,0 +1,284 @@
+# Databricks notebook source
+# MAGIC %md
+# MAGIC # Offset reset of a subscription
+# MAGIC
+# MAGIC Moves a subscription's shards to other positions of one of its queues, the way
+# MAGIC `kafka-consumer-groups --reset-offsets` does for a consumer group:
+# MAGIC
+# MAGIC | queue | allowed | typical use |
+# MAGIC |---|---|---|
+# MAGIC | `main` | rewind and fast-forward | replay since an incident (`--to-datetime`), skip a poison backlog (`--to-latest`) |
+# MAGIC | `rq`, `dlq` | fast-forward only | drop retries or dead letters nobody will re-drive |
+# MAGIC
+# MAGIC What to know before you start:
+# MAGIC
+# MAGIC * **Rewinding re-delivers.** Every replayed message is delivered again with its original
+# MAGIC   idempotency key (message id); the endpoint must de-duplicate or tolerate repeats.
+# MAGIC * **Fast-forwarding skips.** Skipped messages are never delivered. For the RQ and DLQ, groups
+# MAGIC   that were waiting on a skipped message are unblocked.
+# MAGIC * **The shards must be stopped or paused.** This notebook pauses the subscription, resets,
+# MAGIC   and resumes it. The reset starts a new checkpoint *generation*: shards start again from
+# MAGIC   the new positions with fresh checkpoints.
+# MAGIC * Always look at the dry run first: it lists, per shard and partition, the current and the
+# MAGIC   new offset and how many messages are skipped or replayed.
+# MAGIC
+# MAGIC Steps: **1** set up, **2** inspect, **3** pause, **4** dry run, **5** execute, **6** resume and
+# MAGIC verify. Nothing changes before step 3, and step 5 runs only when the `execute` widget says
+# MAGIC `yes`, so *Run all* is a safe way to get a dry run.
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 1. Set up
+# MAGIC
+# MAGIC Installs the varadhi-spark wheel (edit the path to where your workspace keeps it). `--no-deps`
+# MAGIC keeps the runtime's own pyspark; the three packages after it are what varadhi adds. Run
+# MAGIC locally (`python notebooks/offset_reset.py`), the `%pip` line is a comment and the widgets
+# MAGIC read `VARADHI_NB_<WIDGET>` environment variables instead.
+
+# COMMAND ----------
+
+# MAGIC %pip install --no-deps /Volumes/main/varadhi/artifacts/varadhi_spark-0.1.0-py3-none-any.whl kafka-python==3.0.12 mmh3==5.3.1 pycurl==7.49.0
+
+# COMMAND ----------
+
+import os
+import time
+
+
+def widget(name, default, label, choices=None):
+    """The value of a Databricks widget; run locally, $VARADHI_NB_<NAME> or the default."""
+    try:
+        if choices:
+            dbutils.widgets.dropdown(name, default, choices, label)
+        else:
+            dbutils.widgets.text(name, default, label)
+    except NameError:  # `dbutils` is a Databricks global
+        return os.environ.get(f"VARADHI_NB_{name.upper()}", default)
+    return dbutils.widgets.get(name)
+
+
+try:
+    display
+except NameError:  # not on Databricks
+
+    def display(obj):
+        print(obj.to_string() if hasattr(obj, "to_string") else obj)
+
+
+BOOTSTRAP = widget(
+    "bootstrap", os.environ.get("VARADHI_BOOTSTRAP", "127.0.0.1:19092"), "Kafka bootstrap servers"
+)
+CATALOG_TOPIC = widget(
+    "catalog_topic", os.environ.get("VARADHI_CATALOG_TOPIC", "__varadhi_catalog"), "Catalog topic"
+)
+NAME = widget("subscription", "", "Subscription")
+QUEUE = widget("queue", "main", "Queue", ["main", "rq", "dlq"])
+MODE = widget(
+    "mode",
+    "to-datetime",
+    "Reset to",
+    ["to-datetime", "to-earliest", "to-latest", "shift-by", "to-storage-topic"],
+)
+TO_DATETIME = widget("to_datetime", "2026-01-01T00:00:00Z", "--to-datetime (ISO-8601, UTC)")
+SHIFT_BY = widget("shift_by", "0", "--shift-by N (negative: back)")
+STORAGE_TOPIC = widget("storage_topic", "0", "--to-storage-topic index (main only)")
+EXECUTE = widget("execute", "no", "Execute the reset", ["no", "yes"]) == "yes"
+WAIT_S = float(widget("wait_seconds", "120", "Seconds to wait for shards"))
+if not NAME:
+    raise ValueError("set the `subscription` widget to the subscription's name")
+
+# Every varadhi component reads these (lib/varadhi/settings.py).
+os.environ["VARADHI_BOOTSTRAP"] = BOOTSTRAP
+os.environ["VARADHI_CATALOG_TOPIC"] = CATALOG_TOPIC
+
+from varadhi import status
+from varadhi.catalog import Catalog
+from varadhi.cli import main as varadhi_main
+from varadhi.settings import Settings
+from varadhi.subscriptions import SubscriptionService
+
+catalog = Catalog(Settings.from_env(bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC))
+subscriptions = SubscriptionService(catalog)
+
+
+def cli(argv):
+    """Run `varadhi ARGV...` here, exactly as on a command line; stop the notebook on failure."""
+    code = varadhi_main(["--bootstrap", BOOTSTRAP, *argv])
+    if code != 0:
+        raise RuntimeError(f"`varadhi {' '.join(map(str, argv))}` exited with {code}")
+
+
+def shard_states():
+    """Each shard's state from its latest progress report (`varadhi status`)."""
+    return {s["shard"]: s["state"] for s in status.collect(catalog, NAME)["shards"]}
+
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 2. Inspect
+# MAGIC
+# MAGIC The subscription's spec, state (paused flag, generation, shard count), queues and which
+# MAGIC partitions each shard owns; then each shard's lag, rates and blocked groups. Check that no
+# MAGIC other operation (a shard-count change) is in progress.
+
+# COMMAND ----------
+
+cli(["subscription", "describe", NAME])
+
+# COMMAND ----------
+
+cli(["status", NAME])
+before = subscriptions.get(NAME)
+# Multi-step operations (change-shards, offset-reset) record a `step`; re-drives do not block.
+in_progress = {
+    k: v
+    for k, v in status.collect(catalog, NAME)["operations"].items()
+    if v.get("step", "done") != "done"
+}
+if in_progress:
+    raise RuntimeError(f"operations in progress, finish them first: {in_progress}")
+print(f"generation {before.generation}, {before.shard_count} shard(s), paused={before.paused}")
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 3. Pause
+# MAGIC
+# MAGIC Shards honour a pause between micro-batches and report `paused`. The reset refuses to run
+# MAGIC while any shard reports a running state. (Stopping the shard jobs works as well.)
+
+# COMMAND ----------
+
+STOPPED = ("stopped", "fenced", "paused", "never started", "silent")
+if EXECUTE:
+    cli(["subscription", "pause", NAME])
+    deadline = time.monotonic() + WAIT_S
+    while any(state not in STOPPED for state in shard_states().values()):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"shards still running after {WAIT_S:g} s: {shard_states()}")
+        time.sleep(2)
+    print(f"all shards stopped or paused: {shard_states()}")
+else:
+    print("dry run only (execute widget is `no`): not pausing")
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 4. Dry run
+# MAGIC
+# MAGIC Per shard, storage topic and partition: the current offset, the new one, and how many
+# MAGIC messages are skipped or replayed. Nothing changes.
+
+# COMMAND ----------
+
+
+def reset(execute):
+    """`varadhi offsets reset` for the widgets' queue and target; a dry run unless `execute`."""
+    if MODE == "to-datetime":
+        cli(
+            [
+                "offsets",
+                "reset",
+                NAME,
+                "--queue",
+                QUEUE,
+                "--to-datetime",
+                TO_DATETIME,
+                "--execute" if execute else "--dry-run",
+            ]
+        )
+    elif MODE == "to-earliest":
+        cli(
+            [
+                "offsets",
+                "reset",
+                NAME,
+                "--queue",
+                QUEUE,
+                "--to-earliest",
+                "--execute" if execute else "--dry-run",
+            ]
+        )
+    elif MODE == "to-latest":
+        cli(
+            [
+                "offsets",
+                "reset",
+                NAME,
+                "--queue",
+                QUEUE,
+                "--to-latest",
+                "--execute" if execute else "--dry-run",
+            ]
+        )
+    elif MODE == "shift-by":
+        cli(
+            [
+                "offsets",
+                "reset",
+                NAME,
+                "--queue",
+                QUEUE,
+                "--shift-by",
+                SHIFT_BY,
+                "--execute" if execute else "--dry-run",
+            ]
+        )
+    else:
+        cli(
+            [
+                "offsets",
+                "reset",
+                NAME,
+                "--queue",
+                QUEUE,
+                "--to-storage-topic",
+                STORAGE_TOPIC,
+                "--execute" if execute else "--dry-run",
+            ]
+        )
+
+
+reset(execute=False)
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 5. Execute
+# MAGIC
+# MAGIC Only with the `execute` widget set to `yes`. The plan is computed again from the same
+# MAGIC positions, so it matches the dry run unless messages arrived in between (`--to-latest`
+# MAGIC then skips those too). A reset that crashed part way can simply be run again.
+
+# COMMAND ----------
+
+if EXECUTE:
+    reset(execute=True)
+else:
+    print("not executed: set the `execute` widget to `yes` and run from step 3")
+
+# COMMAND ----------
+
+# MAGIC %md
+# MAGIC ## 6. Resume and verify
+# MAGIC
+# MAGIC After a main-queue or RQ reset the generation is one higher. Resume, then watch the shards
+# MAGIC report the new generation (once their jobs are running) and their lag.
+
+# COMMAND ----------
+
+if EXECUTE:
+    after = subscriptions.get(NAME)
+    print(f"generation {before.generation} -> {after.generation}")
+    cli(["subscription", "resume", NAME])
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        shards = status.collect(catalog, NAME)["shards"]
+        if all(s["generation"] == after.generation and s["state"] == "running" for s in shards):
+            break
+        time.sleep(2)
+    print({s["shard"]: (s["state"], s["generation"]) for s in shards})
+cli(["status", NAME])
+cli(["subscription", "describe", NAME, "--output", "json"])
