@@ -40,10 +40,12 @@ def bootstrap() -> str:
 def settings(bootstrap, tmp_path_factory):
     from varadhi.settings import Settings
 
+    warehouse = str(tmp_path_factory.mktemp("warehouse"))
+    os.environ["VARADHI_WAREHOUSE"] = warehouse  # the CLI, called in-process, must agree
     return Settings(
         bootstrap=bootstrap,
         catalog_topic=os.environ["VARADHI_CATALOG_TOPIC"],
-        warehouse=str(tmp_path_factory.mktemp("warehouse")),
+        warehouse=warehouse,
     )
 
 

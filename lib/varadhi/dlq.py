@@ -163,9 +163,13 @@ def _int(v: str | None) -> int | None:
 
 
 def read_parked(
-    settings, partitions: dict[str, Sequence[int]], timeout_s: float = 30
+    settings,
+    partitions: dict[str, Sequence[int]],
+    start: dict[str, dict[str, int]] | None = None,
+    timeout_s: float = 30,
 ) -> list[Parked]:
-    """Every record of the given DLQ partitions (storage topic -> partitions), oldest first."""
+    """Every record of the given DLQ partitions (storage topic -> partitions), oldest first,
+    from `start` (an offset reset's fast-forward of the DLQ) or the beginning."""
     tps = [TopicPartition(t, p) for t, parts in partitions.items() for p in parts]
     if not tps:
         return []
@@ -179,6 +183,10 @@ def read_parked(
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
+        for tp in tps:
+            offset = (start or {}).get(tp.topic, {}).get(str(tp.partition))
+            if offset is not None and offset >= 0:
+                consumer.seek(tp, min(int(offset), ends[tp]))
         out: list[Parked] = []
         deadline = time.monotonic() + timeout_s
         while any(consumer.position(tp) < ends[tp] for tp in tps):
@@ -210,6 +218,12 @@ def dlq_partitions(
     }
 
 
+def dlq_start(snapshot: Snapshot, name: str) -> dict[str, dict[str, int]]:
+    """Where the DLQ starts for browsing and re-driving, after an offset reset fast-forwarded it."""
+    doc = snapshot.get("subscription", name) or {}
+    return doc.get("state", {}).get("dlq_start", {})
+
+
 def redrives(snapshot: Snapshot, name: str) -> dict[str, dict[str, Any]]:
     """The subscription's re-drive operations: id -> document."""
     prefix = f"{name}/redrive-"
@@ -235,7 +249,7 @@ def list_parked(
     dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
     ops = redrives(snap, name)
     rows = []
-    for p in read_parked(catalog.settings, dlq_partitions(sub, dlq)):
+    for p in read_parked(catalog.settings, dlq_partitions(sub, dlq), dlq_start(snap, name)):
         if group_id is not None and p.group_id != group_id:
             continue
         row = p.summary()

@@ -39,6 +39,7 @@ HTTP_GROUP_ID = "X-Varadhi-Group-Id"
 HTTP_ATTEMPT = "X-Varadhi-Attempt"
 HTTP_SOURCE = "X-Varadhi-Source"
 HTTP_PRODUCED_AT = "X-Varadhi-Produced-At"
+HTTP_REPLAY = "X-Varadhi-Replay"  # only on re-deliveries by `varadhi replay`
 
 
 @dataclass(frozen=True, order=True)

@@ -71,7 +71,7 @@ import pandas as pd
 from kafka import KafkaConsumer, TopicPartition
 from kafka.errors import KafkaError
 
-from . import dlq, subscriptions, topics
+from . import dlq, messages, subscriptions, topics
 from .batch import BatchContext, entry_from_record
 from .catalog import Catalog, key
 from .delivery import HttpDeliverer, Outcome, Request
@@ -84,7 +84,7 @@ from .topics import CompositeTopic
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-HTTP_REPLAY = "X-Varadhi-Replay"
+HTTP_REPLAY = messages.HTTP_REPLAY
 OPERATION = "operation"
 MAX_REPORTED_FAILURES = 100
 """Failed messages listed in a result (all are counted): the result is one catalog record."""

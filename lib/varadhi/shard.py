@@ -278,6 +278,10 @@ class ShardJob:
             for t, parts in assign.items()
         }
         state_path, checkpoint, app_id = self._paths(sub, layout)
+        if self._store is None or self._store.path != state_path:
+            self._store = StateStore(self.spark, state_path, self._lease.instance)
+        # Parked retries that fall due before any new input arrives need a tick to run.
+        self._next_due_ms = _next_due(self._store.pending())
         ctx_base = dict(
             sub=sub, mq=mq, rq=rq, dlq=dlq, state_path=state_path, app_id=app_id, lease=lease
         )
@@ -481,7 +485,9 @@ class ShardJob:
         redriven = 0
         if redrive_ops:
             parked = dlq_ops.read_parked(
-                self.settings, dlq_ops.dlq_partitions(sub, dlq, self.shard)
+                self.settings,
+                dlq_ops.dlq_partitions(sub, dlq, self.shard),
+                dlq_ops.dlq_start(self.catalog.snapshot(), self.name),
             )
             chosen = [p for p in parked if any(sel.matches(p) for sel in redrive_ops.values())]
             redriven = store.redrive(dlq_ops.redrive_rows(chosen, sub.spec.grouped))

@@ -128,6 +128,33 @@ class StateStore:
         )
         return len(add)
 
+    def drop_entries(self, location: str, origins: set[tuple[int, int, int, int]]) -> int:
+        """Remove pending entries at `location` whose (origin index, partition, offset, attempts)
+        is in `origins`, and write the table (offline use: the shard must be stopped). Returns how
+        many were removed."""
+        f = self.frame
+        keys = list(
+            zip(
+                f["origin_index"],
+                f["origin_partition"],
+                f["origin_offset"],
+                f["attempts"],
+                strict=True,
+            )
+        )
+        hit = [
+            kind == "pending" and where == location and tuple(int(x) for x in k) in origins
+            for kind, where, k in zip(f["kind"], f["location"], keys, strict=True)
+        ]
+        if not any(hit):
+            return 0
+        frame = normalise(f[[not h for h in hit]])
+        self.spark.createDataFrame(frame, STATE_SCHEMA).write.format("delta").mode(
+            "overwrite"
+        ).save(self.path)
+        self.frame = frame
+        return sum(hit)
+
     def commit(self, touched: set[str], new_rows: pd.DataFrame, app_id: str, batch_id: int) -> bool:
         """Replace the table with: pending rows of untouched groups, `new_rows` (the touched
         groups' new pending rows and this batch's outs) and a meta row. Returns whether this

@@ -95,6 +95,7 @@ _RESERVED_HEADERS = tuple(
         messages.HTTP_ATTEMPT,
         messages.HTTP_SOURCE,
         messages.HTTP_PRODUCED_AT,
+        messages.HTTP_REPLAY,
     )
 )
 

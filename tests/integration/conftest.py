@@ -106,3 +106,34 @@ def varadhi_processes(bootstrap):
         return done
 
     return run
+
+
+@pytest.fixture
+def make_subscription(catalog, unique_name):
+    """Factory: a 2-partition topic and a one-shard grouped subscription delivering to `url`."""
+
+    from varadhi.subscriptions import SubscriptionService, parse_spec
+    from varadhi.topics import TopicService
+
+    def make(url: str, **overrides):
+        topic = unique_name("ops")
+        TopicService(catalog).create(topic, 2)
+        doc = {
+            "name": unique_name("ops-sub"),
+            "topic": topic,
+            "endpoint": {"url": url},
+            "shards": 1,
+            "retry": {
+                "max_attempts": 2,
+                "min_backoff": "100ms",
+                "max_backoff": "200ms",
+                "jitter": 0,
+            },
+            "consumption": {"trigger_interval": "100ms"},
+        }
+        doc.update(overrides)
+        spec = parse_spec(doc)
+        SubscriptionService(catalog).create(spec)
+        return spec
+
+    return make

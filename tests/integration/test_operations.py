@@ -10,58 +10,11 @@ import pytest
 
 from varadhi import dlq, status
 from varadhi.cli import main as cli
-from varadhi.producer import Producer
 from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import TestEndpoint
-from varadhi.topics import TopicService
+from varadhi.testing.harness import delivered, produce, run_until_idle, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
-
-
-@pytest.fixture
-def make_subscription(catalog, unique_name):
-    """Factory: a 2-partition topic and a one-shard grouped subscription delivering to `url`."""
-
-    def make(url: str, **overrides):
-        topic = unique_name("ops")
-        TopicService(catalog).create(topic, 2)
-        doc = {
-            "name": unique_name("ops-sub"),
-            "topic": topic,
-            "endpoint": {"url": url},
-            "shards": 1,
-            "retry": {
-                "max_attempts": 2,
-                "min_backoff": "100ms",
-                "max_backoff": "200ms",
-                "jitter": 0,
-            },
-            "consumption": {"trigger_interval": "100ms"},
-        }
-        doc.update(overrides)
-        spec = parse_spec(doc)
-        SubscriptionService(catalog).create(spec)
-        return spec
-
-    return make
-
-
-def produce(settings, topic: str, messages: list[tuple[str, str]]) -> None:
-    with Producer(topic, settings) as p:
-        for group, msg_id in messages:
-            p.send(f"body-{msg_id}".encode(), group_id=group, message_id=msg_id)
-        p.flush()
-
-
-def run_until_idle(settings, spark, name: str, idle_s: float = 3) -> ShardJob:
-    job = ShardJob(name, 0, settings, spark=spark, stop_when_idle_s=idle_s)
-    assert job.run() == 0
-    return job
-
-
-def delivered(endpoint: TestEndpoint, group: str) -> list[str]:
-    return [r.message_id for r in endpoint.records() if r.group_id == group and r.status < 300]
 
 
 def test_unsideline_redrives_in_order_and_unblocks_the_group(
@@ -115,24 +68,15 @@ def test_pause_stops_consuming_and_resume_carries_on(settings, spark, make_subsc
         job = ShardJob(spec.name, 0, settings, spark=spark)
         thread = threading.Thread(target=job.run, daemon=True)
         thread.start()
-        _wait(lambda: len(delivered(endpoint, "g")) == 5, 90)
+        wait_for(lambda: len(delivered(endpoint, "g")) == 5, 90)
         assert cli(["subscription", "pause", spec.name]) == 0
-        _wait(lambda: status.collect(catalog, spec.name)["shards"][0]["state"] == "paused", 30)
+        wait_for(lambda: status.collect(catalog, spec.name)["shards"][0]["state"] == "paused", 30)
         produce(settings, spec.topic, [("g", f"b{i}") for i in range(5)])
         time.sleep(3)
         assert len(delivered(endpoint, "g")) == 5  # nothing consumed while paused
         assert cli(["subscription", "resume", spec.name]) == 0
-        _wait(lambda: len(delivered(endpoint, "g")) == 10, 90)
+        wait_for(lambda: len(delivered(endpoint, "g")) == 10, 90)
         assert delivered(endpoint, "g") == [f"a{i}" for i in range(5)] + [f"b{i}" for i in range(5)]
         job.request_stop()
         thread.join(60)
         assert not thread.is_alive()
-
-
-def _wait(condition, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.3)
-    raise AssertionError("condition not met in time")

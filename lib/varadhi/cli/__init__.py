@@ -9,9 +9,9 @@ import logging
 import sys
 
 from ..errors import VaradhiError
-from . import dlq, jobs, outbox, produce, replay, status, subscription, topic
+from . import dlq, jobs, offsets, outbox, produce, replay, status, subscription, topic
 
-COMMAND_GROUPS = [topic, produce, subscription, status, dlq, replay, outbox, jobs]
+COMMAND_GROUPS = [topic, produce, subscription, status, dlq, offsets, replay, outbox, jobs]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,76 @@
+"""`varadhi offsets reset`: flags mirror `kafka-consumer-groups --reset-offsets`."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..dlq import parse_time_ms
+from ..offsets import OffsetReset
+from . import common
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("offsets", help="offset reset of a subscription's queues")
+    osub = p.add_subparsers(dest="offsets_command", metavar="ACTION", required=True)
+    r = osub.add_parser(
+        "reset",
+        help="move the shards of a stopped subscription to other offsets",
+        description="Rewind or fast-forward the main queue; fast-forward the RQ or DLQ. The "
+        "subscription's shards must be stopped or paused. Starts a new checkpoint generation.",
+    )
+    r.add_argument("name", help="subscription name")
+    r.add_argument("--queue", choices=["main", "rq", "dlq"], required=True)
+    to = r.add_mutually_exclusive_group(required=True)
+    to.add_argument("--to-earliest", action="store_true")
+    to.add_argument("--to-latest", action="store_true")
+    to.add_argument("--to-datetime", metavar="TIME", help="ISO-8601 (UTC if no zone) or epoch ms")
+    to.add_argument(
+        "--shift-by", type=int, metavar="N", help="move each partition by N (negative: back)"
+    )
+    to.add_argument(
+        "--to-storage-topic", type=int, metavar="I", help="start of storage topic I (main only)"
+    )
+    how = r.add_mutually_exclusive_group(required=True)
+    how.add_argument("--dry-run", action="store_true", help="show the plan, change nothing")
+    how.add_argument("--execute", action="store_true", help="carry the reset out")
+    common.add_output(r)
+    r.set_defaults(func=_reset)
+
+
+def _reset(args: argparse.Namespace) -> int:
+    if args.to_earliest:
+        mode, value = "to-earliest", None
+    elif args.to_latest:
+        mode, value = "to-latest", None
+    elif args.to_datetime is not None:
+        mode, value = "to-datetime", parse_time_ms(args.to_datetime, "to_datetime")
+    elif args.shift_by is not None:
+        mode, value = "shift-by", args.shift_by
+    else:
+        mode, value = "to-storage-topic", args.to_storage_topic
+    if mode == "to-storage-topic" and args.queue != "main":
+        from ..errors import InvalidArgument
+
+        raise InvalidArgument("--to-storage-topic applies to the main queue only", field="queue")
+    reset = OffsetReset(common.catalog(args))
+    plan = reset.plan(args.name, args.queue, mode, value)
+    summary = plan.summary()
+    if args.execute:
+        reset.execute(args.name, plan)
+    if args.output == "json":
+        common.emit_json(summary | {"executed": bool(args.execute)})
+        return 0
+    print(f"{'shard':>5} {'storage topic':<32} {'part':>4} {'current':>9} {'new':>9} {'change':>9}")
+    for mv in summary["moves"]:
+        current = "-" if mv["current"] is None else mv["current"]
+        change = (
+            f"skip {mv['delta']}"
+            if mv["delta"] > 0
+            else (f"replay {-mv['delta']}" if mv["delta"] < 0 else "-")
+        )
+        print(
+            f"{mv['shard']:>5} {mv['topic']:<32} {mv['partition']:>4} {current:>9} {mv['new']:>9} {change:>9}"
+        )
+    verb = "reset" if args.execute else "would reset (dry run; nothing changed)"
+    print(f"{verb}: {summary['skipped']} messages skipped, {summary['replayed']} replayed")
+    return 0

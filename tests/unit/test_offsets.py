@@ -1,0 +1,106 @@
+"""Offset-reset planning (pure): modes, fast-forward only on internal queues, uneven rewinds."""
+
+import pytest
+
+from varadhi.errors import InvalidArgument
+from varadhi.layouts import Layout
+from varadhi.offsets import Offsets, plan_internal, plan_main
+from varadhi.policies import Endpoint, SubscriptionSpec
+from varadhi.subscriptions import Subscription
+from varadhi.topics import add_storage, new_topic
+
+
+def sub_of(shards: int, topic: str = "t", allow_uneven: bool = False) -> Subscription:
+    spec = SubscriptionSpec(
+        name="s",
+        topic=topic,
+        endpoint=Endpoint("http://127.0.0.1:9/"),
+        shards=shards,
+        rq_partitions=2 * shards,
+        dlq_partitions=shards,
+        allow_uneven=allow_uneven,
+    )
+    return Subscription(spec, shard_count=shards, created_ms=0, generation=3)
+
+
+def offsets_for(topic, begin=0, end=100, at=None) -> Offsets:
+    return Offsets(
+        {st.name: [begin] * st.partitions for st in topic.storage_topics},
+        {st.name: [end] * st.partitions for st in topic.storage_topics},
+        {st.name: [at] * st.partitions for st in topic.storage_topics},
+    )
+
+
+def positions(shards, index, topic, consumed=50):
+    st = topic.storage_topics[index]
+    return {
+        s: (Layout(3, 2, index, {}), {st.name: {str(p): consumed for p in range(st.partitions)}})
+        for s in range(shards)
+    }
+
+
+def test_shift_back_replays_and_starts_a_new_generation():
+    mq = new_topic("t", 4)
+    plan = plan_main(sub_of(2), mq, positions(2, 0, mq), offsets_for(mq), "shift-by", -10)
+    assert {(mv.shard, mv.partition, mv.current, mv.new) for mv in plan.moves} == {
+        (0, 0, 50, 40),
+        (0, 1, 50, 40),
+        (1, 2, 50, 40),
+        (1, 3, 50, 40),
+    }
+    assert plan.summary()["replayed"] == 40 and plan.summary()["skipped"] == 0
+    assert all(layout.generation == 4 and layout.seq == 0 for layout in plan.layouts.values())
+    assert plan.layouts[1].starting_offsets["t.0"] == {"2": 40, "3": 40}
+
+
+def test_shift_is_clamped_to_the_log():
+    mq = new_topic("t", 2)
+    plan = plan_main(
+        sub_of(1), mq, positions(1, 0, mq), offsets_for(mq, begin=45), "shift-by", -100
+    )
+    assert [mv.new for mv in plan.moves] == [45, 45]
+    plan = plan_main(sub_of(1), mq, positions(1, 0, mq), offsets_for(mq, end=60), "shift-by", 100)
+    assert [mv.new for mv in plan.moves] == [60, 60]
+
+
+def test_to_latest_goes_to_the_produce_topic_and_to_datetime_finds_the_first_topic():
+    mq, _ = add_storage(new_topic("t", 2), 4)
+    mq = mq.__class__(**{**mq.__dict__, "produce_pointer": 1})
+    plan = plan_main(sub_of(2), mq, positions(2, 0, mq), offsets_for(mq), "to-latest", None)
+    assert {mv.topic for mv in plan.moves} == {"t.1"} and {mv.new for mv in plan.moves} == {100}
+    kafka = offsets_for(mq)
+    kafka.at_time["t.0"][:] = [None, None]
+    kafka.at_time["t.1"][:] = [7, None, 9, None]
+    plan = plan_main(sub_of(2), mq, positions(2, 0, mq), kafka, "to-datetime", 123)
+    assert {(mv.partition, mv.new) for mv in plan.moves} == {(0, 7), (1, 100), (2, 9), (3, 100)}
+    assert plan.layouts[0].mq_index == 1
+
+
+def test_rewind_across_an_uneven_storage_topic_is_refused_with_the_shard_count_that_fits():
+    mq, _ = add_storage(new_topic("t", 4), 6)  # K resets to 1: 4 shards cannot share 6 partitions
+    sub = sub_of(4)
+    with pytest.raises(InvalidArgument, match=r"cannot rewind.*change-shards s --to 2"):
+        plan_main(sub, mq, positions(4, 1, mq), offsets_for(mq), "to-earliest", None)
+    plan = plan_main(sub_of(2), mq, positions(2, 1, mq), offsets_for(mq), "to-earliest", None)
+    assert {mv.topic for mv in plan.moves} == {"t.0"} and {mv.new for mv in plan.moves} == {0}
+
+
+def test_internal_queues_only_fast_forward():
+    rq = new_topic("s.rq", 4, internal=True)
+    sub = sub_of(2)
+    for mode, value in (("to-earliest", None), ("shift-by", -1), ("to-storage-topic", 0)):
+        with pytest.raises(InvalidArgument, match="can only be fast-forwarded"):
+            plan_internal("rq", sub, rq, {}, offsets_for(rq), mode, value)
+    current = {0: {"s.rq.0": {"0": 10, "1": 20}}, 1: {"s.rq.0": {"2": 30, "3": 40}}}
+    moves, new = plan_internal("rq", sub, rq, current, offsets_for(rq, end=35), "shift-by", 10)
+    assert {(mv.partition, mv.current, mv.new) for mv in moves} == {
+        (0, 10, 20),
+        (1, 20, 30),
+        (2, 30, 35),
+        (3, 40, 40),
+    }
+    assert new[0] == {"s.rq.0": {"0": 20, "1": 30}}
+    kafka = offsets_for(rq)
+    kafka.at_time["s.rq.0"][:] = [5, 25, None, 41]
+    moves, _ = plan_internal("rq", sub, rq, current, kafka, "to-datetime", 1)
+    assert {(mv.partition, mv.new) for mv in moves} == {(0, 10), (1, 25), (2, 100), (3, 41)}
