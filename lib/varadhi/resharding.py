@@ -508,8 +508,8 @@ class ChangeShards:
                     int(time.time() * 1000),
                 )
             for s in STEPS[STEPS.index(step) : STEPS.index("feed")]:
-                getattr(self, f"_step_{s}")(plan)
-                op = dict(op, step=STEPS[STEPS.index(s) + 1])
+                report = getattr(self, f"_step_{s}")(plan)
+                op = dict(op, step=STEPS[STEPS.index(s) + 1], **(report or {}))
                 if s not in ("layouts", "activate"):  # those two record it in their own write
                     self._write_op(name, op)
         return self._feed_all(name, op["feeders_mode"])
@@ -545,7 +545,7 @@ class ChangeShards:
             f"{plan.dlq_target.name} ({plan.dlq_target.partitions}) take new failures"
         )
 
-    def _step_state(self, plan: Plan) -> None:
+    def _step_state(self, plan: Plan) -> dict[str, Any]:
         from .batch import STATE_SCHEMA
         from .state_store import StateStore, normalise
 
@@ -566,11 +566,16 @@ class ChangeShards:
                 .save(layouts.state_path(wh, plan.name, plan.to_shards, j))
             )
         self._resend(plan, outs)
+        moved = {
+            "pending": sum(len(f) for f in new),
+            "groups": sum(f["group_key"].nunique() for f in new),
+            "resent": len(outs),
+        }
         self.log(
-            f"state: {sum(len(f) for f in new)} pending entries of "
-            f"{sum(f['group_key'].nunique() for f in new)} groups moved to "
-            f"{plan.to_shards} shards; {len(outs)} last-batch records re-sent"
+            f"state: {moved['pending']} pending entries of {moved['groups']} groups moved to "
+            f"{plan.to_shards} shards; {moved['resent']} last-batch records re-sent"
         )
+        return {"state": moved}
 
     def _resend(self, plan: Plan, outs: pd.DataFrame) -> None:
         if not len(outs):
