@@ -619,7 +619,8 @@ class ChangeShards:
             return writes
 
         self.catalog.mutate(change)
-        self.log(f"layouts: {plan.to_shards} reader layouts from {plan.mq_index=}")
+        first = f"{plan.name} storage topic {plan.mq_index}"
+        self.log(f"layouts: {plan.to_shards} reader layouts, main topic read from {first}")
 
     def _step_activate(self, plan: Plan) -> None:
         name = plan.name
