@@ -619,8 +619,10 @@ class ChangeShards:
             return writes
 
         self.catalog.mutate(change)
-        first = f"{plan.name} storage topic {plan.mq_index}"
-        self.log(f"layouts: {plan.to_shards} reader layouts, main topic read from {first}")
+        self.log(
+            f"layouts: {plan.to_shards} reader layouts, reading the main topic from its "
+            f"storage topic {plan.mq_index}"
+        )
 
     def _step_activate(self, plan: Plan) -> None:
         name = plan.name
