@@ -26,6 +26,13 @@ class Settings:
         base = cls(
             bootstrap=os.environ.get("VARADHI_BOOTSTRAP", DEFAULT_BOOTSTRAP),
             catalog_topic=os.environ.get("VARADHI_CATALOG_TOPIC", DEFAULT_CATALOG_TOPIC),
-            warehouse=os.path.abspath(os.environ.get("VARADHI_WAREHOUSE", ".varadhi/warehouse")),
+            warehouse=_path(os.environ.get("VARADHI_WAREHOUSE", ".varadhi/warehouse")),
         )
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _path(location: str) -> str:
+    """Absolute for local paths; URIs (dbfs:/, s3://, abfss://, file:/) are kept as given."""
+    return (
+        location if "://" in location or location.startswith("dbfs:") else os.path.abspath(location)
+    )
