@@ -8,7 +8,7 @@ import pytest
 from varadhi import messages, routing, topics
 from varadhi.cli.produce import parse_headers, read_messages
 from varadhi.errors import InvalidArgument
-from varadhi.producer import Message, kafka_headers, plan, validate
+from varadhi.producer import Message, RouteCache, kafka_headers, plan, validate
 
 
 def grown(*counts: int, switches: int = 0) -> topics.CompositeTopic:
@@ -157,3 +157,14 @@ def test_header_flags():
     for bad in ("novalue", "=v"):
         with pytest.raises(InvalidArgument, match="KEY=VALUE"):
             parse_headers([bad])
+
+
+def test_route_cache_is_plan_memoised_and_bounded():
+    topic = grown(2, 12, switches=1)
+    cache = RouteCache(topic, max_groups=50)
+    assert cache.storage == "orders.1"
+    for _ in range(2):
+        for i in range(120):  # more groups than the bound: it starts over, still right
+            g = f"g{i}"
+            assert cache.partition(g) == plan(topic, g)[1]
+    assert len(cache._partitions) <= 50
