@@ -20,6 +20,7 @@ an entry that is dead-lettered at once with the reason, in its group's order.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import time
@@ -73,6 +74,7 @@ class BatchContext:
     mq_indexes: dict[str, int]  # main-topic storage name -> index
     now_ms: int
     seed: int
+    dedup: bool = False  # report delivered ids (kind `done`) for the de-duplication window
 
 
 def entry_from_record(row: dict, ctx: BatchContext) -> Entry:
@@ -193,11 +195,12 @@ def process_partition(
     """mapInPandas body. `pending` maps group key -> that group's pending state rows (no bodies)."""
     started = time.monotonic()
     counts = RunCounts()
-    records = 0
+    records = routed = 0
     candidates: dict[str, list[Entry]] = defaultdict(list)
     for frame in frames:
         for row in frame.to_dict("records"):
             records += row["kind"] != "held"
+            routed += row["kind"] == "mq"
             if row["kind"] == "held":
                 e = entry_from_state(row)
                 candidates[row["group_key"]].append(e)
@@ -228,8 +231,14 @@ def process_partition(
             rows.append(state_row("pending", key, e))
         for out in run.outs:
             rows.append(state_row("out", key, out.entry, target=out.target))
+        if ctx.dedup:
+            now = _now_ms()
+            rows.extend(
+                {"kind": "done", "msg_id": dedup_id(e), "due_ms": now} for e in run.delivered
+            )
     stat = asdict(counts) | {
         "records": records,
+        "routed": routed,
         "groups": len(runs),
         "seconds": round(time.monotonic() - started, 3),
     }
@@ -247,6 +256,13 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
             column = frame[name].astype(object)
             frame[name] = column.where(column.notna(), None)
     return frame
+
+
+def dedup_id(e: Entry) -> str:
+    """The producer's message id, else the payload's SHA-256 (as `varadhi.dedup.dedup_id`)."""
+    if e.headers.get(m.H_MSG_ID):
+        return e.headers[m.H_MSG_ID]
+    return hashlib.sha256(e.value or b"").hexdigest()
 
 
 def _now_ms() -> int:

@@ -68,7 +68,12 @@ DELTA_CONF: dict[str, str] = {
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
 }
 # What the jobs import beyond what a Spark runtime ships (pyproject.toml pins these versions).
-RUNTIME_PYPI: tuple[str, ...] = ("kafka-python==3.0.12", "mmh3==5.3.1", "pycurl==7.49.0")
+RUNTIME_PYPI: tuple[str, ...] = (
+    "kafka-python==3.0.12",
+    "mmh3==5.3.1",
+    "pycurl==7.49.0",
+    "crc32c==2.9",
+)
 
 # Kafka topic names (the feeders' sources): Kafka's own rule.
 _KAFKA_TOPIC_RE = re.compile(r"[A-Za-z0-9._-]{1,249}")

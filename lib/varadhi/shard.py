@@ -52,6 +52,7 @@ from .batch import (
     process_partition,
 )
 from .catalog import Catalog, key
+from .dedup import DedupWindow, dedup_id
 from .errors import Fenced, InvalidArgument, VaradhiError
 from .faults import crash_point
 from .layouts import READER_KIND, Layout, drained, next_layout
@@ -74,10 +75,12 @@ class StopRequested(Exception):
 class ShardStats:
     batches: int = 0
     records: int = 0
+    routed: int = 0
     delivered: int = 0
     retried: int = 0
     dead_lettered: int = 0
     duplicates: int = 0
+    deduplicated: int = 0
     attempts: int = 0
     failures: int = 0
     replays: int = 0
@@ -116,6 +119,7 @@ class ShardJob:
         self._producer: KafkaProducer | None = None
         self._tick_producer: KafkaProducer | None = None
         self._store: StateStore | None = None
+        self._dedup: DedupWindow | None = None
         self._summary: dict[str, int] = {}
         self._publisher: ProgressPublisher | None = None
         self._rate_window: list[tuple[float, int, int]] = []
@@ -315,7 +319,7 @@ class ShardJob:
             "reading": assign,
         }
         log.info("%s shard %d: reading %s (layout %d)", self.name, self.shard, assign, layout.seq)
-        self._last_batch_end = time.monotonic()
+        self._last_batch_end = query_started = time.monotonic()
         try:
             while True:
                 if not query.isActive:
@@ -323,6 +327,14 @@ class ShardJob:
                     if exc is not None and "StopRequested" not in str(exc):
                         if "Fenced" in str(exc):
                             raise Fenced(f"lease {self._owner(sub)}", lease.epoch or 0, -1)
+                        if self._last_batch_end > query_started and _kafka_metrics_npe(query):
+                            log.warning(
+                                "%s shard %d: Spark's Kafka source failed after a replayed batch"
+                                " (SPARK-55271); restarting the query",
+                                self.name,
+                                self.shard,
+                            )
+                            return "restart"
                         raise VaradhiError(f"query failed: {exc}")
                     return "stop"
                 if self._signal.is_set():
@@ -496,6 +508,11 @@ class ShardJob:
         now_ms = int(time.time() * 1000)
         due_groups = _due_heads(pending, now_ms)
         records = _records(df, sub, mq)
+        dropped: list[str] = []
+        if sub.spec.dedup_window_ms:
+            window = self._dedup_window(spark, sub)
+            records, dropped = window.filter(records, now_ms)
+            records = records.drop("dedup_id")
         held_keys = set(due_groups)
         held_groups = store.held_groups()
         if held_groups:  # the batch's groups that have parked bodies need them back
@@ -512,6 +529,7 @@ class ShardJob:
                 mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
                 now_ms=now_ms,
                 seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
+                dedup=bool(sub.spec.dedup_window_ms),
             )
             result = (
                 candidates.repartition(sub.spec.consumption.concurrency, "group_key")
@@ -524,6 +542,11 @@ class ShardJob:
 
         crash_point("after_delivery")
         stats = [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
+        if sub.spec.dedup_window_ms:
+            done = result[result["kind"] == "done"]
+            ids = [(str(i), int(t)) for i, t in zip(done["msg_id"], done["due_ms"], strict=True)]
+            self._dedup_window(spark, sub).remember(ids, app_id, batch_id)
+            stats.append({"deduplicated": len(dropped)})
         touched = set(result.loc[result["kind"] == "touched", "group_key"])
         new_rows = result[result["kind"].isin(["pending", "out"])].copy()
         new_rows.loc[new_rows["kind"] == "out", "batch_id"] = batch_id
@@ -544,6 +567,14 @@ class ShardJob:
                 dlq_ops.mark_done(self.catalog, self.name, redrive_ops, self.shard)
         counts = _sum(stats)
         self._finish_batch(batch_id, counts.get("records", 0), counts, started, store.pending())
+
+    def _dedup_window(self, spark, sub) -> DedupWindow:
+        if self._dedup is None:
+            path = (
+                f"{self.settings.warehouse}/{self.name}/dedup/s{sub.shard_count}/shard-{self.shard}"
+            )
+            self._dedup = DedupWindow(spark, path, int(sub.spec.dedup_window_ms))
+        return self._dedup
 
     def _send_outs(self, outs, sub, rq, dlq) -> None:
         """Send a committed batch's RQ/DLQ records in one Kafka transaction (the inner fence)."""
@@ -590,7 +621,16 @@ class ShardJob:
         s = self.stats
         s.batches += 1
         s.records += n_records
-        for k in ("delivered", "retried", "dead_lettered", "duplicates", "attempts", "failures"):
+        for k in (
+            "routed",
+            "delivered",
+            "retried",
+            "dead_lettered",
+            "duplicates",
+            "deduplicated",
+            "attempts",
+            "failures",
+        ):
             setattr(s, k, getattr(s, k) + int(counts.get(k, 0)))
         s.last_batch = {
             "batch_id": batch_id,
@@ -638,6 +678,26 @@ class ShardJob:
 # -- helpers (pure or Spark-expression builders) ---------------------------------------------
 
 
+def _kafka_metrics_npe(query) -> bool:
+    """Whether `query` died of SPARK-55271: Spark 4.1's Kafka source throws a
+    NullPointerException in `KafkaMicroBatchStream.metrics` when it reports the progress of the
+    first batch of a query that re-runs a batch planned (but not committed) by an earlier run, as
+    after any crash, kill or stop in the middle of a batch. The re-run batch itself completed and
+    was committed; a new query on the same checkpoint goes on normally."""
+    try:
+        cause = query._jsq.exception().get().getCause()
+        return (
+            cause is not None
+            and cause.getClass().getName() == "java.lang.NullPointerException"
+            and any(
+                "KafkaMicroBatchStream" in f.getClassName() and f.getMethodName() == "metrics"
+                for f in cause.getStackTrace()
+            )
+        )
+    except Exception:  # noqa: BLE001 - anything unexpected: not that failure
+        return False
+
+
 def _header(name: str):
     return F.expr(
         f"CAST(try_element_at(filter(headers, h -> h.key = '{name}'), 1).value AS STRING)"
@@ -673,6 +733,7 @@ def _records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
         "key",
         "value",
         F.col("headers").alias("kheaders"),
+        *([dedup_id(_header).alias("dedup_id")] if sub.spec.dedup_window_ms else []),
     )
 
 
@@ -725,6 +786,7 @@ def out_headers(row: dict) -> list[tuple[str, bytes]]:
     origin = m.Origin(
         int(row["origin_index"]), int(row["origin_partition"]), int(row["origin_offset"])
     )
+    headers.setdefault(m.H_MSG_ID, row["msg_id"])  # keeps the group key of id-less messages
     headers.update(
         {
             m.H_ORIGIN: origin.encode(),

@@ -114,6 +114,36 @@ def lag(
     return total
 
 
+STAT_NAMES = ("inserted", "routed", "emitted", "acknowledged")
+
+
+def stats_of(inserted: int, totals: dict[str, int]) -> dict[str, int]:
+    """Seed 002's counters for one shard: messages produced to its partitions (inserted), read by
+    it from the main topic (routed), delivery attempts (emitted) and successes (acknowledged)."""
+    return {
+        "inserted": inserted,
+        "routed": int(totals.get("routed", 0)),
+        "emitted": int(totals.get("attempts", 0)),
+        "acknowledged": int(totals.get("delivered", 0)),
+    }
+
+
+def topic_statistics(catalog: Catalog, topic: str) -> dict[str, Any]:
+    """Counters of a composite topic: messages inserted, and per subscription of it what its
+    shards routed, emitted and had acknowledged (from their latest progress)."""
+    snap = catalog.snapshot()
+    mq = topics.from_snapshot(snap, topic)
+    ends = topics.end_offsets(catalog, mq.storage_topics)
+    subs = {}
+    for name, doc in snap.items(subscriptions.KIND).items():
+        if doc["spec"]["topic"] != topic:
+            continue
+        progress = latest_progress(catalog.settings, name)
+        per_shard = [stats_of(0, p.get("totals", {})) for p in progress.values()]
+        subs[name] = {k: sum(s[k] for s in per_shard) for k in STAT_NAMES if k != "inserted"}
+    return {"inserted": sum(sum(v) for v in ends.values()), "subscriptions": subs}
+
+
 def collect(catalog: Catalog, name: str) -> dict[str, Any]:
     """Status of subscription `name`: per shard and queue, lag, rates, blocked groups, DLQ depth,
     generation and operations in progress."""
@@ -143,6 +173,12 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
             for i, st in enumerate(dlq.storage_topics)
         }
         age = (now - int(doc["updated_ms"])) if doc.get("updated_ms") else None
+        totals = doc.get("totals", {})
+        inserted = sum(
+            ends[st.name][p]
+            for i, st in enumerate(mq.storage_topics)
+            for p in subscriptions.owned_partitions(sub, mq, i, shard)
+        )
         shards.append(
             {
                 "shard": shard,
@@ -167,13 +203,15 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
                 "blocked_groups": doc.get("blocked_groups", 0),
                 "held": doc.get("held", 0),
                 "rates": doc.get("rates", {}),
-                "totals": doc.get("totals", {}),
+                "totals": totals,
+                "stats": stats_of(inserted, totals),
             }
         )
     operations = {
         k: v for k, v in snap.items("operation").items() if k == name or k.startswith(f"{name}/")
     }
     return {
+        "stats": {k: sum(s["stats"][k] for s in shards) for k in STAT_NAMES},
         "subscription": name,
         "paused": sub.paused,
         "generation": sub.generation,

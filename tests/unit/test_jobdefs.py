@@ -283,6 +283,7 @@ def test_databricks_job_is_a_valid_continuous_create_request(paused):
             "kafka-python",
             "mmh3",
             "pycurl",
+            "crc32c",
         }
     cluster = body["job_clusters"][0]["new_cluster"]
     assert cluster["spark_version"].startswith("17.") and cluster["num_workers"] == 2
@@ -502,8 +503,9 @@ def test_rendered_feeder_arguments_are_flags_of_feeder_py():
 
 
 def test_packages_and_pypi_pins_match_the_project():
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    pins = dict(d.split("==") for d in deps)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    deps = project["dependencies"]
+    pins = dict(d.split("==") for d in deps + project["optional-dependencies"]["spark"])
     kafka, delta = jobdefs.SPARK_PACKAGES
     assert kafka.endswith(f"_2.13:{pins['pyspark']}")
     spark_minor = ".".join(pins["pyspark"].split(".")[:2])

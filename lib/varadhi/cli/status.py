@@ -41,6 +41,11 @@ def _status(args: argparse.Namespace) -> int:
             f"{q['rq']['pending']:>7} {q['dlq']['parked']:>10} {q['dlq']['depth']:>9} "
             f"{s['blocked_groups']:>7} {r.get('delivered_per_s', 0):>8} {r.get('failures_per_s', 0):>7}"
         )
+    st = doc["stats"]
+    print(
+        f"messages: inserted {st['inserted']}, routed {st['routed']}, emitted {st['emitted']}, "
+        f"acknowledged {st['acknowledged']}"
+    )
     for key, op in doc["operations"].items():
         print(f"operation {key}: {op.get('kind', '?')} {op.get('step', '')}".rstrip())
     return 0

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .. import status
 from ..topics import TopicService
 from . import common
 
@@ -135,6 +136,7 @@ def _switch_produce(args: argparse.Namespace) -> int:
 def _describe(args: argparse.Namespace) -> int:
     with _service(args) as service:
         doc = service.describe(args.name)
+        doc["statistics"] = status.topic_statistics(service.catalog, args.name)
     if args.output == "json":
         common.emit_json(doc)
     else:
@@ -173,4 +175,12 @@ def describe_lines(doc: dict[str, Any]) -> list[str]:
             f"  {mark:1} {i:>2}  {st['name']:<24} {st['partitions']:>10} {st['k']:>4} "
             f"{st['messages']:>10}  {offsets}"
         )
+    stats = doc.get("statistics")
+    if stats:
+        lines.append(f"  inserted: {stats['inserted']}")
+        for name, c in stats["subscriptions"].items():
+            lines.append(
+                f"  subscription {name}: routed {c['routed']}, emitted {c['emitted']}, "
+                f"acknowledged {c['acknowledged']}"
+            )
     return lines
