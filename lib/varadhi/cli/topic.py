@@ -135,8 +135,7 @@ def _switch_produce(args: argparse.Namespace) -> int:
 
 def _describe(args: argparse.Namespace) -> int:
     with _service(args) as service:
-        doc = service.describe(args.name)
-        doc["statistics"] = status.topic_statistics(service.catalog, args.name)
+        doc = _document(service, args.name)
     if args.output == "json":
         common.emit_json(doc)
     else:
@@ -146,7 +145,7 @@ def _describe(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     with _service(args) as service:
-        docs = [service.describe(t.name) for t in service.list()]
+        docs = [_document(service, t.name) for t in service.list()]
     if args.output == "json":
         common.emit_json(docs)
         return 0
@@ -157,6 +156,13 @@ def _list(args: argparse.Namespace) -> int:
             print()
         print("\n".join(describe_lines(doc)))
     return 0
+
+
+def _document(service: TopicService, name: str) -> dict[str, Any]:
+    """What `describe` and `list` show of one topic: `TopicService.describe` and statistics."""
+    doc = service.describe(name)
+    doc["statistics"] = status.topic_statistics(service.catalog, name)
+    return doc
 
 
 def describe_lines(doc: dict[str, Any]) -> list[str]:
