@@ -113,7 +113,7 @@ class ShardJob:
         self._stopping = False
         self._signal = threading.Event()
         self._last_batch_end = time.monotonic()
-        self._last_batch_start_ms = 0
+        self._last_batch_start_ms = -1  # before any batch: a due time of 0 still gets a tick
         self._next_due_ms: int | None = None
         self._query = None
         self._producer: KafkaProducer | None = None
