@@ -14,6 +14,9 @@ Contract (what readers of the topic rely on):
   the new storage topic within about that interval. Sends already handed to Kafka complete on the
   old storage topic (at most once each: the producer is idempotent); that is safe because readers
   drain a storage topic, plus a grace period (`topics.sealed`), before they read the next one.
+  Hazard: the Kafka client retries a batch for up to `delivery_timeout_ms` (120 s by default), so
+  while the broker is unreachable a record can reach the old storage topic after that grace
+  period; pass a smaller `delivery_timeout_ms` where a switch may coincide with broker trouble.
 - `send` is asynchronous and at-least-once from the caller's point of view: if `get` raises, the
   message may or may not have been written; re-sending it with the same `message_id` lets
   subscribers recognise the duplicate.
