@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -63,7 +64,9 @@ from .status import ProgressPublisher
 
 log = logging.getLogger("varadhi.shard")
 
-SEAL_GRACE_MS = 5_000  # producers refresh the produce pointer every second; allow five
+# Producers learn of a switch within a second and give up on a record after 30 s
+# (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
+SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
 
 
 class StopRequested(Exception):
