@@ -568,6 +568,10 @@ class ShardJob:
             crash_point("after_send")
             if redrive_ops:
                 dlq_ops.mark_done(self.catalog, self.name, redrive_ops, self.shard)
+        # Last check before Spark commits the batch's offsets, also for a batch that changed
+        # nothing: a fenced instance must not commit a batch that the new instance replays (the
+        # second commit of one batch id fails that query).
+        lease.check()
         counts = _sum(stats)
         self._finish_batch(batch_id, counts.get("records", 0), counts, started, store.pending())
 
