@@ -1,0 +1,543 @@
+"""A subscription shard end to end, in this process: real Kafka, real Delta, a real HTTP server.
+
+Each test creates a topic and a subscription (one shard), produces a few hundred messages, runs
+`ShardJob(...).run()` until it is idle, and then judges only what is observable from outside:
+what the endpoint received (`TestEndpoint` records every request), what is in the RQ and the DLQ
+(read_committed), and what the GroupState table holds. DESIGN section 2 is the contract:
+
+- per group, messages are *successfully* delivered in produce order (retries of a message may
+  repeat it, but a later message never succeeds before an earlier one of its group);
+- nothing is lost: every message is delivered or dead-lettered with its reason;
+- retries wait their backoff (or Retry-After), fatal answers dead-letter at once, a blocked group
+  stays blocked while the others flow, ungrouped delivery is parallel, malformed input is
+  dead-lettered without stopping the query, bad configuration is refused.
+
+Shard runs cost seconds (query start, one Delta commit per batch with failures), so backoffs are
+short and a few scenarios share one run (`timing`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from varadhi import messages as m
+from varadhi import routing
+from varadhi.catalog import Catalog
+from varadhi.errors import VaradhiError
+from varadhi.producer import Producer
+from varadhi.shard import ShardJob
+from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.testing.endpoint import Record, TestEndpoint
+from varadhi.topics import TopicService
+
+pytestmark = [pytest.mark.spark, pytest.mark.kafka]
+
+ROOT = Path(__file__).resolve().parents[2]
+FAST_RETRY = {"max_attempts": 3, "min_backoff": "100ms", "max_backoff": "500ms", "jitter": 0}
+FAST_CONSUMPTION = {"trigger_interval": "100ms", "throttle": "0ms"}
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """The test run's one SparkSession (see tests/spark/conftest.py: get_spark reuses it)."""
+    from varadhi.spark import get_spark
+
+    return get_spark("varadhi-tests")
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Sub:
+    """A subscription (one shard) on a fresh 4-partition topic, and what was produced to it."""
+
+    name: str
+    topic: str
+    endpoint: TestEndpoint
+    produced: dict[str, list[str]] = field(default_factory=dict)  # group -> ids, produce order
+
+    @property
+    def all_ids(self) -> list[str]:
+        return [i for ids in self.produced.values() for i in ids]
+
+
+def create_sub(catalog: Catalog, endpoint: TestEndpoint, **spec: Any) -> Sub:
+    suffix = uuid.uuid4().hex[:8]
+    topic = f"sd-{suffix}"
+    TopicService(catalog).create(topic, 4)
+    doc = {
+        "name": f"sds-{suffix}",
+        "topic": topic,
+        "endpoint": {"url": endpoint.url},
+        "shards": 1,
+        "retry": FAST_RETRY,
+        "consumption": FAST_CONSUMPTION,
+        **spec,
+    }
+    SubscriptionService(catalog).create(parse_spec(doc))
+    return Sub(doc["name"], topic, endpoint)
+
+
+def produce(settings, sub: Sub, groups: list[str], per_group: int) -> None:
+    """`per_group` messages for each group, interleaved across groups; ids `<group>.<n>`."""
+    with Producer(sub.topic, settings) as producer:
+        for n in range(per_group):
+            for g in groups:
+                msg_id = f"{g}.{n:03d}"
+                producer.send(f"body of {msg_id}".encode(), group_id=g, message_id=msg_id)
+                sub.produced.setdefault(g, []).append(msg_id)
+        producer.flush(30)
+
+
+def run_shard(settings, spark, sub: Sub, idle_s: float = 2.0) -> ShardJob:
+    """Run the shard in this process until it is idle; it must stop on its own with code 0."""
+    job = ShardJob(sub.name, 0, settings, spark=spark, stop_when_idle_s=idle_s)
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = job.run()
+    finally:
+        for s, handler in saved.items():  # ShardJob installs its own handlers
+            signal.signal(s, handler)
+    assert code == 0, f"shard run ended with {code}: {job.stats}"
+    return job
+
+
+def read_queue(bootstrap: str, storage_topic: str) -> list[dict[str, Any]]:
+    """Every committed record of a Kafka topic: key, value, headers (dict), partition, offset."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
+    )
+    try:
+        tps = [
+            TopicPartition(storage_topic, p) for p in consumer.partitions_for_topic(storage_topic)
+        ]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out = []
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            for batch in consumer.poll(timeout_ms=500).values():
+                for r in batch:
+                    headers = {k: (v or b"").decode("utf-8", "replace") for k, v in r.headers}
+                    out.append(
+                        {
+                            "key": r.key,
+                            "value": r.value,
+                            "headers": headers,
+                            "partition": r.partition,
+                            "offset": r.offset,
+                        }
+                    )
+        return out
+    finally:
+        consumer.close()
+
+
+def dlq_of(settings, sub: Sub) -> list[dict[str, Any]]:
+    return read_queue(settings.bootstrap, f"{sub.name}.dlq.0")
+
+
+def rq_of(settings, sub: Sub) -> list[dict[str, Any]]:
+    return read_queue(settings.bootstrap, f"{sub.name}.rq.0")
+
+
+def state_rows(spark, settings, sub: Sub):
+    """The shard's GroupState table (pending rows only) as a pandas frame."""
+    path = f"{settings.warehouse}/{sub.name}/state/s1/shard-0"
+    frame = spark.read.format("delta").load(path).toPandas()
+    return frame[frame["kind"] == "pending"]
+
+
+def ok(r: Record) -> bool:
+    return 200 <= r.status < 300
+
+
+def by_message(records: list[Record]) -> dict[str, list[Record]]:
+    out: dict[str, list[Record]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: r.seq):
+        out[r.message_id].append(r)
+    return out
+
+
+def first_successes(records: list[Record]) -> list[Record]:
+    """The first 2xx of every message, in arrival order."""
+    seen: set[str] = set()
+    out = []
+    for r in sorted(records, key=lambda r: r.seq):
+        if ok(r) and r.message_id not in seen:
+            seen.add(r.message_id)
+            out.append(r)
+    return out
+
+
+def assert_group_order(sub: Sub, records: list[Record]) -> None:
+    """Per group, the first successful deliveries come in produce order."""
+    position = {i: n for ids in sub.produced.values() for n, i in enumerate(ids)}
+    per_group: dict[str, list[str]] = defaultdict(list)
+    for r in first_successes(records):
+        per_group[r.group_id].append(r.message_id)
+    for group, delivered in per_group.items():
+        assert delivered == sorted(delivered, key=position.__getitem__), (
+            f"group {group} succeeded out of produce order: {delivered}"
+        )
+
+
+@pytest.fixture
+def endpoint():
+    """endpoint(**TestEndpoint options) -> a started endpoint, stopped after the test."""
+    started: list[TestEndpoint] = []
+
+    def make(**kw: Any) -> TestEndpoint:
+        ep = TestEndpoint(**kw)
+        ep.start()
+        started.append(ep)
+        return ep
+
+    yield make
+    for ep in started:
+        ep.stop()
+
+
+# -- 1. order and no loss under random failures ---------------------------------------------
+
+
+def test_per_group_order_and_no_loss_under_random_retryable_failures(
+    settings, catalog, spark, endpoint
+):
+    ep = endpoint(
+        fail_rate=0.2, seed=11, mix={"500": 1, "503": 1}, retry_after_s=0, record_headers=True
+    )
+    sub = create_sub(catalog, ep, on_dead_letter="skip")
+    groups = [f"g{i:02d}" for i in range(25)]
+    # One message is scripted to exhaust its retries, so the DLQ side is always exercised.
+    ep.set_script("g03.000", [500, 503, 500])
+    produce(settings, sub, groups, per_group=8)
+
+    job = run_shard(settings, spark, sub)
+
+    records = ep.records()
+    msgs = by_message(records)
+    delivered = {r.message_id for r in records if ok(r)}
+    dlq = dlq_of(settings, sub)
+    dead = {d["headers"][m.H_MSG_ID]: d for d in dlq}
+    assert len(dead) == len(dlq), "a message was dead-lettered twice"
+    failures = sum(1 for r in records if not ok(r))
+    assert failures >= 30 and job.stats.retried > 0, "the endpoint hardly failed: no test"
+    assert "g03.000" in dead
+
+    # Nothing lost, nothing both delivered and dead-lettered.
+    assert set(sub.all_ids) == delivered | set(dead)
+    assert not delivered & set(dead)
+    # Each success exactly once (no crash, so nothing was in flight twice), in group order.
+    assert sum(ok(r) for r in records) == len(delivered)
+    assert_group_order(sub, records)
+
+    for msg_id, attempts in msgs.items():
+        # Attempt numbers count up from 1, and each request names its message and group.
+        assert [r.attempt for r in attempts] == list(range(1, len(attempts) + 1)), msg_id
+        for r in attempts:
+            assert r.headers["Idempotency-Key"] == msg_id
+            assert r.group_id == msg_id.split(".")[0]
+            assert r.headers[m.HTTP_SOURCE].count("/") == 2
+        # Every attempt but the last failed; only the last can be a success.
+        assert not any(ok(r) for r in attempts[:-1]), msg_id
+
+    # Dead letters: exactly the messages whose three attempts all failed, with their reason.
+    exhausted = {i for i, a in msgs.items() if len(a) == 3 and not ok(a[-1])}
+    assert set(dead) == exhausted
+    for msg_id, d in dead.items():
+        h = d["headers"]
+        last = msgs[msg_id][-1]
+        assert h[m.H_REASON] == f"retries exhausted after 3 attempts: HTTP {last.status}"
+        assert (h[m.H_ATTEMPTS], h[m.H_STATUS]) == ("3", str(last.status))
+        assert h[m.H_GROUP_ID] == msg_id.split(".")[0]
+        assert int(h[m.H_FIRST_FAILURE_MS]) <= int(h[m.H_LAST_FAILURE_MS])
+        assert d["value"] == f"body of {msg_id}".encode()
+
+    # The RQ holds exactly one record per failed attempt that was retried: none lost, none
+    # written twice (a shard re-writing parked retries would add more).
+    written = sorted(
+        (r["headers"][m.H_MSG_ID], int(r["headers"][m.H_ATTEMPTS])) for r in rq_of(settings, sub)
+    )
+    expected = sorted(
+        (i, r.attempt) for i, a in msgs.items() for r in a if not ok(r) and r.attempt < 3
+    )
+    assert written == expected
+
+
+# -- 2, 3, 4: backoff, fatal answers, Retry-After (one shared run) -------------------------------
+
+BACKOFF = {"min": 700, "max": 1400}
+
+
+@pytest.fixture(scope="module")
+def timing(settings, catalog, spark):
+    """One run with three kinds of scripted trouble next to healthy traffic:
+
+    - `gb.000` fails with 500 three times, then succeeds (exponential backoff 700, 1400, 1400 ms);
+    - `gr.000` gets a 503 with `Retry-After: 2`, then succeeds (the policy's backoff is shorter);
+    - `gf.000` gets a 400 (fatal) and blocks its group (default `on_dead_letter: block`).
+    """
+    ep = TestEndpoint(retry_after_s=2)
+    ep.start()
+    try:
+        sub = create_sub(
+            catalog,
+            ep,
+            retry={
+                "max_attempts": 5,
+                "backoff": "exponential",
+                "min_backoff": f"{BACKOFF['min']}ms",
+                "max_backoff": f"{BACKOFF['max']}ms",
+                "multiplier": 2,
+                "jitter": 0,
+            },
+        )
+        ep.set_script("gb.000", [500, 500, 500])
+        ep.set_script("gr.000", [503])
+        ep.set_script("gf.000", [400])
+        produce(settings, sub, ["gb", "gr", "gf", "h1", "h2", "h3"], per_group=4)
+        run_shard(settings, spark, sub)
+        yield {
+            "sub": sub,
+            "records": ep.records(),
+            "dlq": dlq_of(settings, sub),
+            "rq": rq_of(settings, sub),
+            "state": state_rows(spark, settings, sub),
+        }
+    finally:
+        ep.stop()
+
+
+def test_retries_wait_their_backoff_and_are_written_once(timing):
+    attempts = by_message(timing["records"])["gb.000"]
+    assert [(r.attempt, r.status) for r in attempts] == [(1, 500), (2, 500), (3, 500), (4, 200)]
+    gaps = [b.received_ms - a.received_ms for a, b in zip(attempts, attempts[1:], strict=False)]
+    wanted = [BACKOFF["min"], BACKOFF["max"], BACKOFF["max"]]
+    assert all(gap >= want for gap, want in zip(gaps, wanted, strict=True)), gaps
+    # The record read back before its due time was parked, not re-written (hazard 2): one RQ
+    # record per failed attempt, each due at its failure time plus the backoff.
+    rq = sorted(
+        (r for r in timing["rq"] if r["headers"][m.H_MSG_ID] == "gb.000"),
+        key=lambda r: int(r["headers"][m.H_ATTEMPTS]),
+    )
+    assert [int(r["headers"][m.H_ATTEMPTS]) for r in rq] == [1, 2, 3]
+    for r, want in zip(rq, wanted, strict=True):
+        h = r["headers"]
+        assert int(h[m.H_DUE_MS]) - int(h[m.H_LAST_FAILURE_MS]) == want
+    # Its group followed it, in order; the other groups did not wait.
+    assert_group_order(timing["sub"], timing["records"])
+    success = {r.message_id: r.received_ms for r in first_successes(timing["records"])}
+    assert all(f"gb.{n:03d}" in success for n in range(4))
+    assert success["h1.003"] < success["gb.000"]
+
+
+def test_retry_after_is_honoured(timing):
+    attempts = by_message(timing["records"])["gr.000"]
+    assert [(r.attempt, r.status) for r in attempts] == [(1, 503), (2, 200)]
+    assert attempts[1].received_ms - attempts[0].received_ms >= 2_000
+    [rq] = [r for r in timing["rq"] if r["headers"][m.H_MSG_ID] == "gr.000"]
+    h = rq["headers"]
+    assert int(h[m.H_DUE_MS]) - int(h[m.H_LAST_FAILURE_MS]) == 2_000
+    assert h[m.H_REASON] == "HTTP 503; retry in 2000 ms (Retry-After)"
+    assert h[m.H_STATUS] == "503"
+
+
+def test_a_fatal_answer_dead_letters_at_once_with_its_reason(timing):
+    attempts = by_message(timing["records"])["gf.000"]
+    assert [(r.attempt, r.status) for r in attempts] == [(1, 400)]
+    assert not [r for r in timing["rq"] if r["headers"][m.H_MSG_ID] == "gf.000"]
+    [dead] = timing["dlq"]
+    h = dead["headers"]
+    assert h[m.H_MSG_ID] == "gf.000" and dead["key"] == b"gf"
+    assert h[m.H_REASON] == "fatal response 400"
+    assert (h[m.H_STATUS], h[m.H_ATTEMPTS]) == ("400", "1")
+    # First and last failure are the one attempt's time (ms clocks of this machine).
+    first, last = int(h[m.H_FIRST_FAILURE_MS]), int(h[m.H_LAST_FAILURE_MS])
+    assert first == last
+    assert attempts[0].received_ms - 1 <= first <= attempts[0].received_ms + 5_000
+    assert dead["value"] == b"body of gf.000"
+    # Block mode: the rest of gf was never sent and waits in GroupState behind gf.000.
+    assert not [r for r in timing["records"] if r.group_id == "gf" and r.message_id != "gf.000"]
+    state = timing["state"]
+    assert sorted(zip(state["msg_id"], state["location"], strict=True)) == [
+        ("gf.000", "dlq"),
+        ("gf.001", "held"),
+        ("gf.002", "held"),
+        ("gf.003", "held"),
+    ]
+
+
+# -- 5. block vs skip -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["block", "skip"])
+def test_a_dead_letter_blocks_its_group_or_is_skipped(mode, settings, catalog, spark, endpoint):
+    ep = endpoint()
+    sub = create_sub(catalog, ep, on_dead_letter=mode)
+    ep.set_script("ga.002", [404])
+    produce(settings, sub, ["ga", "gb", "gc", "gd"], per_group=6)
+
+    run_shard(settings, spark, sub)
+
+    records = ep.records()
+    delivered = [r.message_id for r in first_successes(records)]
+    assert_group_order(sub, records)
+    others = [i for g in ("gb", "gc", "gd") for i in sub.produced[g]]
+    assert set(others) <= set(delivered)  # the other groups flowed in both modes
+    assert [d["headers"][m.H_MSG_ID] for d in dlq_of(settings, sub)] == ["ga.002"]
+    state = state_rows(spark, settings, sub)
+    ga_later = ["ga.003", "ga.004", "ga.005"]
+    if mode == "block":
+        assert [i for i in delivered if i.startswith("ga")] == ["ga.000", "ga.001"]
+        assert not [r for r in records if r.message_id in ga_later]  # never even tried
+        rows = sorted(zip(state["msg_id"], state["location"], strict=True))
+        assert rows == [("ga.002", "dlq")] + [(i, "held") for i in ga_later]
+        bodies = dict(zip(state["msg_id"], state["value"], strict=True))
+        assert all(bytes(bodies[i]) == f"body of {i}".encode() for i in ga_later)
+    else:
+        assert [i for i in delivered if i.startswith("ga")] == [
+            "ga.000",
+            "ga.001",
+            *ga_later,
+        ]
+        assert state.empty
+
+
+# -- 6. ungrouped delivery ---------------------------------------------------------------------
+
+
+def test_ungrouped_delivery_is_parallel_and_a_failure_holds_nothing_back(
+    settings, catalog, spark, endpoint
+):
+    ep = endpoint(latency_ms=150)
+    sub = create_sub(catalog, ep, grouped=False)
+    ep.set_script("k.000", [500])
+    produce(settings, sub, ["k"], per_group=30)  # all with one key
+
+    run_shard(settings, spark, sub)
+
+    records = ep.records()
+    assert ep.stats()["max_concurrent"] > 4
+    success = {r.message_id: r.received_ms for r in first_successes(records)}
+    assert set(success) == set(sub.all_ids)
+    later = [i for i in sub.all_ids if i != "k.000"]
+    assert all(success[i] < success["k.000"] for i in later)
+    assert [r.attempt for r in by_message(records)["k.000"]] == [1, 2]
+
+
+# -- 9. bad input and bad configuration ----------------------------------------------------------
+
+
+def test_malformed_records_are_dead_lettered_and_the_query_goes_on(
+    settings, catalog, spark, endpoint
+):
+    """Records no producer library would write, straight onto the main topic in their group's
+    partition: no value, an undecodable header, a value over `max_message_bytes`. One of them
+    arrives while its group waits for a retry (it must be parked and remembered as malformed)."""
+    ep = endpoint()
+    sub = create_sub(catalog, ep, on_dead_letter="skip", max_message_bytes=1000)
+    ep.set_script("gn.000", [500])
+    storage = f"{sub.topic}.0"
+    kafka = KafkaProducer(
+        bootstrap_servers=settings.bootstrap, max_in_flight_requests_per_connection=1
+    )
+    positions: dict[str, tuple[int, int]] = {}
+
+    def send(msg_id: str, value: bytes | None, extra: list[tuple[str, bytes]] = ()) -> None:
+        group = msg_id.split(".")[0]
+        headers = [(m.H_MSG_ID, msg_id.encode()), (m.H_GROUP_ID, group.encode()), *extra]
+        partition = routing.route_group(group, 4, 1)
+        meta = kafka.send(
+            storage, key=group.encode(), value=value, headers=headers, partition=partition
+        ).get(30)
+        positions[msg_id] = (meta.partition, meta.offset)
+        sub.produced.setdefault(group, []).append(msg_id)
+
+    try:
+        send("gn.000", b"fails once")
+        send("gn.001", None)  # no value, behind a head that waits for its retry
+        send("gn.002", b"after the gap")
+        send("gs.000", None)  # no value, at the head
+        send("gs.001", b"fine")
+        send("gh.000", b"bad header", [("x-trace", b"\xff\xfe\x00bad")])
+        send("gh.001", b"fine")
+        send("go.000", b"x" * 3000)  # oversized
+        send("go.001", b"fine")
+    finally:
+        kafka.close()
+
+    job = run_shard(settings, spark, sub)
+
+    records = ep.records()
+    delivered = [r.message_id for r in first_successes(records)]
+    assert sorted(delivered) == ["gh.001", "gn.000", "gn.002", "go.001", "gs.001"]
+    assert_group_order(sub, records)
+    assert not [r for r in records if r.message_id in ("gn.001", "gs.000", "gh.000", "go.000")]
+    # Each malformed record is in the DLQ once, found by its origin (an undecodable record
+    # keeps none of its headers), with its reason.
+    dlq = dlq_of(settings, sub)
+    reasons = {d["headers"][m.H_ORIGIN]: d["headers"][m.H_REASON] for d in dlq}
+    assert len(reasons) == len(dlq) == 4
+    where = {i: f"0:{p}:{o}" for i, (p, o) in positions.items()}
+    assert reasons == {
+        where["gn.001"]: "malformed: no value",
+        where["gs.000"]: "malformed: no value",
+        where["gh.000"]: "malformed: undecodable headers",
+        where["go.000"]: "malformed: value of 3000 bytes exceeds 1000",
+    }
+    assert job.stats.dead_lettered == 4
+
+
+def test_an_unknown_subscription_or_shard_is_refused_before_any_side_effect(settings, catalog):
+    def refusal(name: str, shard: int) -> VaradhiError:
+        job = ShardJob(name, shard, settings)
+        try:
+            with pytest.raises(VaradhiError) as e:
+                job.run()
+        finally:
+            job.catalog.close()
+        return e.value
+
+    sub_name = f"nosuch-{uuid.uuid4().hex[:8]}"
+    error = refusal(sub_name, 0)
+    assert sub_name in str(error) and error.exit_code == 2
+
+    ep = TestEndpoint()
+    sub = create_sub(catalog, ep)
+    error = refusal(sub.name, 1)
+    assert f"shard 1 is outside 0..0 of {sub.name}" in str(error)
+    assert error.exit_code == 2
+    assert catalog.get("lease", f"{sub.name}/s1/1") is None  # no lease was taken
+
+    # The job's exit code for both, from a real process (no Spark is started for a refusal).
+    env = {"VARADHI_BOOTSTRAP": settings.bootstrap, "VARADHI_CATALOG_TOPIC": settings.catalog_topic}
+    for name, shard in ((sub_name, "0"), (sub.name, "1")):
+        done = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "jobs" / "subscription_shard.py"),
+                "--subscription",
+                name,
+                "--shard",
+                shard,
+            ],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.strip().splitlines()[-1].startswith("varadhi: ")

@@ -1,0 +1,433 @@
+"""The per-group "deliver or follow" logic (`varadhi.group_state`) without HTTP, Spark or Kafka.
+
+A test drives a `GroupRun` through the delivery engine's Stream protocol by hand: it asks for the
+next request, answers it with an `Outcome` and moves a fake clock. Each DESIGN section 7 hazard
+that lives in this logic has its own test: a retried head that fails again keeps its place
+(hazard 1), an RQ record read before its due time is parked, never re-sent (hazard 2), stale RQ
+duplicates from a replayed batch are recognised by (origin, attempts) (hazard 4); plus block vs
+skip, and malformed records dead-lettered in their group's order.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+
+import pytest
+
+from varadhi import messages as m
+from varadhi.batch import entry_from_state, state_row
+from varadhi.delivery import Outcome
+from varadhi.group_state import Entry, GroupRun, RunCounts, http_headers, merge
+from varadhi.policies import RetryPolicy
+
+T0 = 1_800_000_000_000
+POLICY = RetryPolicy(
+    max_attempts=3, backoff="exponential", min_backoff_ms=1_000, max_backoff_ms=8_000, jitter=0.0
+)
+
+
+class Clock:
+    """A fake clock in ms since the epoch; tests move it by hand."""
+
+    def __init__(self, now: int = T0):
+        self.now = now
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def ok() -> Outcome:
+    return Outcome(200, None, "HTTP 200", None, 1.0)
+
+
+def http(status: int, retry_after: str | None = None) -> Outcome:
+    return Outcome(status, None, f"HTTP {status}", retry_after, 1.0)
+
+
+def new(offset: int, group: str | None = "g", body: bytes | None = None, **kw) -> Entry:
+    """A main-topic record of `group` at offset `offset` of partition 0 (produce order)."""
+    return Entry(
+        origin=m.Origin(0, 0, offset),
+        msg_id=f"m{offset}",
+        group_id=group,
+        location="new",
+        value=body if body is not None else f"body-{offset}".encode(),
+        source=f"t.0/0/{offset}",
+        **kw,
+    )
+
+
+def rq_record(entry: Entry, offset: int = 100) -> Entry:
+    """The RQ record of an `Out('rq', entry)` as the shard reads it back: same origin and
+    attempt count, body at hand, read from the RQ."""
+    return replace(entry, location="rq", source=f"s.rq.0/0/{offset}")
+
+
+def run_of(
+    entries: list[Entry],
+    clock: Clock,
+    on_dead_letter: str = "block",
+    policy: RetryPolicy = POLICY,
+    counts: RunCounts | None = None,
+) -> GroupRun:
+    return GroupRun(entries, policy, on_dead_letter, clock, random.Random(0), counts or RunCounts())
+
+
+def drive(
+    run: GroupRun,
+    answer: Callable[[str, int], Outcome] | None = None,
+    clock: Clock | None = None,
+    step_ms: int = 0,
+) -> list[tuple[str, int]]:
+    """Play the engine: request after request until the run says None. `answer(msg_id,
+    attempt)` gives each outcome (default: 200). Returns the (msg_id, attempt) sent, in order."""
+    answer = answer or (lambda _id, _n: ok())
+    sent: list[tuple[str, int]] = []
+    for _ in range(100):
+        request = run.next_request()
+        if request is None:
+            return sent
+        msg_id = request.headers[m.HTTP_MESSAGE_ID]
+        attempt = int(request.headers[m.HTTP_ATTEMPT])
+        sent.append((msg_id, attempt))
+        if clock is not None:
+            clock.now += step_ms
+        run.on_outcome(answer(msg_id, attempt))
+    raise AssertionError("the run never finished")
+
+
+def script(answers: dict[str, Iterable[Outcome]]) -> Callable[[str, int], Outcome]:
+    """Per message id, its outcomes in order; then 200."""
+    queues = {k: list(v) for k, v in answers.items()}
+    return lambda msg_id, _n: queues[msg_id].pop(0) if queues.get(msg_id) else ok()
+
+
+def ids(entries: Iterable[Entry]) -> list[str]:
+    return [e.msg_id for e in entries]
+
+
+def round_trip(entries: Iterable[Entry]) -> list[Entry]:
+    """Entries as a batch gets them from the state table: written as pending rows and read back
+    without bodies (`StateStore.pending`); parked bodies come separately, as `held` candidates."""
+    rows = [state_row("pending", "g", e) for e in entries]
+    return [entry_from_state({k: v for k, v in row.items() if k != "value"}) for row in rows]
+
+
+# -- merge ------------------------------------------------------------------------------------
+
+
+def test_merge_orders_by_origin_and_drops_replayed_main_topic_records():
+    counts = RunCounts()
+    pending = round_trip([replace(new(1), location="rq", value=None, attempts=1)])
+    queue = merge(pending, [new(3), new(2), new(1)], counts)
+    assert ids(queue) == ["m1", "m2", "m3"]
+    assert queue[0].location == "rq"  # the replayed copy of m1 did not replace its entry
+    assert counts.duplicates == 1
+
+
+def test_merge_does_not_change_the_pending_entries_it_is_given():
+    pending = [replace(new(1), location="rq", value=None, attempts=1)]
+    merge(pending, [rq_record(replace(new(1), attempts=1))], RunCounts())
+    assert pending[0].location == "rq" and pending[0].value is None
+
+
+def test_merge_accepts_an_rq_record_only_for_its_waiting_entry_and_attempt_count():
+    counts = RunCounts()
+    waiting = replace(new(1), location="rq", value=None, attempts=2)
+    queue = merge(
+        [waiting],
+        [
+            rq_record(replace(new(1), attempts=1), offset=10),  # stale: an earlier attempt
+            rq_record(replace(new(1), attempts=2), offset=11),  # the one it waits for
+            rq_record(replace(new(1), attempts=2), offset=12),  # a re-sent copy of it
+            rq_record(replace(new(7), attempts=1), offset=13),  # nothing waits for it
+        ],
+        counts,
+    )
+    assert len(queue) == 1
+    head = queue[0]
+    assert (head.location, head.value, head.attempts) == ("held", b"body-1", 2)
+    assert head.source == "s.rq.0/0/11"  # the copy that was accepted
+    assert counts.duplicates == 3
+
+
+def test_merge_gives_held_entries_their_parked_bodies():
+    pending = round_trip(
+        [
+            replace(new(1), location="rq", value=None, attempts=1),
+            replace(new(2), location="held"),
+        ]
+    )
+    assert pending[1].value is None  # the state's pending rows come without bodies
+    parked = replace(new(2), location="held")
+    queue = merge(pending, [parked], RunCounts())
+    assert [(e.msg_id, e.location, e.value) for e in queue] == [
+        ("m1", "rq", None),
+        ("m2", "held", b"body-2"),
+    ]
+
+
+# -- GroupRun: the happy path and its headers -----------------------------------------------------
+
+
+def test_a_healthy_group_is_delivered_in_order_and_leaves_nothing():
+    clock = Clock()
+    run = run_of(merge([], [new(2), new(1), new(3)], RunCounts()), clock)
+    assert drive(run) == [("m1", 1), ("m2", 1), ("m3", 1)]
+    assert ids(run.delivered) == ["m1", "m2", "m3"]
+    assert run.outs == [] and run.remaining() == []
+    assert run.counts.delivered == 3 and run.counts.attempts == 3
+
+
+def test_request_headers_carry_idempotency_key_group_attempt_and_source():
+    entry = replace(new(5), attempts=2, headers={m.H_PRODUCED_MS: "123"})
+    headers = http_headers(entry)
+    assert headers[m.HTTP_IDEMPOTENCY_KEY] == headers[m.HTTP_MESSAGE_ID] == "m5"
+    assert headers[m.HTTP_GROUP_ID] == "g"
+    assert headers[m.HTTP_ATTEMPT] == "3"
+    assert headers[m.HTTP_SOURCE] == "t.0/0/5"
+    assert headers[m.HTTP_PRODUCED_AT] == "123"
+    assert m.HTTP_GROUP_ID not in http_headers(new(6, group=None))
+
+
+# -- GroupRun: retries ---------------------------------------------------------------------------
+
+
+def test_a_failed_head_goes_to_the_rq_with_its_due_time_and_the_group_follows():
+    clock = Clock()
+    run = run_of([new(1), new(2), new(3)], clock)
+    sent = drive(run, script({"m2": [http(500)]}))
+    assert sent == [("m1", 1), ("m2", 1)]  # m3 is never sent behind a failed m2
+    [out] = run.outs
+    assert out.target == "rq"
+    assert (out.entry.msg_id, out.entry.attempts, out.entry.value) == ("m2", 1, b"body-2")
+    assert out.entry.due_ms == T0 + 1_000
+    assert out.entry.first_failure_ms == out.entry.last_failure_ms == T0
+    assert out.entry.status == 500 and "HTTP 500" in out.entry.reason
+    left = run.remaining()
+    assert [(e.msg_id, e.location) for e in left] == [("m2", "rq"), ("m3", "held")]
+    assert left[0].value is None and left[1].value == b"body-3"
+
+
+def test_retry_after_beyond_the_backoff_sets_the_due_time():
+    clock = Clock()
+    run = run_of([new(1)], clock)
+    drive(run, script({"m1": [http(503, retry_after="7")]}))
+    assert run.outs[0].entry.due_ms == T0 + 7_000
+    assert "Retry-After" in run.outs[0].entry.reason
+
+
+def test_hazard_1_a_retried_head_that_fails_again_keeps_its_place():
+    """m1 failed, m2 waits behind it; m1 comes back from the RQ and fails again: it must stay
+    ahead of m2 (order comes from origin, not from where records sit in the RQ)."""
+    clock = Clock()
+    first = run_of([new(1), new(2)], clock)
+    drive(first, script({"m1": [http(500)]}))
+    [out1] = first.outs
+    state = round_trip(first.remaining())
+
+    clock.now = out1.entry.due_ms
+    queue = merge(state, [rq_record(out1.entry), replace(new(2), location="held")], RunCounts())
+    second = run_of(queue, clock)
+    assert drive(second, script({"m1": [http(500)]})) == [("m1", 2)]
+    [out2] = second.outs
+    assert (out2.target, out2.entry.msg_id, out2.entry.attempts) == ("rq", "m1", 2)
+    assert out2.entry.due_ms == clock.now + 2_000  # exponential: second failure doubles
+    assert out2.entry.first_failure_ms == T0  # the first failure is remembered
+    state = round_trip(second.remaining())
+    assert [(e.msg_id, e.location) for e in state] == [("m1", "rq"), ("m2", "held")]
+
+    # Both RQ records of m1 come back in one batch (the second one behind the first in the RQ);
+    # only the one the state waits for counts.
+    clock.now = out2.entry.due_ms
+    counts = RunCounts()
+    queue = merge(
+        state,
+        [rq_record(out1.entry), rq_record(out2.entry), replace(new(2), location="held")],
+        counts,
+    )
+    third = run_of(queue, clock, counts=counts)
+    assert drive(third) == [("m1", 3), ("m2", 1)]
+    assert counts.duplicates == 1
+    assert third.remaining() == [] and third.outs == []
+
+
+def test_hazard_2_an_rq_record_read_before_its_due_time_is_parked_not_resent():
+    clock = Clock()
+    first = run_of([new(1), new(2)], clock)
+    drive(first, script({"m1": [http(500)]}))
+    [out] = first.outs
+    state = round_trip(first.remaining())
+
+    # The shard reads the RQ record at once, long before it is due.
+    clock.now = T0 + 10
+    queue = merge(
+        state, [rq_record(out.entry), replace(new(2), location="held"), new(3)], RunCounts()
+    )
+    early = run_of(queue, clock)
+    assert drive(early) == []  # nothing sent, not even the followers
+    assert early.outs == []  # and nothing written back to the RQ: no spinning
+    parked = early.remaining()
+    assert [(e.msg_id, e.location) for e in parked] == [
+        ("m1", "held"),
+        ("m2", "held"),
+        ("m3", "held"),
+    ]
+    assert parked[0].value == b"body-1" and parked[0].due_ms == out.entry.due_ms
+    assert parked[0].attempts == 1
+
+    # Once due, the parked bodies come back from the state table and go out in order.
+    state = round_trip(parked)
+    clock.now = out.entry.due_ms
+    queue = merge(state, [replace(e, location="held") for e in parked], RunCounts())
+    due = run_of(queue, clock)
+    assert drive(due) == [("m1", 2), ("m2", 1), ("m3", 1)]
+    assert due.remaining() == []
+
+
+def test_hazard_4_a_replayed_batch_duplicates_are_dropped():
+    """The batch that wrote m1's RQ record is replayed after a crash: the main-topic records come
+    again and the RQ record is sent twice. The group must deliver m1 and m2 once each."""
+    clock = Clock()
+    first = run_of([new(1), new(2)], clock)
+    drive(first, script({"m1": [http(500)]}))
+    [out] = first.outs
+    state = round_trip(first.remaining())
+
+    clock.now = out.entry.due_ms
+    counts = RunCounts()
+    queue = merge(
+        state,
+        [new(1), new(2), rq_record(out.entry, 5), rq_record(out.entry, 6)]
+        + [replace(new(2), location="held")],
+        counts,
+    )
+    assert counts.duplicates == 3  # two replayed main-topic records, one re-sent RQ copy
+    run = run_of(queue, clock, counts=counts)
+    assert drive(run) == [("m1", 2), ("m2", 1)]
+
+    # A stale copy that turns up after m1 was delivered matches nothing.
+    counts = RunCounts()
+    assert merge(round_trip(run.remaining()), [rq_record(out.entry, 7)], counts) == []
+    assert counts.duplicates == 1
+
+
+def test_retries_exhausted_dead_letter_with_attempts_and_failure_times():
+    clock = Clock()
+    entry = new(1)
+    sent = []
+    for _ in range(POLICY.max_attempts):
+        run = run_of([entry], clock)
+        sent += drive(run, script({"m1": [http(500)]}))
+        [out] = run.outs
+        entry = replace(out.entry, location="held")
+        clock.now += 5_000
+    assert sent == [("m1", 1), ("m1", 2), ("m1", 3)]
+    assert out.target == "dlq"
+    assert out.entry.attempts == 3
+    assert out.entry.reason == "retries exhausted after 3 attempts: HTTP 500"
+    assert out.entry.first_failure_ms == T0
+    assert out.entry.last_failure_ms == T0 + 10_000
+
+
+# -- GroupRun: dead letters, block and skip ------------------------------------------------------
+
+
+def test_block_a_fatal_answer_dead_letters_at_once_and_blocks_the_group():
+    clock = Clock()
+    run = run_of([new(1), new(2), new(3)], clock, on_dead_letter="block")
+    assert drive(run, script({"m1": [http(404)]})) == [("m1", 1)]
+    [out] = run.outs
+    assert (out.target, out.entry.attempts, out.entry.reason) == ("dlq", 1, "fatal response 404")
+    assert out.entry.status == 404 and out.entry.value == b"body-1"
+    left = round_trip(run.remaining())
+    assert [(e.msg_id, e.location) for e in left] == [("m1", "dlq"), ("m2", "held"), ("m3", "held")]
+
+    # Later batches keep the group blocked, however much new traffic arrives.
+    parked = [replace(new(2), location="held"), replace(new(3), location="held")]
+    queue = merge(left, [*parked, new(4)], RunCounts())
+    later = run_of(queue, clock, on_dead_letter="block")
+    assert drive(later) == [] and later.outs == []
+    assert [(e.msg_id, e.location) for e in later.remaining()] == [
+        ("m1", "dlq"),
+        ("m2", "held"),
+        ("m3", "held"),
+        ("m4", "held"),
+    ]
+
+
+def test_skip_a_dead_lettered_head_leaves_and_the_group_carries_on():
+    clock = Clock()
+    run = run_of([new(1), new(2), new(3)], clock, on_dead_letter="skip")
+    assert drive(run, script({"m1": [http(404)]})) == [("m1", 1), ("m2", 1), ("m3", 1)]
+    assert [(o.target, o.entry.msg_id) for o in run.outs] == [("dlq", "m1")]
+    assert ids(run.delivered) == ["m2", "m3"]
+    assert run.remaining() == []
+
+
+# -- malformed records ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["block", "skip"])
+def test_malformed_heads_are_dead_lettered_in_order_without_a_request(mode):
+    clock = Clock()
+    bad = replace(new(1, body=b""), value=None, invalid="malformed: no value")
+    run = run_of([bad, new(2)], clock, on_dead_letter=mode)
+    sent = drive(run)
+    [out] = run.outs
+    assert (out.target, out.entry.msg_id, out.entry.reason) == ("dlq", "m1", "malformed: no value")
+    assert out.entry.attempts == 0 and out.entry.first_failure_ms == T0
+    if mode == "block":
+        assert sent == []
+        assert [(e.msg_id, e.location) for e in run.remaining()] == [("m1", "dlq"), ("m2", "held")]
+    else:
+        assert sent == [("m2", 1)]
+        assert run.remaining() == []
+
+
+def test_a_group_id_that_cannot_be_a_header_is_dead_lettered_not_sent():
+    clock = Clock()
+    run = run_of([new(1, group="evil\r\nX-Injected: 1"), new(2)], clock, on_dead_letter="skip")
+    sent = drive(run)
+    assert sent == [("m2", 1)]
+    [out] = run.outs
+    assert out.target == "dlq" and out.entry.reason.startswith("malformed: ")
+
+
+@pytest.mark.parametrize("mode", ["block", "skip"])
+def test_a_malformed_record_behind_a_failing_head_is_dead_lettered_when_its_turn_comes(mode):
+    """A record with no value (or an oversized one) that arrives while its group waits for a
+    retry is parked like any follower; the state table must remember why it cannot be delivered,
+    so it is dead-lettered (never sent) once it reaches the head."""
+    clock = Clock()
+    too_big = replace(new(3), invalid="malformed: value of 9 bytes exceeds 8")
+    no_value = replace(new(2), value=None, invalid="malformed: no value")
+    first = run_of([new(1), no_value, too_big, new(4)], clock, on_dead_letter=mode)
+    drive(first, script({"m1": [http(500)]}))
+    [out] = first.outs
+    state = round_trip(first.remaining())  # must not fail on a parked record without a body
+    assert [(e.msg_id, e.location) for e in state] == [
+        ("m1", "rq"),
+        ("m2", "held"),
+        ("m3", "held"),
+        ("m4", "held"),
+    ]
+
+    clock.now = out.entry.due_ms
+    bodies = [replace(e, location="held") for e in first.remaining()[1:]]
+    queue = merge(state, [rq_record(out.entry), *bodies], RunCounts())
+    second = run_of(queue, clock, on_dead_letter=mode)
+    sent = drive(second)
+    dead = [(o.target, o.entry.msg_id, o.entry.reason) for o in second.outs]
+    if mode == "skip":
+        assert sent == [("m1", 2), ("m4", 1)]
+        assert dead == [
+            ("dlq", "m2", "malformed: no value"),
+            ("dlq", "m3", "malformed: value of 9 bytes exceeds 8"),
+        ]
+    else:
+        assert sent == [("m1", 2)]
+        assert dead == [("dlq", "m2", "malformed: no value")]
+        assert [e.location for e in second.remaining()] == ["dlq", "held", "held"]
