@@ -63,7 +63,12 @@ RESERVED_HEADER_PREFIX = "varadhi-"
 # A record is retried for at most 30 s (Kafka's default is 120 s) and then reported as failed:
 # readers treat a storage topic as closed `shard.SEAL_GRACE_MS` (35 s) after produce moved off it,
 # so nothing may land on it later than that.
-KAFKA_DEFAULTS: dict[str, object] = {"acks": "all", "linger_ms": 5, "delivery_timeout_ms": 30_000}
+KAFKA_DEFAULTS: dict[str, object] = {
+    "acks": "all",
+    "linger_ms": 5,
+    "request_timeout_ms": 20_000,
+    "delivery_timeout_ms": 30_000,
+}
 
 
 class SendFailed(VaradhiError):
