@@ -71,6 +71,7 @@ def main() -> int:
     print(f"topic {topic} (12 partitions), subscription {name}: 2 shards, grouped, block mode")
 
     ids = [(f"g{i % args.groups}", f"{run}-{i}") for i in range(args.messages)]
+    produced_from = int(time.time() * 1000)
     produce(settings, topic, ids)
     print(f"produced {len(ids)} messages over {args.groups} groups")
 
@@ -92,7 +93,6 @@ def main() -> int:
     print("running shards 0 and 1 with ./spark-submit.sh (logs: .varadhi/demo-shard-*.log) ...")
     codes = [p.wait() for p in shards]
     seconds = time.monotonic() - started
-    endpoint.stop()
 
     records = endpoint.records()
     first_ok: dict[str, str] = {}
@@ -125,7 +125,28 @@ def main() -> int:
     print(f"per-group order:      {verdict}")
     print(f"lost:                 {len(lost)}")
     print()
-    subprocess.run([str(ROOT / ".venv" / "bin" / "varadhi"), "status", name], env=env, check=False)
+    varadhi = str(ROOT / ".venv" / "bin" / "varadhi")
+    subprocess.run([varadhi, "status", name], env=env, check=False)
+
+    print(f"\n== replay: re-deliver the first minute of {topic} out of band (X-Varadhi-Replay)")
+    endpoint.fail_rate = 0.0
+    before = len(endpoint.records())
+    subprocess.run(
+        [
+            varadhi,
+            "replay",
+            name,
+            "--from",
+            str(produced_from),
+            "--to",
+            str(produced_from + 60_000),
+        ],
+        env=env,
+        check=False,
+    )
+    replayed = [r for r in endpoint.records()[before:] if r.status < 300]
+    print(f"the endpoint received {len(replayed)} replayed messages")
+    endpoint.stop()
     return 0 if not broken and not lost and all(c == 0 for c in codes) else 1
 
 
