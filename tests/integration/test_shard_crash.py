@@ -1,0 +1,466 @@
+"""Crash safety and fencing of a subscription shard run as real processes (`spark-submit.sh`).
+
+The endpoint (`TestEndpoint`) and the judge run in this process; the shard runs as a subprocess
+that calls the endpoint over loopback and is crashed in between its effects (DESIGN hazard 4:
+`VARADHI_CRASH_AT`, see `varadhi.faults`), killed with SIGKILL at random moments, or fenced by a
+second instance of itself (hazard 6). After the last run the contract of DESIGN section 2 must
+hold:
+
+- no loss: every produced message was successfully delivered or is in the DLQ with its reason;
+- per group, first successful deliveries in produce order;
+- duplicates only of messages in flight at a crash: a message succeeds a second time only if its
+  earlier success came from a run that crashed, after that run's last committed micro-batch;
+- GroupState and the internal queues agree: nothing is left pending once the shard is idle;
+- a fenced instance exits with code 3 and nothing it wrote after the fence is visible: no
+  GroupState commit of its own, and every RQ/DLQ record (read_committed) is the outbox of a
+  GroupState commit made by the lease holder of the time.
+
+Each shard process costs a JVM start, so the scenarios restart a few times only.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+
+from varadhi import layouts
+from varadhi import messages as m
+from varadhi.catalog import Catalog
+from varadhi.layouts import Layout
+from varadhi.producer import Producer
+from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.testing.endpoint import Record, TestEndpoint
+from varadhi.topics import TopicService
+
+pytestmark = [pytest.mark.spark, pytest.mark.kafka]
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN_TIMEOUT_S = 240
+CRASHED = 137  # os._exit(137) at a crash point, passed on by spark-submit
+FENCED = 3
+
+
+@pytest.fixture(scope="session")
+def spark():
+    """The test run's one SparkSession, to read Delta tables (see tests/spark/conftest.py)."""
+    from varadhi.spark import get_spark
+
+    return get_spark("varadhi-tests")
+
+
+# -- the scenario ------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One shard process: its log, exit code, time window (ms) and how it ended."""
+
+    proc: subprocess.Popen
+    log: Path
+    started_ms: float
+    ended_ms: float | None = None
+    code: int | None = None
+    last_commit_ms: float = 0.0  # newest checkpoint commit when it ended
+
+    @property
+    def crashed(self) -> bool:
+        return self.code not in (0, FENCED)
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+@dataclass
+class Scenario:
+    settings: Any
+    catalog: Catalog
+    tmp: Path
+    endpoint: TestEndpoint
+    name: str = ""
+    topic: str = ""
+    produced: dict[str, list[str]] = field(default_factory=dict)
+    runs: list[Run] = field(default_factory=list)
+
+    # -- set-up
+    def create(self, **spec: Any) -> None:
+        suffix = uuid.uuid4().hex[:8]
+        self.topic, self.name = f"sc-{suffix}", f"scs-{suffix}"
+        TopicService(self.catalog).create(self.topic, 4)
+        doc = {
+            "name": self.name,
+            "topic": self.topic,
+            "endpoint": {"url": self.endpoint.url},
+            "shards": 1,
+            "on_dead_letter": "skip",
+            "retry": {
+                "max_attempts": 4,
+                "min_backoff": "100ms",
+                "max_backoff": "400ms",
+                "jitter": 0,
+            },
+            "consumption": {"trigger_interval": "100ms", "throttle": "0ms"},
+            **spec,
+        }
+        SubscriptionService(self.catalog).create(parse_spec(doc))
+
+    def produce(self, groups: int, per_group: int) -> list[str]:
+        """`per_group` more messages for each of `groups` groups, interleaved; ids `g<k>.<n>`."""
+        sent = []
+        with Producer(self.topic, self.settings) as producer:
+            for _ in range(per_group):
+                for k in range(groups):
+                    g = f"g{k:02d}"
+                    ids = self.produced.setdefault(g, [])
+                    msg_id = f"{g}.{len(ids):03d}"
+                    producer.send(f"body of {msg_id}".encode(), group_id=g, message_id=msg_id)
+                    ids.append(msg_id)
+                    sent.append(msg_id)
+            producer.flush(30)
+        return sent
+
+    # -- shard processes
+    def start(self, crash_at: str | None = None, idle_s: float = 5) -> Run:
+        env = {
+            **os.environ,
+            "VARADHI_BOOTSTRAP": self.settings.bootstrap,
+            "VARADHI_CATALOG_TOPIC": self.settings.catalog_topic,
+            "VARADHI_WAREHOUSE": self.settings.warehouse,
+        }
+        env.pop("VARADHI_CRASH_AT", None)
+        if crash_at:
+            env["VARADHI_CRASH_AT"] = crash_at
+        log = self.tmp / f"shard-{len(self.runs)}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [str(ROOT / "spark-submit.sh"), self.name, "0", "--stop-when-idle", str(idle_s)],
+                env=env,
+                cwd=self.tmp,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: JVM, Python driver, workers
+            )
+        run = Run(proc, log, time.time() * 1000)
+        self.runs.append(run)
+        return run
+
+    def wait(self, run: Run, timeout: float = RUN_TIMEOUT_S) -> int:
+        try:
+            run.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(run)
+            pytest.fail(f"shard run did not end within {timeout}s:\n{run.tail()}")
+        self._ended(run)
+        return run.code
+
+    def kill(self, run: Run) -> None:
+        """SIGKILL the whole process group (driver JVM, Python driver, Python workers)."""
+        try:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        run.proc.wait(30)
+        self._ended(run)
+
+    def _ended(self, run: Run) -> None:
+        if run.ended_ms is None:
+            run.ended_ms = time.time() * 1000
+            run.code = run.proc.returncode
+            run.last_commit_ms = self.last_commit_ms()
+
+    def last_commit_ms(self) -> float:
+        commits = (
+            Path(layouts.checkpoint_path(self.settings.warehouse, self.name, 1, 0, Layout(0, 0, 0)))
+            / "commits"
+        )
+        files = [p for p in commits.glob("*") if p.name.isdigit()] if commits.is_dir() else []
+        return max((p.stat().st_mtime * 1000 for p in files), default=0.0)
+
+    def wait_for(self, what: str, check, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not check():
+            if time.monotonic() > deadline:
+                tails = "\n---\n".join(r.tail(15) for r in self.runs)
+                pytest.fail(f"timed out waiting for {what}:\n{tails}")
+            time.sleep(0.2)
+
+    # -- what came out
+    @property
+    def all_ids(self) -> set[str]:
+        return {i for ids in self.produced.values() for i in ids}
+
+    def queue(self, which: str) -> list[dict[str, Any]]:
+        return read_queue(self.settings.bootstrap, f"{self.name}.{which}.0")
+
+    def state_path(self) -> str:
+        return layouts.state_path(self.settings.warehouse, self.name, 1, 0)
+
+
+@pytest.fixture
+def scenario(settings, catalog, tmp_path):
+    """A Scenario with a started endpoint; every shard process it started is killed at the end."""
+    ep = TestEndpoint(fail_rate=0.2, seed=7, mix={"500": 1, "503": 1}, retry_after_s=0)
+    ep.start()
+    sc = Scenario(settings, catalog, tmp_path, ep)
+    yield sc
+    for run in sc.runs:
+        if run.proc.poll() is None:
+            sc.kill(run)
+    ep.stop()
+
+
+def read_queue(bootstrap: str, storage_topic: str) -> list[dict[str, Any]]:
+    """Every committed record of a Kafka topic (read_committed): key, value, headers (dict)."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
+    )
+    try:
+        tps = [
+            TopicPartition(storage_topic, p) for p in consumer.partitions_for_topic(storage_topic)
+        ]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out = []
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            for batch in consumer.poll(timeout_ms=500).values():
+                for r in batch:
+                    headers = {k: (v or b"").decode("utf-8", "replace") for k, v in r.headers}
+                    out.append({"key": r.key, "value": r.value, "headers": headers})
+        return out
+    finally:
+        consumer.close()
+
+
+def ok(r: Record) -> bool:
+    return 200 <= r.status < 300
+
+
+# -- the judge -----------------------------------------------------------------------------------
+
+
+def in_flight_at_a_crash(sc: Scenario):
+    """The duplicate rule of sequential runs: a message may succeed again in a later run only if
+    its earlier success came from a run that crashed, after that run's last committed batch."""
+
+    def run_of(r: Record) -> int:
+        for i, run in enumerate(sc.runs):
+            if run.started_ms <= r.received_ms <= run.ended_ms:
+                return i
+        raise AssertionError(f"request {r} outside every shard run")
+
+    def check(msg_id: str, earlier: Record, later: Record) -> None:
+        i, j = run_of(earlier), run_of(later)
+        run = sc.runs[i]
+        assert i < j and run.crashed, (
+            f"{msg_id} delivered twice without a crash in between (runs {i}, {j})"
+        )
+        assert earlier.received_ms > run.last_commit_ms, (
+            f"{msg_id} delivered again although its batch was committed before the crash"
+        )
+
+    return check
+
+
+def assert_contract(sc: Scenario, spark, duplicate_rule=None) -> None:
+    """No loss, per-group order of first successes, duplicates only of in-flight messages
+    (`duplicate_rule(msg_id, earlier, later)` asserts it; default `in_flight_at_a_crash`),
+    dead letters with their reasons, and no GroupState left behind."""
+    duplicate_rule = duplicate_rule or in_flight_at_a_crash(sc)
+    records = sorted(sc.endpoint.records(), key=lambda r: r.seq)
+    successes: dict[str, list[Record]] = defaultdict(list)
+    for r in records:
+        if ok(r):
+            successes[r.message_id].append(r)
+    dlq = sc.queue("dlq")
+    dead: dict[str, set[tuple[str, str, str]]] = defaultdict(set)
+    for d in dlq:
+        h = d["headers"]
+        dead[h[m.H_MSG_ID]].add((h[m.H_ORIGIN], h[m.H_ATTEMPTS], h[m.H_REASON]))
+
+    # No loss.
+    lost = sc.all_ids - set(successes) - set(dead)
+    assert not lost, f"neither delivered nor dead-lettered: {sorted(lost)}"
+    # Dead letters: one message, one outcome (a re-sent copy is identical), with its reason.
+    for msg_id, copies in dead.items():
+        assert len(copies) == 1, (msg_id, copies)
+        [(_, attempts, reason)] = copies
+        if reason.startswith("fatal response 4"):
+            assert attempts == "1", (msg_id, copies)
+        else:
+            assert attempts == "4", (msg_id, copies)
+            assert reason.startswith("retries exhausted after 4 attempts: HTTP 50"), (
+                msg_id,
+                copies,
+            )
+        assert msg_id not in successes, f"{msg_id} was delivered and dead-lettered"
+
+    # Per group, first successes in produce order.
+    position = {i: n for ids in sc.produced.values() for n, i in enumerate(ids)}
+    firsts: dict[str, list[str]] = defaultdict(list)
+    for r in records:
+        if ok(r) and successes[r.message_id][0] is r:
+            firsts[r.group_id].append(r.message_id)
+    for group, ids in firsts.items():
+        assert ids == sorted(ids, key=position.__getitem__), f"{group} out of order: {ids}"
+
+    # A second success only for a message that was in flight when its first one happened.
+    for msg_id, copies in successes.items():
+        for earlier, later in zip(copies, copies[1:], strict=False):
+            duplicate_rule(msg_id, earlier, later)
+
+    # GroupState and the queues agree: nothing pending once the shard went idle.
+    state = spark.read.format("delta").load(sc.state_path()).toPandas()
+    pending = state[state["kind"] == "pending"]
+    assert pending.empty, pending[["msg_id", "location", "attempts"]].to_string()
+
+
+# -- 7. crash points and SIGKILL ------------------------------------------------------------------
+
+
+def test_crash_between_effects_then_restart(scenario, spark):
+    """Crash once at each point of a micro-batch (its second time there), each run on top of
+    the previous crash, then run to the end."""
+    sc = scenario
+    sc.create()
+    for point in ("after_delivery@2", "after_state_commit@2", "after_send@2"):
+        sc.produce(groups=12, per_group=5)
+        run = sc.start(crash_at=point)
+        code = sc.wait(run)
+        assert code == CRASHED, f"{point}: exit {code}\n{run.tail()}"
+        assert f"crashing at {point.split('@')[0]}" in run.log.read_text(errors="replace")
+    final = sc.start(idle_s=3)
+    assert sc.wait(final) == 0, final.tail()
+    assert "was committed; re-sending its records" in "".join(
+        r.log.read_text(errors="replace") for r in sc.runs
+    ), "no run replayed a committed batch: the crash points after the commit were not exercised"
+    assert_contract(sc, spark)
+
+
+def test_sigkill_at_random_moments_then_restart(scenario, spark):
+    """SIGKILL the whole shard (driver and executors) twice at a random moment of its work (in
+    a delivery, a Delta commit, the Kafka transaction or between batches), then let it finish."""
+    sc = scenario
+    sc.create()
+    rng = random.Random(int.from_bytes(os.urandom(4)))
+    delays = [round(rng.uniform(0.0, 8.0), 2) for _ in range(2)]
+    print(f"SIGKILL {delays} s after each run's first delivery")  # shown when the test fails
+    for delay in delays:
+        sc.produce(groups=12, per_group=5)
+        seen = len(sc.endpoint.records())
+        run = sc.start(idle_s=60)  # killed long before it could go idle
+        sc.wait_for(
+            "the shard's first delivery",
+            lambda run=run, seen=seen: (
+                len(sc.endpoint.records()) > seen or run.proc.poll() is not None
+            ),
+            timeout=RUN_TIMEOUT_S,
+        )
+        time.sleep(delay)
+        assert run.proc.poll() is None, f"the shard ended before it was killed\n{run.tail()}"
+        sc.kill(run)
+    final = sc.start(idle_s=3)
+    assert sc.wait(final) == 0, f"kill delays {delays}\n{final.tail()}"
+    assert_contract(sc, spark)
+
+
+# -- 8. fencing -----------------------------------------------------------------------------------
+
+
+def test_a_second_instance_fences_the_first(scenario, spark):
+    """Instance A is in the middle of a slow micro-batch (the endpoint answers after 1.5 s) with
+    failures in it when instance B of the same shard starts and takes the lease. A must exit
+    with code 3 without committing anything (it would write GroupState and RQ records for that
+    batch); B must replay A's batch and finish the work."""
+    sc = scenario
+    sc.endpoint.fail_rate = 0.0
+    sc.create()
+    owner = layouts.owner(sc.name, 1, 0)
+
+    # A handles a first chunk with a fatal answer in it, so it commits GroupState and a DLQ
+    # record before the fence.
+    first = sc.produce(groups=10, per_group=3)
+    sc.endpoint.set_script(first[1], [404])
+    a = sc.start(idle_s=300)
+
+    def delivered() -> set[str]:
+        return {r.message_id for r in sc.endpoint.records() if ok(r)}
+
+    sc.wait_for("A to finish the first chunk", lambda: delivered() >= set(first) - {first[1]})
+    lease_a = sc.catalog.get("lease", owner)
+    assert lease_a["epoch"] == 1
+
+    # A second chunk that A takes in one slow batch (60 messages a group, 1.5 s each: A stays in
+    # it until B runs, however slowly B starts), with failures; B starts while A delivers it.
+    sc.endpoint.latency_ms = 1_500
+    seen = len(sc.endpoint.records())
+    second = sc.produce(groups=10, per_group=60)
+    for msg_id in second[:10:3]:
+        sc.endpoint.set_script(msg_id, [503])
+    sc.wait_for("A to deliver the second chunk", lambda: len(sc.endpoint.records()) > seen)
+    b = sc.start(idle_s=3)
+    sc.wait_for("B to take the lease", lambda: sc.catalog.get("lease", owner)["epoch"] == 2)
+    fence = sc.catalog.get("lease", owner)
+    assert fence["instance"] != lease_a["instance"]
+    committed_at_fence = sc.last_commit_ms()
+    sc.wait_for(
+        "B's query to start", lambda: "reading {" in b.log.read_text(errors="replace"), timeout=180
+    )
+    # The scenario needs A to be still inside that batch now (else it proves little).
+    assert a.proc.poll() is None and not delivered() >= set(second), "A finished before B started"
+    sc.endpoint.latency_ms = 0
+
+    assert sc.wait(a) == FENCED, a.tail()
+    assert sc.wait(b) == 0, b.tail()
+    assert "fenced" in a.log.read_text(errors="replace")
+
+    # A committed no GroupState after the fence, and every RQ/DLQ record that read_committed
+    # consumers see is in the outbox of a GroupState commit of the lease holder of the time.
+    history = (
+        spark.sql(f"DESCRIBE HISTORY delta.`{sc.state_path()}`")
+        .selectExpr("version", "userMetadata", "unix_millis(timestamp) AS ms")
+        .collect()
+    )
+    outboxes: set[tuple[str, str, str]] = set()
+    writers = set()
+    for version, stamp, ms in history:
+        writer = (stamp or "").split("/")[0]
+        writers.add(writer)
+        if writer == lease_a["instance"]:
+            assert ms < fence["acquired_ms"], (
+                f"A committed GroupState version {version} after the fence"
+            )
+        else:
+            assert writer == fence["instance"], f"version {version} by an unknown writer {stamp}"
+        table = (
+            spark.read.format("delta").option("versionAsOf", int(version)).load(sc.state_path())
+        ).toPandas()
+        outs = table[table["kind"] == "out"]
+        outboxes |= {
+            (t, i, str(int(n)))
+            for t, i, n in zip(outs["target"], outs["msg_id"], outs["attempts"], strict=True)
+        }
+    assert lease_a["instance"] in writers  # A did commit before the fence
+    for which in ("rq", "dlq"):
+        for r in sc.queue(which):
+            h = r["headers"]
+            assert (which, h[m.H_MSG_ID], h[m.H_ATTEMPTS]) in outboxes, (which, h)
+
+    # Over both instances: no loss, order, and duplicates only of A's uncommitted batch.
+    def in_flight_at_the_fence(msg_id: str, earlier: Record, later: Record) -> None:
+        assert earlier.received_ms > committed_at_fence, (
+            f"{msg_id} delivered again although A had committed its batch"
+        )
+        assert later.received_ms > b.started_ms
+
+    assert_contract(sc, spark, in_flight_at_the_fence)
