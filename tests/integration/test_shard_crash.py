@@ -36,6 +36,7 @@ from kafka import KafkaConsumer, TopicPartition
 
 from varadhi import layouts
 from varadhi import messages as m
+from varadhi.batch import TICK_HEADER
 from varadhi.catalog import Catalog
 from varadhi.layouts import Layout
 from varadhi.producer import Producer
@@ -200,7 +201,9 @@ class Scenario:
         return {i for ids in self.produced.values() for i in ids}
 
     def queue(self, which: str) -> list[dict[str, Any]]:
-        return read_queue(self.settings.bootstrap, f"{self.name}.{which}.0")
+        """The RQ's or DLQ's records, without the shard's wake-up ticks."""
+        records = read_queue(self.settings.bootstrap, f"{self.name}.{which}.0")
+        return [r for r in records if TICK_HEADER not in r["headers"]]
 
     def state_path(self) -> str:
         return layouts.state_path(self.settings.warehouse, self.name, 1, 0)
