@@ -40,7 +40,11 @@ def test_unsideline_redrives_in_order_and_unblocks_the_group(
         assert doc["stats"] == {"inserted": 7, "routed": 7, "emitted": 3, "acknowledged": 2}
         by_topic = status.topic_statistics(catalog, spec.topic)
         assert by_topic["inserted"] == 7
-        assert by_topic["subscriptions"][spec.name] == {"routed": 7, "emitted": 3, "acknowledged": 2}
+        assert by_topic["subscriptions"][spec.name] == {
+            "routed": 7,
+            "emitted": 3,
+            "acknowledged": 2,
+        }
 
         assert cli(["dlq", "unsideline", spec.name, "--group-ids", "g"]) == 0
         produce(settings, spec.topic, [("g", "m6")])  # live traffic stays behind the re-drive
