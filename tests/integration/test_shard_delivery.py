@@ -13,7 +13,8 @@ what the endpoint received (`TestEndpoint` records every request), what is in th
   dead-lettered without stopping the query, bad configuration is refused.
 
 Shard runs cost seconds (query start, one Delta commit per batch with failures), so backoffs are
-short and a few scenarios share one run (`timing`).
+short (except where they are the subject: `timing`, whose scenarios share one run) and failure
+injection is seeded for short retry chains.
 """
 
 from __future__ import annotations
@@ -219,8 +220,11 @@ def endpoint():
 def test_per_group_order_and_no_loss_under_random_retryable_failures(
     settings, catalog, spark, endpoint
 ):
+    # The endpoint's failures are a function of (seed, message id, attempt): with seed 5 about 60
+    # of the ~260 requests fail, but no group needs more than 4 retries in a row, so the run
+    # takes few micro-batches.
     ep = endpoint(
-        fail_rate=0.2, seed=11, mix={"500": 1, "503": 1}, retry_after_s=0, record_headers=True
+        fail_rate=0.2, seed=5, mix={"500": 1, "503": 1}, retry_after_s=0, record_headers=True
     )
     sub = create_sub(catalog, ep, on_dead_letter="skip")
     groups = [f"g{i:02d}" for i in range(25)]
