@@ -312,6 +312,17 @@ class Outbox:
             out[table] = int(cur.fetchone()[0])
         return out
 
+    def missing_tables(self, conn: Any) -> list[str]:
+        """The outbox tables that do not exist in this database (any DB-API connection)."""
+        missing = []
+        for table in self.tables():
+            try:
+                conn.cursor().execute(f"SELECT 1 FROM {table} WHERE 1 = 0")
+            except Exception:  # noqa: BLE001 - sqlite3 and psycopg raise different error types
+                missing.append(table)
+                conn.rollback()  # PostgreSQL aborts the transaction on an error
+        return missing
+
     def _check_shard(self, shard: int) -> None:
         if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < self.shards:
             raise InvalidArgument(f"{shard!r} is outside 0..{self.shards - 1}", field="shard")

@@ -334,3 +334,17 @@ def test_an_idle_relay_keeps_its_leases(sqlite_db, kafka_free_relay):
         assert relay.pump().relayed == {}
         assert not other.acquire(outbox.tables()[0])
     assert relay.owned == outbox.tables()
+
+
+def test_relay_and_status_refuse_a_database_without_the_tables(tmp_path, capsys):
+    import sqlite3
+
+    from varadhi.cli import main as cli
+
+    db = tmp_path / "app.db"
+    sqlite3.connect(db).execute("CREATE TABLE unrelated (x)").connection.close()
+    assert cli(["outbox", "relay", "--sqlite", str(db), "--once"]) == 2
+    assert cli(["outbox", "status", "--sqlite", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("outgoing_message_0_0, outgoing_message_1_0 do not exist") == 2
+    assert "varadhi outbox init" in err

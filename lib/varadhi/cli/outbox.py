@@ -139,9 +139,25 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
+def require_tables(outbox: Outbox, connect) -> None:
+    """Refuse, with the remedy, a database without the outbox tables (before any relay work)."""
+    conn = connect()
+    try:
+        missing = outbox.missing_tables(conn)
+    finally:
+        conn.close()
+    if missing:
+        raise InvalidArgument(
+            f"outbox tables {', '.join(missing)} do not exist: run `varadhi outbox init` with the "
+            "same --shards/--partitions/--table-prefix first",
+            field="tables",
+        )
+
+
 def run_relay(args: argparse.Namespace) -> int:
     """Run a relay from parsed arguments (shared with jobs/outbox_relay.py)."""
     outbox = outbox_from(args)
+    require_tables(outbox, connector_from(args))
     if args.batch_size < 1:
         raise InvalidArgument(f"must be positive, got {args.batch_size}", field="--batch-size")
     relay = Relay(
@@ -176,6 +192,7 @@ def run_relay(args: argparse.Namespace) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     outbox = outbox_from(args)
+    require_tables(outbox, connector_from(args))
     conn = connector_from(args)()
     try:
         pending = outbox.pending(conn)
