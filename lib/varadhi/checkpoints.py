@@ -17,7 +17,7 @@ import os
 
 from . import layouts, subscriptions
 from .catalog import Catalog
-from .layouts import READER_KIND, Layout
+from .layouts import Layout
 
 Offsets = dict[str, dict[str, int]]  # storage topic -> partition (as text) -> next offset
 
@@ -42,10 +42,7 @@ def shard_position(
 ) -> tuple[Layout, Offsets]:
     """A shard's current reader layout and the offsets it has consumed (starting offsets where it
     has not committed a batch yet; -2 means "from the beginning")."""
-    doc = catalog.snapshot().get(READER_KIND, layouts.owner(sub.name, sub.shard_count, shard))
-    layout = Layout.from_dict(doc) if doc else Layout(sub.generation, 0, 0, {})
-    if layout.generation != sub.generation:
-        layout = Layout(sub.generation, 0, 0, {})
+    layout = layouts.current(catalog.snapshot(), sub.name, sub.shard_count, shard, sub.generation)
     path = layouts.checkpoint_path(
         catalog.settings.warehouse, sub.name, sub.shard_count, shard, layout
     )

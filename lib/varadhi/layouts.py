@@ -41,6 +41,17 @@ class Layout:
         )
 
 
+def current(snapshot, name: str, shard_count: int, shard: int, generation: int) -> Layout:
+    """The shard's recorded layout if it belongs to `generation`, else a fresh one (seq 0, first
+    storage topic, earliest offsets): a new generation starts layouts afresh."""
+    doc = snapshot.get(READER_KIND, owner(name, shard_count, shard))
+    if doc is not None:
+        layout = Layout.from_dict(doc)
+        if layout.generation == generation:
+            return layout
+    return Layout(generation, 0, 0, {})
+
+
 def owner(name: str, shard_count: int, shard: int) -> str:
     """The catalog name of a shard's reader layout and lease."""
     return f"{name}/s{shard_count}/{shard}"

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from kafka import KafkaConsumer, TopicPartition
 
+from . import dlq as dlq_ops
 from . import layouts, status, subscriptions, topics
 from . import messages as m
 from .catalog import Catalog, Snapshot, key
@@ -308,7 +309,7 @@ class OffsetReset:
             positions = {s: shard_position(self.catalog, sub, s) for s in range(sub.shard_count)}
             current = {s: consumed for s, (_, consumed) in positions.items()}
         else:
-            start = sub_state(snap, name).get("dlq_start", {})
+            start = dlq_ops.dlq_start(snap, name)
             current = dict.fromkeys(range(sub.shard_count), start)
         moves, new_positions = plan_internal(queue, sub, internal, current, kafka, mode, value)
         if queue == "rq":
@@ -385,8 +386,3 @@ class OffsetReset:
             )
             store = StateStore(spark, path, "offset-reset")
             store.drop_entries(location, gone)
-
-
-def sub_state(snap: Snapshot, name: str) -> dict[str, Any]:
-    doc = snap.get(subscriptions.KIND, name) or {}
-    return doc.get("state", {})

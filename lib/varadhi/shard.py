@@ -171,12 +171,8 @@ class ShardJob:
         )
 
     def _layout(self, sub: subscriptions.Subscription) -> Layout:
-        doc = self.catalog.get(READER_KIND, self._owner(sub))
-        if doc is not None:
-            layout = Layout.from_dict(doc)
-            if layout.generation == sub.generation:
-                return layout
-        return Layout(sub.generation, 0, 0, {})
+        snap = self.catalog.snapshot()
+        return layouts.current(snap, self.name, sub.shard_count, self.shard, sub.generation)
 
     def _save_layout(self, sub: subscriptions.Subscription, layout: Layout) -> None:
         self.catalog.mutate(lambda _snap: {key(READER_KIND, self._owner(sub)): layout.to_dict()})
@@ -744,28 +740,26 @@ def _records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
     )
 
 
-def _due_heads(pending: dict[str, list[dict]], now_ms: int) -> list[str]:
-    """Groups whose head is a parked (held) message that is due now (pure)."""
-    out = []
+def _parked_heads(pending: dict[str, list[dict]]) -> dict[str, int]:
+    """Group key -> due time, for groups whose head (smallest origin) is parked here (pure)."""
+    out = {}
     for g, rows in pending.items():
         head = min(
             rows, key=lambda r: (r["origin_index"], r["origin_partition"], r["origin_offset"])
         )
-        if head["location"] == "held" and int(head["due_ms"] or 0) <= now_ms:
-            out.append(g)
+        if head["location"] == "held":
+            out[g] = int(head["due_ms"] or 0)
     return out
+
+
+def _due_heads(pending: dict[str, list[dict]], now_ms: int) -> list[str]:
+    """Groups whose head is a parked (held) message that is due now (pure)."""
+    return [g for g, due in _parked_heads(pending).items() if due <= now_ms]
 
 
 def _next_due(pending: dict[str, list[dict]]) -> int | None:
     """The earliest due time of a parked head (pure); None when nothing is parked."""
-    dues = []
-    for rows in pending.values():
-        head = min(
-            rows, key=lambda r: (r["origin_index"], r["origin_partition"], r["origin_offset"])
-        )
-        if head["location"] == "held":
-            dues.append(int(head["due_ms"] or 0))
-    return min(dues) if dues else None
+    return min(_parked_heads(pending).values(), default=None)
 
 
 def summarize(pending: dict[str, list[dict]]) -> dict[str, int]:
