@@ -6,7 +6,8 @@ retry-queue (RQ) partitions it owns, and delivering with `foreachBatch`:
 1. check the lease (a newer instance fences this one: DESIGN hazard 6);
 2. if the state table already holds this batch's commit (the driver died after committing state
    but before Spark committed the batch), only re-send that commit's RQ/DLQ records and return;
-3. otherwise deliver on executors (`varadhi.batch.process_partition`, concurrent across groups,
+3. otherwise deliver on executors (`varadhi.batch`: healthy groups on the Kafka partitions as
+   read, groups with pending state after a shuffle by group key; concurrent across groups,
    ordered within a group) and collect what is not done: new group state and RQ/DLQ records;
 4. if anything changed, overwrite the shard's GroupState Delta table with it, idempotently
    (`txnAppId` = subscription, generation, shard count, shard and reader layout; `txnVersion` =
@@ -50,6 +51,8 @@ from .batch import (
     STATE_SCHEMA,
     TICK_HEADER,
     BatchContext,
+    ForwardRule,
+    deliver_records,
     process_partition,
 )
 from .catalog import Catalog, key
@@ -63,6 +66,7 @@ from .state_store import StateStore, normalise
 from .status import ProgressPublisher
 
 log = logging.getLogger("varadhi.shard")
+_NONE: frozenset[str] = frozenset()
 
 # Producers learn of a switch within a second and give up on a record after 30 s
 # (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
@@ -128,6 +132,7 @@ class ShardJob:
         self._rate_window: list[tuple[float, int, int]] = []
         self._where: dict[str, Any] = {}
         self._offsets_consumer: KafkaConsumer | None = None
+        self._partitions_read = 0  # main-topic partitions of the running query
 
     # -- set-up ---------------------------------------------------------------------------
     def _load(
@@ -270,6 +275,7 @@ class ShardJob:
         assign: dict[str, list[int]] = {}
         if mq_parts:
             assign[mq_st.name] = mq_parts
+        self._partitions_read = len(mq_parts)
         for i, st in enumerate(rq.storage_topics):
             if i < sub.rq_from:  # drained into the current RQ storage topics by feeders
                 continue
@@ -519,10 +525,6 @@ class ShardJob:
             in_batch = {r[0] for r in records.select("group_key").distinct().collect()}
             held_keys |= in_batch & held_groups
         try:
-            candidates = records
-            if held_keys:
-                held = spark.createDataFrame(normalise(store.held_rows(held_keys)), STATE_SCHEMA)
-                candidates = records.unionByName(held, allowMissingColumns=True)
             ctx = BatchContext(
                 spec=sub.spec,
                 mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
@@ -530,16 +532,29 @@ class ShardJob:
                 seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
                 dedup=bool(sub.spec.dedup_window_ms),
             )
-            result = (
-                candidates.repartition(sub.spec.consumption.concurrency, "group_key")
-                .mapInPandas(lambda it: process_partition(it, ctx, pending), STATE_SCHEMA)
-                .toPandas()
+            concurrency = sub.spec.consumption.concurrency
+            spread = concurrency > self._partitions_read
+            two_phase = spread or bool(pending) or bool(held_keys)
+            forward = ForwardRule(
+                everything=spread, rq=two_phase, blocked=frozenset(pending) if two_phase else _NONE
             )
+            result = records.mapInPandas(lambda it: deliver_records(it, ctx, forward), STATE_SCHEMA)
+            if two_phase:
+                if held_keys:
+                    held = store.held_rows(held_keys)
+                    result = result.unionByName(
+                        spark.createDataFrame(normalise(held), STATE_SCHEMA)
+                    )
+                result = result.repartition(concurrency, "group_key").mapInPandas(
+                    lambda it: process_partition(it, ctx, pending), STATE_SCHEMA
+                )
+            result = result.toPandas()
         finally:
             if held_groups:
                 records.unpersist()
 
         crash_point("after_delivery")
+        phases = {"deliver_s": time.monotonic() - started}
         stats = [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
         if sub.spec.dedup_window_ms:
             done = result[result["kind"] == "done"]
@@ -552,6 +567,7 @@ class ShardJob:
         new_rows.loc[new_rows["kind"] == "out", "app_id"] = app_id
         if touched or len(new_rows) or redrive_ops:
             lease.check()
+            mark = time.monotonic()
             if not store.commit(touched, new_rows, app_id, batch_id):
                 log.warning(
                     "%s shard %d: batch %d was committed by another writer",
@@ -560,7 +576,10 @@ class ShardJob:
                     batch_id,
                 )
             crash_point("after_state_commit")
+            phases["commit_s"] = time.monotonic() - mark
+            mark = time.monotonic()
             self._send_outs(store.outs(app_id, batch_id), sub, rq, dlq)
+            phases["send_s"] = time.monotonic() - mark
             crash_point("after_send")
             if redrive_ops:
                 dlq_ops.mark_done(self.catalog, self.name, redrive_ops, self.shard)
@@ -569,7 +588,9 @@ class ShardJob:
         # second commit of one batch id fails that query).
         lease.check()
         counts = _sum(stats)
-        self._finish_batch(batch_id, counts.get("records", 0), counts, started, store.pending())
+        self._finish_batch(
+            batch_id, counts.get("records", 0), counts, started, store.pending(), phases
+        )
 
     def _dedup_window(self, spark, sub) -> DedupWindow:
         if self._dedup is None:
@@ -620,7 +641,7 @@ class ShardJob:
                 ) from e
             raise
 
-    def _finish_batch(self, batch_id, n_records, counts, started, pending) -> None:
+    def _finish_batch(self, batch_id, n_records, counts, started, pending, phases) -> None:
         s = self.stats
         s.batches += 1
         s.records += n_records
@@ -639,6 +660,7 @@ class ShardJob:
             "batch_id": batch_id,
             "records": n_records,
             "seconds": round(time.monotonic() - started, 3),
+            **{k: round(v, 3) for k, v in phases.items()},
             **counts,
         }
         self._next_due_ms = _next_due(pending)

@@ -1,0 +1,109 @@
+"""The two phases of a micro-batch (`varadhi.batch`) against a real HTTP endpoint, without Spark:
+what phase 1 delivers on its own partition and what it forwards, and phase 2 finishing the
+forwarded groups in order with their pending state."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from varadhi import messages as m
+from varadhi.batch import (
+    BatchContext,
+    ForwardRule,
+    deliver_records,
+    process_partition,
+    state_row,
+)
+from varadhi.group_state import Entry
+from varadhi.subscriptions import parse_spec
+from varadhi.testing.endpoint import TestEndpoint
+
+MQ = "orders.0"
+
+
+def _ctx(url: str, **extra) -> BatchContext:
+    spec = parse_spec({"name": "s", "topic": "orders", "endpoint": {"url": url}, **extra})
+    return BatchContext(spec=spec, mq_indexes={MQ: 0}, now_ms=0, seed=1)
+
+
+def _record(offset: int, group: str, kind: str = "mq", value: bytes | None = b"{}", **extra):
+    headers = {m.H_MSG_ID: f"{group}-{offset}", m.H_GROUP_ID: group, **extra}
+    return {
+        "kind": kind,
+        "group_key": group,
+        "topic": MQ if kind == "mq" else "s-rq.0",
+        "partition": 0,
+        "offset": offset,
+        "key": group.encode(),
+        "value": value,
+        "kheaders": [{"key": k, "value": v.encode()} for k, v in headers.items()],
+    }
+
+
+def _rows(frames) -> pd.DataFrame:
+    return pd.concat(list(frames), ignore_index=True)
+
+
+def _stat(result: pd.DataFrame) -> dict:
+    [stat] = [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
+    return stat
+
+
+def test_phase_one_delivers_healthy_groups_and_forwards_the_rest():
+    records = [
+        _record(0, "a"),
+        _record(1, "b"),
+        _record(2, "a"),
+        _record(3, "b", value=None),  # malformed, of a blocked group: forwarded as it is
+        _record(9, "c", kind="rq"),
+    ]
+    rule = ForwardRule(rq=True, blocked=frozenset({"b"}))
+    with TestEndpoint() as endpoint:
+        result = _rows(deliver_records(iter([pd.DataFrame(records)]), _ctx(endpoint.url), rule))
+        delivered = [r.message_id for r in endpoint.records()]
+
+    assert delivered == ["a-0", "a-2"]
+    fwd = result[result["kind"] == "fwd"]
+    assert list(fwd["group_key"]) == ["b", "b", "c"]
+    assert list(fwd["location"]) == ["new", "new", "rq"]
+    assert fwd["value"].iloc[0] == b"{}"  # bodies travel with forwarded rows
+    assert fwd["reason"].iloc[1] == "malformed: no value"
+    stat = _stat(result)
+    assert (stat["records"], stat["routed"], stat["delivered"], stat["groups"]) == (5, 4, 2, 1)
+
+
+def test_phase_two_finishes_forwarded_groups_in_order_with_their_pending_state():
+    """Group b waits for its retry (attempt 1 at origin 1); the retry and a newer record come
+    forwarded, with a malformed record between them: the retry goes first, the malformed record is
+    dead-lettered in its place (and skipped), then the newer one. Phase 1's rows pass through."""
+    retry = _record(7, "b", kind="rq")
+    retry["kheaders"] += [
+        {"key": m.H_ORIGIN, "value": m.Origin(0, 0, 1).encode().encode()},
+        {"key": m.H_ATTEMPTS, "value": b"1"},
+    ]
+    with TestEndpoint() as endpoint:
+        ctx = _ctx(endpoint.url, on_dead_letter="skip")
+        phase_one = _rows(
+            deliver_records(
+                iter([pd.DataFrame([_record(2, "b", value=None), _record(3, "b"), retry])]),
+                ctx,
+                ForwardRule(rq=True, blocked=frozenset({"b"})),
+            )
+        )
+        waiting = Entry(
+            origin=m.Origin(0, 0, 1), msg_id="b-1", group_id="b", location="rq", attempts=1
+        )
+        pending = {"b": [state_row("pending", "b", waiting)]}
+        result = _rows(process_partition(iter([phase_one]), ctx, pending))
+        delivered = [(r.message_id, r.attempt) for r in endpoint.records()]
+
+    assert delivered == [("b-1", 2), ("b-3", 1)]
+    outs = result[result["kind"] == "out"]
+    assert list(outs["msg_id"]) == ["b-2"] and list(outs["target"]) == ["dlq"]
+    assert list(result.loc[result["kind"] == "touched", "group_key"]) == ["b"]
+    assert not (result["kind"] == "pending").any()  # b is healthy again
+    stats = [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
+    assert [s["records"] for s in stats] == [3, 0]  # counted once, by phase 1
+    assert sum(s["delivered"] for s in stats) == 2
