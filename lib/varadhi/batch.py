@@ -1,20 +1,19 @@
 """Executor side of a shard's micro-batch: turn records into group queues, deliver, report.
 
-A micro-batch runs in one or two phases (both `mapInPandas` bodies):
+A micro-batch runs in one or two Spark jobs (their bodies are the `mapInPandas` functions here):
 
 1. `deliver_records` runs on the Kafka source's partitions as they are (no shuffle). A group's
    main-topic records all sit in one partition, in offset order, so a group with nothing pending
-   (a *healthy* group, the common case) is delivered right there. Records that need more than
-   their partition are *forwarded* instead (kind `fwd`, the record as a state row with its
-   body): retry-queue records, and records of groups with pending state.
-2. `process_partition` runs over the forwarded rows plus the parked bodies it needs (`held`
-   rows of the state table), repartitioned by group key and so brought together per group, and
-   merges them with the groups' pending state (`varadhi.group_state.merge`).
+   (a *healthy* group, the common case) is delivered right there. When some groups have pending
+   state, records that need more than their partition are *forwarded* instead (kind `fwd`: the
+   record as a state row, with its body): retry-queue records and records of those groups.
+2. `process_partition` runs over the forwarded rows plus the parked bodies their groups need
+   (`held` rows of the state table), repartitioned by group key, and merges them with the
+   groups' pending state (`varadhi.group_state.merge`). The driver builds its input from what
+   phase 1 returned, so it knows which parked bodies to send without a pass over the batch.
 
-A batch with no pending groups and no re-drive runs phase 1 alone, forwarding nothing; a shard
-with fewer Kafka partitions than `consumption.concurrency` forwards everything (phase 1 only
-parses), so the batch still spreads over `concurrency` tasks. Both phases yield rows of the
-state table's schema (`STATE_SCHEMA`); phase 2 passes phase 1's result rows through:
+A batch that starts with no pending group is phase 1 alone. Both phases yield rows of the state
+table's schema (`STATE_SCHEMA`):
 
 - `pending` rows: the new state of every group touched;
 - `touched` rows: one per touched group that had state, so the driver drops its old rows;
@@ -228,17 +227,13 @@ def process_partition(
     frames: Iterator[pd.DataFrame], ctx: BatchContext, pending: dict[str, list[dict]]
 ) -> Iterator[pd.DataFrame]:
     """Phase 2 over forwarded (`fwd`) and parked (`held`) rows brought together by group key.
-    `pending` maps group key -> that group's pending state rows (no bodies). Phase 1's result
-    rows pass through unchanged."""
+    `pending` maps group key -> that group's pending state rows (no bodies)."""
     started = time.monotonic()
     counts = RunCounts()
     rows: list[dict] = []
     candidates: dict[str, list[Entry]] = defaultdict(list)
     for frame in frames:
-        through = ~frame["kind"].isin(["fwd", "held"])
-        if through.any():
-            rows.extend(frame.loc[through, COLUMN_NAMES].to_dict("records"))
-        for row in rows_of(frame.loc[~through]):
+        for row in rows_of(frame):
             candidates[row["group_key"]].append(entry_from_state(row))
     groups = _deliver(candidates, pending, ctx, counts, rows)
     rows.append(_stat_row(counts, started, groups=groups))
@@ -247,15 +242,14 @@ def process_partition(
 
 @dataclass(frozen=True)
 class ForwardRule:
-    """Which records phase 1 forwards to phase 2: every record (`everything`), retry-queue
-    records (`rq`) and records of the `blocked` groups (those with pending state)."""
+    """Which records phase 1 forwards to phase 2: retry-queue records (`rq`) and records of the
+    `blocked` groups (those with pending state)."""
 
-    everything: bool = False
     rq: bool = False
     blocked: frozenset[str] = frozenset()
 
     def applies(self, kind: str, group_key: str) -> bool:
-        return self.everything or (self.rq and kind == "rq") or group_key in self.blocked
+        return (self.rq and kind == "rq") or group_key in self.blocked
 
 
 def _deliver(

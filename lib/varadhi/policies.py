@@ -70,9 +70,9 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class ConsumptionPolicy:
-    """`concurrency`: delivery tasks per shard for groups with pending state (healthy groups
-    are delivered on the Kafka partitions as read; a shard reading fewer main-topic partitions
-    than `concurrency` spreads every batch over `concurrency` tasks);
+    """`concurrency`: delivery tasks per shard: a batch runs one task per Kafka partition read,
+    repartitioned by group into `concurrency` tasks when the shard reads fewer main-topic
+    partitions than that; groups with pending state always get `concurrency` tasks;
     `max_in_flight`: concurrent HTTP requests per task; `max_messages_per_batch` bounds a
     micro-batch (the Kafka source's maxOffsetsPerTrigger); when the failure rate of the last batch
     passes `error_rate_threshold`, the shard waits `throttle_ms` before the next batch."""

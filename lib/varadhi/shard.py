@@ -39,6 +39,7 @@ import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import pandas as pd
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from pyspark.sql import Column, DataFrame, SparkSession
@@ -66,7 +67,6 @@ from .state_store import StateStore, normalise
 from .status import ProgressPublisher
 
 log = logging.getLogger("varadhi.shard")
-_NONE: frozenset[str] = frozenset()
 
 # Producers learn of a switch within a second and give up on a record after 30 s
 # (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
@@ -518,40 +518,14 @@ class ShardJob:
             window = self._dedup_window(spark, sub)
             records, dropped = window.filter(records, now_ms)
             records = records.drop("dedup_id")
-        held_keys = set(due_groups)
-        held_groups = store.held_groups()
-        if held_groups:  # the batch's groups that have parked bodies need them back
-            records = records.persist()
-            in_batch = {r[0] for r in records.select("group_key").distinct().collect()}
-            held_keys |= in_batch & held_groups
-        try:
-            ctx = BatchContext(
-                spec=sub.spec,
-                mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
-                now_ms=now_ms,
-                seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
-                dedup=bool(sub.spec.dedup_window_ms),
-            )
-            concurrency = sub.spec.consumption.concurrency
-            spread = concurrency > self._partitions_read
-            two_phase = spread or bool(pending) or bool(held_keys)
-            forward = ForwardRule(
-                everything=spread, rq=two_phase, blocked=frozenset(pending) if two_phase else _NONE
-            )
-            result = records.mapInPandas(lambda it: deliver_records(it, ctx, forward), STATE_SCHEMA)
-            if two_phase:
-                if held_keys:
-                    held = store.held_rows(held_keys)
-                    result = result.unionByName(
-                        spark.createDataFrame(normalise(held), STATE_SCHEMA)
-                    )
-                result = result.repartition(concurrency, "group_key").mapInPandas(
-                    lambda it: process_partition(it, ctx, pending), STATE_SCHEMA
-                )
-            result = result.toPandas()
-        finally:
-            if held_groups:
-                records.unpersist()
+        ctx = BatchContext(
+            spec=sub.spec,
+            mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
+            now_ms=now_ms,
+            seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
+            dedup=bool(sub.spec.dedup_window_ms),
+        )
+        result = self._deliver(records, ctx, store, pending, due_groups)
 
         crash_point("after_delivery")
         phases = {"deliver_s": time.monotonic() - started}
@@ -591,6 +565,44 @@ class ShardJob:
         self._finish_batch(
             batch_id, counts.get("records", 0), counts, started, store.pending(), phases
         )
+
+    def _deliver(
+        self,
+        records: DataFrame,
+        ctx: BatchContext,
+        store: StateStore,
+        pending: dict[str, list[dict]],
+        due_groups: list[str],
+    ) -> pd.DataFrame:
+        """Deliver the batch on executors in one or two Spark jobs (see `varadhi.batch`) and
+        return every result row. Phase 1 runs on the Kafka partitions as read (spread over
+        `concurrency` tasks by group key when the shard reads fewer partitions than that); when
+        groups have pending state, its forwarded rows come back here, are joined by the parked
+        bodies their groups (and groups whose parked head is due) need, and go to phase 2."""
+        concurrency = ctx.spec.consumption.concurrency
+        if concurrency > self._partitions_read:
+            records = records.repartition(concurrency, "group_key")
+        forward = ForwardRule(rq=True, blocked=frozenset(pending)) if pending else ForwardRule()
+        first = records.mapInPandas(
+            lambda it: deliver_records(it, ctx, forward), STATE_SCHEMA
+        ).toPandas()
+        if not pending:
+            return first
+        is_fwd = first["kind"] == "fwd"
+        forwarded = first[is_fwd]
+        held = store.held_rows(
+            set(due_groups) | (set(forwarded["group_key"]) & store.held_groups())
+        )
+        if not len(forwarded) and not len(held):
+            return first
+        spark = records.sparkSession
+        second = (
+            spark.createDataFrame(normalise(pd.concat([forwarded, held])), STATE_SCHEMA)
+            .repartition(concurrency, "group_key")
+            .mapInPandas(lambda it: process_partition(it, ctx, pending), STATE_SCHEMA)
+            .toPandas()
+        )
+        return pd.concat([first[~is_fwd], second], ignore_index=True)
 
     def _dedup_window(self, spark, sub) -> DedupWindow:
         if self._dedup is None:

@@ -22,19 +22,21 @@ from collections.abc import Iterable
 import pandas as pd
 from pyspark.sql import SparkSession
 
-from .batch import STATE_COLUMNS, STATE_SCHEMA, to_frame
+from .batch import COLUMN_NAMES, STATE_COLUMNS, STATE_SCHEMA, rows_of
 
 _INT_KINDS = {"int": "Int32", "bigint": "Int64"}
 
 
 def normalise(frame: pd.DataFrame) -> pd.DataFrame:
-    """Column types that convert to STATE_SCHEMA exactly (nullable ints, object text/binary)."""
-    frame = to_frame(frame.to_dict("records")) if len(frame) else to_frame([])
+    """Column types that convert to STATE_SCHEMA exactly: nullable ints, text and binary as object
+    columns holding None (vectorised: this runs on every state commit)."""
+    frame = frame.reindex(columns=COLUMN_NAMES).reset_index(drop=True)
     for name, kind in STATE_COLUMNS:
         if kind in _INT_KINDS:
-            frame[name] = pd.array(
-                [None if pd.isna(v) else int(v) for v in frame[name]], dtype=_INT_KINDS[kind]
-            )
+            frame[name] = pd.array(frame[name], dtype=_INT_KINDS[kind])
+        else:
+            column = frame[name].astype(object)
+            frame[name] = column.where(column.notna(), None)
     return frame
 
 
@@ -69,7 +71,7 @@ class StateStore:
         """Group key -> its pending rows, without bodies (what executors need to decide)."""
         rows = self.frame[self.frame["kind"] == "pending"].drop(columns=["value"])
         out: dict[str, list[dict]] = {}
-        for row in rows.to_dict("records"):
+        for row in rows_of(rows):
             out.setdefault(row["group_key"], []).append(row)
         return out
 
