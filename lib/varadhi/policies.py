@@ -70,9 +70,8 @@ class RetryPolicy:
 
 @dataclass(frozen=True)
 class ConsumptionPolicy:
-    """`concurrency`: delivery tasks per shard: a batch runs one task per Kafka partition read,
-    repartitioned by group into `concurrency` tasks when the shard reads fewer main-topic
-    partitions than that; groups with pending state always get `concurrency` tasks;
+    """`concurrency`: delivery tasks per shard (the Kafka partitions a shard reads are coalesced
+    into this many Spark tasks, or spread over them by group when there are fewer);
     `max_in_flight`: concurrent HTTP requests per task; `max_messages_per_batch` bounds a
     micro-batch (the Kafka source's maxOffsetsPerTrigger); when the failure rate of the last batch
     passes `error_rate_threshold`, the shard waits `throttle_ms` before the next batch."""

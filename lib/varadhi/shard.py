@@ -575,13 +575,15 @@ class ShardJob:
         due_groups: list[str],
     ) -> pd.DataFrame:
         """Deliver the batch on executors in one or two Spark jobs (see `varadhi.batch`) and
-        return every result row. Phase 1 runs on the Kafka partitions as read (spread over
-        `concurrency` tasks by group key when the shard reads fewer partitions than that); when
+        return every result row. Phase 1 runs in `concurrency` tasks: the Kafka partitions read,
+        coalesced (or spread by group key when the shard reads fewer partitions); when
         groups have pending state, its forwarded rows come back here, are joined by the parked
         bodies their groups (and groups whose parked head is due) need, and go to phase 2."""
         concurrency = ctx.spec.consumption.concurrency
         if concurrency > self._partitions_read:
             records = records.repartition(concurrency, "group_key")
+        else:  # a group's records stay in one task, in order: no shuffle, fewer task start-ups
+            records = records.coalesce(concurrency)
         forward = ForwardRule(rq=True, blocked=frozenset(pending)) if pending else ForwardRule()
         first = records.mapInPandas(
             lambda it: deliver_records(it, ctx, forward), STATE_SCHEMA
@@ -595,11 +597,13 @@ class ShardJob:
         )
         if not len(forwarded) and not len(held):
             return first
-        spark = records.sparkSession
+        rows = normalise(pd.concat([forwarded, held]))
+        # Only the state of the groups that take part travels with the tasks.
+        involved = {k: pending[k] for k in set(rows["group_key"]) if k in pending}
         second = (
-            spark.createDataFrame(normalise(pd.concat([forwarded, held])), STATE_SCHEMA)
+            records.sparkSession.createDataFrame(rows, STATE_SCHEMA)
             .repartition(concurrency, "group_key")
-            .mapInPandas(lambda it: process_partition(it, ctx, pending), STATE_SCHEMA)
+            .mapInPandas(lambda it: process_partition(it, ctx, involved), STATE_SCHEMA)
             .toPandas()
         )
         return pd.concat([first[~is_fwd], second], ignore_index=True)
