@@ -19,8 +19,8 @@ What runs, in this order (`--only` picks some):
 |              | poll batch), per-key order with `HttpDeliverer` (one Stream per key), no retry  |
 | `shard`      | `./spark-submit.sh SUB i --stop-when-idle` for 1 and 2 shards (two processes),  |
 |              | grouped (10,000 groups) and ungrouped, 0% and 10% failures, draining a backlog  |
-| `latency`    | 1 shard, trigger 100 ms, warmed up, then a producer pacing 1,000 msg/s for      |
-|              | 10 s (not measured) + 60 s (measured)                                           |
+| `latency`    | 1 shard, trigger 100 ms, concurrency 1, warmed up, then a producer pacing       |
+|              | 1,000 msg/s for 10 s (not measured) + 60 s (measured)                           |
 
 The backlog (`--messages` values of 1 KiB, over `--groups` group ids) is produced once with the
 varadhi producer and read by every run: each is a fresh subscription on the same main topic
@@ -832,7 +832,10 @@ def run_latency(env: Env, nginx_bin: str, args, logdir: Path) -> dict:
             topic,
             endpoint.url,
             args,
-            consumption={"trigger_interval": f"{args.latency_trigger_ms}ms"},
+            consumption={
+                "trigger_interval": f"{args.latency_trigger_ms}ms",
+                "concurrency": args.latency_concurrency,
+            },
         )
         load = os.getloadavg()[0]
         procs = ShardProcesses(env, sub, 1, args.idle_s, logdir)
@@ -860,7 +863,7 @@ def run_latency(env: Env, nginx_bin: str, args, logdir: Path) -> dict:
     batches = procs.batches()
     return {
         "run": f"latency: 1 shard, grouped, {args.rate:,} msg/s, trigger "
-        f"{args.latency_trigger_ms} ms",
+        f"{args.latency_trigger_ms} ms, concurrency {args.latency_concurrency}",
         "offered_msg_s": args.rate,
         "warmup_messages": warm,
         "sent": sent,
@@ -1011,6 +1014,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--trigger-ms", type=int, default=500, help="trigger of throughput runs")
     parser.add_argument("--latency-trigger-ms", type=int, default=100)
+    parser.add_argument(
+        "--latency-concurrency",
+        type=int,
+        default=1,
+        help="consumption.concurrency of the latency run (1: one delivery task per micro-batch, "
+        "what a low-volume, latency-sensitive subscription would set)",
+    )
     parser.add_argument("--rate", type=int, default=1000, help="offered load of the latency run")
     parser.add_argument("--latency-s", type=float, default=60)
     parser.add_argument("--warmup-s", type=float, default=10)
@@ -1061,6 +1071,7 @@ def main(argv: list[str] | None = None) -> int:
                 "batch",
                 "trigger_ms",
                 "latency_trigger_ms",
+                "latency_concurrency",
                 "rate",
                 "idle_s",
             )
