@@ -8,7 +8,7 @@ nginx (`apt-get install nginx-light`: the endpoint of every run; without it the 
 stops) and wrk (`apt-get install wrk`: the endpoint's ceiling; skipped with a message if
 missing). Everything listens on 127.0.0.1 only. The bench uses its own catalog topic, warehouse
 and topics, deletes them at the end (`--keep` keeps them), and stops every process it starts
-(nginx, spark-submit). About 8 minutes on a quiet 2-core machine.
+(nginx, spark-submit). About 13 minutes on 2 cores.
 
 What runs, in this order (`--only` picks some):
 
