@@ -2,9 +2,10 @@
 
 A micro-batch runs in one or two Spark jobs (their bodies are the `mapInPandas` functions here):
 
-1. `deliver_records` runs on the Kafka source's partitions as they are (no shuffle). A group's
-   main-topic records all sit in one partition, in offset order, so a group with nothing pending
-   (a *healthy* group, the common case) is delivered right there. When some groups have pending
+1. `deliver_records` runs on the Kafka source's partitions, coalesced into the shard's
+   `concurrency` tasks (no shuffle). A group's main-topic records all sit in one partition, in
+   offset order, so a group with nothing pending (a *healthy* group, the common case) is
+   delivered right there. When some groups have pending
    state, records that need more than their partition are *forwarded* instead (kind `fwd`: the
    record as a state row, with its body): retry-queue records and records of those groups.
 2. `process_partition` runs over the forwarded rows plus the parked bodies their groups need
@@ -199,7 +200,8 @@ def state_row(kind: str, key: str, e: Entry, target: str | None = None) -> dict:
 def deliver_records(
     frames: Iterator[pd.DataFrame], ctx: BatchContext, forward: ForwardRule
 ) -> Iterator[pd.DataFrame]:
-    """Phase 1 over one Kafka partition's records: deliver the groups that need nothing else,
+    """Phase 1 over one task's records (whole Kafka partitions, or a repartition of them by group
+    key: either way all of a group's records): deliver the groups that need nothing else,
     forward the rest (see the module docstring). Retry-queue ticks are dropped here."""
     started = time.monotonic()
     counts = RunCounts()
