@@ -310,7 +310,12 @@ def to_frame(rows: list[dict]) -> pd.DataFrame:
     """Rows as a frame Arrow converts to `STATE_SCHEMA`. Text and binary columns must be object
     columns holding None (an all-missing column would otherwise be float NaN, which pyspark's
     Arrow conversion rejects)."""
-    frame = pd.DataFrame(rows, columns=COLUMN_NAMES)
+    return none_for_missing(pd.DataFrame(rows, columns=COLUMN_NAMES))
+
+
+def none_for_missing(frame: pd.DataFrame) -> pd.DataFrame:
+    """Make `frame`'s text and binary state columns object columns holding None for missing
+    values (in place; returns `frame`)."""
     for name, kind in STATE_COLUMNS:
         if kind in ("string", "binary"):
             column = frame[name].astype(object)

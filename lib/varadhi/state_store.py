@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import pandas as pd
 from pyspark.sql import SparkSession
 
-from .batch import COLUMN_NAMES, STATE_COLUMNS, STATE_SCHEMA, rows_of
+from .batch import COLUMN_NAMES, STATE_COLUMNS, STATE_SCHEMA, none_for_missing, rows_of
 
 _INT_KINDS = {"int": "Int32", "bigint": "Int64"}
 
@@ -30,13 +30,10 @@ _INT_KINDS = {"int": "Int32", "bigint": "Int64"}
 def normalise(frame: pd.DataFrame) -> pd.DataFrame:
     """Column types that convert to STATE_SCHEMA exactly: nullable ints, text and binary as object
     columns holding None (vectorised: this runs on every state commit)."""
-    frame = frame.reindex(columns=COLUMN_NAMES).reset_index(drop=True)
+    frame = none_for_missing(frame.reindex(columns=COLUMN_NAMES).reset_index(drop=True))
     for name, kind in STATE_COLUMNS:
         if kind in _INT_KINDS:
             frame[name] = pd.array(frame[name], dtype=_INT_KINDS[kind])
-        else:
-            column = frame[name].astype(object)
-            frame[name] = column.where(column.notna(), None)
     return frame
 
 
