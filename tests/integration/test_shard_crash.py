@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kafka import KafkaConsumer, TopicPartition
 
 from varadhi import layouts
 from varadhi import messages as m
@@ -42,6 +41,7 @@ from varadhi.layouts import Layout
 from varadhi.producer import Producer
 from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import Record, TestEndpoint
+from varadhi.testing.harness import read_queue
 from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
@@ -220,29 +220,6 @@ def scenario(settings, catalog, tmp_path):
         if run.proc.poll() is None:
             sc.kill(run)
     ep.stop()
-
-
-def read_queue(bootstrap: str, storage_topic: str) -> list[dict[str, Any]]:
-    """Every committed record of a Kafka topic (read_committed): key, value, headers (dict)."""
-    consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
-    )
-    try:
-        tps = [
-            TopicPartition(storage_topic, p) for p in consumer.partitions_for_topic(storage_topic)
-        ]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        out = []
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            for batch in consumer.poll(timeout_ms=500).values():
-                for r in batch:
-                    headers = {k: (v or b"").decode("utf-8", "replace") for k, v in r.headers}
-                    out.append({"key": r.key, "value": r.value, "headers": headers})
-        return out
-    finally:
-        consumer.close()
 
 
 def ok(r: Record) -> bool:

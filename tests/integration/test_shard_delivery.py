@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 
 from varadhi import messages as m
 from varadhi import routing
@@ -41,6 +41,7 @@ from varadhi.producer import Producer
 from varadhi.shard import ShardJob
 from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import Record, TestEndpoint
+from varadhi.testing.harness import read_queue
 from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
@@ -114,37 +115,6 @@ def run_shard(settings, spark, sub: Sub, idle_s: float = 2.0) -> ShardJob:
             signal.signal(s, handler)
     assert code == 0, f"shard run ended with {code}: {job.stats}"
     return job
-
-
-def read_queue(bootstrap: str, storage_topic: str) -> list[dict[str, Any]]:
-    """Every committed record of a Kafka topic: key, value, headers (dict), partition, offset."""
-    consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
-    )
-    try:
-        tps = [
-            TopicPartition(storage_topic, p) for p in consumer.partitions_for_topic(storage_topic)
-        ]
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        out = []
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            for batch in consumer.poll(timeout_ms=500).values():
-                for r in batch:
-                    headers = {k: (v or b"").decode("utf-8", "replace") for k, v in r.headers}
-                    out.append(
-                        {
-                            "key": r.key,
-                            "value": r.value,
-                            "headers": headers,
-                            "partition": r.partition,
-                            "offset": r.offset,
-                        }
-                    )
-        return out
-    finally:
-        consumer.close()
 
 
 def dlq_of(settings, sub: Sub) -> list[dict[str, Any]]:

@@ -1,10 +1,12 @@
 """Helpers for tests and demos that drive a real subscription: produce, run a shard until it is
-idle, and read what an endpoint received."""
+idle, read what an endpoint received, and read a queue (RQ/DLQ storage topic) back."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+
+from kafka import KafkaConsumer, TopicPartition
 
 from ..producer import Producer
 from ..settings import Settings
@@ -46,3 +48,34 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: str = "conditi
             return
         time.sleep(0.3)
     raise AssertionError(f"{what} not met within {seconds} s")
+
+
+def read_queue(bootstrap: str, storage_topic: str) -> list[dict]:
+    """Every committed record of a Kafka topic: key, value, headers (dict), partition, offset."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
+    )
+    try:
+        tps = [
+            TopicPartition(storage_topic, p) for p in consumer.partitions_for_topic(storage_topic)
+        ]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)
+        out = []
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            for batch in consumer.poll(timeout_ms=500).values():
+                for r in batch:
+                    headers = {k: (v or b"").decode("utf-8", "replace") for k, v in r.headers}
+                    out.append(
+                        {
+                            "key": r.key,
+                            "value": r.value,
+                            "headers": headers,
+                            "partition": r.partition,
+                            "offset": r.offset,
+                        }
+                    )
+        return out
+    finally:
+        consumer.close()
