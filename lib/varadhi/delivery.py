@@ -16,6 +16,13 @@ two server threads), and a failed first request would have a successful second o
 Concurrency comes from many streams, up to `max_in_flight` at a time, each on its own
 connection.
 
+Waiting. A stream may also answer `Wait(seconds)`: it has a request, but not before then (a
+retry in place, after its backoff). The engine asks it again once the time has come, without
+holding a connection slot meanwhile, and keeps delivering other streams. A due waiting stream
+gets the next slot that frees: before any new stream starts, and before the stream whose request
+just completed goes on (that one queues behind it), so a retry is sent about on time even when
+long streams hold every slot. `run` returns only when no stream waits any more.
+
 What the engine does not do: decide. It does not retry, classify, or skip: a stream receives
 every outcome (`on_outcome`) and decides itself what it sends next, typically through
 `varadhi.retry.decide` (a grouped stream stops at its first failure and parks the rest of its
@@ -41,6 +48,8 @@ Hazards:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import os
 import re
 import time
@@ -85,6 +94,14 @@ class Request:
 
 
 @dataclass(frozen=True, slots=True)
+class Wait:
+    """A stream's answer to `next_request` when its next request may go out only `seconds`
+    from now: the engine asks again then (and not before)."""
+
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class Outcome:
     """How one request ended. Exactly one of `status` (a complete HTTP response was received)
     and `error` is set. `error` is `"timeout"` when the request was sent and no complete answer
@@ -103,11 +120,11 @@ class Stream(Protocol):
     """An ordered sequence of requests, e.g. the pending messages of one group.
 
     The engine calls `next_request()`; after that request completes it calls `on_outcome()`
-    exactly once and only then `next_request()` again. `None` means the stream is finished: it
-    is never asked again. Both run on the engine's thread and should be quick: while they run,
-    no other request makes progress."""
+    exactly once and only then `next_request()` again. `Wait(s)` means "ask me again in `s`
+    seconds"; `None` means the stream is finished: it is never asked again. Both run on the
+    engine's thread and should be quick: while they run, no other request makes progress."""
 
-    def next_request(self) -> Request | None: ...
+    def next_request(self) -> Request | Wait | None: ...
 
     def on_outcome(self, outcome: Outcome) -> None: ...
 
@@ -219,11 +236,13 @@ class HttpDeliverer:
         Streams are pulled from `streams` lazily, one whenever a slot is free, so the iterable
         can be a generator over many thousands of groups. A stream whose request completes gets
         `on_outcome`, then `next_request`, and its next request is issued at once (on the
-        handle, and usually the connection, its previous one used)."""
+        handle, and usually the connection, its previous one used). A stream that answers
+        `Wait` is asked again when its time has come, before any new stream is started."""
         if self._closed:
             raise RuntimeError("HttpDeliverer is closed")
         multi = self._multi
         pending = iter(streams)
+        waiting = _Waiting()
         in_flight = 0
         exhausted = False
         n_streams = 0
@@ -232,19 +251,22 @@ class HttpDeliverer:
         started = time.perf_counter()
         try:
             while True:
-                while in_flight < self.max_in_flight and not exhausted:
-                    stream = next(pending, _END)
-                    if stream is _END:
-                        exhausted = True
-                        break
-                    n_streams += 1
-                    request = stream.next_request()
-                    if request is not None:
-                        transfer = self._idle.pop() if self._idle else self._new_transfer()
-                        self._issue(transfer, stream, request)
-                        in_flight += 1
+                while in_flight < self.max_in_flight:
+                    stream = waiting.pop_due()
+                    if stream is None:
+                        if exhausted:
+                            break
+                        stream = next(pending, _END)
+                        if stream is _END:
+                            exhausted = True
+                            break
+                        n_streams += 1
+                    in_flight += self._ask(stream, waiting)
                 if in_flight == 0:
-                    break
+                    if not waiting:
+                        break
+                    time.sleep(waiting.seconds_to_next())
+                    continue
                 multi.perform()
                 completed = 0
                 while True:
@@ -261,7 +283,7 @@ class HttpDeliverer:
                             transfer.retry_after,
                             curl.getinfo(pycurl.TOTAL_TIME) * 1000.0,
                         )
-                        in_flight -= self._complete(transfer, outcome)
+                        in_flight -= self._complete(transfer, outcome, waiting)
                     for curl, code, message in failed:
                         completed += 1
                         transfer = self._by_curl[curl]
@@ -274,13 +296,16 @@ class HttpDeliverer:
                             None,
                             curl.getinfo(pycurl.TOTAL_TIME) * 1000.0,
                         )
-                        in_flight -= self._complete(transfer, outcome)
+                        in_flight -= self._complete(transfer, outcome, waiting)
                     if not queued:
                         break
                 if not completed:
                     timeout_ms = multi.timeout()
                     if timeout_ms != 0:
-                        multi.select(min(timeout_ms, 1000) / 1000 if timeout_ms > 0 else 1.0)
+                        timeout_s = min(timeout_ms, 1000) / 1000 if timeout_ms > 0 else 1.0
+                        if waiting:
+                            timeout_s = min(timeout_s, waiting.seconds_to_next())
+                        multi.select(timeout_s)
         finally:
             for transfer in self._by_curl.values():
                 if transfer.stream is not None:  # in flight: a stream raised
@@ -295,8 +320,8 @@ class HttpDeliverer:
             elapsed_s=time.perf_counter() - started,
         )
 
-    def _complete(self, transfer: _Transfer, outcome: Outcome) -> int:
-        """Hand the outcome to its stream and issue the stream's next request on the same
+    def _complete(self, transfer: _Transfer, outcome: Outcome, waiting: _Waiting) -> int:
+        """Hand the outcome to its stream and issue the stream's next request, on the same
         handle. Returns 1 if a slot was freed, 0 if it was reused."""
         self._multi.remove_handle(transfer.curl)
         stream = transfer.stream
@@ -304,11 +329,22 @@ class HttpDeliverer:
         transfer.stream = None
         self._idle.append(transfer)  # before the callbacks: if they raise, the handle is free
         stream.on_outcome(outcome)
-        request = stream.next_request()
-        if request is None:
+        if waiting.has_due():  # a waiting stream's time has come: it takes this slot first
+            waiting.add(stream, 0.0)
             return 1
-        self._idle.pop()
-        self._issue(transfer, stream, request)
+        return 1 - self._ask(stream, waiting)
+
+    def _ask(self, stream: Stream, waiting: _Waiting) -> int:
+        """Ask `stream` for its next request and issue it, or park the stream in `waiting`.
+        Returns 1 if a request was issued. The handle is the most recently freed one (the
+        stream's own previous one, when called from `_complete`), so its connection is reused."""
+        request = stream.next_request()
+        if isinstance(request, Wait):
+            waiting.add(stream, request.seconds)
+        elif request is not None:
+            transfer = self._idle.pop() if self._idle else self._new_transfer()
+            self._issue(transfer, stream, request)
+            return 1
         return 0
 
     def _issue(self, transfer: _Transfer, stream: Stream, request: Request) -> None:
@@ -344,6 +380,30 @@ class HttpDeliverer:
         curl.setopt(pycurl.WRITEFUNCTION, len)  # discard the response body
         self._by_curl[curl] = transfer
         return transfer
+
+
+class _Waiting:
+    """Streams that answered `Wait`, by the monotonic time they asked to be woken at."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, Stream]] = []
+        self._seq = itertools.count()  # ties: first come, first served (streams don't compare)
+
+    def __bool__(self) -> bool:
+        return bool(self._heap)
+
+    def add(self, stream: Stream, seconds: float) -> None:
+        heapq.heappush(self._heap, (time.monotonic() + max(seconds, 0.0), next(self._seq), stream))
+
+    def has_due(self) -> bool:
+        return bool(self._heap) and self._heap[0][0] <= time.monotonic()
+
+    def pop_due(self) -> Stream | None:
+        """The stream whose time came first, if it has come."""
+        return heapq.heappop(self._heap)[2] if self.has_due() else None
+
+    def seconds_to_next(self) -> float:
+        return max(self._heap[0][0] - time.monotonic(), 0.0) if self._heap else 0.0
 
 
 def _error_kind(curl: pycurl.Curl, code: int) -> str:

@@ -13,7 +13,7 @@ from collections import defaultdict
 
 import pytest
 
-from varadhi.delivery import DeliveryStats, HttpDeliverer, Outcome, Request
+from varadhi.delivery import DeliveryStats, HttpDeliverer, Outcome, Request, Wait
 from varadhi.errors import InvalidArgument
 from varadhi.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
 from varadhi.policies import Endpoint
@@ -50,6 +50,24 @@ class Group:
         assert self.waiting, f"{self.name}: outcome without a request in flight"
         self.waiting = False
         self.outcomes.append(outcome)
+
+
+class Pausing(Group):
+    """A Group that answers `Wait(seconds)` once, before its message `before`, and checks that
+    it is not asked again before that time."""
+
+    def __init__(self, name: str, n: int, before: int, seconds: float):
+        super().__init__(name, n)
+        self.before, self.seconds = before, seconds
+        self.paused_at: float | None = None
+
+    def next_request(self) -> Request | Wait | None:
+        if self.sent + 1 == self.before:
+            if self.paused_at is None:
+                self.paused_at = time.monotonic()
+                return Wait(self.seconds)
+            assert time.monotonic() - self.paused_at >= self.seconds, "asked again too early"
+        return super().next_request()
 
 
 @pytest.fixture
@@ -111,6 +129,39 @@ def test_max_in_flight_is_filled_and_respected(endpoint):
     ep = endpoint(latency_ms=30)
     deliver(ep.url, [Group(f"g{i}", 3) for i in range(40)], max_in_flight=7)
     assert ep.stats()["max_concurrent"] == 7
+
+
+def test_a_waiting_stream_holds_no_slot_and_goes_on_when_due(endpoint):
+    """With one slot, the other streams use it while `w` waits; `w` then goes on in order."""
+    ep = endpoint(latency_ms=5)
+    waiter = Pausing("w", 3, before=2, seconds=0.3)
+    others = [Group(f"g{i}", 20) for i in range(3)]
+    stats = deliver(ep.url, [waiter, *others], max_in_flight=1)
+
+    assert stats.requests == 63 and all(g.finished for g in [waiter, *others])
+    records = ep.records()
+    at = {r.message_id: r.received_ms for r in records}
+    assert [r.message_id for r in records if r.group_id == "w"] == ["w-1", "w-2", "w-3"]
+    assert at["w-2"] - at["w-1"] >= 300
+    assert any(at["w-1"] < r.received_ms < at["w-2"] for r in records if r.group_id != "w")
+
+
+def test_a_due_stream_takes_the_next_slot_even_from_a_long_stream(endpoint):
+    """One slot, held by a 200-request stream: `w`'s second request goes out as soon as it is
+    due, not after the long stream has finished."""
+    ep = endpoint(latency_ms=5)
+    waiter = Pausing("w", 2, before=2, seconds=0.2)
+    deliver(ep.url, [waiter, Group("long", 200)], max_in_flight=1)
+    order = [r.message_id for r in ep.records()]
+    assert order.index("w-2") < order.index("long-200")
+    assert order.index("w-1") < order.index("long-1")
+
+
+def test_a_run_with_only_waiting_streams_left_sleeps_until_they_are_due(endpoint):
+    ep = endpoint()
+    started = time.monotonic()
+    stats = deliver(ep.url, [Pausing("w", 2, before=2, seconds=0.25)])
+    assert stats.requests == 2 and time.monotonic() - started >= 0.25
 
 
 def test_streams_are_pulled_lazily(endpoint):
