@@ -26,9 +26,10 @@ Semantics (the contract; docs/replay.md explains it for users):
   a group in flight at a time. Groups are delivered concurrently. Ungrouped messages (and every
   message of an ungrouped subscription) have no order.
 - **Failures.** A retryable outcome is retried in place, after the policy's backoff (and
-  Retry-After where the policy honours it), up to `retry.max_attempts`. A message that still
-  fails, or fails fatally (or is malformed), stops its group's replay: its later messages are
-  not delivered (whatever `on_dead_letter` says: a replay has no DLQ to park a message in, and
+  Retry-After where the policy honours it), up to `retry.max_attempts`; meanwhile the group
+  answers the delivery engine `Wait` and other groups go on. A message that still fails, or
+  fails fatally (or is malformed), stops its group's replay: its later messages are not
+  delivered (whatever `on_dead_letter` says: a replay has no DLQ to park a message in, and
   going on would deliver the group out of order). Failures are reported, never written to the
   RQ/DLQ. Re-run a replay from the failed message once the endpoint is fixed.
 - **Headers.** Every request carries the normal delivery headers (message id as idempotency
@@ -47,9 +48,14 @@ the message id, as for every delivery). A replay and the live shards deliver con
 endpoint sees a group's replayed and live messages interleaved, each stream in its own order;
 `X-Varadhi-Replay` tells them apart. Each delivery task holds its groups' messages in memory;
 the job uses enough tasks to keep that near `consumption.max_messages_per_batch` messages each.
+A retry that has come due takes the next free connection slot, before any group not yet
+started; with more groups than `consumption.max_in_flight`, a slot frees only when a group in
+flight ends or waits, so a retry can come later than its backoff (never out of order). A task
+ends only once each of its groups has delivered or failed, so it waits out every retry's backoff
+(at most `retry.max_backoff`, or an hour of Retry-After).
 
 Layout: pure planning (`resolve_range`, `plan_ranges`, `ReplayPlan`), the executor side
-(`ReplayGroup`, `deliver_groups`, `deliver_partition`), then the driver's thin I/O
+(`ReplayGroup`, `deliver_partition`), then the driver's thin I/O
 (`resolve_offsets`, `prepare`, `execute`, `run_replay`).
 """
 
@@ -62,10 +68,10 @@ import time
 import uuid
 import zlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 from kafka import KafkaConsumer, TopicPartition
@@ -74,7 +80,7 @@ from kafka.errors import KafkaError
 from . import dlq, messages, subscriptions, topics
 from .batch import BatchContext, entry_from_record
 from .catalog import Catalog, key
-from .delivery import HttpDeliverer, Outcome, Request
+from .delivery import HttpDeliverer, Outcome, Request, Wait
 from .errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from .group_state import Entry, http_headers
 from .policies import RetryPolicy, SubscriptionSpec
@@ -88,8 +94,6 @@ HTTP_REPLAY = messages.HTTP_REPLAY
 OPERATION = "operation"
 MAX_REPORTED_FAILURES = 100
 """Failed messages listed in a result (all are counted): the result is one catalog record."""
-
-_NEVER = math.inf
 
 
 class NothingToReplay(VaradhiError):
@@ -283,14 +287,6 @@ def check_endpoint(spec: SubscriptionSpec) -> None:
 # -- executor side ----------------------------------------------------------------------------
 
 
-@dataclass
-class Schedule:
-    """Shared by the groups of one delivery round: when the round should end so that a group
-    waiting on a backoff gets its retry on time (`deliver_groups`)."""
-
-    deadline_ms: float = _NEVER
-
-
 @dataclass(frozen=True)
 class Failure:
     """A message that failed its replay; `not_delivered` later messages of its group stopped."""
@@ -309,10 +305,11 @@ class ReplayGroup:
     """Replays one group's messages in origin order (a `varadhi.delivery.Stream`).
 
     Unlike a shard's `GroupRun` it has no queue to park a failure in: a retryable outcome is
-    retried in place once `retry.decide`'s due time has come; a fatal or exhausted one (or a
-    malformed message) ends the group with a `Failure`. `next_request` returns None while the
-    group waits for its backoff, and also once `schedule.deadline_ms` has passed (another group's
-    retry is due, so the round must end); `deliver_groups` then runs it again in a later round.
+    retried in place once `retry.decide`'s due time (`due_ms`) has come. Until then
+    `next_request` answers `Wait` with the time left; the engine asks again then and delivers
+    other groups meanwhile. A fatal or exhausted outcome (or a malformed message) ends the group
+    with a `Failure`; `next_request` then returns None, as it does once every message is
+    delivered. `clock` returns ms since the epoch (injectable for tests, like `rng`).
     """
 
     def __init__(
@@ -320,14 +317,12 @@ class ReplayGroup:
         entries: Iterable[Entry],
         policy: RetryPolicy,
         replay_id: str,
-        schedule: Schedule,
         clock: Callable[[], int],
         rng: random.Random,
     ):
         self.entries = sorted(entries, key=lambda e: e.origin)
         self.policy = policy
         self.replay_id = replay_id
-        self.schedule = schedule
         self.clock = clock
         self.rng = rng
         self.due_ms = 0
@@ -339,15 +334,15 @@ class ReplayGroup:
     def done(self) -> bool:
         return self.failure is not None or not self.entries
 
-    def next_request(self) -> Request | None:
+    def next_request(self) -> Request | Wait | None:
         while not self.done:
             head = self.entries[0]
             if head.invalid:
                 self._fail(head, head.invalid, None)
                 return None
-            now = self.clock()
-            if now < self.due_ms or now >= self.schedule.deadline_ms:
-                return None
+            wait_ms = self.due_ms - self.clock()
+            if wait_ms > 0:
+                return Wait(wait_ms / 1000)
             headers = http_headers(head)
             headers[HTTP_REPLAY] = self.replay_id
             try:
@@ -375,7 +370,6 @@ class ReplayGroup:
             self.delivered += 1
         elif decision.action == "retry":
             self.due_ms = decision.due_ms if decision.due_ms is not None else now
-            self.schedule.deadline_ms = min(self.schedule.deadline_ms, self.due_ms)
         else:
             self._fail(head, decision.reason, outcome.status)
 
@@ -390,41 +384,6 @@ class ReplayGroup:
             reason=reason,
             not_delivered=len(self.entries) - 1,
         )
-
-
-class Engine(Protocol):
-    """What `deliver_groups` needs of `varadhi.delivery.HttpDeliverer`."""
-
-    def run(self, streams: Iterable[ReplayGroup]) -> Any: ...
-
-
-def deliver_groups(
-    engine: Engine,
-    groups: Sequence[ReplayGroup],
-    schedule: Schedule,
-    clock: Callable[[], int],
-    sleep: Callable[[float], None],
-) -> None:
-    """Deliver every group to the end (or its failure), in rounds of `engine.run`.
-
-    A round runs every group that is not waiting for a backoff. It ends when each of them has
-    finished, failed, started waiting, or passed the deadline: the earliest due time of the groups
-    left out, lowered by retries inside the round. So a retry happens about on time (at most one
-    request of each other group later) while the other groups keep the connections busy. When
-    every group with work waits, sleep until the first is due. Terminates: every round makes an
-    attempt or lets time pass, and attempts per message are bounded by `max_attempts`.
-    """
-    while True:
-        active = [g for g in groups if not g.done]
-        if not active:
-            return
-        now = clock()
-        ready = [g for g in active if g.due_ms <= now]
-        if not ready:
-            sleep((min(g.due_ms for g in active) - now) / 1000)
-            continue
-        schedule.deadline_ms = min((g.due_ms for g in active if g.due_ms > now), default=_NEVER)
-        engine.run(ready)
 
 
 @dataclass(frozen=True)
@@ -458,11 +417,11 @@ def deliver_partition(
     ctx: ReplayContext,
     engine_factory: Callable[..., Any] = HttpDeliverer,
     clock: Callable[[], int] | None = None,
-    sleep: Callable[[float], None] = time.sleep,
 ) -> Iterator[pd.DataFrame]:
     """mapInPandas body over the range's records repartitioned by `group_key` (the rows of
-    `varadhi.shard._records`). Builds one `ReplayGroup` per group key, delivers them with one
-    `HttpDeliverer` (`engine_factory(endpoint, max_in_flight)`), and yields `RESULT_SCHEMA` rows:
+    `varadhi.shard._records`). Builds one `ReplayGroup` per group key, delivers them all in one
+    `run` of one `HttpDeliverer` (`engine_factory(endpoint, max_in_flight)`), which returns once
+    every group has delivered its messages or failed, and yields `RESULT_SCHEMA` rows:
     a `failure` row per failed group and one `stat` row with the task's counts."""
     clock = clock or _now_ms
     batch_ctx = BatchContext(ctx.spec, ctx.mq_indexes, clock(), ctx.seed)
@@ -472,15 +431,14 @@ def deliver_partition(
         for row in frame.to_dict("records"):
             records += 1
             by_group[row["group_key"]].append(entry_from_record(row, batch_ctx))
-    schedule = Schedule()
     rng = random.Random(ctx.seed)
     groups = [
-        ReplayGroup(entries, ctx.spec.retry, ctx.replay_id, schedule, clock, rng)
+        ReplayGroup(entries, ctx.spec.retry, ctx.replay_id, clock, rng)
         for entries in by_group.values()
     ]
     if groups:
         with engine_factory(ctx.spec.endpoint, ctx.spec.consumption.max_in_flight) as engine:
-            deliver_groups(engine, groups, schedule, clock, sleep)
+            engine.run(groups)
     failures = [g.failure for g in groups if g.failure is not None]
     stat = {
         "records": records,

@@ -2,12 +2,15 @@
 
 Planning: time parsing and refusals, offset ranges from Kafka's `offsetsForTimes` answers, empty
 ranges, the Spark source options. Delivery: `ReplayGroup` driven by hand through the Stream
-protocol (headers, retry in place, failures stop the group), `deliver_groups` and
-`deliver_partition` with a fake engine that answers from a script and a fake clock.
+protocol (headers, retries in place answered with `Wait`, failures stop the group), and
+`deliver_partition` with a fake engine that plays the delivery engine's `Wait` contract on a fake
+clock and answers from a script.
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import json
 import random
 from collections.abc import Iterable
@@ -16,7 +19,7 @@ import pandas as pd
 import pytest
 
 from varadhi import messages as m
-from varadhi.delivery import Outcome
+from varadhi.delivery import Outcome, Request, Wait
 from varadhi.errors import InvalidArgument
 from varadhi.group_state import Entry
 from varadhi.policies import Endpoint, RetryPolicy, SubscriptionSpec
@@ -29,10 +32,8 @@ from varadhi.replay import (
     ReplayGroup,
     ReplayPlan,
     ReplayResult,
-    Schedule,
     TimeRange,
     check_endpoint,
-    deliver_groups,
     deliver_partition,
     delivery_tasks,
     format_ms,
@@ -173,9 +174,12 @@ def test_delivery_tasks_keep_each_task_near_the_batch_size():
     assert delivery_tasks(0, 0, 100) == 1
 
 
-def spec(**endpoint) -> SubscriptionSpec:
+def spec(retry: RetryPolicy | None = None, **endpoint) -> SubscriptionSpec:
     return SubscriptionSpec(
-        name="sub", topic="orders", endpoint=Endpoint(url="http://127.0.0.1:9/", **endpoint)
+        name="sub",
+        topic="orders",
+        endpoint=Endpoint(url="http://127.0.0.1:9/", **endpoint),
+        retry=retry or RetryPolicy(),
     )
 
 
@@ -217,15 +221,8 @@ def entry(offset: int, group: str | None = "g", index: int = 0, partition: int =
     )
 
 
-def group(entries, clock=None, schedule=None, policy=POLICY) -> ReplayGroup:
-    return ReplayGroup(
-        entries,
-        policy,
-        "1800000000-abc123",
-        schedule or Schedule(),
-        clock or Clock(),
-        random.Random(1),
-    )
+def group(entries, clock=None, policy=POLICY) -> ReplayGroup:
+    return ReplayGroup(entries, policy, "1800000000-abc123", clock or Clock(), random.Random(1))
 
 
 def test_requests_carry_the_normal_headers_and_the_replay_id_in_origin_order():
@@ -249,22 +246,24 @@ def test_requests_carry_the_normal_headers_and_the_replay_id_in_origin_order():
     assert g.done and g.failure is None and g.delivered == 3 and g.attempts == 3
 
 
-def test_a_retryable_failure_is_retried_in_place_after_the_backoff():
+def test_a_retryable_failure_waits_for_its_backoff_then_is_retried_in_place():
     clock = Clock()
-    schedule = Schedule()
-    g = group([entry(1), entry(2)], clock, schedule)
-    assert g.next_request() is not None
+    g = group([entry(1), entry(2)], clock)
+    assert g.next_request().headers[m.HTTP_MESSAGE_ID] == "g-0-1"
     g.on_outcome(http(500))
-    assert g.due_ms == NOW + 1_000 and schedule.deadline_ms == NOW + 1_000
-    assert g.next_request() is None and not g.done  # waiting, not finished
-    clock.now += 999
-    assert g.next_request() is None
+    assert g.due_ms == NOW + 1_000
+    assert g.next_request() == Wait(1.0) and not g.done  # waiting, not finished
+    clock.now += 400
+    assert g.next_request() == Wait(0.6)  # asked early: the time left
+    clock.now += 599
+    assert g.next_request() == Wait(0.001)
     clock.now += 1
-    schedule.deadline_ms = float("inf")  # a new round
     retry = g.next_request()
     assert retry.headers[m.HTTP_MESSAGE_ID] == "g-0-1" and retry.headers[m.HTTP_ATTEMPT] == "2"
+    assert retry.headers[HTTP_REPLAY] == "1800000000-abc123"
     g.on_outcome(ok())
-    assert g.next_request().headers[m.HTTP_MESSAGE_ID] == "g-0-2"
+    assert g.next_request().headers[m.HTTP_MESSAGE_ID] == "g-0-2"  # no wait after a success
+    assert (g.delivered, g.attempts) == (1, 2)
 
 
 def test_retry_after_is_honoured_where_the_policy_says_so():
@@ -273,18 +272,21 @@ def test_retry_after_is_honoured_where_the_policy_says_so():
     g.next_request()
     g.on_outcome(http(503, retry_after="5"))
     assert g.due_ms == NOW + 5_000
+    assert g.next_request() == Wait(5.0)
 
 
 def test_exhausted_retries_stop_the_group_and_report_the_message():
     clock = Clock()
-    schedule = Schedule()
-    g = group([entry(1), entry(2), entry(3)], clock, schedule)
-    for _ in range(3):
-        assert g.next_request().headers[m.HTTP_MESSAGE_ID] == "g-0-1"
+    g = group([entry(1), entry(2), entry(3)], clock)
+    for attempt in ("1", "2", "3"):
+        request = g.next_request()
+        assert request.headers[m.HTTP_MESSAGE_ID] == "g-0-1"
+        assert request.headers[m.HTTP_ATTEMPT] == attempt
         g.on_outcome(http(503))
-        clock.now = g.due_ms
-        schedule.deadline_ms = float("inf")  # the next round
-    assert g.done and g.next_request() is None
+        if attempt != "3":
+            assert g.next_request() == Wait(1.0)
+            clock.now += 1_000
+    assert g.done and g.next_request() is None  # no wait after the last attempt
     assert g.failure.msg_id == "g-0-1" and g.failure.attempts == 3 and g.failure.status == 503
     assert g.failure.reason == "retries exhausted after 3 attempts: HTTP 503"
     assert g.failure.not_delivered == 2 and g.failure.origin == "0:0:1"
@@ -318,89 +320,64 @@ def test_a_malformed_message_fails_without_a_request():
     assert g.failure.reason.startswith("malformed: ")
 
 
-def test_a_passed_deadline_ends_the_round_between_messages():
-    clock = Clock()
-    schedule = Schedule(deadline_ms=NOW + 10)
-    g = group([entry(1), entry(2)], clock, schedule)
-    g.next_request()
-    clock.now += 10
-    g.on_outcome(ok())
-    assert g.next_request() is None and not g.done  # yields; the next round goes on
-
-
-# -- rounds and partitions --------------------------------------------------------------------
+# -- partitions -------------------------------------------------------------------------------
 
 
 class FakeEngine:
-    """Answers each request from `script[message id]` (then 200), one stream at a time, moving
-    the clock 1 ms per request; records every request as (message id, attempt, replay id)."""
+    """Plays `HttpDeliverer.run` on the fake clock, one request at a time. Like the engine, it
+    asks a stream for its next request as soon as it has handed it an outcome; requests go out in
+    the order they were asked for. A stream that answers `Wait(s)` is asked again once the clock
+    has moved on by `s`, and its request goes out next; when every stream with work waits, the
+    clock jumps to the first one's time (recorded in `slept`, ms). Each request moves the clock
+    1 ms and is answered from `script[message id]` (then 200). `sent` records every request as
+    (message id, attempt, replay id, clock when sent), `waits` every `Wait` in ms."""
 
     def __init__(self, clock: Clock, script: dict[str, list[int]] | None = None, *_):
         self.clock = clock
         self.script = {k: list(v) for k, v in (script or {}).items()}
-        self.sent: list[tuple[str, str, str]] = []
-        self.rounds = 0
+        self.sent: list[tuple[str, str, str, int]] = []
+        self.waits: list[int] = []
+        self.slept: list[int] = []
+        self.runs = 0
 
     def run(self, streams):
-        self.rounds += 1
-        live = list(streams)
-        while live:
-            for stream in list(live):
-                request = stream.next_request()
-                if request is None:
-                    live.remove(stream)
-                    continue
-                h = request.headers
-                msg = h[m.HTTP_MESSAGE_ID]
-                self.sent.append((msg, h[m.HTTP_ATTEMPT], h[HTTP_REPLAY]))
-                self.clock.now += 1
-                answers = self.script.get(msg)
-                stream.on_outcome(http(answers.pop(0) if answers else 200))
+        self.runs += 1
+        ready: list[tuple[ReplayGroup, Request]] = []
+        waiting: list[tuple[int, int, ReplayGroup]] = []  # (wake-up ms, tie-break, stream)
+        seq = itertools.count()
+
+        def ask(stream, due_first=False):
+            request = stream.next_request()
+            if isinstance(request, Wait):
+                ms = round(request.seconds * 1000)
+                self.waits.append(ms)
+                heapq.heappush(waiting, (self.clock.now + ms, next(seq), stream))
+            elif request is not None:
+                ready.insert(0 if due_first else len(ready), (stream, request))
+
+        for stream in streams:
+            ask(stream)
+        while ready or waiting:
+            while waiting and waiting[0][0] <= self.clock.now:
+                ask(heapq.heappop(waiting)[2], due_first=True)
+            if not ready:
+                self.slept.append(waiting[0][0] - self.clock.now)
+                self.clock.now = waiting[0][0]
+                continue
+            stream, request = ready.pop(0)
+            h = request.headers
+            msg = h[m.HTTP_MESSAGE_ID]
+            self.sent.append((msg, h[m.HTTP_ATTEMPT], h[HTTP_REPLAY], self.clock.now))
+            self.clock.now += 1
+            answers = self.script.get(msg)
+            stream.on_outcome(http(answers.pop(0) if answers else 200))
+            ask(stream)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         pass
-
-
-def test_rounds_retry_after_the_backoff_while_other_groups_go_on():
-    clock = Clock()
-    slept = []
-
-    def sleep(seconds):
-        slept.append(seconds)
-        clock.now += int(seconds * 1000)
-
-    schedule = Schedule()
-    a = group([entry(i, "a") for i in range(3)], clock, schedule)
-    b = group([entry(i, "b") for i in range(2000)], clock, schedule)
-    engine = FakeEngine(clock, {"a-0-0": [500]})
-    deliver_groups(engine, [a, b], schedule, clock, sleep)
-    sent = [s[0] for s in engine.sent]
-    assert [s for s in sent if s.startswith("a-")] == ["a-0-0", "a-0-0", "a-0-1", "a-0-2"]
-    assert [s for s in sent if s.startswith("b-")] == [f"b-0-{i}" for i in range(2000)]
-    # a's retry came once its backoff (1 s) had passed, before b had finished: b did not wait.
-    retry_at = sent.index("a-0-0", 1)
-    assert 1_000 <= retry_at <= 1_010 and retry_at < len(sent) - 1_000
-    assert slept == [] and engine.rounds >= 2
-    assert a.delivered == 3 and b.delivered == 2000
-
-
-def test_when_every_group_waits_the_driver_sleeps_until_the_first_is_due():
-    clock = Clock()
-    slept = []
-
-    def sleep(seconds):
-        slept.append(seconds)
-        clock.now += int(seconds * 1000)
-
-    schedule = Schedule()
-    g = group([entry(1)], clock, schedule)
-    engine = FakeEngine(clock, {"g-0-1": [500, 500]})
-    deliver_groups(engine, [g], schedule, clock, sleep)
-    assert [s[:2] for s in engine.sent] == [("g-0-1", "1"), ("g-0-1", "2"), ("g-0-1", "3")]
-    assert slept == [1.0, 1.0] and g.delivered == 1
 
 
 def kafka_row(topic, partition, offset, group, msg_id, value=b"v"):
@@ -439,8 +416,10 @@ def test_deliver_partition_orders_groups_by_origin_and_reports_failures():
     frames = [pd.DataFrame(rows[:3]), pd.DataFrame(rows[3:])]
     ctx = ReplayContext("rid", spec(), {"orders.0": 0, "orders.1": 1}, seed=7)
     (out,) = deliver_partition(iter(frames), ctx, factory, clock)
-    assert [s[0] for s in engines[0].sent if s[0].startswith("a")] == ["a1", "a2"]
-    assert {s[2] for s in engines[0].sent} == {"rid"}
+    [engine] = engines
+    assert engine.runs == 1
+    assert [s[0] for s in engine.sent if s[0].startswith("a")] == ["a1", "a2"]
+    assert {s[2] for s in engine.sent} == {"rid"}
     stat = json.loads(out.loc[out["kind"] == "stat", "detail"].item())
     assert stat == {
         "records": 6,
@@ -462,6 +441,71 @@ def test_deliver_partition_orders_groups_by_origin_and_reports_failures():
         ("b2", "0:0:4", None),
         ("a2", "0:1:7", 404),
     ]
+
+
+def run_partition(rows, script) -> tuple[FakeEngine, pd.DataFrame]:
+    """`deliver_partition` over `rows` with POLICY (3 attempts, 1 s fixed backoff)."""
+    clock = Clock()
+    engines = []
+
+    def factory(*_):
+        engines.append(FakeEngine(clock, script))
+        return engines[-1]
+
+    ctx = ReplayContext("rid", spec(POLICY), {"orders.0": 0}, seed=7)
+    (out,) = deliver_partition(iter([pd.DataFrame(rows)]), ctx, factory, clock)
+    [engine] = engines
+    assert engine.runs == 1  # every group, retries included, in one run of the engine
+    return engine, out
+
+
+def stat_of(out: pd.DataFrame) -> dict:
+    return json.loads(out.loc[out["kind"] == "stat", "detail"].item())
+
+
+def test_a_group_waiting_for_its_retry_does_not_hold_up_the_other_groups():
+    rows = [kafka_row("orders.0", 1, i, "a", f"a{i}") for i in range(3)]
+    rows += [kafka_row("orders.0", 0, i, "b", f"b{i}") for i in range(1_500)]
+    engine, out = run_partition(rows, {"a0": [500]})
+    sent = [s[0] for s in engine.sent]
+    assert [s for s in sent if s.startswith("a")] == ["a0", "a0", "a1", "a2"]
+    assert [s for s in sent if s.startswith("b")] == [f"b{i}" for i in range(1_500)]
+    first, retry = [(s[1], s[3]) for s in engine.sent if s[0] == "a0"]
+    # a0 failed when its request completed (1 ms after it went out): it answered Wait(1 s) and
+    # was asked again, and retried, only once that second had passed. Meanwhile b went on.
+    assert engine.waits == [1_000]
+    assert (first[0], retry[0]) == ("1", "2") and retry[1] == first[1] + 1 + 1_000
+    b_during_wait = [s for s in engine.sent if s[0].startswith("b") and first[1] < s[3] < retry[1]]
+    assert len(b_during_wait) == 1_000 and engine.slept == []
+    assert stat_of(out) == {
+        "records": 1_503,
+        "groups": 2,
+        "delivered": 1_503,
+        "failed": 0,
+        "not_delivered": 0,
+        "attempts": 1_504,
+    }
+    assert (out["kind"] == "failure").sum() == 0
+
+
+def test_exhausted_attempts_end_the_group_with_a_failure_after_waiting_each_backoff():
+    rows = [kafka_row("orders.0", 0, i, "g", f"g{i}") for i in range(3)]
+    engine, out = run_partition(rows, {"g1": [503, 503, 503]})
+    assert [s[:2] for s in engine.sent] == [("g0", "1"), ("g1", "1"), ("g1", "2"), ("g1", "3")]
+    # The only group waits, so the engine sleeps through each backoff; g2 is never sent.
+    assert engine.waits == [1_000, 1_000] and engine.slept == [1_000, 1_000]
+    assert stat_of(out) == {
+        "records": 3,
+        "groups": 1,
+        "delivered": 1,
+        "failed": 1,
+        "not_delivered": 1,
+        "attempts": 4,
+    }
+    [failure] = out[out["kind"] == "failure"].to_dict("records")
+    assert (failure["msg_id"], failure["group_id"], failure["origin"]) == ("g1", "g", "0:0:1")
+    assert (failure["attempts"], failure["status"], failure["not_delivered"]) == (3, 503, 1)
+    assert failure["reason"] == "retries exhausted after 3 attempts: HTTP 503"
 
 
 def test_an_empty_partition_opens_no_connection():
