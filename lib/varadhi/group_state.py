@@ -19,6 +19,12 @@ which is the group's produce order. Each entry has a `location`:
 Only the first entry (the *head*) is ever delivered; everything behind it follows (hazard 1: a
 head that fails again keeps its place, because order comes from `origin`, not from RQ offsets).
 
+A retry due soon after the head's first failure (`varadhi.retry.retries_in_place`) is not
+written to the RQ: the run answers `Wait` and the delivery engine sends the head again when it
+is due, while other groups go on. The group keeps its place in the task, so nothing of it is
+parked. Only when a retry falls due later than that does the head go to the RQ (with all its
+attempts counted) and the group follow it.
+
 `GroupRun` is one group's run through a micro-batch. It implements the delivery engine's Stream
 protocol: the engine asks it for the next request and reports each outcome; the run decides,
 with `varadhi.retry.decide`, whether to go on, retry later or dead-letter. Ungrouped messages get
@@ -33,10 +39,10 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from . import messages as m
-from .delivery import Outcome, Request
+from .delivery import Outcome, Request, Wait
 from .errors import InvalidArgument
 from .policies import RetryPolicy
-from .retry import decide
+from .retry import decide, retries_in_place
 
 Location = Literal["new", "held", "rq", "dlq"]
 
@@ -70,7 +76,8 @@ class Out:
 @dataclass
 class RunCounts:
     delivered: int = 0
-    retried: int = 0
+    retried: int = 0  # failed attempts written to the RQ
+    retried_in_place: int = 0  # failed attempts retried in the task (`retries_in_place`)
     dead_lettered: int = 0
     duplicates: int = 0
     attempts: int = 0
@@ -136,9 +143,10 @@ class GroupRun:
         self.outs: list[Out] = []
         self.delivered: list[Entry] = []
         self._stopped = False
+        self._in_place = False  # the head waits in this task for its retry
 
     # -- Stream protocol ------------------------------------------------------------------
-    def next_request(self) -> Request | None:
+    def next_request(self) -> Request | Wait | None:
         while not self._stopped and self.entries:
             head = self.entries[0]
             if head.invalid and head.location in ("new", "held"):
@@ -148,8 +156,11 @@ class GroupRun:
                 head.reason = head.invalid
                 self._dead_letter(head)
                 continue
-            if head.location == "dlq" or head.value is None or head.due_ms > self.clock():
+            if head.location == "dlq" or head.value is None:
                 return None
+            wait_ms = head.due_ms - self.clock()
+            if wait_ms > 0:  # a retry in place waits here; one read from the RQ early is parked
+                return Wait(wait_ms / 1000) if self._in_place else None
             try:
                 return Request(body=head.value, headers=http_headers(head))
             except InvalidArgument as e:  # e.g. a group or message id with CR/LF in it
@@ -161,6 +172,7 @@ class GroupRun:
         now = self.clock()
         head.attempts += 1
         self.counts.attempts += 1
+        self._in_place = False
         decision = decide(
             self.policy,
             head.attempts,
@@ -182,6 +194,10 @@ class GroupRun:
         head.status = outcome.status
         if decision.action == "retry":
             head.due_ms = decision.due_ms or now
+            if retries_in_place(self.policy, head.first_failure_ms, head.due_ms):
+                self.counts.retried_in_place += 1
+                self._in_place = True
+                return
             self.outs.append(Out("rq", replace(head)))
             head.location, head.value = "rq", None
             self.counts.retried += 1

@@ -57,7 +57,9 @@ class Endpoint:
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """`max_attempts` counts every delivery attempt, the first included."""
+    """`max_attempts` counts every delivery attempt, the first included. A retry that falls due
+    within `in_place_window_ms` of the message's first failure is waited for in the delivery
+    task, not sent through the RQ (`varadhi.retry.retries_in_place`; 0 turns that off)."""
 
     max_attempts: int = 5
     backoff: Backoff = "exponential"
@@ -66,6 +68,9 @@ class RetryPolicy:
     multiplier: float = 2.0
     jitter: float = 0.2  # +/- this fraction of the computed delay, so retries do not stampede
     responses: tuple[ResponseRule, ...] = DEFAULT_RESPONSES
+    # Covers the first retry under the default backoff (1 s +/- 20%), which most transient
+    # failures need, and no more: a micro-batch may last this much longer than its deliveries.
+    in_place_window_ms: int = 2_000
 
 
 @dataclass(frozen=True)

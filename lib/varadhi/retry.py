@@ -36,6 +36,10 @@ A retried message blocks its whole group (per-group order), so an endpoint that 
 day. An hour is long enough for any real maintenance window to be honoured and short enough
 that such a mistake shows up as retries in the RQ, not as a stuck subscription."""
 
+MAX_IN_PLACE_WINDOW_MS = 60_000
+"""Upper bound on `RetryPolicy.in_place_window_ms`: a delivery task (and so its micro-batch)
+waits for retries in place, so a longer window would hold every group of the shard back."""
+
 UNMATCHED = ResponseRule("unmatched", "dead_letter")
 """What `classify` returns when no rule of the table matches the outcome."""
 
@@ -167,6 +171,18 @@ def decide(
     return Decision("retry", now_ms + wait_ms, reason, status)
 
 
+def retries_in_place(policy: RetryPolicy, first_failure_ms: int, due_ms: int) -> bool:
+    """Whether a retry due at `due_ms` is waited for inside the delivery task instead of going
+    through the RQ: when it falls due within `policy.in_place_window_ms` of the message's first
+    failure (so with the default policy, the first retry of a message that starts failing in
+    this batch). A window of 0 turns retries in place off.
+
+    The attempt, its headers, backoff and Retry-After are the same either way; only where the
+    message waits differs. Hazard: a task waits for its retries in place, so one micro-batch can
+    last up to the window longer than its deliveries take."""
+    return policy.in_place_window_ms > 0 and due_ms - first_failure_ms <= policy.in_place_window_ms
+
+
 def validate_retry_policy(policy: RetryPolicy, prefix: str = "retry") -> None:
     """Raise InvalidArgument, naming the field (`retry.max_attempts`,
     `retry.responses[2].codes`, ...), if `policy` cannot be used. `prefix` is the dotted path of
@@ -183,6 +199,13 @@ def validate_retry_policy(policy: RetryPolicy, prefix: str = "retry") -> None:
         raise InvalidArgument(
             f"must be >= min_backoff_ms ({policy.min_backoff_ms}), got {policy.max_backoff_ms}",
             field=f"{prefix}.max_backoff_ms",
+        )
+    _require_int(policy.in_place_window_ms, f"{prefix}.in_place_window_ms", minimum=0)
+    if policy.in_place_window_ms > MAX_IN_PLACE_WINDOW_MS:
+        raise InvalidArgument(
+            f"must be at most {MAX_IN_PLACE_WINDOW_MS // 1000} s (a micro-batch waits for its"
+            f" retries in place; longer waits belong in the RQ), got {policy.in_place_window_ms}",
+            field=f"{prefix}.in_place_window_ms",
         )
     if not _is_number(policy.multiplier) or not policy.multiplier >= 1:
         raise InvalidArgument(

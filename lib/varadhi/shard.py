@@ -85,6 +85,7 @@ class ShardStats:
     routed: int = 0
     delivered: int = 0
     retried: int = 0
+    retried_in_place: int = 0
     dead_lettered: int = 0
     duplicates: int = 0
     deduplicated: int = 0
@@ -665,6 +666,7 @@ class ShardJob:
             "routed",
             "delivered",
             "retried",
+            "retried_in_place",
             "dead_lettered",
             "duplicates",
             "deduplicated",

@@ -240,6 +240,7 @@ _RETRY_KEYS = (
     "multiplier",
     "jitter",
     "responses",
+    "in_place_window",
 )
 _RULE_KEYS = ("codes", "action", "honour_retry_after")
 _CONSUMPTION_KEYS = (
@@ -374,6 +375,7 @@ def _parse_retry(s: _Section) -> RetryPolicy:
         multiplier=s.number("multiplier", _RETRY.multiplier),
         jitter=s.number("jitter", _RETRY.jitter),
         responses=_parse_responses(s),
+        in_place_window_ms=s.duration("in_place_window", _RETRY.in_place_window_ms, minimum=0),
     )
     try:
         validate_retry_policy(policy, prefix=s.path)
@@ -461,6 +463,7 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
                 {"codes": x.codes, "action": x.action, "honour_retry_after": x.honour_retry_after}
                 for x in r.responses
             ],
+            "in_place_window": r.in_place_window_ms,
         },
         "consumption": {
             "concurrency": c.concurrency,

@@ -128,6 +128,7 @@ def make_subscription(catalog, unique_name):
                 "min_backoff": "100ms",
                 "max_backoff": "200ms",
                 "jitter": 0,
+                "in_place_window": 0,  # failures go through the RQ, as operations expect
             },
             "consumption": {"trigger_interval": "100ms"},
         }

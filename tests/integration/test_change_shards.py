@@ -112,6 +112,7 @@ def test_change_shards_two_four_three_keeps_group_order_and_loses_nothing(
                     "min_backoff": "1s",
                     "max_backoff": "1s",
                     "jitter": 0,
+                    "in_place_window": 0,  # retries wait in the RQ, which is resharded
                 },
                 "consumption": {"trigger_interval": "100ms"},
             }

@@ -109,6 +109,7 @@ class Scenario:
                 "min_backoff": "100ms",
                 "max_backoff": "400ms",
                 "jitter": 0,
+                "in_place_window": 0,  # every retry through the RQ: its crash points matter
             },
             "consumption": {"trigger_interval": "100ms", "throttle": "0ms"},
             **spec,

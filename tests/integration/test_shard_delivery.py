@@ -47,7 +47,15 @@ from varadhi.topics import TopicService
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
 ROOT = Path(__file__).resolve().parents[2]
-FAST_RETRY = {"max_attempts": 3, "min_backoff": "100ms", "max_backoff": "500ms", "jitter": 0}
+# Every retry goes through the RQ (no retries in place), so these tests exercise the RQ path;
+# `test_retries_in_place_*` cover the other one.
+FAST_RETRY = {
+    "max_attempts": 3,
+    "min_backoff": "100ms",
+    "max_backoff": "500ms",
+    "jitter": 0,
+    "in_place_window": 0,
+}
 FAST_CONSUMPTION = {"trigger_interval": "100ms", "throttle": "0ms"}
 
 
@@ -338,6 +346,56 @@ def test_retry_after_is_honoured(timing):
     assert int(h[m.H_DUE_MS]) - int(h[m.H_LAST_FAILURE_MS]) == RETRY_AFTER_S * 1000
     assert h[m.H_REASON] == f"HTTP 503; retry in {RETRY_AFTER_S * 1000} ms (Retry-After)"
     assert h[m.H_STATUS] == "503"
+
+
+def test_retries_in_place_wait_their_backoff_in_the_task_then_fall_back_to_the_rq(
+    settings, catalog, spark
+):
+    """With `in_place_window: 1500ms` and backoffs of 300 ms, 600 ms, 1.2 s: `gi.000` fails three
+    times. Its first two retries fall due within 1.5 s of its first failure and are sent again
+    from the delivery task; the third is due 2.1 s after it and goes through the RQ, with all
+    three attempts counted. `gj.001` fails once and is retried in place. Groups keep order."""
+    ep = TestEndpoint()
+    ep.start()
+    try:
+        sub = create_sub(
+            catalog,
+            ep,
+            retry={
+                "max_attempts": 5,
+                "backoff": "exponential",
+                "min_backoff": "300ms",
+                "max_backoff": "5s",
+                "multiplier": 2,
+                "jitter": 0,
+                "in_place_window": "1500ms",
+            },
+        )
+        ep.set_script("gi.000", [500, 500, 500])
+        ep.set_script("gj.001", [500])
+        produce(settings, sub, ["gi", "gj", "h1"], per_group=3)
+        job = run_shard(settings, spark, sub)
+        records = ep.records()
+        rq = rq_of(settings, sub)
+    finally:
+        ep.stop()
+
+    attempts = by_message(records)["gi.000"]
+    assert [(r.attempt, r.status) for r in attempts] == [(1, 500), (2, 500), (3, 500), (4, 200)]
+    gaps = [b.received_ms - a.received_ms for a, b in zip(attempts, attempts[1:], strict=False)]
+    assert gaps[0] >= 300 and gaps[1] >= 600 and gaps[2] >= 1_200, gaps
+    [record] = rq  # gi.000's third retry only: nothing else went through the RQ
+    h = record["headers"]
+    assert (h[m.H_MSG_ID], h[m.H_ATTEMPTS]) == ("gi.000", "3")
+    assert attempts[0].received_ms <= int(h[m.H_FIRST_FAILURE_MS]) < attempts[1].received_ms
+    assert int(h[m.H_DUE_MS]) - int(h[m.H_LAST_FAILURE_MS]) == 1_200
+
+    retried = by_message(records)["gj.001"]
+    assert [(r.attempt, r.status) for r in retried] == [(1, 500), (2, 200)]
+    assert retried[1].received_ms - retried[0].received_ms >= 300
+    assert_group_order(sub, records)
+    assert {r.message_id for r in first_successes(records)} == set(sub.all_ids)
+    assert (job.stats.retried_in_place, job.stats.retried) == (3, 1)
 
 
 def test_a_fatal_answer_dead_letters_at_once_with_its_reason(timing):

@@ -18,14 +18,21 @@ import pytest
 
 from varadhi import messages as m
 from varadhi.batch import entry_from_state, state_row
-from varadhi.delivery import Outcome
+from varadhi.delivery import Outcome, Wait
 from varadhi.group_state import Entry, GroupRun, RunCounts, http_headers, merge
 from varadhi.policies import RetryPolicy
 
 T0 = 1_800_000_000_000
+# Every retry goes through the RQ (no retries in place), so the hazards of the RQ path show.
 POLICY = RetryPolicy(
-    max_attempts=3, backoff="exponential", min_backoff_ms=1_000, max_backoff_ms=8_000, jitter=0.0
+    max_attempts=3,
+    backoff="exponential",
+    min_backoff_ms=1_000,
+    max_backoff_ms=8_000,
+    jitter=0.0,
+    in_place_window_ms=0,
 )
+IN_PLACE = replace(POLICY, in_place_window_ms=2_000)
 
 
 class Clock:
@@ -81,14 +88,21 @@ def drive(
     clock: Clock | None = None,
     step_ms: int = 0,
 ) -> list[tuple[str, int]]:
-    """Play the engine: request after request until the run says None. `answer(msg_id,
-    attempt)` gives each outcome (default: 200). Returns the (msg_id, attempt) sent, in order."""
+    """Play the engine: request after request until the run says None; a `Wait` moves `clock`
+    on by its time (and is recorded as `("wait", ms)`). `answer(msg_id, attempt)` gives each
+    outcome (default: 200). Returns the (msg_id, attempt) sent, in order."""
     answer = answer or (lambda _id, _n: ok())
     sent: list[tuple[str, int]] = []
     for _ in range(100):
         request = run.next_request()
         if request is None:
             return sent
+        if isinstance(request, Wait):
+            assert clock is not None, "a run waits for its retry, but the test has no clock"
+            ms = round(request.seconds * 1000)
+            clock.now += ms
+            sent.append(("wait", ms))
+            continue
         msg_id = request.headers[m.HTTP_MESSAGE_ID]
         attempt = int(request.headers[m.HTTP_ATTEMPT])
         sent.append((msg_id, attempt))
@@ -209,6 +223,55 @@ def test_a_failed_head_goes_to_the_rq_with_its_due_time_and_the_group_follows():
     left = run.remaining()
     assert [(e.msg_id, e.location) for e in left] == [("m2", "rq"), ("m3", "held")]
     assert left[0].value is None and left[1].value == b"body-3"
+
+
+def test_a_retry_due_within_the_window_waits_in_place_and_parks_nothing():
+    clock = Clock()
+    counts = RunCounts()
+    run = run_of([new(1), new(2), new(3)], clock, policy=IN_PLACE, counts=counts)
+    sent = drive(run, script({"m2": [http(500)]}), clock)
+    # m2 is sent again after its backoff, from this run; m3 still follows it.
+    assert sent == [("m1", 1), ("m2", 1), ("wait", 1_000), ("m2", 2), ("m3", 1)]
+    assert run.outs == [] and run.remaining() == []
+    assert ids(run.delivered) == ["m1", "m2", "m3"]
+    assert (counts.retried_in_place, counts.retried, counts.failures) == (1, 0, 1)
+
+
+def test_a_retry_due_beyond_the_window_goes_to_the_rq_with_every_attempt_counted():
+    """m2 fails at T0 (retry due T0 + 1 s: in place), then again at T0 + 1 s (retry due 2 s
+    later, 3 s after its first failure: beyond the 2 s window, so through the RQ)."""
+    clock = Clock()
+    counts = RunCounts()
+    run = run_of([new(1), new(2), new(3)], clock, policy=IN_PLACE, counts=counts)
+    sent = drive(run, script({"m2": [http(500), http(503)]}), clock)
+    assert sent == [("m1", 1), ("m2", 1), ("wait", 1_000), ("m2", 2)]
+    [out] = run.outs
+    assert (out.target, out.entry.msg_id, out.entry.attempts) == ("rq", "m2", 2)
+    assert out.entry.first_failure_ms == T0 and out.entry.last_failure_ms == T0 + 1_000
+    assert out.entry.due_ms == T0 + 3_000 and out.entry.status == 503
+    assert [(e.msg_id, e.location) for e in run.remaining()] == [("m2", "rq"), ("m3", "held")]
+    assert (counts.retried_in_place, counts.retried) == (1, 1)
+
+
+def test_a_fatal_answer_after_a_retry_in_place_dead_letters_with_both_attempts():
+    clock = Clock()
+    run = run_of([new(1), new(2)], clock, policy=IN_PLACE)
+    drive(run, script({"m1": [http(500), http(404)]}), clock)
+    [out] = run.outs
+    assert (out.target, out.entry.attempts, out.entry.reason) == ("dlq", 2, "fatal response 404")
+    assert out.entry.first_failure_ms == T0
+
+
+def test_an_rq_record_read_early_is_parked_even_when_retries_wait_in_place():
+    """Only a retry decided in this run waits in place; a retry read back from the RQ before
+    its due time is parked as before (hazard 2), or the task would wait for the whole backoff."""
+    clock = Clock()
+    early = replace(new(1), location="rq", attempts=1, due_ms=T0 + 1_500, first_failure_ms=T0)
+    pending = replace(early, value=None)
+    queue = merge([pending], [rq_record(early)], RunCounts())
+    run = run_of(queue, clock, policy=IN_PLACE)
+    assert drive(run, clock=clock) == []
+    assert [(e.msg_id, e.location) for e in run.remaining()] == [("m1", "held")]
 
 
 def test_retry_after_beyond_the_backoff_sets_the_due_time():

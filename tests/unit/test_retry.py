@@ -14,6 +14,7 @@ from varadhi.retry import (
     classify,
     decide,
     parse_retry_after,
+    retries_in_place,
     validate_retry_policy,
 )
 
@@ -241,6 +242,22 @@ def test_attempts_made_must_be_positive():
         decide(NO_JITTER, 0, 500, None, None, NOW, rng())
 
 
+# -- retries in place -----------------------------------------------------------------------
+
+
+def test_a_retry_waits_in_place_when_due_within_the_window_of_the_first_failure():
+    policy = RetryPolicy(in_place_window_ms=2_000)
+    assert retries_in_place(policy, first_failure_ms=NOW, due_ms=NOW + 2_000)
+    assert not retries_in_place(policy, first_failure_ms=NOW, due_ms=NOW + 2_001)
+    # The window counts from the first failure, so a chain of retries in place is bounded.
+    assert not retries_in_place(policy, first_failure_ms=NOW - 1_500, due_ms=NOW + 1_000)
+
+
+def test_a_window_of_zero_sends_every_retry_through_the_rq():
+    policy = RetryPolicy(min_backoff_ms=0, in_place_window_ms=0)
+    assert not retries_in_place(policy, first_failure_ms=NOW, due_ms=NOW)
+
+
 # -- validation ---------------------------------------------------------------------------
 
 
@@ -261,6 +278,9 @@ def test_default_policy_is_valid():
         ({"multiplier": float("nan")}, "retry.multiplier"),
         ({"jitter": 1.0}, "retry.jitter"),
         ({"jitter": -0.1}, "retry.jitter"),
+        ({"in_place_window_ms": -1}, "retry.in_place_window_ms"),
+        ({"in_place_window_ms": 60_001}, "retry.in_place_window_ms"),
+        ({"in_place_window_ms": 1.5}, "retry.in_place_window_ms"),
         (
             {"responses": (ResponseRule("2xx", "success"), ResponseRule("6xx", "retry"))},
             "retry.responses[1].codes",

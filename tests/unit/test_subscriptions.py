@@ -104,6 +104,7 @@ def test_full_document_is_parsed():
                 {"codes": 409, "action": "success"},
                 {"codes": "5xx", "action": "retry", "honour_retry_after": True},
             ],
+            "in_place_window": "500ms",
         },
         consumption={
             "concurrency": 4,
@@ -135,6 +136,7 @@ def test_full_document_is_parsed():
             ResponseRule("409", "success"),
             ResponseRule("5xx", "retry", honour_retry_after=True),
         ),
+        in_place_window_ms=500,
     )
     assert spec.consumption == ConsumptionPolicy(4, 8, 1000, 0, 1.0, 2000)
     assert (spec.grouped, spec.on_dead_letter, spec.max_message_bytes) == (False, "skip", 100)
@@ -177,6 +179,7 @@ def test_durations_in_documents():
     assert spec.retry.min_backoff_ms == 1000
     assert spec.dedup_window_ms == 1_800_000
     assert parse(consumption__trigger_interval=250).consumption.trigger_interval_ms == 250
+    assert parse(retry__in_place_window=0).retry.in_place_window_ms == 0  # off
 
 
 # -- every invalid value names its field --------------------------------------------------------
@@ -231,6 +234,8 @@ def test_durations_in_documents():
         ({"retry__multiplier": float("inf")}, "retry.multiplier"),
         ({"retry__jitter": 1}, "retry.jitter"),
         ({"retry__jitter": -0.1}, "retry.jitter"),
+        ({"retry__in_place_window": "-1s"}, "retry.in_place_window"),
+        ({"retry__in_place_window": "61s"}, "retry.in_place_window"),
         ({"retry__responses": []}, "retry.responses"),
         ({"retry__responses": [{"codes": "4xx", "action": "retry"}]}, "retry.responses"),
         ({"retry__responses": [{"codes": "600", "action": "success"}]}, "retry.responses[0].codes"),
