@@ -48,10 +48,9 @@ the message id, as for every delivery). A replay and the live shards deliver con
 endpoint sees a group's replayed and live messages interleaved, each stream in its own order;
 `X-Varadhi-Replay` tells them apart. Each delivery task holds its groups' messages in memory;
 the job uses enough tasks to keep that near `consumption.max_messages_per_batch` messages each.
-A retry that has come due takes the next free connection slot, before any group not yet
-started; with more groups than `consumption.max_in_flight`, a slot frees only when a group in
-flight ends or waits, so a retry can come later than its backoff (never out of order). A task
-ends only once each of its groups has delivered or failed, so it waits out every retry's backoff
+A retry that has come due takes the next connection slot that frees (any request's end), before
+any group not yet started or going on, so it is sent about on time (the delivery engine's
+`Wait`). A task ends only once each of its groups has delivered or failed, so it waits out every retry's backoff
 (at most `retry.max_backoff`, or an hour of Retry-After).
 
 Layout: pure planning (`resolve_range`, `plan_ranges`, `ReplayPlan`), the executor side
