@@ -21,7 +21,11 @@ retry in place, after its backoff). The engine asks it again once the time has c
 holding a connection slot meanwhile, and keeps delivering other streams. A due waiting stream
 gets the next slot that frees: before any new stream starts, and before the stream whose request
 just completed goes on (that one queues behind it), so a retry is sent about on time even when
-long streams hold every slot. `run` returns only when no stream waits any more.
+long streams hold every slot. `Wait(seconds, while_busy=True)` waits only while the engine has
+other work: once nothing is in flight and no stream is left to start, the engine calls the
+stream's `stop_waiting()` instead of sleeping, and the stream is finished (a shard's group then
+sends its retry through the RQ: a micro-batch never lasts longer for a retry in place). `run`
+returns only when no stream waits any more.
 
 What the engine does not do: decide. It does not retry, classify, or skip: a stream receives
 every outcome (`on_outcome`) and decides itself what it sends next, typically through
@@ -96,9 +100,11 @@ class Request:
 @dataclass(frozen=True, slots=True)
 class Wait:
     """A stream's answer to `next_request` when its next request may go out only `seconds`
-    from now: the engine asks again then (and not before)."""
+    from now: the engine asks again then (and not before). With `while_busy`, only if the engine
+    still has other requests to make by then; otherwise it calls `stop_waiting()`."""
 
     seconds: float
+    while_busy: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +133,10 @@ class Stream(Protocol):
     def next_request(self) -> Request | Wait | None: ...
 
     def on_outcome(self, outcome: Outcome) -> None: ...
+
+    def stop_waiting(self) -> None:
+        """Only for streams that answer `Wait(..., while_busy=True)`: the engine ran out of other
+        work before the wait was over. The stream is finished; it is never asked again."""
 
 
 @dataclass(frozen=True)
@@ -262,10 +272,11 @@ class HttpDeliverer:
                             break
                         n_streams += 1
                     in_flight += self._ask(stream, waiting)
-                if in_flight == 0:
+                if in_flight == 0:  # nothing to send now, and no stream left to start
                     if not waiting:
                         break
-                    time.sleep(waiting.seconds_to_next())
+                    if not waiting.stop_busy_waits():
+                        time.sleep(waiting.seconds_to_next())
                     continue
                 multi.perform()
                 completed = 0
@@ -330,7 +341,7 @@ class HttpDeliverer:
         self._idle.append(transfer)  # before the callbacks: if they raise, the handle is free
         stream.on_outcome(outcome)
         if waiting.has_due():  # a waiting stream's time has come: it takes this slot first
-            waiting.add(stream, 0.0)
+            waiting.add(stream, Wait(0.0))
             return 1
         return 1 - self._ask(stream, waiting)
 
@@ -340,7 +351,7 @@ class HttpDeliverer:
         stream's own previous one, when called from `_complete`), so its connection is reused."""
         request = stream.next_request()
         if isinstance(request, Wait):
-            waiting.add(stream, request.seconds)
+            waiting.add(stream, request)
         elif request is not None:
             transfer = self._idle.pop() if self._idle else self._new_transfer()
             self._issue(transfer, stream, request)
@@ -386,14 +397,15 @@ class _Waiting:
     """Streams that answered `Wait`, by the monotonic time they asked to be woken at."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, Stream]] = []
+        self._heap: list[tuple[float, int, Stream, bool]] = []
         self._seq = itertools.count()  # ties: first come, first served (streams don't compare)
 
     def __bool__(self) -> bool:
         return bool(self._heap)
 
-    def add(self, stream: Stream, seconds: float) -> None:
-        heapq.heappush(self._heap, (time.monotonic() + max(seconds, 0.0), next(self._seq), stream))
+    def add(self, stream: Stream, wait: Wait) -> None:
+        at = time.monotonic() + max(wait.seconds, 0.0)
+        heapq.heappush(self._heap, (at, next(self._seq), stream, wait.while_busy))
 
     def has_due(self) -> bool:
         return bool(self._heap) and self._heap[0][0] <= time.monotonic()
@@ -404,6 +416,17 @@ class _Waiting:
 
     def seconds_to_next(self) -> float:
         return max(self._heap[0][0] - time.monotonic(), 0.0) if self._heap else 0.0
+
+    def stop_busy_waits(self) -> bool:
+        """Call `stop_waiting()` on every stream waiting only while the engine is busy and drop
+        them (in the order they would have been woken). Returns whether there were any."""
+        busy = sorted(entry for entry in self._heap if entry[3])
+        if busy:
+            self._heap = [entry for entry in self._heap if not entry[3]]
+            heapq.heapify(self._heap)
+            for _, _, stream, _ in busy:
+                stream.stop_waiting()
+        return bool(busy)
 
 
 def _error_kind(curl: pycurl.Curl, code: int) -> str:

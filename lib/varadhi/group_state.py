@@ -19,11 +19,13 @@ which is the group's produce order. Each entry has a `location`:
 Only the first entry (the *head*) is ever delivered; everything behind it follows (hazard 1: a
 head that fails again keeps its place, because order comes from `origin`, not from RQ offsets).
 
-A retry due soon after the head's first failure (`varadhi.retry.retries_in_place`) is not
-written to the RQ: the run answers `Wait` and the delivery engine sends the head again when it
-is due, while other groups go on. The group keeps its place in the task, so nothing of it is
-parked. Only when a retry falls due later than that does the head go to the RQ (with all its
-attempts counted) and the group follow it.
+A retry due soon after the head's first failure (`varadhi.retry.retries_in_place`) is first
+waited for in the task: the run answers `Wait(..., while_busy=True)` and the delivery engine
+sends the head again when it is due, while other groups go on; the group keeps its place, so
+nothing of it is parked. If the task runs out of other deliveries first, the engine calls
+`stop_waiting` and the head goes to the RQ after all: a retry in place never makes a micro-batch
+longer. A retry due later than the window goes to the RQ at once. Either way the RQ record
+counts every attempt made, and the group follows it.
 
 `GroupRun` is one group's run through a micro-batch. It implements the delivery engine's Stream
 protocol: the engine asks it for the next request and reports each outcome; the run decides,
@@ -77,7 +79,7 @@ class Out:
 class RunCounts:
     delivered: int = 0
     retried: int = 0  # failed attempts written to the RQ
-    retried_in_place: int = 0  # failed attempts retried in the task (`retries_in_place`)
+    retried_in_place: int = 0  # attempts sent again from the task (`retries_in_place`)
     dead_lettered: int = 0
     duplicates: int = 0
     attempts: int = 0
@@ -160,11 +162,15 @@ class GroupRun:
                 return None
             wait_ms = head.due_ms - self.clock()
             if wait_ms > 0:  # a retry in place waits here; one read from the RQ early is parked
-                return Wait(wait_ms / 1000) if self._in_place else None
+                return Wait(wait_ms / 1000, while_busy=True) if self._in_place else None
             try:
-                return Request(body=head.value, headers=http_headers(head))
+                request = Request(body=head.value, headers=http_headers(head))
             except InvalidArgument as e:  # e.g. a group or message id with CR/LF in it
                 head.invalid = f"malformed: {e}"
+                continue
+            if self._in_place:
+                self.counts.retried_in_place += 1
+            return request
         return None
 
     def on_outcome(self, outcome: Outcome) -> None:
@@ -195,15 +201,25 @@ class GroupRun:
         if decision.action == "retry":
             head.due_ms = decision.due_ms or now
             if retries_in_place(self.policy, head.first_failure_ms, head.due_ms):
-                self.counts.retried_in_place += 1
                 self._in_place = True
-                return
-            self.outs.append(Out("rq", replace(head)))
-            head.location, head.value = "rq", None
-            self.counts.retried += 1
-            self._stopped = True
+            else:
+                self._retry_through_rq(head)
             return
         self._dead_letter(head)
+
+    def stop_waiting(self) -> None:
+        """The task has nothing else to deliver while the head waits in place: send its retry
+        through the RQ instead, due when it was going to be sent."""
+        self._in_place = False
+        self._retry_through_rq(self.entries[0])
+
+    def _retry_through_rq(self, head: Entry) -> None:
+        """Write the head to the RQ (its due time, attempts and failure times set); its group
+        stops behind it."""
+        self.outs.append(Out("rq", replace(head)))
+        head.location, head.value = "rq", None
+        self.counts.retried += 1
+        self._stopped = True
 
     def _dead_letter(self, head: Entry) -> None:
         """Park the head in the DLQ; in block mode its group stops behind it."""

@@ -58,8 +58,9 @@ class Endpoint:
 @dataclass(frozen=True)
 class RetryPolicy:
     """`max_attempts` counts every delivery attempt, the first included. A retry that falls due
-    within `in_place_window_ms` of the message's first failure is waited for in the delivery
-    task, not sent through the RQ (`varadhi.retry.retries_in_place`; 0 turns that off)."""
+    within `in_place_window_ms` of the message's first failure waits in the delivery task, if
+    the task is still busy then, instead of going through the RQ
+    (`varadhi.retry.retries_in_place`; 0 turns that off)."""
 
     max_attempts: int = 5
     backoff: Backoff = "exponential"
@@ -69,7 +70,7 @@ class RetryPolicy:
     jitter: float = 0.2  # +/- this fraction of the computed delay, so retries do not stampede
     responses: tuple[ResponseRule, ...] = DEFAULT_RESPONSES
     # Covers the first retry under the default backoff (1 s +/- 20%), which most transient
-    # failures need, and no more: a micro-batch may last this much longer than its deliveries.
+    # failures need, and no more (a later one goes through the RQ).
     in_place_window_ms: int = 2_000
 
 

@@ -37,8 +37,8 @@ day. An hour is long enough for any real maintenance window to be honoured and s
 that such a mistake shows up as retries in the RQ, not as a stuck subscription."""
 
 MAX_IN_PLACE_WINDOW_MS = 60_000
-"""Upper bound on `RetryPolicy.in_place_window_ms`: a delivery task (and so its micro-batch)
-waits for retries in place, so a longer window would hold every group of the shard back."""
+"""Upper bound on `RetryPolicy.in_place_window_ms`: a message waiting in place holds its group's
+later messages in the task, where they are in no state table; longer waits belong in the RQ."""
 
 UNMATCHED = ResponseRule("unmatched", "dead_letter")
 """What `classify` returns when no rule of the table matches the outcome."""
@@ -172,14 +172,14 @@ def decide(
 
 
 def retries_in_place(policy: RetryPolicy, first_failure_ms: int, due_ms: int) -> bool:
-    """Whether a retry due at `due_ms` is waited for inside the delivery task instead of going
+    """Whether a retry due at `due_ms` may wait inside the delivery task instead of going
     through the RQ: when it falls due within `policy.in_place_window_ms` of the message's first
     failure (so with the default policy, the first retry of a message that starts failing in
-    this batch). A window of 0 turns retries in place off.
+    this batch). A window of 0 turns retries in place off. The task waits only while it has
+    other deliveries to make (`GroupRun`); the RQ takes the retry otherwise.
 
     The attempt, its headers, backoff and Retry-After are the same either way; only where the
-    message waits differs. Hazard: a task waits for its retries in place, so one micro-batch can
-    last up to the window longer than its deliveries take."""
+    message waits differs."""
     return policy.in_place_window_ms > 0 and due_ms - first_failure_ms <= policy.in_place_window_ms
 
 
@@ -203,8 +203,8 @@ def validate_retry_policy(policy: RetryPolicy, prefix: str = "retry") -> None:
     _require_int(policy.in_place_window_ms, f"{prefix}.in_place_window_ms", minimum=0)
     if policy.in_place_window_ms > MAX_IN_PLACE_WINDOW_MS:
         raise InvalidArgument(
-            f"must be at most {MAX_IN_PLACE_WINDOW_MS // 1000} s (a micro-batch waits for its"
-            f" retries in place; longer waits belong in the RQ), got {policy.in_place_window_ms}",
+            f"must be at most {MAX_IN_PLACE_WINDOW_MS // 1000} s (longer waits belong in the RQ),"
+            f" got {policy.in_place_window_ms}",
             field=f"{prefix}.in_place_window_ms",
         )
     if not _is_number(policy.multiplier) or not policy.multiplier >= 1:

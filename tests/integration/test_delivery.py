@@ -53,21 +53,28 @@ class Group:
 
 
 class Pausing(Group):
-    """A Group that answers `Wait(seconds)` once, before its message `before`, and checks that
-    it is not asked again before that time."""
+    """A Group that answers `Wait(seconds, while_busy)` once, before its message `before`, and
+    checks that it is not asked again before that time. `stopped` tells whether the engine
+    called `stop_waiting` (the stream then sends nothing more)."""
 
-    def __init__(self, name: str, n: int, before: int, seconds: float):
+    def __init__(self, name: str, n: int, before: int, seconds: float, while_busy: bool = False):
         super().__init__(name, n)
-        self.before, self.seconds = before, seconds
+        self.before, self.seconds, self.while_busy = before, seconds, while_busy
         self.paused_at: float | None = None
+        self.stopped = False
 
     def next_request(self) -> Request | Wait | None:
+        assert not self.stopped, f"{self.name}: asked again after stop_waiting"
         if self.sent + 1 == self.before:
             if self.paused_at is None:
                 self.paused_at = time.monotonic()
-                return Wait(self.seconds)
+                return Wait(self.seconds, self.while_busy)
             assert time.monotonic() - self.paused_at >= self.seconds, "asked again too early"
         return super().next_request()
+
+    def stop_waiting(self) -> None:
+        assert self.while_busy and not self.stopped
+        self.stopped = True
 
 
 @pytest.fixture
@@ -155,6 +162,22 @@ def test_a_due_stream_takes_the_next_slot_even_from_a_long_stream(endpoint):
     order = [r.message_id for r in ep.records()]
     assert order.index("w-2") < order.index("long-200")
     assert order.index("w-1") < order.index("long-1")
+
+
+def test_a_wait_while_busy_is_kept_while_other_streams_run_and_stopped_when_none_do(endpoint):
+    """`early` waits 0.1 s while a 100-request stream keeps the engine busy: it goes on. `late`
+    waits 30 s: once the long stream is done, the engine stops its wait instead of sleeping."""
+    ep = endpoint(latency_ms=5)
+    early = Pausing("early", 2, before=2, seconds=0.1, while_busy=True)
+    late = Pausing("late", 2, before=2, seconds=30, while_busy=True)
+    started = time.monotonic()
+    stats = deliver(ep.url, [early, late, Group("long", 100)], max_in_flight=2)
+    assert time.monotonic() - started < 30  # it did not sleep through late's wait
+    assert stats.requests == 103
+    assert early.finished and not early.stopped
+    assert late.stopped and late.sent == 1
+    order = [r.message_id for r in ep.records()]
+    assert order.index("early-2") < order.index("long-100")
 
 
 def test_a_run_with_only_waiting_streams_left_sleeps_until_they_are_due(endpoint):

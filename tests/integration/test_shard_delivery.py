@@ -353,9 +353,11 @@ def test_retries_in_place_wait_their_backoff_in_the_task_then_fall_back_to_the_r
 ):
     """With `in_place_window: 1500ms` and backoffs of 300 ms, 600 ms, 1.2 s: `gi.000` fails three
     times. Its first two retries fall due within 1.5 s of its first failure and are sent again
-    from the delivery task; the third is due 2.1 s after it and goes through the RQ, with all
-    three attempts counted. `gj.001` fails once and is retried in place. Groups keep order."""
-    ep = TestEndpoint()
+    from the delivery task, which is kept busy meanwhile by group `busy` (60 messages, 50 ms
+    each, in the same single task); the third is due 2.1 s after the first failure and goes
+    through the RQ, with all three attempts counted. `gj.001` fails once and is retried in
+    place. Groups keep order."""
+    ep = TestEndpoint(latency_ms=50)
     ep.start()
     try:
         sub = create_sub(
@@ -370,10 +372,12 @@ def test_retries_in_place_wait_their_backoff_in_the_task_then_fall_back_to_the_r
                 "jitter": 0,
                 "in_place_window": "1500ms",
             },
+            consumption={**FAST_CONSUMPTION, "concurrency": 1},
         )
         ep.set_script("gi.000", [500, 500, 500])
         ep.set_script("gj.001", [500])
-        produce(settings, sub, ["gi", "gj", "h1"], per_group=3)
+        produce(settings, sub, ["gi", "gj"], per_group=3)
+        produce(settings, sub, ["busy"], per_group=60)
         job = run_shard(settings, spark, sub)
         records = ep.records()
         rq = rq_of(settings, sub)
@@ -396,6 +400,35 @@ def test_retries_in_place_wait_their_backoff_in_the_task_then_fall_back_to_the_r
     assert_group_order(sub, records)
     assert {r.message_id for r in first_successes(records)} == set(sub.all_ids)
     assert (job.stats.retried_in_place, job.stats.retried) == (3, 1)
+
+
+def test_a_retry_in_place_goes_to_the_rq_when_its_task_has_nothing_else_to_do(
+    settings, catalog, spark
+):
+    """A retry in place never makes a micro-batch longer: with nothing else to deliver, the
+    task sends `gw.000`'s retry (due 1 s later, within the 2 s window) through the RQ."""
+    ep = TestEndpoint()
+    ep.start()
+    try:
+        sub = create_sub(
+            catalog,
+            ep,
+            retry={**FAST_RETRY, "min_backoff": "1s", "max_backoff": "1s", "in_place_window": "2s"},
+        )
+        ep.set_script("gw.000", [500])
+        produce(settings, sub, ["gw"], per_group=2)
+        job = run_shard(settings, spark, sub)
+        records = ep.records()
+        rq = rq_of(settings, sub)
+    finally:
+        ep.stop()
+    [record] = rq
+    assert (record["headers"][m.H_MSG_ID], record["headers"][m.H_ATTEMPTS]) == ("gw.000", "1")
+    attempts = by_message(records)["gw.000"]
+    assert [(r.attempt, r.status) for r in attempts] == [(1, 500), (2, 200)]
+    assert attempts[1].received_ms - attempts[0].received_ms >= 1_000
+    assert_group_order(sub, records)
+    assert (job.stats.retried_in_place, job.stats.retried) == (0, 1)
 
 
 def test_a_fatal_answer_dead_letters_at_once_with_its_reason(timing):

@@ -253,6 +253,25 @@ def test_a_retry_due_beyond_the_window_goes_to_the_rq_with_every_attempt_counted
     assert (counts.retried_in_place, counts.retried) == (1, 1)
 
 
+def test_a_retry_in_place_goes_to_the_rq_when_the_engine_stops_its_wait():
+    """The task ran out of other deliveries while m2 waited: it goes to the RQ after all, due
+    when it would have been sent, and m3 follows it."""
+    clock = Clock()
+    counts = RunCounts()
+    run = run_of([new(1), new(2), new(3)], clock, policy=IN_PLACE, counts=counts)
+    assert run.next_request().headers[m.HTTP_MESSAGE_ID] == "m1"
+    run.on_outcome(ok())
+    assert run.next_request().headers[m.HTTP_MESSAGE_ID] == "m2"
+    run.on_outcome(http(500))
+    assert run.next_request() == Wait(1.0, while_busy=True)
+    run.stop_waiting()
+    [out] = run.outs
+    assert (out.target, out.entry.msg_id, out.entry.attempts) == ("rq", "m2", 1)
+    assert out.entry.due_ms == T0 + 1_000 and out.entry.value == b"body-2"
+    assert [(e.msg_id, e.location) for e in run.remaining()] == [("m2", "rq"), ("m3", "held")]
+    assert (counts.retried_in_place, counts.retried) == (0, 1)
+
+
 def test_a_fatal_answer_after_a_retry_in_place_dead_letters_with_both_attempts():
     clock = Clock()
     run = run_of([new(1), new(2)], clock, policy=IN_PLACE)

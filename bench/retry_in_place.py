@@ -1,0 +1,179 @@
+"""What retries in place save: one delivery task's groups, with and without `in_place_window`.
+
+Runs the body of a shard's phase-1 task (`varadhi.batch.deliver_records`, the code a Spark task
+runs on its Kafka records; no Spark, no Kafka) over `--groups` groups of `--per-group` 1 KiB
+messages against the project's test endpoint (`python -m varadhi.testing.endpoint`, its own
+process on 127.0.0.1) failing `--fail-rate` of the attempts with 500, answering after
+`--latency-ms`. The same task runs with `retry.in_place_window` 0 (every retry through the RQ)
+and 2 s (the default), under the default backoff (1 s, exponential, 20% jitter); the endpoint is
+restarted for each run with the same seed, so both see the same failures.
+
+Per run it prints what the task left for later batches: retries written to the RQ, messages
+parked behind them (bodies the state table must hold and a later batch must deliver), and what
+it did now: messages delivered, retries made in place, and the task's wall time.
+
+    .venv/bin/python bench/retry_in_place.py [--latency-ms 0 20] [--groups 2000] [--per-group 10]
+
+Writes bench/results/retry_in_place.json. About 20 seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+
+from varadhi import messages as m
+from varadhi.batch import BatchContext, ForwardRule, deliver_records
+from varadhi.policies import ConsumptionPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+
+RESULTS = Path(__file__).resolve().parent / "results" / "retry_in_place.json"
+TOPIC = "bench.0"
+
+
+def records(groups: int, per_group: int) -> pd.DataFrame:
+    """Kafka source rows (as the shard's reader yields them) of one partition, groups
+    interleaved in produce order."""
+    rows = []
+    body = b"x" * 1024
+    for n in range(per_group):
+        for g in range(groups):
+            offset = len(rows)
+            headers = [
+                {"key": m.H_MSG_ID, "value": f"g{g}.{n}".encode()},
+                {"key": m.H_GROUP_ID, "value": f"g{g}".encode()},
+            ]
+            rows.append(
+                {
+                    "kind": "mq",
+                    "group_key": f"g{g}",
+                    "topic": TOPIC,
+                    "partition": 0,
+                    "offset": offset,
+                    "key": f"g{g}".encode(),
+                    "value": body,
+                    "kheaders": headers,
+                }
+            )
+    return pd.DataFrame(rows)
+
+
+def start_endpoint(args, latency_ms: int) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "varadhi.testing.endpoint",
+            "--fail-rate",
+            str(args.fail_rate),
+            "--mix",
+            "500=1",
+            "--seed",
+            "7",
+            "--latency-ms",
+            str(latency_ms),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    url = proc.stdout.readline().strip()
+    if not url.startswith("http://127.0.0.1:"):
+        proc.kill()
+        raise SystemExit(f"the test endpoint did not start (said {url!r})")
+    return proc, url
+
+
+def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int) -> dict:
+    proc, url = start_endpoint(args, latency_ms)
+    try:
+        spec = SubscriptionSpec(
+            name="bench",
+            topic="bench",
+            endpoint=Endpoint(url=url),
+            retry=RetryPolicy(max_attempts=10, in_place_window_ms=window_ms),
+        )
+        ctx = BatchContext(spec, {TOPIC: 0}, int(time.time() * 1000), seed=1)
+        started = time.perf_counter()
+        [out] = deliver_records(iter([frame]), ctx, ForwardRule())
+        seconds = time.perf_counter() - started
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    stat = json.loads(out.loc[out["kind"] == "stat", "reason"].iloc[0])
+    pending = out[out["kind"] == "pending"]
+    return {
+        "latency_ms": latency_ms,
+        "in_place_window_ms": window_ms,
+        "messages": len(frame),
+        "seconds": round(seconds, 2),
+        "delivered": stat["delivered"],
+        "retried_in_place": stat["retried_in_place"],
+        "retried_through_rq": stat["retried"],
+        "groups_blocked": int(pending["group_key"].nunique()),
+        "parked": int((pending["location"] == "held").sum()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--latency-ms", nargs="+", type=int, default=[0, 20])
+    parser.add_argument("--groups", type=int, default=2_000)
+    parser.add_argument("--per-group", type=int, default=10)
+    parser.add_argument("--fail-rate", type=float, default=0.1)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+
+    load_at_start = os.getloadavg()
+    frame = records(args.groups, args.per_group)
+    rows = [
+        run(args, frame, latency, window)
+        for latency in args.latency_ms
+        for window in (0, RetryPolicy().in_place_window_ms)
+    ]
+    print(
+        f"{'latency':>8} {'window':>7} {'seconds':>8} {'delivered':>10} {'in place':>9} "
+        f"{'to RQ':>6} {'blocked':>8} {'parked':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['latency_ms']:>6}ms {r['in_place_window_ms'] / 1000:>6g}s {r['seconds']:>8} "
+            f"{r['delivered']:>10,} {r['retried_in_place']:>9,} {r['retried_through_rq']:>6,} "
+            f"{r['groups_blocked']:>8,} {r['parked']:>7,}"
+        )
+    doc = {
+        "benchmark": "retry_in_place",
+        "command": "python bench/retry_in_place.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_at_start": [round(x, 2) for x in load_at_start],
+        },
+        "settings": {
+            "groups": args.groups,
+            "per_group": args.per_group,
+            "fail_rate": args.fail_rate,
+            "max_in_flight": ConsumptionPolicy().max_in_flight,
+        },
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
