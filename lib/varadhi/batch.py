@@ -272,7 +272,7 @@ def _deliver(
         runs.append((key, run))
     if runs:
         with HttpDeliverer(ctx.spec.endpoint, ctx.spec.consumption.max_in_flight) as http:
-            http.run(run for _, run in runs)
+            http.run((run for _, run in runs), linger_s=ctx.spec.retry.in_place_window_ms / 1000)
 
     for key, run in runs:
         if key in pending:

@@ -21,11 +21,12 @@ retry in place, after its backoff). The engine asks it again once the time has c
 holding a connection slot meanwhile, and keeps delivering other streams. A due waiting stream
 gets the next slot that frees: before any new stream starts, and before the stream whose request
 just completed goes on (that one queues behind it), so a retry is sent about on time even when
-long streams hold every slot. `Wait(seconds, while_busy=True)` waits only while the engine has
-other work: once nothing is in flight and no stream is left to start, the engine calls the
-stream's `stop_waiting()` instead of sleeping, and the stream is finished (a shard's group then
-sends its retry through the RQ: a micro-batch never lasts longer for a retry in place). `run`
-returns only when no stream waits any more.
+long streams hold every slot. `Wait(seconds, while_busy=True)` is bounded: it holds while the
+engine has other work, and once nothing is in flight and no stream is left to start, for at most
+`run`'s `linger_s` more; a wait that would end later is cut short with the stream's
+`stop_waiting()`, and the stream is finished (a shard's group then sends its retry through the
+RQ). So `run` lasts at most `linger_s` longer than its streams' requests. It returns only when no
+stream waits any more.
 
 What the engine does not do: decide. It does not retry, classify, or skip: a stream receives
 every outcome (`on_outcome`) and decides itself what it sends next, typically through
@@ -100,8 +101,9 @@ class Request:
 @dataclass(frozen=True, slots=True)
 class Wait:
     """A stream's answer to `next_request` when its next request may go out only `seconds`
-    from now: the engine asks again then (and not before). With `while_busy`, only if the engine
-    still has other requests to make by then; otherwise it calls `stop_waiting()`."""
+    from now: the engine asks again then (and not before). With `while_busy`, only if by then
+    the engine still has other requests to make, or ran out of them less than `run`'s
+    `linger_s` before; otherwise it calls `stop_waiting()` instead."""
 
     seconds: float
     while_busy: bool = False
@@ -135,8 +137,9 @@ class Stream(Protocol):
     def on_outcome(self, outcome: Outcome) -> None: ...
 
     def stop_waiting(self) -> None:
-        """Only for streams that answer `Wait(..., while_busy=True)`: the engine ran out of other
-        work before the wait was over. The stream is finished; it is never asked again."""
+        """Only for streams that answer `Wait(..., while_busy=True)`: the wait would outlast the
+        engine's other work by more than `linger_s`. The stream is finished; it is never asked
+        again."""
 
 
 @dataclass(frozen=True)
@@ -240,19 +243,22 @@ class HttpDeliverer:
         self._idle.clear()
         self._multi.close()
 
-    def run(self, streams: Iterable[Stream]) -> DeliveryStats:
+    def run(self, streams: Iterable[Stream], linger_s: float = 0.0) -> DeliveryStats:
         """Deliver every stream; return when each has returned `None` from `next_request`.
 
         Streams are pulled from `streams` lazily, one whenever a slot is free, so the iterable
         can be a generator over many thousands of groups. A stream whose request completes gets
         `on_outcome`, then `next_request`, and its next request is issued at once (on the
         handle, and usually the connection, its previous one used). A stream that answers
-        `Wait` is asked again when its time has come, before any new stream is started."""
+        `Wait` is asked again when its time has come, before any new stream is started. Once the
+        engine first runs out of requests to make, busy-only waits (`Wait.while_busy`) that end
+        more than `linger_s` later are stopped (see the module docstring)."""
         if self._closed:
             raise RuntimeError("HttpDeliverer is closed")
         multi = self._multi
         pending = iter(streams)
         waiting = _Waiting()
+        idle_until: float | None = None  # set when the engine first runs out of other work
         in_flight = 0
         exhausted = False
         n_streams = 0
@@ -275,7 +281,9 @@ class HttpDeliverer:
                 if in_flight == 0:  # nothing to send now, and no stream left to start
                     if not waiting:
                         break
-                    if not waiting.stop_busy_waits():
+                    if idle_until is None:
+                        idle_until = time.monotonic() + linger_s
+                    if not waiting.stop_busy_waits(later_than=idle_until):
                         time.sleep(waiting.seconds_to_next())
                     continue
                 multi.perform()
@@ -417,12 +425,17 @@ class _Waiting:
     def seconds_to_next(self) -> float:
         return max(self._heap[0][0] - time.monotonic(), 0.0) if self._heap else 0.0
 
-    def stop_busy_waits(self) -> bool:
-        """Call `stop_waiting()` on every stream waiting only while the engine is busy and drop
-        them (in the order they would have been woken). Returns whether there were any."""
-        busy = sorted(entry for entry in self._heap if entry[3])
+    def stop_busy_waits(self, later_than: float) -> bool:
+        """Call `stop_waiting()` on every stream waiting only while the engine is busy that would
+        wake after `later_than` (monotonic), and drop them (in the order they would have been
+        woken). Returns whether there were any."""
+
+        def stops(entry: tuple[float, int, Stream, bool]) -> bool:
+            return entry[3] and entry[0] > later_than
+
+        busy = sorted(entry for entry in self._heap if stops(entry))
         if busy:
-            self._heap = [entry for entry in self._heap if not entry[3]]
+            self._heap = [entry for entry in self._heap if not stops(entry)]
             heapq.heapify(self._heap)
             for _, _, stream, _ in busy:
                 stream.stop_waiting()

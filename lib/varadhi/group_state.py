@@ -22,10 +22,11 @@ head that fails again keeps its place, because order comes from `origin`, not fr
 A retry due soon after the head's first failure (`varadhi.retry.retries_in_place`) is first
 waited for in the task: the run answers `Wait(..., while_busy=True)` and the delivery engine
 sends the head again when it is due, while other groups go on; the group keeps its place, so
-nothing of it is parked. If the task runs out of other deliveries first, the engine calls
-`stop_waiting` and the head goes to the RQ after all: a retry in place never makes a micro-batch
-longer. A retry due later than the window goes to the RQ at once. Either way the RQ record
-counts every attempt made, and the group follows it.
+nothing of it is parked. Once the task has no other deliveries, the engine keeps such waits for
+at most `in_place_window` more (`varadhi.batch` passes it as the engine's `linger_s`); a retry
+due later than that gets `stop_waiting` and goes to the RQ after all. A retry due later than the
+window after its first failure goes to the RQ at once. Either way the RQ record counts every
+attempt made, and the group follows it.
 
 `GroupRun` is one group's run through a micro-batch. It implements the delivery engine's Stream
 protocol: the engine asks it for the next request and reports each outcome; the run decides,
@@ -208,8 +209,9 @@ class GroupRun:
         self._dead_letter(head)
 
     def stop_waiting(self) -> None:
-        """The task has nothing else to deliver while the head waits in place: send its retry
-        through the RQ instead, due when it was going to be sent."""
+        """The head's wait in place would outlast the task's other deliveries by more than the
+        engine lingers: send its retry through the RQ instead, due when it was going to be
+        sent."""
         self._in_place = False
         self._retry_through_rq(self.entries[0])
 

@@ -58,9 +58,10 @@ class Endpoint:
 @dataclass(frozen=True)
 class RetryPolicy:
     """`max_attempts` counts every delivery attempt, the first included. A retry that falls due
-    within `in_place_window_ms` of the message's first failure waits in the delivery task, if
-    the task is still busy then, instead of going through the RQ
-    (`varadhi.retry.retries_in_place`; 0 turns that off)."""
+    within `in_place_window_ms` of the message's first failure waits in the delivery task
+    instead of going through the RQ, unless it would keep the task more than
+    `in_place_window_ms` past its last other delivery (`varadhi.retry.retries_in_place`; 0 turns
+    retries in place off)."""
 
     max_attempts: int = 5
     backoff: Backoff = "exponential"
@@ -70,7 +71,8 @@ class RetryPolicy:
     jitter: float = 0.2  # +/- this fraction of the computed delay, so retries do not stampede
     responses: tuple[ResponseRule, ...] = DEFAULT_RESPONSES
     # Covers the first retry under the default backoff (1 s +/- 20%), which most transient
-    # failures need, and no more (a later one goes through the RQ).
+    # failures need, and no more (a later one goes through the RQ). Also the most a delivery
+    # task waits for retries in place after its other deliveries are done.
     in_place_window_ms: int = 2_000
 
 

@@ -175,8 +175,9 @@ def retries_in_place(policy: RetryPolicy, first_failure_ms: int, due_ms: int) ->
     """Whether a retry due at `due_ms` may wait inside the delivery task instead of going
     through the RQ: when it falls due within `policy.in_place_window_ms` of the message's first
     failure (so with the default policy, the first retry of a message that starts failing in
-    this batch). A window of 0 turns retries in place off. The task waits only while it has
-    other deliveries to make (`GroupRun`); the RQ takes the retry otherwise.
+    this batch). A window of 0 turns retries in place off. The task waits while it has other
+    deliveries to make and, after its last one, at most the window more; the RQ takes a retry
+    due later than that (`GroupRun`, `HttpDeliverer.run`'s `linger_s`).
 
     The attempt, its headers, backoff and Retry-After are the same either way; only where the
     message waits differs."""

@@ -180,6 +180,21 @@ def test_a_wait_while_busy_is_kept_while_other_streams_run_and_stopped_when_none
     assert order.index("early-2") < order.index("long-100")
 
 
+def test_after_the_engine_runs_out_of_work_it_lingers_only_for_waits_due_soon_enough(endpoint):
+    """With `linger_s=1`, a busy-only wait due 0.2 s after the engine ran out of work is kept
+    (its request goes out), one due in 30 s is stopped at once."""
+    ep = endpoint()
+    soon = Pausing("soon", 2, before=2, seconds=0.2, while_busy=True)
+    late = Pausing("late", 2, before=2, seconds=30, while_busy=True)
+    with HttpDeliverer(Endpoint(url=ep.url)) as engine:
+        started = time.monotonic()
+        stats = engine.run([soon, late], linger_s=1.0)
+    assert time.monotonic() - started < 30  # it did not sleep through late's wait
+    assert stats.requests == 3
+    assert soon.finished and not soon.stopped
+    assert late.stopped and late.sent == 1
+
+
 def test_a_run_with_only_waiting_streams_left_sleeps_until_they_are_due(endpoint):
     ep = endpoint()
     started = time.monotonic()
