@@ -402,20 +402,29 @@ def test_retries_in_place_wait_their_backoff_in_the_task_then_fall_back_to_the_r
     assert (job.stats.retried_in_place, job.stats.retried) == (3, 1)
 
 
-def test_a_retry_in_place_goes_to_the_rq_when_its_task_has_nothing_else_to_do(
+def test_a_retry_in_place_goes_to_the_rq_if_it_would_hold_an_idle_task_past_the_window(
     settings, catalog, spark
 ):
-    """A retry in place never makes a micro-batch longer: with nothing else to deliver, the
-    task sends `gw.000`'s retry (due 1 s later, within the 2 s window) through the RQ."""
+    """Group `gw` alone in its task (fixed backoff 1.5 s, window 2 s): `gw.000` fails, the task
+    has nothing else to deliver, and waits for its retry, due 1.5 s later (within 2 s of the
+    task running out of work). `gw.001` then fails too: its retry would be due 3 s after that
+    moment, so the task stops waiting and sends it through the RQ."""
     ep = TestEndpoint()
     ep.start()
     try:
         sub = create_sub(
             catalog,
             ep,
-            retry={**FAST_RETRY, "min_backoff": "1s", "max_backoff": "1s", "in_place_window": "2s"},
+            retry={
+                **FAST_RETRY,
+                "backoff": "fixed",
+                "min_backoff": "1500ms",
+                "max_backoff": "1500ms",
+                "in_place_window": "2s",
+            },
         )
         ep.set_script("gw.000", [500])
+        ep.set_script("gw.001", [500])
         produce(settings, sub, ["gw"], per_group=2)
         job = run_shard(settings, spark, sub)
         records = ep.records()
@@ -423,12 +432,15 @@ def test_a_retry_in_place_goes_to_the_rq_when_its_task_has_nothing_else_to_do(
     finally:
         ep.stop()
     [record] = rq
-    assert (record["headers"][m.H_MSG_ID], record["headers"][m.H_ATTEMPTS]) == ("gw.000", "1")
-    attempts = by_message(records)["gw.000"]
-    assert [(r.attempt, r.status) for r in attempts] == [(1, 500), (2, 200)]
-    assert attempts[1].received_ms - attempts[0].received_ms >= 1_000
+    assert (record["headers"][m.H_MSG_ID], record["headers"][m.H_ATTEMPTS]) == ("gw.001", "1")
+    first = by_message(records)["gw.000"]
+    assert [(r.attempt, r.status) for r in first] == [(1, 500), (2, 200)]
+    assert first[1].received_ms - first[0].received_ms >= 1_500
+    second = by_message(records)["gw.001"]
+    assert [(r.attempt, r.status) for r in second] == [(1, 500), (2, 200)]
+    assert second[1].received_ms - second[0].received_ms >= 1_500
     assert_group_order(sub, records)
-    assert (job.stats.retried_in_place, job.stats.retried) == (0, 1)
+    assert (job.stats.retried_in_place, job.stats.retried) == (1, 1)
 
 
 def test_a_fatal_answer_dead_letters_at_once_with_its_reason(timing):
