@@ -125,6 +125,18 @@ def run_shard(settings, spark, sub: Sub, idle_s: float = 2.0) -> ShardJob:
     return job
 
 
+def scripted_run(
+    settings, spark, sub: Sub, scripts: dict[str, list], batches: list[tuple[list[str], int]]
+) -> ShardJob:
+    """Script the endpoint's answers per message id, produce each `(groups, per_group)` of
+    `batches` in turn, and run the shard until it is idle."""
+    for msg_id, answers in scripts.items():
+        sub.endpoint.set_script(msg_id, answers)
+    for groups, per_group in batches:
+        produce(settings, sub, groups, per_group)
+    return run_shard(settings, spark, sub)
+
+
 def dlq_of(settings, sub: Sub) -> list[dict[str, Any]]:
     return read_queue(settings.bootstrap, f"{sub.name}.dlq.0")
 
@@ -292,11 +304,8 @@ def timing(settings, catalog, spark):
                 "jitter": 0,
             },
         )
-        ep.set_script("gb.000", [500, 500])
-        ep.set_script("gr.000", [503])
-        ep.set_script("gf.000", [400])
-        produce(settings, sub, ["gb", "gr", "gf", "h1", "h2", "h3"], per_group=4)
-        run_shard(settings, spark, sub)
+        scripts = {"gb.000": [500, 500], "gr.000": [503], "gf.000": [400]}
+        scripted_run(settings, spark, sub, scripts, [(["gb", "gr", "gf", "h1", "h2", "h3"], 4)])
         yield {
             "sub": sub,
             "records": ep.records(),
@@ -349,7 +358,7 @@ def test_retry_after_is_honoured(timing):
 
 
 def test_retries_in_place_wait_their_backoff_in_the_task_then_fall_back_to_the_rq(
-    settings, catalog, spark
+    settings, catalog, spark, endpoint
 ):
     """With `in_place_window: 1500ms` and backoffs of 300 ms, 600 ms, 1.2 s: `gi.000` fails three
     times. Its first two retries fall due within 1.5 s of its first failure and are sent again
@@ -357,32 +366,24 @@ def test_retries_in_place_wait_their_backoff_in_the_task_then_fall_back_to_the_r
     each, in the same single task); the third is due 2.1 s after the first failure and goes
     through the RQ, with all three attempts counted. `gj.001` fails once and is retried in
     place. Groups keep order."""
-    ep = TestEndpoint(latency_ms=50)
-    ep.start()
-    try:
-        sub = create_sub(
-            catalog,
-            ep,
-            retry={
-                "max_attempts": 5,
-                "backoff": "exponential",
-                "min_backoff": "300ms",
-                "max_backoff": "5s",
-                "multiplier": 2,
-                "jitter": 0,
-                "in_place_window": "1500ms",
-            },
-            consumption={**FAST_CONSUMPTION, "concurrency": 1},
-        )
-        ep.set_script("gi.000", [500, 500, 500])
-        ep.set_script("gj.001", [500])
-        produce(settings, sub, ["gi", "gj"], per_group=3)
-        produce(settings, sub, ["busy"], per_group=60)
-        job = run_shard(settings, spark, sub)
-        records = ep.records()
-        rq = rq_of(settings, sub)
-    finally:
-        ep.stop()
+    ep = endpoint(latency_ms=50)
+    sub = create_sub(
+        catalog,
+        ep,
+        retry={
+            "max_attempts": 5,
+            "backoff": "exponential",
+            "min_backoff": "300ms",
+            "max_backoff": "5s",
+            "multiplier": 2,
+            "jitter": 0,
+            "in_place_window": "1500ms",
+        },
+        consumption={**FAST_CONSUMPTION, "concurrency": 1},
+    )
+    scripts = {"gi.000": [500, 500, 500], "gj.001": [500]}
+    job = scripted_run(settings, spark, sub, scripts, [(["gi", "gj"], 3), (["busy"], 60)])
+    records, rq = ep.records(), rq_of(settings, sub)
 
     attempts = by_message(records)["gi.000"]
     assert [(r.attempt, r.status) for r in attempts] == [(1, 500), (2, 500), (3, 500), (4, 200)]
@@ -403,34 +404,26 @@ def test_retries_in_place_wait_their_backoff_in_the_task_then_fall_back_to_the_r
 
 
 def test_a_retry_in_place_goes_to_the_rq_if_it_would_hold_an_idle_task_past_the_window(
-    settings, catalog, spark
+    settings, catalog, spark, endpoint
 ):
     """Group `gw` alone in its task (fixed backoff 1.5 s, window 2 s): `gw.000` fails, the task
     has nothing else to deliver, and waits for its retry, due 1.5 s later (within 2 s of the
     task running out of work). `gw.001` then fails too: its retry would be due 3 s after that
     moment, so the task stops waiting and sends it through the RQ."""
-    ep = TestEndpoint()
-    ep.start()
-    try:
-        sub = create_sub(
-            catalog,
-            ep,
-            retry={
-                **FAST_RETRY,
-                "backoff": "fixed",
-                "min_backoff": "1500ms",
-                "max_backoff": "1500ms",
-                "in_place_window": "2s",
-            },
-        )
-        ep.set_script("gw.000", [500])
-        ep.set_script("gw.001", [500])
-        produce(settings, sub, ["gw"], per_group=2)
-        job = run_shard(settings, spark, sub)
-        records = ep.records()
-        rq = rq_of(settings, sub)
-    finally:
-        ep.stop()
+    ep = endpoint()
+    sub = create_sub(
+        catalog,
+        ep,
+        retry={
+            **FAST_RETRY,
+            "backoff": "fixed",
+            "min_backoff": "1500ms",
+            "max_backoff": "1500ms",
+            "in_place_window": "2s",
+        },
+    )
+    job = scripted_run(settings, spark, sub, {"gw.000": [500], "gw.001": [500]}, [(["gw"], 2)])
+    records, rq = ep.records(), rq_of(settings, sub)
     [record] = rq
     assert (record["headers"][m.H_MSG_ID], record["headers"][m.H_ATTEMPTS]) == ("gw.001", "1")
     first = by_message(records)["gw.000"]
