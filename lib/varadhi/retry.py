@@ -37,8 +37,9 @@ day. An hour is long enough for any real maintenance window to be honoured and s
 that such a mistake shows up as retries in the RQ, not as a stuck subscription."""
 
 MAX_IN_PLACE_WINDOW_MS = 60_000
-"""Upper bound on `RetryPolicy.in_place_window_ms`: a message waiting in place holds its group's
-later messages in the task, where they are in no state table; longer waits belong in the RQ."""
+"""Upper bound on `RetryPolicy.in_place_window_ms`. A delivery task may wait that long past its
+other deliveries, holding its micro-batch (and every group of the shard) back, and a message
+waiting in place holds its group's later messages in the task; longer waits belong in the RQ."""
 
 UNMATCHED = ResponseRule("unmatched", "dead_letter")
 """What `classify` returns when no rule of the table matches the outcome."""
