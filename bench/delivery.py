@@ -57,9 +57,7 @@ from __future__ import annotations
 import argparse
 import ast
 import itertools
-import json
 import os
-import platform
 import re
 import shutil
 import signal
@@ -79,6 +77,7 @@ from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError
 from kafka.record import util as record_util
 
+from common import machine, write_results
 from http_engine import _free_port, _stop, _wait_listening, run_wrk
 from varadhi import messages as m
 from varadhi.catalog import Catalog
@@ -1075,12 +1074,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python bench/delivery.py "
         + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            # Other work on the machine lowers every row: compare rows of one run.
-            "load_average_at_start": [round(x, 2) for x in load_at_start],
-        },
+        "machine": machine(load_at_start),
         "kafka_python_crc32c": "C (crc32c package)"
         if record_util.crc32c_c is not None
         else "pure Python (the baseline skips CRC checks)",
@@ -1178,9 +1172,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kept logs in {logdir}")
     doc["targets"] = targets(rows)
     print_table(doc)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, doc)
     return 0
 
 

@@ -21,9 +21,7 @@ skipped with a message. Installs nothing. Writes bench/results/http_engine.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import re
 import shutil
 import socket
@@ -37,6 +35,7 @@ from pathlib import Path
 
 import pycurl
 
+from common import machine, write_results
 from varadhi.delivery import DeliveryStats, HttpDeliverer, Outcome, Request
 from varadhi.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_IDEMPOTENCY_KEY, HTTP_MESSAGE_ID
 from varadhi.policies import Endpoint
@@ -250,27 +249,14 @@ def main() -> int:
         print(
             f"{row['target']:<15} {row['client']:<15} {n:>9} {row['seconds']:>8} {row['req_per_s']:>9}"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "benchmark": "http_engine",
-                "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "curl": pycurl.version,
-                    # Other work on the machine lowers every row: compare rows of one run.
-                    "load_average_at_start": [round(x, 2) for x in load_at_start],
-                },
-                "groups": args.groups,
-                "rows": rows,
-            },
-            indent=2,
-        )
-        + "\n"
-    )
-    print(f"wrote {args.out}")
+    doc = {
+        "benchmark": "http_engine",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": machine(load_at_start, curl=pycurl.version),
+        "groups": args.groups,
+        "rows": rows,
+    }
+    write_results(args.out, doc)
     return 0
 
 
