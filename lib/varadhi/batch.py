@@ -5,9 +5,9 @@ A micro-batch runs in one or two Spark jobs (their bodies are the `mapInPandas` 
 1. `deliver_records` runs on the Kafka source's partitions, coalesced into the shard's
    `concurrency` tasks (no shuffle). A group's main-topic records all sit in one partition, in
    offset order, so a group with nothing pending (a *healthy* group, the common case) is
-   delivered right there. When some groups have pending
-   state, records that need more than their partition are *forwarded* instead (kind `fwd`: the
-   record as a state row, with its body): retry-queue records and records of those groups.
+   delivered right there. When some groups have pending state, records that need more than
+   their partition are *forwarded* instead (kind `fwd`: the record as a state row, with its
+   body): retry-queue records and records of those groups.
 2. `process_partition` runs over the forwarded rows plus the parked bodies their groups need
    (`held` rows of the state table), repartitioned by group key, and merges them with the
    groups' pending state (`varadhi.group_state.merge`). The driver builds its input from what

@@ -50,8 +50,8 @@ endpoint sees a group's replayed and live messages interleaved, each stream in i
 the job uses enough tasks to keep that near `consumption.max_messages_per_batch` messages each.
 A retry that has come due takes the next connection slot that frees (any request's end), before
 any group not yet started or going on, so it is sent about on time (the delivery engine's
-`Wait`). A task ends only once each of its groups has delivered or failed, so it waits out every retry's backoff
-(at most `retry.max_backoff`, or an hour of Retry-After).
+`Wait`). A task ends only once each of its groups has delivered or failed, so it waits out every
+retry's backoff (at most `retry.max_backoff`, or an hour of Retry-After).
 
 Layout: pure planning (`resolve_range`, `plan_ranges`, `ReplayPlan`), the executor side
 (`ReplayGroup`, `deliver_partition`), then the driver's thin I/O
