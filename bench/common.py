@@ -1,12 +1,20 @@
-"""What the benchmarks record the same way: the machine a run was measured on, and the results
-file (JSON, pretty-printed). Imported by the scripts next to it (`from common import ...`)."""
+"""What the benchmarks share: where Debian's nginx is, the machine a run was measured on, and the
+results file (JSON, pretty-printed). Imported by the scripts next to it (`from common import`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import shutil
 from pathlib import Path
+
+
+def nginx_binary() -> str | None:
+    """nginx on PATH, else where Debian puts it (/usr/sbin is not on every user's PATH)."""
+    return shutil.which("nginx") or next(
+        (p for p in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(p, os.X_OK)), None
+    )
 
 
 def machine(load_at_start: tuple[float, float, float], **facts: object) -> dict:

@@ -77,7 +77,7 @@ from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError
 from kafka.record import util as record_util
 
-from common import machine, write_results
+from common import machine, nginx_binary, write_results
 from http_engine import _free_port, _stop, _wait_listening, run_wrk
 from varadhi import messages as m
 from varadhi.catalog import Catalog
@@ -142,12 +142,6 @@ class Nginx:
         if keep_in is not None:
             shutil.copy(self.log, keep_in / f"{name}-access.log")
         return read_log(self.log)
-
-
-def nginx_binary() -> str | None:
-    return shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(p, os.X_OK)), None
-    )
 
 
 @contextmanager

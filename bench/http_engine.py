@@ -35,7 +35,7 @@ from pathlib import Path
 
 import pycurl
 
-from common import machine, write_results
+from common import machine, nginx_binary, write_results
 from varadhi.delivery import DeliveryStats, HttpDeliverer, Outcome, Request
 from varadhi.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_IDEMPOTENCY_KEY, HTTP_MESSAGE_ID
 from varadhi.policies import Endpoint
@@ -219,9 +219,7 @@ def main() -> int:
 
     load_at_start = os.getloadavg()
     rows: list[dict] = []
-    nginx_bin = shutil.which("nginx") or next(
-        (p for p in ("/usr/sbin/nginx", "/sbin/nginx") if os.access(p, os.X_OK)), None
-    )
+    nginx_bin = nginx_binary()
     wrk_bin = shutil.which("wrk")
     common = {"body_bytes": len(BODY), "max_in_flight": args.max_in_flight}
 
