@@ -22,8 +22,9 @@ table's schema (`STATE_SCHEMA`):
 - `done` rows: delivered ids, for the de-duplication window;
 - one `stat` row per task with its counters (JSON in `reason`).
 
-Malformed input (no value, undecodable key or headers, oversized value) never raises: it becomes
-an entry that is dead-lettered at once with the reason, in its group's order.
+Input is binary-safe: keys and headers in any form are read through their text forms
+(`varadhi.record_ids`); a record that cannot be delivered (no value, oversized value) never
+raises: it becomes an entry that is dead-lettered at once with the reason, in its group's order.
 """
 
 from __future__ import annotations
@@ -83,29 +84,30 @@ class BatchContext:
     now_ms: int
     seed: int
     dedup: bool = False  # report delivered ids (kind `done`) for the de-duplication window
+    max_out_bytes: int | None = None  # the largest record the RQ takes (GroupRun.max_out_bytes)
 
 
 def entry_from_record(row: dict, ctx: BatchContext) -> Entry:
-    """An `mq` or `rq` record as an Entry. A malformed record gets `invalid` set, so its run
-    dead-letters it in order without calling the endpoint."""
+    """An `mq` or `rq` record as an Entry. The row's `group_id` and `msg_id` are the text forms
+    of the record's ids (`varadhi.record_ids`, computed by Spark), so no key or header bytes can
+    fail here: a non-UTF-8 key is a group like any other. A record that cannot be delivered (no
+    value, a value over `max_message_bytes`) gets `invalid` set, so its run dead-letters it in
+    order without calling the endpoint."""
     topic, partition, offset = row["topic"], int(row["partition"]), int(row["offset"])
     source = f"{topic}/{partition}/{offset}"
-    problem = None
-    try:
-        headers = m.headers_to_dict((h["key"], h["value"]) for h in _headers(row))
-    except (UnicodeDecodeError, TypeError, KeyError):
-        headers, problem = {}, "malformed: undecodable headers"
-    msg_id = headers.get(m.H_MSG_ID) or f"{topic}-{partition}-{offset}"
-    group_id = headers.get(m.H_GROUP_ID) or None
-    if group_id is None and row["key"] is not None:
-        try:
-            group_id = bytes(row["key"]).decode("utf-8") or None
-        except UnicodeDecodeError:
-            problem = problem or "malformed: undecodable key"
+    headers = m.headers_to_dict((h["key"], h["value"]) for h in _headers(row))
+    msg_id = row["msg_id"]
+    group_id = row["group_id"] if isinstance(row["group_id"], str) else None
+    # RQ and DLQ copies carry the ids' text forms, which read back to the same group key.
+    if m.H_MSG_ID in headers:
+        headers[m.H_MSG_ID] = msg_id
+    if m.H_GROUP_ID in headers:
+        headers[m.H_GROUP_ID] = group_id or ""
     value = None if row["value"] is None else bytes(row["value"])
-    if problem is None and value is None:
+    problem = None
+    if value is None:
         problem = "malformed: no value"
-    if problem is None and len(value) > ctx.spec.max_message_bytes:
+    elif len(value) > ctx.spec.max_message_bytes:
         problem = f"malformed: value of {len(value)} bytes exceeds {ctx.spec.max_message_bytes}"
 
     entry = Entry(
@@ -268,7 +270,9 @@ def _deliver(
     for key, found in candidates.items():
         old = [entry_from_state(r) for r in pending.get(key, ())]
         queue = merge(old, found, counts)
-        run = GroupRun(queue, ctx.spec.retry, ctx.spec.on_dead_letter, _now_ms, rng, counts)
+        run = GroupRun(
+            queue, ctx.spec.retry, ctx.spec.on_dead_letter, _now_ms, rng, counts, ctx.max_out_bytes
+        )
         runs.append((key, run))
     if runs:
         with HttpDeliverer(ctx.spec.endpoint, ctx.spec.consumption.max_in_flight) as http:

@@ -43,6 +43,23 @@ def key(kind: str, name: str) -> str:
     return f"{kind}/{name}"
 
 
+def decode_record(key: bytes | None, value: bytes | None) -> tuple[str, Document | None] | None:
+    """A catalog (or progress) record as (key, document); document None is a deletion. None
+    for a record another program wrote or a broken one (no key, a key that is not UTF-8, a
+    value that is not a JSON object): readers skip it, so it can never stop a shard, a lease
+    check or a command (pure)."""
+    if not key:
+        return None
+    try:
+        name = key.decode("utf-8")
+        doc = None if value is None else json.loads(value)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if doc is not None and not isinstance(doc, dict):
+        return None
+    return name, doc
+
+
 class Snapshot:
     """An immutable view of the catalog at one point: key -> document."""
 
@@ -137,11 +154,18 @@ class Catalog:
                 raise KafkaUnavailable(f"timed out reading the catalog topic {self.topic}")
             for records in consumer.poll(timeout_ms=200).values():
                 for record in records:
-                    name = record.key.decode("utf-8")
-                    if record.value is None:
-                        self._entries.pop(name, None)
+                    entry = decode_record(record.key, record.value)
+                    if entry is None:
+                        log.warning(
+                            "catalog %s: skipped a record that is not the product's "
+                            "(offset %d): its key or value is not a key and a JSON object",
+                            self.topic,
+                            record.offset,
+                        )
+                    elif entry[1] is None:
+                        self._entries.pop(entry[0], None)
                     else:
-                        self._entries[name] = json.loads(record.value)
+                        self._entries[entry[0]] = entry[1]
 
     def _consumer_or_create(self) -> KafkaConsumer:
         if self._consumer is None:

@@ -22,15 +22,17 @@ from pyspark.sql import DataFrame, SparkSession, Window
 from pyspark.sql import functions as F
 
 from . import messages as m
+from .record_ids import header_column, text_id_column
 
 log = logging.getLogger("varadhi.dedup")
 SCHEMA = "msg_id string, delivered_ms bigint"
 EVICT_EVERY_S = 300
 
 
-def dedup_id(header) -> F.Column:
-    """The id a record is de-duplicated by: message id header, else SHA-256 of the value."""
-    return F.coalesce(header(m.H_MSG_ID), F.sha2(F.col("value"), 256))
+def dedup_id() -> F.Column:
+    """The id a record is de-duplicated by: the text form of its message id header
+    (`varadhi.record_ids`), else the SHA-256 of its value."""
+    return F.coalesce(text_id_column(header_column(m.H_MSG_ID)), F.sha2(F.col("value"), 256))
 
 
 class DedupWindow:

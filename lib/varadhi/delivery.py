@@ -70,6 +70,8 @@ from varadhi import __version__
 from varadhi.errors import InvalidArgument
 from varadhi.policies import Endpoint, Method
 
+# How much of a response body an Outcome keeps (dead letters carry it as a header).
+RESPONSE_SNIPPET_BYTES = 1024
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field-name
 # Framing headers the engine owns; a per-request header of these names is dropped.
 _END = object()  # end of the streams iterable
@@ -115,13 +117,16 @@ class Outcome:
     and `error` is set. `error` is `"timeout"` when the request was sent and no complete answer
     came within `request_timeout_ms` (the endpoint may have processed it), `"connection_error"`
     for everything that got no answer otherwise: refused, reset, DNS, TLS, or a connect that
-    timed out (the request was never sent). `detail` is `"HTTP 503"` or curl's error text."""
+    timed out (the request was never sent). `detail` is `"HTTP 503"` or curl's error text.
+    `body` is the start of the response body, at most `RESPONSE_SNIPPET_BYTES` (the rest is
+    read and dropped), so a dead letter can say what the endpoint answered."""
 
     status: int | None
     error: str | None
     detail: str
     retry_after: str | None
     elapsed_ms: float
+    body: bytes = b""
 
 
 class Stream(Protocol):
@@ -161,12 +166,20 @@ class DeliveryStats:
 class _Transfer:
     """An easy handle, reused across requests, and the state of the request it carries."""
 
-    __slots__ = ("curl", "stream", "retry_after")
+    __slots__ = ("curl", "stream", "retry_after", "body")
 
     def __init__(self, curl: pycurl.Curl):
         self.curl = curl
         self.stream: Stream | None = None
         self.retry_after: str | None = None
+        self.body = b""
+
+    def on_body(self, data: bytes) -> None:
+        # Called by libcurl per chunk of the response body: keep its start, drop the rest
+        # (returning None tells libcurl the whole chunk was taken).
+        room = RESPONSE_SNIPPET_BYTES - len(self.body)
+        if room > 0:
+            self.body += data[:room]
 
     def on_header(self, line: bytes) -> None:
         # Called by libcurl per response header line; a new status line (e.g. after a
@@ -301,6 +314,7 @@ class HttpDeliverer:
                             f"HTTP {status}",
                             transfer.retry_after,
                             curl.getinfo(pycurl.TOTAL_TIME) * 1000.0,
+                            transfer.body,
                         )
                         in_flight -= self._complete(transfer, outcome, waiting)
                     for curl, code, message in failed:
@@ -379,6 +393,7 @@ class HttpDeliverer:
         curl.setopt(pycurl.HTTPHEADER, lines)
         transfer.stream = stream
         transfer.retry_after = None
+        transfer.body = b""
         self._multi.add_handle(curl)
 
     def _new_transfer(self) -> _Transfer:
@@ -396,7 +411,7 @@ class HttpDeliverer:
         curl.setopt(pycurl.TCP_KEEPALIVE, 1)
         curl.setopt(pycurl.USERAGENT, f"varadhi-spark/{__version__}")
         curl.setopt(pycurl.HEADERFUNCTION, transfer.on_header)
-        curl.setopt(pycurl.WRITEFUNCTION, len)  # discard the response body
+        curl.setopt(pycurl.WRITEFUNCTION, transfer.on_body)
         self._by_curl[curl] = transfer
         return transfer
 

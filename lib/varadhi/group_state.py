@@ -126,6 +126,10 @@ class GroupRun:
 
     `on_dead_letter="skip"` lets a dead-lettered head leave the queue, so the group carries on.
     `clock` returns ms since the epoch; `rng` drives backoff jitter (both injectable for tests).
+    `max_out_bytes` is the largest record the RQ accepts: a retry whose record would not fit
+    (`out_bytes`) is dead-lettered instead (the DLQ takes a truncated copy; see
+    `varadhi.shard.fit_record`), so a record at the main topic's size limit never fails after
+    the state commit.
     """
 
     def __init__(
@@ -136,8 +140,10 @@ class GroupRun:
         clock: Callable[[], int],
         rng: random.Random,
         counts: RunCounts,
+        max_out_bytes: int | None = None,
     ):
         self.entries = entries
+        self.max_out_bytes = max_out_bytes
         self.policy = policy
         self.on_dead_letter = on_dead_letter
         self.clock = clock
@@ -199,6 +205,7 @@ class GroupRun:
         head.last_failure_ms = now
         head.reason = decision.reason
         head.status = outcome.status
+        head.headers = with_response(head.headers, outcome.body)
         if decision.action == "retry":
             head.due_ms = decision.due_ms or now
             if retries_in_place(self.policy, head.first_failure_ms, head.due_ms):
@@ -217,7 +224,14 @@ class GroupRun:
 
     def _retry_through_rq(self, head: Entry) -> None:
         """Write the head to the RQ (its due time, attempts and failure times set); its group
-        stops behind it."""
+        stops behind it. One too large for the RQ is dead-lettered instead."""
+        if self.max_out_bytes is not None and out_bytes(head) > self.max_out_bytes:
+            head.reason = (
+                f"{head.reason}; not retried: a record of about {out_bytes(head)} bytes exceeds "
+                f"the retry queue's {self.max_out_bytes}"
+            )
+            self._dead_letter(head)
+            return
         self.outs.append(Out("rq", replace(head)))
         head.location, head.value = "rq", None
         self.counts.retried += 1
@@ -244,6 +258,29 @@ class GroupRun:
         return out
 
 
+# Room for the headers a shard adds to an RQ/DLQ record (origin, attempts, due and failure
+# times, reason, status) and Kafka's per-record framing.
+OUT_HEADERS_RESERVE_BYTES = 2048
+
+
+def out_bytes(entry: Entry) -> int:
+    """An upper bound of the size of `entry`'s RQ/DLQ record: body, key, the headers it
+    carries and `OUT_HEADERS_RESERVE_BYTES` (pure)."""
+    headers = sum(len(k.encode()) + len(v.encode()) for k, v in entry.headers.items())
+    key = len(entry.group_id.encode()) if entry.group_id else 0
+    reason = len(entry.reason.encode()) if entry.reason else 0
+    return len(entry.value or b"") + key + headers + reason + OUT_HEADERS_RESERVE_BYTES
+
+
+def with_response(headers: dict[str, str], body: bytes) -> dict[str, str]:
+    """`headers` (a new dict) with the response snippet of the last failed attempt, or without
+    one when that attempt's answer had no body."""
+    out = {k: v for k, v in headers.items() if k != m.H_RESPONSE}
+    if body:
+        out[m.H_RESPONSE] = body.decode("utf-8", "replace")
+    return out
+
+
 def http_headers(entry: Entry) -> dict[str, str]:
     """The headers of a delivery: idempotency key, group, attempt number, source position."""
     headers = {
@@ -255,6 +292,6 @@ def http_headers(entry: Entry) -> dict[str, str]:
     if entry.group_id is not None:
         headers[m.HTTP_GROUP_ID] = entry.group_id
     produced = entry.headers.get(m.H_PRODUCED_MS)
-    if produced:
+    if produced and produced.isascii() and produced.isdigit():  # another producer's may be junk
         headers[m.HTTP_PRODUCED_AT] = produced
     return headers

@@ -17,6 +17,7 @@ preserves.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -31,6 +32,12 @@ H_FIRST_FAILURE_MS = "varadhi-first-failure-ms"
 H_LAST_FAILURE_MS = "varadhi-last-failure-ms"
 H_REASON = "varadhi-reason"
 H_STATUS = "varadhi-status"
+# The start of the endpoint's response body to the last failed attempt (at most
+# `delivery.RESPONSE_SNIPPET_BYTES`, as UTF-8 text with undecodable bytes replaced).
+H_RESPONSE = "varadhi-response"
+# On a DLQ record cut to the topic's size limit: the original body's size in bytes
+# (`varadhi.queue_records`). Such a copy is never delivered.
+H_TRUNCATED = "varadhi-truncated"
 
 # Headers of every HTTP delivery.
 HTTP_MESSAGE_ID = "X-Varadhi-Message-Id"
@@ -59,11 +66,27 @@ class Origin:
         return cls(index, partition, offset)
 
 
+# Prefix of a header value (or id, `varadhi.record_ids`) that is the base64 of bytes that are
+# not UTF-8 text.
+B64_PREFIX = "b64:"
+
+
 def headers_to_dict(headers: Iterable[tuple[str, bytes | None]] | None) -> dict[str, str]:
-    """Kafka headers as a dict of strings. Raises UnicodeDecodeError on undecodable values."""
+    """Kafka headers as a dict of strings; never raises on what a producer wrote.
+
+    A repeated header keeps its first value (as Spark's `varadhi.record_ids.header_column`
+    reads it). A value that is not UTF-8 becomes `b64:` + its base64 (so an RQ or DLQ copy of
+    the record carries it as that text); a null value becomes "".
+    """
     out: dict[str, str] = {}
     for k, v in headers or ():
-        out[k] = "" if v is None else bytes(v).decode("utf-8")
+        if k in out:
+            continue
+        data = b"" if v is None else bytes(v)
+        try:
+            out[k] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            out[k] = B64_PREFIX + base64.b64encode(data).decode("ascii")
     return out
 
 

@@ -582,23 +582,29 @@ class ChangeShards:
             return
         from kafka import KafkaProducer
 
-        from .shard import out_headers
+        from .queue_records import MAX_REQUEST_BYTES, out_record
 
         targets = {"rq": plan.rq_target, "dlq": plan.dlq_target}
-        producer = KafkaProducer(bootstrap_servers=self.catalog.settings.bootstrap, acks="all")
+        limits = topics.max_message_bytes(self.catalog, [st.name for st in targets.values()])
+        producer = KafkaProducer(
+            bootstrap_servers=self.catalog.settings.bootstrap,
+            acks="all",
+            max_request_size=MAX_REQUEST_BYTES,
+        )
         try:
             futures = []
             for row in outs.to_dict("records"):
                 st = targets[row["target"]]
+                record = out_record(row, min(limits[st.name], MAX_REQUEST_BYTES))
                 futures.append(
                     producer.send(
                         st.name,
-                        key=row["group_id"].encode() if isinstance(row["group_id"], str) else None,
-                        value=row["value"],
+                        key=record.key,
+                        value=record.value,
                         partition=internal_target(
                             row["group_key"], plan.route_by, plan.to_shards, st.partitions
                         ),
-                        headers=out_headers(row),
+                        headers=record.headers,
                     )
                 )
             for f in futures:
@@ -765,7 +771,7 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
     from pyspark.sql import functions as F
 
     from .batch import TICK_HEADER
-    from .shard import group_key_column
+    from .record_ids import group_key_column
 
     snap = catalog.snapshot()
     op = _require_op(snap, name)

@@ -42,12 +42,11 @@ from typing import Any
 import pandas as pd
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from . import dlq as dlq_ops
 from . import layouts, routing, subscriptions, topics
-from . import messages as m
 from .batch import (
     STATE_SCHEMA,
     TICK_HEADER,
@@ -62,6 +61,8 @@ from .errors import Fenced, InvalidArgument, VaradhiError
 from .faults import crash_point
 from .layouts import READER_KIND, Layout, drained, next_layout
 from .leases import Lease
+from .queue_records import MAX_REQUEST_BYTES, out_record
+from .record_ids import group_id_column, group_key_column, msg_id_column
 from .settings import Settings
 from .state_store import StateStore, normalise
 from .status import ProgressPublisher
@@ -119,6 +120,7 @@ class ShardJob:
         self.stats = ShardStats()
         self._batch_lock = threading.Lock()
         self._stopping = False
+        self._limits: dict[str, int] = {}  # RQ/DLQ storage topic -> largest record (_out_limit)
         self._signal = threading.Event()
         self._last_batch_end = time.monotonic()
         self._last_batch_start_ms = -1  # before any batch: a due time of 0 still gets a tick
@@ -196,7 +198,7 @@ class ShardJob:
                 transactional_id=f"varadhi.{self.name}.s{sub.shard_count}.shard-{self.shard}",
                 acks="all",
                 linger_ms=5,
-                max_request_size=16 * 1024 * 1024,
+                max_request_size=MAX_REQUEST_BYTES,
             )
             self._producer.init_transactions()
             self._publisher = ProgressPublisher(self.settings, self.name, self.shard)
@@ -525,6 +527,7 @@ class ShardJob:
             now_ms=now_ms,
             seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
             dedup=bool(sub.spec.dedup_window_ms),
+            max_out_bytes=self._out_limit(rq.produce_topic.name),
         )
         result = self._deliver(records, ctx, store, pending, due_groups)
 
@@ -617,6 +620,14 @@ class ShardJob:
             self._dedup = DedupWindow(spark, path, int(sub.spec.dedup_window_ms))
         return self._dedup
 
+    def _out_limit(self, storage_topic: str) -> int:
+        """The largest record the shard may write to an RQ/DLQ storage topic: its
+        `max.message.bytes`, read once per topic, and at most what the producer sends."""
+        if storage_topic not in self._limits:
+            found = topics.max_message_bytes(self.catalog, [storage_topic])[storage_topic]
+            self._limits[storage_topic] = min(found, MAX_REQUEST_BYTES)
+        return self._limits[storage_topic]
+
     def _send_outs(self, outs, sub, rq, dlq) -> None:
         """Send a committed batch's RQ/DLQ records in one Kafka transaction (the inner fence)."""
         if not len(outs):
@@ -639,13 +650,14 @@ class ShardJob:
             for row in outs.to_dict("records"):
                 st, parts = targets[row["target"]]
                 partition = routing.internal_partition(routing.group_hash(row["group_key"]), parts)
+                record = out_record(row, self._out_limit(st.name))
                 futures.append(
                     producer.send(
                         st.name,
-                        key=row["group_id"].encode() if isinstance(row["group_id"], str) else None,
-                        value=row["value"],
+                        key=record.key,
+                        value=record.value,
                         partition=partition,
-                        headers=out_headers(row),
+                        headers=record.headers,
                     )
                 )
             for f in futures:
@@ -741,42 +753,23 @@ def _kafka_metrics_npe(query) -> bool:
         return False
 
 
-def _header(name: str):
-    return F.expr(
-        f"CAST(try_element_at(filter(headers, h -> h.key = '{name}'), 1).value AS STRING)"
-    )
-
-
-def group_key_column(grouped: bool) -> Column:
-    """What orders a Kafka record (a Spark column over the Kafka source's columns): its group id
-    header, else its key, else "~" + its message id; always "~" + message id when ungrouped.
-
-    Shards and feeders (`varadhi.resharding`) must agree on it: a record's group key decides
-    which GroupState entry it belongs to and which shard's partitions a feeder routes it to.
-    """
-    msg_id = F.coalesce(_header(m.H_MSG_ID), F.concat_ws("-", "topic", "partition", "offset"))
-    if not grouped:
-        return F.concat(F.lit("~"), msg_id)
-    group = F.coalesce(
-        F.nullif(_header(m.H_GROUP_ID), F.lit("")),
-        F.nullif(F.col("key").cast("string"), F.lit("")),
-    )
-    return F.coalesce(group, F.concat(F.lit("~"), msg_id))
-
-
 def _records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
-    """The batch's Kafka records with `kind` (mq/rq) and `group_key` (what orders them)."""
+    """The batch's Kafka records with `kind` (mq/rq), `group_key` (what orders them) and the
+    text forms of their ids (`group_id`, `msg_id`: `varadhi.record_ids`). Every string column
+    is valid UTF-8 whatever the producer wrote, so Arrow never fails to convert a batch."""
     mq_names = [st.name for st in mq.storage_topics]
     return df.select(
         F.when(F.col("topic").isin(mq_names), F.lit("mq")).otherwise(F.lit("rq")).alias("kind"),
         group_key_column(sub.spec.grouped).alias("group_key"),
+        group_id_column().alias("group_id"),
+        msg_id_column().alias("msg_id"),
         "topic",
         "partition",
         "offset",
         "key",
         "value",
         F.col("headers").alias("kheaders"),
-        *([dedup_id(_header).alias("dedup_id")] if sub.spec.dedup_window_ms else []),
+        *([dedup_id().alias("dedup_id")] if sub.spec.dedup_window_ms else []),
     )
 
 
@@ -820,30 +813,3 @@ def _sum(stats: list[dict]) -> dict[str, int]:
             if isinstance(v, int):
                 total[k] = total.get(k, 0) + v
     return total
-
-
-def out_headers(row: dict) -> list[tuple[str, bytes]]:
-    headers = json.loads(row["headers"]) if isinstance(row["headers"], str) else {}
-    origin = m.Origin(
-        int(row["origin_index"]), int(row["origin_partition"]), int(row["origin_offset"])
-    )
-    headers.setdefault(m.H_MSG_ID, row["msg_id"])  # keeps the group key of id-less messages
-    headers.update(
-        {
-            m.H_ORIGIN: origin.encode(),
-            m.H_ATTEMPTS: str(int(row["attempts"])),
-            m.H_DUE_MS: str(int(row["due_ms"] or 0)),
-            m.H_FIRST_FAILURE_MS: _opt(row["first_failure_ms"]),
-            m.H_LAST_FAILURE_MS: _opt(row["last_failure_ms"]),
-            m.H_REASON: row["reason"] if isinstance(row["reason"], str) else None,
-            m.H_STATUS: _opt(row["status"]),
-        }
-    )
-    return m.dict_to_headers(headers)
-
-
-def _opt(v) -> str | None:
-    try:
-        return None if v is None or v != v else str(int(v))
-    except (TypeError, ValueError):
-        return None

@@ -10,6 +10,7 @@ offsets, hence lag, and DLQ depth), so status needs neither Spark nor a running 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from typing import Any
@@ -19,8 +20,10 @@ from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
 from . import subscriptions, topics
-from .catalog import Catalog
+from .catalog import Catalog, decode_record
 from .settings import Settings
+
+log = logging.getLogger(__name__)
 
 RETENTION_MS = 7 * 24 * 3600 * 1000
 SCAN_RECORDS = 5_000  # how far back status looks for each shard's newest document
@@ -94,9 +97,14 @@ def latest_progress(settings: Settings, subscription: str) -> dict[int, dict[str
         while consumer.position(tp) < end and time.monotonic() < deadline:
             for records in consumer.poll(timeout_ms=200).values():
                 for r in records:
-                    k = (r.key or b"").decode()
-                    if k.startswith(prefix):
-                        found[int(k[len(prefix) :])] = json.loads(r.value)
+                    entry = decode_record(r.key, r.value)
+                    if entry is None:
+                        log.warning("progress topic: skipped a record that is not the product's")
+                        continue
+                    name, doc = entry
+                    shard = name[len(prefix) :]
+                    if name.startswith(prefix) and shard.isdigit() and doc is not None:
+                        found[int(shard)] = doc
         return found
     finally:
         consumer.close()

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from . import routing
@@ -224,6 +224,28 @@ def create_kafka_topics(catalog: Catalog, storages: Sequence[StorageTopic]) -> N
                     ) from None
     finally:
         admin.close()
+
+
+def max_message_bytes(catalog: Catalog, names: Sequence[str]) -> dict[str, int]:
+    """Each Kafka topic's effective `max.message.bytes` (its own setting or the broker's
+    default): the largest record batch the broker accepts on it."""
+    try:
+        admin = KafkaAdminClient(
+            bootstrap_servers=catalog.settings.bootstrap, client_id="varadhi-admin"
+        )
+    except KafkaError as e:
+        raise KafkaUnavailable(f"cannot reach Kafka at {catalog.settings.bootstrap}: {e}") from e
+    try:
+        found = admin.describe_configs(
+            [
+                ConfigResource(ConfigResourceType.TOPIC, n, configs=["max.message.bytes"])
+                for n in names
+            ],
+            config_filter="all",
+        )["topic"]
+    finally:
+        admin.close()
+    return {n: int(found[n]["max.message.bytes"]["value"]) for n in names}
 
 
 def end_offsets(catalog: Catalog, storages: Sequence[StorageTopic]) -> dict[str, list[int]]:

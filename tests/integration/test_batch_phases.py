@@ -33,6 +33,8 @@ def _record(offset: int, group: str, kind: str = "mq", value: bytes | None = b"{
     return {
         "kind": kind,
         "group_key": group,
+        "group_id": headers[m.H_GROUP_ID],
+        "msg_id": headers[m.H_MSG_ID],
         "topic": MQ if kind == "mq" else "s-rq.0",
         "partition": 0,
         "offset": offset,

@@ -513,3 +513,38 @@ def test_a_malformed_record_behind_a_failing_head_is_dead_lettered_when_its_turn
         assert sent == [("m1", 2)]
         assert dead == [("dlq", "m2", "malformed: no value")]
         assert [e.location for e in second.remaining()] == ["dlq", "held", "held"]
+
+
+# -- records too large for the RQ, response snippets -----------------------------------------
+
+
+def test_a_retry_too_large_for_the_rq_is_dead_lettered_and_its_group_blocks():
+    big = new(1, body=b"x" * 10_000)
+    run = GroupRun([big, new(2)], POLICY, "block", Clock(), random.Random(0), RunCounts(), 8_000)
+    assert drive(run, script({"m1": [http(500)]})) == [("m1", 1)]
+    [out] = run.outs
+    assert out.target == "dlq"
+    assert out.entry.reason.startswith("HTTP 500; retry in")
+    assert "exceeds the retry queue's 8000" in out.entry.reason
+    assert [(e.msg_id, e.location) for e in run.remaining()] == [("m1", "dlq"), ("m2", "held")]
+
+
+def test_a_retry_that_fits_goes_to_the_rq():
+    run = GroupRun([new(1)], POLICY, "block", Clock(), random.Random(0), RunCounts(), 8_000)
+    drive(run, script({"m1": [http(500)]}))
+    assert [o.target for o in run.outs] == ["rq"]
+
+
+def test_a_failure_keeps_the_start_of_the_response_body_and_a_later_one_replaces_it():
+    run = run_of([new(1)], Clock(), policy=replace(POLICY, max_attempts=1))
+    body = b'{"error": "no such order"}' + b"." * 2000
+    run.on_outcome(Outcome(422, None, "HTTP 422", None, 1.0, body))
+    assert run.outs[0].entry.headers[m.H_RESPONSE] == body.decode()
+    again = run_of([replace(new(2), headers={m.H_RESPONSE: "old"})], Clock())
+    again.on_outcome(http(503))  # no body: no snippet from an earlier attempt stays
+    assert m.H_RESPONSE not in again.outs[0].entry.headers
+
+
+def test_junk_in_the_produced_at_header_is_not_sent_on():
+    assert m.HTTP_PRODUCED_AT not in http_headers(new(1, headers={m.H_PRODUCED_MS: "1\r\n2"}))
+    assert http_headers(new(1, headers={m.H_PRODUCED_MS: "17"}))[m.HTTP_PRODUCED_AT] == "17"

@@ -387,6 +387,8 @@ def kafka_row(topic, partition, offset, group, msg_id, value=b"v"):
     return {
         "kind": "mq",
         "group_key": group if group is not None else f"~{msg_id}",
+        "group_id": group,
+        "msg_id": msg_id,
         "topic": topic,
         "partition": partition,
         "offset": offset,

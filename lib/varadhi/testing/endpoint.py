@@ -350,11 +350,17 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _reply(h: BaseHTTPRequestHandler, status: int, retry_after: str | None) -> None:
+    """Answer `status`; an error (4xx/5xx) comes with a short JSON body saying so, as real
+    endpoints answer (dead letters carry the start of it)."""
+    body = (
+        json.dumps({"error": f"test endpoint answered {status}"}).encode() if status >= 400 else b""
+    )
     h.send_response(status)
     if retry_after is not None:
         h.send_header("Retry-After", retry_after)
-    h.send_header("Content-Length", "0")
+    h.send_header("Content-Length", str(len(body)))
     h.end_headers()
+    h.wfile.write(body)
 
 
 def _utf8(value: str | None) -> str | None:
