@@ -12,8 +12,19 @@ batches of its own, so no other writer ever touches its GroupState:
   queued behind them, follows;
 - the shard marks the operation done for itself once that state is committed.
 
-DLQ records stay in Kafka (it is append-only); `list_parked` reports a message as `redriven` when
-a completed re-drive selected it after its last failure.
+A dead letter is re-driven at most once. A shard applying a re-drive reads its DLQ partitions up
+to the end offsets they had when it started (`scanned`), in chunks, keeping only the records
+the selector takes; the end offsets are recorded in its GroupState commit (a `redrive` row, in
+the same Delta commit as the `held` entries) and then in the operation document. A DLQ record
+below the `scanned` offset of an applied re-drive whose selector matches it was re-driven by
+that re-drive, so a later re-drive (the same selector again, an overlapping one) skips it; a
+message that failed again after its re-drive is a new DLQ record above those offsets, so it can
+be re-driven again. A shard that crashed after its commit but before marking the operation done
+finds its `redrive` row and only marks it done, without scanning again. Memory is bounded by
+the selection (and one chunk), not by the DLQ.
+
+DLQ records stay in Kafka (it is append-only); `list_parked` reports a record as `redriven` when
+an applied re-drive covers it in that way.
 """
 
 from __future__ import annotations
@@ -21,7 +32,8 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -162,6 +174,63 @@ def _int(v: str | None) -> int | None:
         return None
 
 
+Scanned = dict[str, dict[str, int]]  # DLQ storage topic -> partition (as text) -> end offset
+CHUNK_RECORDS = 500
+
+
+def iter_parked(
+    settings,
+    partitions: dict[str, Sequence[int]],
+    start: dict[str, dict[str, int]] | None = None,
+    timeout_s: float = 30,
+    ends: Scanned | None = None,
+    chunk: int = CHUNK_RECORDS,
+) -> Iterator[list[Parked]]:
+    """The records of the given DLQ partitions (storage topic -> partitions) in chunks of at most
+    `chunk`, each partition oldest first, from `start` (an offset reset's fast-forward of the
+    DLQ) or the beginning, to `ends` (default: the end offsets when the scan starts). Raises
+    TimeoutError when no record arrives for `timeout_s`."""
+    tps = [TopicPartition(t, p) for t, parts in partitions.items() for p in parts]
+    if not tps:
+        return
+    consumer = KafkaConsumer(
+        bootstrap_servers=settings.bootstrap,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_poll_records=chunk,
+    )
+    try:
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        if ends is None:
+            stop = consumer.end_offsets(tps)
+        else:
+            stop = {tp: int(ends.get(tp.topic, {}).get(str(tp.partition), 0)) for tp in tps}
+        for tp in tps:
+            offset = (start or {}).get(tp.topic, {}).get(str(tp.partition))
+            if offset is not None and offset >= 0:
+                consumer.seek(tp, min(int(offset), stop[tp]))
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < stop[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError("timed out reading the DLQ")
+            out: list[Parked] = []
+            for tp, records in consumer.poll(timeout_ms=200, max_records=chunk).items():
+                for r in records:
+                    if r.offset < stop[tp]:
+                        out.append(
+                            parked_from_record(
+                                tp.topic, tp.partition, r.offset, r.key, r.value, r.headers
+                            )
+                        )
+            if out:
+                deadline = time.monotonic() + timeout_s
+                yield out
+    finally:
+        consumer.close()
+
+
 def read_parked(
     settings,
     partitions: dict[str, Sequence[int]],
@@ -170,35 +239,23 @@ def read_parked(
 ) -> list[Parked]:
     """Every record of the given DLQ partitions (storage topic -> partitions), oldest first,
     from `start` (an offset reset's fast-forward of the DLQ) or the beginning."""
+    return [p for chunk in iter_parked(settings, partitions, start, timeout_s) for p in chunk]
+
+
+def end_offsets(settings, partitions: dict[str, Sequence[int]]) -> Scanned:
+    """The (read_committed) end offsets of the given DLQ partitions."""
     tps = [TopicPartition(t, p) for t, parts in partitions.items() for p in parts]
     if not tps:
-        return []
+        return {}
     consumer = KafkaConsumer(
         bootstrap_servers=settings.bootstrap,
         isolation_level="read_committed",
         enable_auto_commit=False,
-        auto_offset_reset="earliest",
     )
     try:
-        consumer.assign(tps)
-        consumer.seek_to_beginning(*tps)
-        ends = consumer.end_offsets(tps)
-        for tp in tps:
-            offset = (start or {}).get(tp.topic, {}).get(str(tp.partition))
-            if offset is not None and offset >= 0:
-                consumer.seek(tp, min(int(offset), ends[tp]))
-        out: list[Parked] = []
-        deadline = time.monotonic() + timeout_s
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
-            if time.monotonic() > deadline:
-                raise TimeoutError("timed out reading the DLQ")
-            for tp, records in consumer.poll(timeout_ms=200).items():
-                for r in records:
-                    out.append(
-                        parked_from_record(
-                            tp.topic, tp.partition, r.offset, r.key, r.value, r.headers
-                        )
-                    )
+        out: Scanned = {}
+        for tp, end in consumer.end_offsets(tps).items():
+            out.setdefault(tp.topic, {})[str(tp.partition)] = int(end)
         return out
     finally:
         consumer.close()
@@ -241,26 +298,125 @@ def pending_for(snapshot: Snapshot, name: str, shard: int) -> dict[str, Selector
     }
 
 
+@dataclass(frozen=True)
+class Applied:
+    """What an applied re-drive covers (pure): the DLQ records below its `scanned` end offsets
+    that its selector matches. A document recorded before re-drives kept `scanned` covers, once
+    some shard applied it, the matches whose last failure was not after it was requested."""
+
+    selector: Selector
+    scanned: Scanned
+    legacy_created_ms: int | None = None
+
+    def covers(self, p: Parked) -> bool:
+        if not self.selector.matches(p):
+            return False
+        if self.legacy_created_ms is not None:
+            return self.legacy_created_ms >= (p.last_failure_ms or 0)
+        return p.offset < int(self.scanned.get(p.topic, {}).get(str(p.partition), 0))
+
+
+def applied_redrives(snapshot: Snapshot, name: str) -> list[Applied]:
+    """Every re-drive some shard has applied, as `Applied` (pure)."""
+    out = []
+    for doc in redrives(snapshot, name).values():
+        selector = Selector.from_dict(doc["selector"])
+        if "scanned" in doc:
+            if doc["scanned"]:
+                out.append(Applied(selector, doc["scanned"]))
+        elif doc.get("done"):
+            out.append(Applied(selector, {}, int(doc["created_ms"])))
+    return out
+
+
+def select_redrive(
+    parked: Iterable[Parked], selectors: Iterable[Selector], applied: Sequence[Applied]
+) -> list[Parked]:
+    """The records a re-drive takes (pure): those one of `selectors` matches that no applied
+    re-drive covers (re-driven already)."""
+    selectors = list(selectors)
+    return [
+        p
+        for p in parked
+        if any(sel.matches(p) for sel in selectors) and not any(a.covers(p) for a in applied)
+    ]
+
+
+def apply_redrives(
+    settings,
+    snapshot: Snapshot,
+    sub,
+    dlq: topics.CompositeTopic,
+    shard: int,
+    store,
+    ops: Mapping[str, Selector],
+) -> int:
+    """Apply the re-drives `ops` (pending for `shard`) to the shard's state copy `store`, between
+    its batches; the next state commit persists them with a `redrive` row per operation (its
+    scan's end offsets). An operation whose row is in the table already (committed, not yet
+    marked done) is not applied again. Returns how many entries were added or replaced."""
+    committed = store.redrives_applied()
+    store.forget_redrives(set(committed) - set(ops))  # marked done since: no longer needed
+    todo = {op_id: sel for op_id, sel in ops.items() if op_id not in committed}
+    if not todo:
+        return 0
+    partitions = dlq_partitions(sub, dlq, shard)
+    scanned = end_offsets(settings, partitions)
+    applied = applied_redrives(snapshot, sub.name) + [
+        Applied(ops[op_id], committed[op_id]) for op_id in committed if op_id in ops
+    ]
+    chosen: list[Parked] = []
+    for chunk in iter_parked(settings, partitions, dlq_start(snapshot, sub.name), ends=scanned):
+        chosen.extend(select_redrive(chunk, todo.values(), applied))
+    added = store.redrive(redrive_rows(chosen, sub.spec.grouped))
+    store.record_redrives(dict.fromkeys(todo, scanned))
+    return added
+
+
+def finish_redrives(catalog: Catalog, name: str, shard: int, store, ops: Iterable[str]) -> None:
+    """After the state commit: mark done the operations of `ops` whose `redrive` row the table
+    holds, with their scanned offsets, and drop the rows from the copy (the next commit)."""
+    applied = {op_id: sc for op_id, sc in store.redrives_applied().items() if op_id in set(ops)}
+    if applied:
+        mark_done(catalog, name, applied, shard, scanned=applied)
+        store.forget_redrives(applied)
+
+
+def redrive_state(p: Parked, docs: Mapping[str, dict[str, Any]], shard_count: int) -> str:
+    """`parked`, `redrive requested` or `redriven` for one DLQ record (pure)."""
+    state = "parked"
+    for doc in docs.values():
+        sel = Selector.from_dict(doc["selector"])
+        if not sel.matches(p):
+            continue
+        complete = len(doc.get("done", [])) >= shard_count
+        if "scanned" not in doc:  # recorded before re-drives kept their scanned offsets
+            if int(doc["created_ms"]) >= (p.last_failure_ms or 0):
+                if complete:
+                    return "redriven"
+                state = "redrive requested"
+        elif Applied(sel, doc["scanned"]).covers(p):
+            return "redriven"
+        elif not complete and str(p.partition) not in doc["scanned"].get(p.topic, {}):
+            state = "redrive requested"  # its shard has not applied it yet
+    return state
+
+
 def list_parked(
     catalog: Catalog, name: str, group_id: str | None = None, limit: int = 100
 ) -> list[dict[str, Any]]:
+    """The newest `limit` (0: all) DLQ records with their re-drive state, oldest first."""
     snap = catalog.snapshot()
     sub = subscriptions.from_snapshot(snap, name)
     dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
     ops = redrives(snap, name)
-    rows = []
-    for p in read_parked(catalog.settings, dlq_partitions(sub, dlq), dlq_start(snap, name)):
-        if group_id is not None and p.group_id != group_id:
-            continue
-        row = p.summary()
-        row["state"] = "parked"
-        for doc in ops.values():
-            sel = Selector.from_dict(doc["selector"])
-            if sel.matches(p) and int(doc["created_ms"]) >= (p.last_failure_ms or 0):
-                complete = len(doc.get("done", [])) >= sub.shard_count
-                row["state"] = "redriven" if complete else "redrive requested"
-        rows.append(row)
-    return rows[-limit:] if limit else rows
+    rows: deque[dict[str, Any]] = deque(maxlen=limit or None)
+    for chunk in iter_parked(catalog.settings, dlq_partitions(sub, dlq), dlq_start(snap, name)):
+        for p in chunk:
+            if group_id is not None and p.group_id != group_id:
+                continue
+            rows.append(p.summary() | {"state": redrive_state(p, ops, sub.shard_count)})
+    return list(rows)
 
 
 def request_unsideline(catalog: Catalog, name: str, selector: Selector) -> str:
@@ -275,6 +431,7 @@ def request_unsideline(catalog: Catalog, name: str, selector: Selector) -> str:
             "selector": selector.to_dict(),
             "created_ms": int(time.time() * 1000),
             "done": [],
+            "scanned": {},
         }
         return {key(OPERATION, f"{name}/{op_id}"): doc}
 
@@ -282,18 +439,35 @@ def request_unsideline(catalog: Catalog, name: str, selector: Selector) -> str:
     return op_id
 
 
-def mark_done(catalog: Catalog, name: str, op_ids: Iterable[str], shard: int) -> None:
+def mark_done(
+    catalog: Catalog,
+    name: str,
+    op_ids: Iterable[str],
+    shard: int,
+    scanned: Mapping[str, Scanned] | None = None,
+) -> None:
+    """Mark the operations applied by `shard`, adding its scans' end offsets (`scanned`: op id
+    -> end offsets of the shard's DLQ partitions) to what each covers."""
+
     def change(snap: Snapshot):
         out = {}
         for op_id in op_ids:
             doc = snap.get(OPERATION, f"{name}/{op_id}")
             if doc is not None and shard not in doc.get("done", []):
-                out[key(OPERATION, f"{name}/{op_id}")] = dict(
-                    doc, done=sorted({*doc.get("done", []), shard})
-                )
+                new = dict(doc, done=sorted({*doc.get("done", []), shard}))
+                if "scanned" in doc and scanned and op_id in scanned:
+                    new["scanned"] = merged_scanned(doc["scanned"], scanned[op_id])
+                out[key(OPERATION, f"{name}/{op_id}")] = new
         return out
 
     catalog.mutate(change)
+
+
+def merged_scanned(base: Scanned, newer: Scanned) -> Scanned:
+    out = {t: dict(parts) for t, parts in base.items()}
+    for t, parts in newer.items():
+        out.setdefault(t, {}).update({str(p): int(o) for p, o in parts.items()})
+    return out
 
 
 def redrive_rows(parked: Iterable[Parked], grouped: bool) -> list[dict[str, Any]]:

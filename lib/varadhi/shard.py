@@ -501,16 +501,13 @@ class ShardJob:
             self._send_outs(store.outs(app_id, batch_id), sub, rq, dlq)
             return
 
-        redrive_ops = dlq_ops.pending_for(self.catalog.snapshot(), self.name, self.shard)
+        snapshot = self.catalog.snapshot()
+        redrive_ops = dlq_ops.pending_for(snapshot, self.name, self.shard)
         redriven = 0
         if redrive_ops:
-            parked = dlq_ops.read_parked(
-                self.settings,
-                dlq_ops.dlq_partitions(sub, dlq, self.shard),
-                dlq_ops.dlq_start(self.catalog.snapshot(), self.name),
+            redriven = dlq_ops.apply_redrives(
+                self.settings, snapshot, sub, dlq, self.shard, store, redrive_ops
             )
-            chosen = [p for p in parked if any(sel.matches(p) for sel in redrive_ops.values())]
-            redriven = store.redrive(dlq_ops.redrive_rows(chosen, sub.spec.grouped))
             log.info("%s shard %d: re-driving %d parked messages", self.name, self.shard, redriven)
         pending = store.pending()
         now_ms = int(time.time() * 1000)
@@ -560,7 +557,7 @@ class ShardJob:
             phases["send_s"] = time.monotonic() - mark
             crash_point("after_send")
             if redrive_ops:
-                dlq_ops.mark_done(self.catalog, self.name, redrive_ops, self.shard)
+                dlq_ops.finish_redrives(self.catalog, self.name, self.shard, store, redrive_ops)
         # Last check before Spark commits the batch's offsets, also for a batch that changed
         # nothing: a fenced instance must not commit a batch that the new instance replays (the
         # second commit of one batch id fails that query).

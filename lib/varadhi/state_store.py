@@ -5,7 +5,10 @@ The table (one per subscription, shard count and shard) holds rows of `batch.STA
 - `pending`: one per pending message of a non-healthy group (see `varadhi.group_state`);
 - `out`:     the RQ/DLQ records of the last committed batch (a transactional outbox: they are
              sent after the commit and re-sent if the batch is replayed);
-- `meta`:    which batch (`app_id`, `batch_id`) the table's content belongs to.
+- `meta`:    which batch (`app_id`, `batch_id`) the table's content belongs to;
+- `redrive`: a DLQ re-drive applied in this table and not yet marked done in the catalog
+             (`msg_id`: the operation id, `headers`: the end offsets its DLQ scan covered, as
+             JSON; see `varadhi.dlq`).
 
 It is small by design (healthy groups have no rows), so a shard keeps a copy in driver memory,
 loaded when its query starts, and replaces the whole table when a batch changed it: one Delta
@@ -17,6 +20,7 @@ committed, is skipped silently by Delta) and reloads the table if it did not.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 
 import pandas as pd
@@ -87,7 +91,37 @@ class StateStore:
         f = self.frame
         return f[(f["kind"] == "out") & (f["app_id"] == app_id) & (f["batch_id"] == batch_id)]
 
+    def redrives_applied(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Re-drive operation id -> the DLQ end offsets its scan covered, for the `redrive`
+        rows of the copy."""
+        f = self.frame
+        rows = f[f["kind"] == "redrive"]
+        return {
+            str(op_id): json.loads(scanned)
+            for op_id, scanned in zip(rows["msg_id"], rows["headers"], strict=True)
+        }
+
     # -- writing --------------------------------------------------------------------------
+    def record_redrives(self, scanned: dict[str, dict[str, dict[str, int]]]) -> None:
+        """Add a `redrive` row per operation (in memory; the next `commit` persists them)."""
+        if not scanned:
+            return
+        rows = pd.DataFrame(
+            [
+                {"kind": "redrive", "msg_id": op_id, "headers": json.dumps(sc, sort_keys=True)}
+                for op_id, sc in scanned.items()
+            ]
+        )
+        self.frame = normalise(pd.concat([self.frame, rows], ignore_index=True))
+
+    def forget_redrives(self, op_ids: Iterable[str]) -> None:
+        """Drop the `redrive` rows of these operations (in memory; the next `commit`)."""
+        ids = set(op_ids)
+        f = self.frame
+        gone = (f["kind"] == "redrive") & f["msg_id"].isin(ids)
+        if ids and gone.any():
+            self.frame = normalise(f[~gone])
+
     def redrive(self, rows: list[dict]) -> int:
         """Put re-driven DLQ messages back as `held` entries (in memory; the next `commit`
         persists them). A `dlq` entry at the same origin is replaced; a message that is pending
@@ -155,12 +189,14 @@ class StateStore:
         return sum(hit)
 
     def commit(self, touched: set[str], new_rows: pd.DataFrame, app_id: str, batch_id: int) -> bool:
-        """Replace the table with: pending rows of untouched groups, `new_rows` (the touched
-        groups' new pending rows and this batch's outs) and a meta row. Returns whether this
+        """Replace the table with: pending rows of untouched groups, the `redrive` rows,
+        `new_rows` (the touched groups' new pending rows and this batch's outs) and a meta row. Returns whether this
         writer's commit is the table's latest (False: someone else's won; the copy is reloaded).
         """
         f = self.frame
-        kept = f[(f["kind"] == "pending") & ~f["group_key"].isin(touched)]
+        kept = f[
+            ((f["kind"] == "pending") & ~f["group_key"].isin(touched)) | (f["kind"] == "redrive")
+        ]
         meta = pd.DataFrame([{"kind": "meta", "app_id": app_id, "batch_id": batch_id}])
         parts = [p for p in (kept, new_rows, meta) if len(p)]
         frame = normalise(pd.concat(parts, ignore_index=True))

@@ -10,6 +10,7 @@ import pytest
 
 from varadhi import dlq, status
 from varadhi.cli import main as cli
+from varadhi.errors import VaradhiError
 from varadhi.shard import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce, run_until_idle, wait_for
@@ -54,6 +55,75 @@ def test_unsideline_redrives_in_order_and_unblocks_the_group(
         assert attempts == [1, 1]  # attempts were reset by the re-drive
         assert [p["state"] for p in dlq.list_parked(catalog, spec.name)] == ["redriven"]
         assert status.collect(catalog, spec.name)["shards"][0]["blocked_groups"] == 0
+
+
+def test_repeated_unsideline_delivers_each_dead_letter_once(
+    settings, spark, make_subscription, catalog
+):
+    since = str(int(time.time() * 1000) - 1_000)
+    # g1 and h1 fail once (404, fatal); k1 fails again after its first re-drive.
+    script = {"g1": [404], "h1": [404], "k1": [404, 404]}
+    with TestEndpoint(script=script) as endpoint:
+        spec = make_subscription(endpoint.url)
+        produce(settings, spec.topic, [("g", f"g{i}") for i in range(3)] + [("h", "h1")])
+        produce(settings, spec.topic, [("k", "k1")])
+        run_until_idle(settings, spark, spec.name)
+        assert delivered(endpoint) == ["g0"]
+
+        def ok(msg_id):
+            return delivered(endpoint).count(msg_id)
+
+        unsideline = ["dlq", "unsideline", spec.name]
+        assert cli(unsideline + ["--group-ids", "g", "k"]) == 0
+        run_until_idle(settings, spark, spec.name)
+        assert delivered(endpoint, "g") == ["g0", "g1", "g2"]
+        assert ok("k1") == 0  # re-driven, failed again: a new dead letter
+
+        # The same selector again: g1 was re-driven already; k1's new dead letter was not.
+        assert cli(unsideline + ["--group-ids", "g", "k"]) == 0
+        run_until_idle(settings, spark, spec.name)
+        assert delivered(endpoint, "g") == ["g0", "g1", "g2"]
+        assert ok("k1") == 1
+
+        # A failure-time selector, twice: h1 once, nothing re-driven before again.
+        for _ in range(2):
+            assert cli(unsideline + ["--failed-since", since]) == 0
+            run_until_idle(settings, spark, spec.name)
+            assert [ok(i) for i in ("g1", "g2", "h1", "k1")] == [1, 1, 1, 1]
+        assert [r.message_id for r in endpoint.records()].count("g1") == 2  # 404, then 200
+        assert {(p["msg_id"], p["state"]) for p in dlq.list_parked(catalog, spec.name)} == {
+            ("g1", "redriven"),
+            ("h1", "redriven"),
+            ("k1", "redriven"),
+        }
+
+
+def test_unsideline_applied_but_not_marked_done_is_not_applied_again(
+    settings, spark, make_subscription, catalog, monkeypatch
+):
+    """A shard that committed a re-drive's state but stopped before marking the operation done
+    (the catalog write fails once) finds it applied and only marks it done."""
+    real_mark_done, calls = dlq.mark_done, []
+
+    def mark_done_fails_once(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("catalog unavailable")
+        return real_mark_done(*args, **kwargs)
+
+    with TestEndpoint(script={"m1": [404]}) as endpoint:
+        spec = make_subscription(endpoint.url)
+        produce(settings, spec.topic, [("g", "m0"), ("g", "m1"), ("g", "m2")])
+        run_until_idle(settings, spark, spec.name)
+        op_id = dlq.request_unsideline(catalog, spec.name, dlq.Selector(group_ids=("g",)))
+        monkeypatch.setattr(dlq, "mark_done", mark_done_fails_once)
+        with pytest.raises(VaradhiError, match="catalog unavailable"):
+            run_until_idle(settings, spark, spec.name)
+        monkeypatch.undo()
+        assert dlq.redrives(catalog.snapshot(), spec.name)[op_id]["done"] == []
+        run_until_idle(settings, spark, spec.name)
+        assert dlq.redrives(catalog.snapshot(), spec.name)[op_id]["done"] == [0]
+        assert delivered(endpoint, "g") == ["m0", "m1", "m2"]
 
 
 def test_unsideline_refuses_bad_requests_without_side_effects(

@@ -1,0 +1,118 @@
+"""Re-drive decisions (pure): what an applied re-drive covers, what a new one takes, list states."""
+
+from varadhi.catalog import Snapshot, key
+from varadhi.dlq import (
+    Applied,
+    Parked,
+    Selector,
+    applied_redrives,
+    merged_scanned,
+    redrive_rows,
+    redrive_state,
+    select_redrive,
+)
+
+DLQ = "s-dlq.0"
+
+
+def parked(msg_id, group="g", offset=0, partition=0, last_failure_ms=1_000, origin=None):
+    return Parked(
+        msg_id=msg_id,
+        group_id=group,
+        origin=origin or f"0:0:{offset}",
+        reason="fatal response 404",
+        status=404,
+        attempts=1,
+        first_failure_ms=last_failure_ms,
+        last_failure_ms=last_failure_ms,
+        topic=DLQ,
+        partition=partition,
+        offset=offset,
+        value=b"body",
+    )
+
+
+def doc(selector: Selector, done=(), scanned=None, created_ms=5_000, legacy=False):
+    d = {
+        "kind": "unsideline",
+        "selector": selector.to_dict(),
+        "created_ms": created_ms,
+        "done": list(done),
+    }
+    if not legacy:
+        d["scanned"] = scanned or {}
+    return d
+
+
+def test_an_applied_redrive_covers_what_it_matched_below_its_scan_end():
+    applied = Applied(Selector(group_ids=("g",)), {DLQ: {"0": 2}})
+    assert applied.covers(parked("a", offset=0))
+    assert applied.covers(parked("b", offset=1))
+    assert not applied.covers(parked("c", offset=2))  # dead-lettered (again) after the scan
+    assert not applied.covers(parked("d", group="h", offset=0))  # not selected
+    assert not applied.covers(parked("e", offset=0, partition=1))  # not scanned (other shard)
+
+
+def test_repeating_a_selector_takes_only_what_was_not_redriven():
+    sel = Selector(group_ids=("g",))
+    first = [parked("a", offset=0), parked("x", group="h", offset=1), parked("b", offset=2)]
+    assert [p.msg_id for p in select_redrive(first, [sel], [])] == ["a", "b"]
+    applied = [Applied(sel, {DLQ: {"0": 3}})]
+    # the same selector again: nothing, except `a` dead-lettered again after its re-drive
+    again = first + [parked("a", offset=3, last_failure_ms=9_000)]
+    assert [(p.msg_id, p.offset) for p in select_redrive(again, [sel], applied)] == [("a", 3)]
+    # an overlapping selector takes the message the first one did not select
+    since = Selector(failed_since_ms=0)
+    assert [p.msg_id for p in select_redrive(first, [since], applied)] == ["x"]
+
+
+def test_failed_since_repeated_is_covered_like_group_ids():
+    sel = Selector(failed_since_ms=500)
+    records = [parked("a", offset=0), parked("b", group="h", offset=1, last_failure_ms=100)]
+    assert [p.msg_id for p in select_redrive(records, [sel], [])] == ["a"]
+    assert select_redrive(records, [sel], [Applied(sel, {DLQ: {"0": 2}})]) == []
+
+
+def test_applied_redrives_from_the_catalog_include_legacy_documents():
+    g = Selector(group_ids=("g",))
+    snap = Snapshot(
+        {
+            key("operation", "s/redrive-1-a"): doc(g, done=[0], scanned={DLQ: {"0": 4}}),
+            key("operation", "s/redrive-2-b"): doc(g),  # requested, applied by no shard yet
+            key("operation", "s/redrive-3-c"): doc(g, done=[0], legacy=True, created_ms=2_000),
+            key("operation", "s/redrive-4-d"): doc(g, legacy=True),  # legacy, not applied
+            key("operation", "other/redrive-5-e"): doc(g, done=[0], scanned={DLQ: {"0": 9}}),
+        }
+    )
+    applied = applied_redrives(snap, "s")
+    assert applied == [Applied(g, {DLQ: {"0": 4}}), Applied(g, {}, 2_000)]
+    legacy = applied[1]
+    assert legacy.covers(parked("a", offset=7, last_failure_ms=2_000))
+    assert not legacy.covers(parked("a", offset=7, last_failure_ms=2_001))
+
+
+def test_list_state_of_a_record():
+    g = Selector(group_ids=("g",))
+    done = {"r": doc(g, done=[0], scanned={DLQ: {"0": 2}})}
+    assert redrive_state(parked("a", offset=1), done, 1) == "redriven"
+    assert redrive_state(parked("a", offset=2), done, 1) == "parked"  # failed again since
+    assert redrive_state(parked("x", group="h"), done, 1) == "parked"
+    half = {"r": doc(g, done=[0], scanned={DLQ: {"0": 2}})}
+    assert redrive_state(parked("b", partition=1), half, 2) == "redrive requested"
+    assert redrive_state(parked("b", offset=5), half, 2) == "parked"  # its shard applied it
+    legacy = {"r": doc(g, done=[0], legacy=True, created_ms=5_000)}
+    assert redrive_state(parked("a"), legacy, 1) == "redriven"
+    assert redrive_state(parked("a"), legacy, 2) == "redrive requested"
+    assert redrive_state(parked("a", last_failure_ms=6_000), legacy, 1) == "parked"
+
+
+def test_redrive_rows_keep_one_entry_per_origin():
+    rows = redrive_rows([parked("a", offset=0), parked("a", offset=3, origin="0:0:0")], True)
+    assert [(r["msg_id"], r["location"], r["attempts"]) for r in rows] == [("a", "held", 0)]
+
+
+def test_scanned_offsets_merge_per_partition():
+    assert merged_scanned({DLQ: {"0": 3}}, {DLQ: {"1": 4}, "s-dlq.1": {"0": 1}}) == {
+        DLQ: {"0": 3, "1": 4},
+        "s-dlq.1": {"0": 1},
+    }
