@@ -20,7 +20,7 @@ from kafka import KafkaProducer
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from varadhi import messages as m
-from varadhi import replay
+from varadhi import replay, resharding
 from varadhi.shard import ShardJob
 from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import TestEndpoint
@@ -182,7 +182,7 @@ def set_max_message_bytes(bootstrap: str, topics: list[str], limit: int) -> None
 
 
 def test_every_kind_of_bad_input_is_delivered_or_dead_lettered_and_nothing_dies(
-    settings, catalog, spark
+    settings, catalog, spark, varadhi_cli
 ):
     suffix = uuid.uuid4().hex[:8]
     topic, name = f"bad-{suffix}", f"bads-{suffix}"
@@ -293,3 +293,19 @@ def test_every_kind_of_bad_input_is_delivered_or_dead_lettered_and_nothing_dies(
         result = replay.execute(spark, catalog, plan)
         assert result.counts["records"] == len(all_cases)
         assert len(ep.records()) > before
+
+        # Feeders of a shard-count change copy the same RQ and DLQ records (the junk included)
+        # to the new shards' storage topics without dying.
+        code, out, err = varadhi_cli(
+            "subscription", "change-shards", name, "--to", "2", "--feeders", "external"
+        )
+        assert code == 0, out + err
+        for queue in ("rq", "dlq"):
+            source = f"{name}.{queue}.0"
+            copied = resharding.feed(spark, catalog, name, source)
+            expected = [
+                r
+                for r in read_queue(settings.bootstrap, source)
+                if "varadhi-tick" not in r["headers"]
+            ]
+            assert copied == len(expected) > 0, queue
