@@ -30,6 +30,7 @@ an applied re-drive covers it in that way.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections import deque
@@ -44,6 +45,9 @@ from . import messages as m
 from . import subscriptions, topics
 from .catalog import Catalog, Snapshot, key
 from .errors import InvalidArgument
+from .record_ids import header_value, text_id
+
+log = logging.getLogger(__name__)
 
 OPERATION = "operation"
 RETRY_HEADERS = (
@@ -54,6 +58,7 @@ RETRY_HEADERS = (
     m.H_LAST_FAILURE_MS,
     m.H_REASON,
     m.H_STATUS,
+    m.H_RESPONSE,
 )
 
 
@@ -148,10 +153,13 @@ def parse_time_ms(text: str, field_name: str) -> int:
 def parked_from_record(
     topic: str, partition: int, offset: int, key_: bytes | None, value, headers
 ) -> Parked:
+    """A DLQ record as a Parked message, its ids read as the shard reads them (their text forms,
+    `varadhi.record_ids`), whoever wrote it."""
     h = m.headers_to_dict(headers)
-    group = h.get(m.H_GROUP_ID) or (key_.decode("utf-8", "replace") if key_ else None)
+    group = text_id(header_value(headers, m.H_GROUP_ID)) or text_id(key_)
+    msg_id = text_id(header_value(headers, m.H_MSG_ID)) or f"{topic}-{partition}-{offset}"
     return Parked(
-        msg_id=h.get(m.H_MSG_ID, f"{topic}-{partition}-{offset}"),
+        msg_id=msg_id,
         group_id=group,
         origin=h.get(m.H_ORIGIN, ""),
         reason=h.get(m.H_REASON),
@@ -475,9 +483,18 @@ def redrive_rows(parked: Iterable[Parked], grouped: bool) -> list[dict[str, Any]
     rows = []
     seen = set()
     for p in parked:
+        where = f"{p.topic}/{p.partition}/{p.offset}"
         try:
             origin = m.Origin.decode(p.origin)
         except ValueError:
+            log.warning("DLQ record %s has no valid %s: not re-driven", where, m.H_ORIGIN)
+            continue
+        if m.H_TRUNCATED in p.headers:
+            log.warning(
+                "DLQ record %s is a truncated copy: not re-driven; replay its origin %s",
+                where,
+                p.origin,
+            )
             continue
         if origin in seen or p.value is None:
             continue

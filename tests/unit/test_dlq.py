@@ -116,3 +116,25 @@ def test_scanned_offsets_merge_per_partition():
         DLQ: {"0": 3, "1": 4},
         "s-dlq.1": {"0": 1},
     }
+
+
+def test_a_dlq_record_of_another_producer_is_read_with_the_ids_text_forms():
+    from varadhi import messages as m
+    from varadhi.dlq import parked_from_record
+
+    p = parked_from_record(DLQ, 1, 7, b"\xff\xfe", b"v", [("x", b"\xff"), (m.H_MSG_ID, b"a\nb")])
+    assert (p.group_id, p.msg_id) == ("b64://4=", "b64:YQpi")
+    assert p.headers["x"] == "b64:/w=="
+    q = parked_from_record(DLQ, 1, 8, None, b"v", [])
+    assert (q.group_id, q.msg_id) == (None, f"{DLQ}-1-8")
+
+
+def test_truncated_copies_and_records_without_an_origin_are_not_re_driven():
+    from dataclasses import replace
+
+    from varadhi import messages as m
+
+    truncated = replace(parked("a", offset=1), headers={m.H_TRUNCATED: "5000000"})
+    foreign = parked("b", offset=2, origin="junk")
+    fine = parked("c", offset=3)
+    assert [r["msg_id"] for r in redrive_rows([truncated, foreign, fine], True)] == ["c"]
