@@ -157,8 +157,8 @@ class Catalog:
                     entry = decode_record(record.key, record.value)
                     if entry is None:
                         log.warning(
-                            "catalog %s: skipped a record that is not the product's "
-                            "(offset %d): its key or value is not a key and a JSON object",
+                            "catalog %s: skipped a record another program wrote (offset %d): "
+                            "its key is not text or its value not a JSON object",
                             self.topic,
                             record.offset,
                         )

@@ -99,7 +99,7 @@ def latest_progress(settings: Settings, subscription: str) -> dict[int, dict[str
                 for r in records:
                     entry = decode_record(r.key, r.value)
                     if entry is None:
-                        log.warning("progress topic: skipped a record that is not the product's")
+                        log.warning("progress topic: skipped a record another program wrote")
                         continue
                     name, doc = entry
                     shard = name[len(prefix) :]
