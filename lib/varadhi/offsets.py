@@ -7,21 +7,26 @@ topic in T_k..T_n cannot be sharded evenly by the current shard count; the messa
 shard count that would allow it.
 
 Executing a reset (shards stopped):
-1. the operation is recorded in the catalog (`operation/<sub>/offset-reset`);
+1. the plan is recorded in the catalog (`operation/<sub>/offset-reset`, step `advancing-state`)
+   with absolute positions: every shard's new reader layout, the DLQ's new start, and every
+   partition's move (from, to);
 2. for RQ/DLQ, GroupState is advanced: entries that wait for a skipped RQ record, or that block
    their group on a skipped DLQ record, are removed, so no group stays blocked on a message that
    will never come back;
-3. in one catalog write: a new checkpoint generation (fresh checkpoints and Delta idempotency ids:
+3. in one catalog write: the recorded generation (fresh checkpoints and Delta idempotency ids:
    DESIGN hazard 7), every shard's reader layout with explicit starting offsets, and for the DLQ
-   the new start of what `dlq list`/`unsideline` consider parked.
-The shards then start from there. Re-running after a crash recomputes the same plan from the
-same (old generation) positions, so it is safe.
+   the new start of what `dlq list`/`unsideline` consider parked; the operation is `done`.
+The shards then start from there. The plan is computed once: re-running the same command after a
+crash resumes the recorded plan (a relative `--shift-by` or a `--to-latest` is not evaluated
+again), and once the reset is done, the same command changes nothing as long as no shard has
+consumed since (`decide`). A different reset is refused while one is in progress.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -73,6 +78,40 @@ class Plan:
             "replayed": -sum(mv.delta for mv in self.moves if mv.delta < 0),
             "moves": [asdict(mv) | {"delta": mv.delta} for mv in self.moves],
         }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan with absolute positions, as recorded in the operation document."""
+        return {
+            "queue": self.queue,
+            "mode": self.mode,
+            "value": self.value,
+            "moves": [asdict(mv) for mv in self.moves],
+            "layouts": {str(s): layout.to_dict() for s, layout in self.layouts.items()},
+            "dlq_start": self.dlq_start,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        return cls(
+            d["queue"],
+            d["mode"],
+            d.get("value"),
+            tuple(
+                Move(
+                    int(mv["shard"]),
+                    mv["topic"],
+                    int(mv["partition"]),
+                    None if mv["current"] is None else int(mv["current"]),
+                    int(mv["new"]),
+                )
+                for mv in d["moves"]
+            ),
+            {int(s): Layout.from_dict(layout) for s, layout in d["layouts"].items()},
+            d.get("dlq_start") or {},
+        )
+
+    def request(self) -> dict[str, Any]:
+        return {"queue": self.queue, "mode": self.mode, "value": self.value}
 
 
 @dataclass(frozen=True)
@@ -205,6 +244,79 @@ def plan_internal(
     return tuple(moves), new_positions
 
 
+Positions = dict[str, dict[str, Any]]  # shard (as text) -> {"layout": ..., "consumed": ...}
+
+
+def positions_doc(positions: dict[int, tuple[Layout, dict[str, dict[str, int]]]]) -> Positions:
+    """Every shard's reader layout and consumed offsets, as recorded in an operation (pure)."""
+    return {
+        str(s): {"layout": layout.to_dict(), "consumed": consumed}
+        for s, (layout, consumed) in sorted(positions.items())
+    }
+
+
+def positions_after(plan: Plan, before: Positions) -> Positions:
+    """Where the shards are once `plan` is carried out and before any of them consumes (pure):
+    at their new layouts' starting offsets (main, RQ), or where they were (DLQ)."""
+    if not plan.layouts:
+        return before
+    return {
+        str(s): {"layout": layout.to_dict(), "consumed": layout.starting_offsets}
+        for s, layout in sorted(plan.layouts.items())
+    }
+
+
+def decide(
+    op: dict[str, Any] | None,
+    request: dict[str, Any],
+    generation: int,
+    shard_count: int,
+    positions: Positions,
+) -> str:
+    """What `--execute` of `request` does given the recorded reset `op` (pure):
+
+    - `new`: plan now and carry it out (no reset recorded, the last one is done, or it was
+      recorded before plans were);
+    - `resume`: carry out the recorded plan of the same request, which did not finish;
+    - `done`: nothing; the same reset finished and no shard has consumed since (the subscription
+      is at the generation and positions it left), so this is a re-run of it.
+
+    Raises InvalidArgument while a different reset is in progress, or when the subscription
+    changed under an unfinished one."""
+    if not op or "plan" not in op:
+        return "new"
+    recorded = {k: op["plan"].get(k) for k in ("queue", "mode", "value")}
+    same = recorded == request
+    if op.get("step") != "done":
+        if not same:
+            raise InvalidArgument(
+                f"an offset reset ({_describe(recorded)}) is in progress; run that command again to "
+                "finish it first",
+                field="queue",
+            )
+        if op["from_generation"] != generation or op["shard_count"] != shard_count:
+            raise InvalidArgument(
+                f"the unfinished offset reset ({_describe(recorded)}) was planned at generation "
+                f"{op['from_generation']} with {op['shard_count']} shards; the subscription is now "
+                f"at generation {generation} with {shard_count}",
+                field="queue",
+            )
+        return "resume"
+    if (
+        same
+        and op["to_generation"] == generation
+        and op["shard_count"] == shard_count
+        and op["after"] == positions
+    ):
+        return "done"
+    return "new"
+
+
+def _describe(request: dict[str, Any]) -> str:
+    value = "" if request.get("value") is None else f" {request['value']}"
+    return f"--queue {request['queue']} --{request['mode']}{value}"
+
+
 # -- I/O ----------------------------------------------------------------------------------
 
 
@@ -328,26 +440,94 @@ class OffsetReset:
             dlq_start = layouts.merged(dlq_start, per_shard)
         return Plan(queue, mode, value, moves, {}, dlq_start)
 
-    def execute(self, name: str, plan: Plan, spark=None) -> None:
-        ensure_stopped(self.catalog, name)
-        sub = subscriptions.from_snapshot(self.catalog.snapshot(), name)
-        op_key = key(OPERATION, f"{name}/offset-reset")
-        self.catalog.mutate(
-            lambda _s: {
-                op_key: {"kind": "offset-reset", "step": "advancing-state", **plan.summary()}
-            }
+    def positions(self, sub: subscriptions.Subscription) -> Positions:
+        return positions_doc(
+            {s: shard_position(self.catalog, sub, s) for s in range(sub.shard_count)}
         )
-        if plan.queue in ("rq", "dlq"):
-            self._advance_state(sub, plan, spark)
+
+    def prepare(self, name: str, queue: Queue, mode: Mode, value: Any = None) -> tuple[Plan, str]:
+        """The plan `execute` would carry out for this request, and `decide`'s outcome."""
+        snap = self.catalog.snapshot()
+        sub = subscriptions.from_snapshot(snap, name)
+        op = snap.get(OPERATION, f"{name}/offset-reset")
+        request = {"queue": queue, "mode": mode, "value": value}
+        outcome = decide(op, request, sub.generation, sub.shard_count, self.positions(sub))
+        if outcome == "new":
+            return self.plan(name, queue, mode, value), outcome
+        assert op is not None
+        return Plan.from_dict(op["plan"]), outcome
+
+    def execute(self, name: str, plan: Plan, spark=None) -> tuple[Plan, str]:
+        """Carry out `plan`, or the recorded plan of the same request (see `decide`); returns the
+        plan carried out and the outcome (`new`, `resume` or `done`: nothing to do)."""
+        ensure_stopped(self.catalog, name)
+        snap = self.catalog.snapshot()
+        sub = subscriptions.from_snapshot(snap, name)
+        op = snap.get(OPERATION, f"{name}/offset-reset")
+        before = self.positions(sub)
+        outcome = decide(op, plan.request(), sub.generation, sub.shard_count, before)
+        if outcome == "done":
+            return Plan.from_dict(op["plan"]), outcome
+        if outcome == "resume":
+            plan, op_id = Plan.from_dict(op["plan"]), op["id"]
+        else:
+            if any(layout.generation != sub.generation + 1 for layout in plan.layouts.values()):
+                raise InvalidArgument(
+                    f"{name} changed since this plan was made; plan the reset again",
+                    field="subscription",
+                )
+            op_id = self._record(name, sub, plan, before)
+        self._advance_state(sub, plan, spark)
+        self._finish(name, sub, plan, op_id)
+        return plan, outcome
+
+    def _record(self, name: str, sub, plan: Plan, before: Positions) -> str:
+        """Step 1: record the plan, with absolute positions, before anything changes."""
+        op_key = key(OPERATION, f"{name}/offset-reset")
+        op_id = uuid.uuid4().hex
+        doc = {
+            "kind": "offset-reset",
+            "step": "advancing-state",
+            **plan.summary(),
+            "id": op_id,
+            "started_ms": int(time.time() * 1000),
+            "from_generation": sub.generation,
+            "to_generation": sub.generation + 1 if plan.layouts else sub.generation,
+            "shard_count": sub.shard_count,
+            "plan": plan.to_dict(),
+            "after": positions_after(plan, before),
+        }
 
         def change(snap: Snapshot):
+            current = snap.get(OPERATION, f"{name}/offset-reset")
+            if current and "plan" in current and current.get("step") != "done":
+                raise InvalidArgument(
+                    f"another offset reset of {name} started meanwhile; run the command again",
+                    field="subscription",
+                )
+            return {op_key: doc}
+
+        self.catalog.mutate(change)
+        return op_id
+
+    def _finish(self, name: str, sub, plan: Plan, op_id: str) -> None:
+        """Step 3, one catalog write: the recorded generation and positions; the reset is done.
+        Does nothing if the recorded reset `op_id` is done already."""
+        op_key = key(OPERATION, f"{name}/offset-reset")
+
+        def change(snap: Snapshot):
+            op = snap.get(OPERATION, f"{name}/offset-reset") or {}
+            if op.get("id") != op_id:
+                raise VaradhiError(f"the offset reset of {name} was replaced during the reset")
+            if op.get("step") == "done":
+                return {}
             doc = snap.get(subscriptions.KIND, name)
             if doc is None:
                 raise VaradhiError(f"subscription {name} disappeared during the reset")
             state = dict(doc["state"])
             out: dict[str, Any] = {}
             if plan.layouts:
-                state["generation"] = int(state.get("generation", 0)) + 1
+                state["generation"] = int(op["to_generation"])
                 for shard, layout in plan.layouts.items():
                     out[key(READER_KIND, layouts.owner(name, sub.shard_count, shard))] = (
                         layout.to_dict()
@@ -355,12 +535,7 @@ class OffsetReset:
             if plan.dlq_start:
                 state["dlq_start"] = plan.dlq_start
             out[key(subscriptions.KIND, name)] = dict(doc, state=state)
-            out[op_key] = {
-                "kind": "offset-reset",
-                "step": "done",
-                "finished_ms": int(time.time() * 1000),
-                **plan.summary(),
-            }
+            out[op_key] = dict(op, step="done", finished_ms=int(time.time() * 1000))
             return out
 
         self.catalog.mutate(change)
@@ -370,6 +545,8 @@ class OffsetReset:
         from .spark import get_spark
         from .state_store import StateStore
 
+        if plan.queue not in ("rq", "dlq"):
+            return
         skipped = skipped_records(self.catalog, plan.moves)
         if not skipped:
             return

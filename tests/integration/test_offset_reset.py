@@ -92,3 +92,108 @@ def test_fast_forward_dlq_unblocks_groups_parked_on_skipped_messages(
         run_until_idle(settings, spark, spec.name)
         assert delivered(endpoint, "g") == ["m0", "m2", "m3"]  # m1 was skipped by the reset
         assert status.collect(catalog, spec.name)["shards"][0]["blocked_groups"] == 0
+
+
+class Crash(Exception):
+    """An injected crash at a step boundary of an offset reset."""
+
+
+def crash_after(monkeypatch, owner, attr: str, nth: int = 1) -> None:
+    """Make `owner.attr` raise Crash right after its nth call has done its work."""
+    real, calls = getattr(owner, attr), []
+
+    def crashing(*args, **kwargs):
+        result = real(*args, **kwargs)
+        calls.append(attr)
+        if len(calls) == nth:
+            raise Crash(f"after {attr} #{nth}")
+        return result
+
+    monkeypatch.setattr(owner, attr, crashing)
+
+
+# The step boundaries of `OffsetReset.execute`: the plan recorded (catalog write 1), GroupState
+# advanced, the positions written and the reset marked done (catalog write 2).
+CRASH_POINTS = {
+    "recorded": ("Catalog", "mutate", 1),
+    "state-advanced": ("OffsetReset", "_advance_state", 1),
+    "done": ("Catalog", "mutate", 2),
+}
+
+
+@pytest.mark.parametrize("crash", [None, *CRASH_POINTS])
+@pytest.mark.parametrize(
+    "queue,target",
+    [("main", ["--shift-by", "-3"]), ("main", ["--to-latest"]), ("dlq", ["--shift-by", "1"])],
+)
+def test_a_crash_at_any_step_then_a_rerun_ends_where_one_clean_run_does(
+    settings, spark, make_subscription, catalog, monkeypatch, capsys, queue, target, crash
+):
+    from kafka import KafkaProducer
+
+    from varadhi import layouts, offsets
+    from varadhi import messages as m
+    from varadhi.catalog import Catalog, key
+    from varadhi.checkpoints import shard_position
+    from varadhi.layouts import READER_KIND, Layout
+    from varadhi.topics import from_snapshot as topic_of
+
+    spec = make_subscription("http://127.0.0.1:9/")
+    mq = topic_of(catalog.snapshot(), spec.topic).storage_topics[0].name
+    dlq_topic = topic_of(catalog.snapshot(), spec.dlq_topic).storage_topics[0].name
+    produce(settings, spec.topic, [(f"g{i}", f"m{i}") for i in range(12)])
+    with KafkaProducer(bootstrap_servers=settings.bootstrap) as producer:
+        for i in range(3):  # dead letters of shard 0
+            headers = [(m.H_ORIGIN, f"0:0:{i}".encode()), (m.H_ATTEMPTS, b"1")]
+            producer.send(dlq_topic, b"x", partition=0, headers=headers)
+        producer.flush()
+    # The shard consumed up to 2 before each partition's end (as if it had run).
+    ends = offsets.kafka_offsets(
+        catalog, list(topic_of(catalog.snapshot(), spec.topic).storage_topics), None
+    ).end[mq]
+    assert min(ends) >= 3
+    consumed = {mq: {str(p): end - 2 for p, end in enumerate(ends)}}
+    catalog.mutate(
+        lambda _s: {
+            key(READER_KIND, layouts.owner(spec.name, 1, 0)): Layout(0, 0, 0, consumed).to_dict()
+        }
+    )
+
+    reset = offsets.OffsetReset(catalog)
+    mode = target[0][2:]
+    value = int(target[1]) if len(target) > 1 else None
+    clean = reset.plan(spec.name, queue, mode, value)  # what one clean run does
+    command = ["offsets", "reset", spec.name, "--queue", queue, *target, "--execute"]
+    if crash is not None:
+        owner, attr, nth = CRASH_POINTS[crash]
+        crash_after(
+            monkeypatch, {"Catalog": Catalog, "OffsetReset": offsets.OffsetReset}[owner], attr, nth
+        )
+        with pytest.raises(Crash):
+            cli(command)
+        monkeypatch.undo()
+        produce(settings, spec.topic, [("late", "late1")])  # --to-latest must not see it
+    assert cli(command + ["--output", "json"]) == 0
+    outcome = json.loads(capsys.readouterr().out).get("outcome")
+
+    sub = from_snapshot(catalog.snapshot(), spec.name)
+    doc = catalog.snapshot().get("operation", f"{spec.name}/offset-reset")
+    assert doc["step"] == "done"
+    if queue == "main":
+        assert sub.generation == 1
+        layout, position = shard_position(catalog, sub, 0)
+        assert layout == clean.layouts[0]
+        assert position == clean.layouts[0].starting_offsets
+        if mode == "shift-by":
+            assert position[mq] == {str(p): end - 5 for p, end in enumerate(ends)}
+    else:
+        assert sub.generation == 0
+        assert (
+            dlq.dlq_start(catalog.snapshot(), spec.name) == clean.dlq_start == {dlq_topic: {"0": 1}}
+        )
+        assert shard_position(catalog, sub, 0)[1] == consumed
+    assert outcome == {None: "new", "done": "done"}.get(crash, "resume")
+    # Run again once more: still nothing changes.
+    assert cli(command) == 0
+    assert "nothing changed" in capsys.readouterr().out
+    assert generation(catalog, spec.name) == sub.generation

@@ -1,10 +1,21 @@
-"""Offset-reset planning (pure): modes, fast-forward only on internal queues, uneven rewinds."""
+"""Offset-reset planning (pure): modes, fast-forward only on internal queues, uneven rewinds,
+recorded plans resumed after a crash."""
+
+import json
 
 import pytest
 
 from varadhi.errors import InvalidArgument
 from varadhi.layouts import Layout
-from varadhi.offsets import Offsets, plan_internal, plan_main
+from varadhi.offsets import (
+    Offsets,
+    Plan,
+    decide,
+    plan_internal,
+    plan_main,
+    positions_after,
+    positions_doc,
+)
 from varadhi.policies import Endpoint, SubscriptionSpec
 from varadhi.subscriptions import Subscription
 from varadhi.topics import add_storage, new_topic
@@ -104,3 +115,60 @@ def test_internal_queues_only_fast_forward():
     kafka.at_time["s.rq.0"][:] = [5, 25, None, 41]
     moves, _ = plan_internal("rq", sub, rq, current, kafka, "to-datetime", 1)
     assert {(mv.partition, mv.new) for mv in moves} == {(0, 10), (1, 25), (2, 100), (3, 41)}
+
+
+def recorded(plan: Plan, before, step="advancing-state", generation=3, shards=2):
+    """An operation document as `OffsetReset._record` writes it."""
+    return {
+        "kind": "offset-reset",
+        "step": step,
+        "id": "x",
+        "from_generation": generation,
+        "to_generation": generation + 1 if plan.layouts else generation,
+        "shard_count": shards,
+        "plan": plan.to_dict(),
+        "after": positions_after(plan, before),
+    }
+
+
+def test_a_plan_is_recorded_with_absolute_positions_and_read_back_the_same():
+    mq = new_topic("t", 4)
+    plan = plan_main(sub_of(2), mq, positions(2, 0, mq), offsets_for(mq), "shift-by", -10)
+    assert Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_an_unfinished_reset_is_resumed_with_its_recorded_plan_and_others_are_refused():
+    mq = new_topic("t", 4)
+    before = positions_doc(positions(2, 0, mq))
+    plan = plan_main(sub_of(2), mq, positions(2, 0, mq), offsets_for(mq), "shift-by", -10)
+    op = recorded(plan, before)
+    same = {"queue": "main", "mode": "shift-by", "value": -10}
+    assert decide(None, same, 3, 2, before) == "new"
+    assert decide(op, same, 3, 2, before) == "resume"
+    with pytest.raises(InvalidArgument, match=r"\(--queue main --shift-by -10\) is in progress"):
+        decide(op, same | {"value": -5}, 3, 2, before)
+    with pytest.raises(InvalidArgument, match="planned at generation 3 with 2 shards"):
+        decide(op, same, 3, 4, before)
+    legacy = {"kind": "offset-reset", "step": "advancing-state", **plan.summary()}
+    assert decide(legacy, same, 3, 2, before) == "new"  # recorded before plans were
+
+
+def test_a_finished_reset_run_again_changes_nothing_until_a_shard_consumed():
+    mq = new_topic("t", 4)
+    before = positions_doc(positions(2, 0, mq))
+    plan = plan_main(sub_of(2), mq, positions(2, 0, mq), offsets_for(mq), "shift-by", -10)
+    op = recorded(plan, before, step="done")
+    same = {"queue": "main", "mode": "shift-by", "value": -10}
+    after = op["after"]  # what the shards' positions are right after the reset
+    assert after["1"]["layout"]["generation"] == 4
+    assert after["1"]["consumed"]["t.0"] == {"2": 40, "3": 40}
+    assert decide(op, same, 4, 2, after) == "done"
+    consumed = json.loads(json.dumps(after))
+    consumed["1"]["consumed"]["t.0"]["2"] = 41  # shard 1 consumed a message since
+    assert decide(op, same, 4, 2, consumed) == "new"
+    assert decide(op, same | {"value": -3}, 4, 2, after) == "new"
+    # a DLQ reset leaves the shards where they were
+    dlq_plan = Plan("dlq", "shift-by", 1, (), {}, {"s.dlq.0": {"0": 5}})
+    dlq_op = recorded(dlq_plan, before, step="done")
+    assert dlq_op["after"] == before and dlq_op["to_generation"] == 3
+    assert decide(dlq_op, {"queue": "dlq", "mode": "shift-by", "value": 1}, 3, 2, before) == "done"

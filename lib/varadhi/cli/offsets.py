@@ -16,7 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "reset",
         help="move the shards of a stopped subscription to other offsets",
         description="Rewind or fast-forward the main queue; fast-forward the RQ or DLQ. The "
-        "subscription's shards must be stopped or paused. Starts a new checkpoint generation.",
+        "subscription's shards must be stopped or paused. Starts a new checkpoint generation. "
+        "The plan is recorded before anything changes: after a crash, run the same command again "
+        "to finish it with the same target positions; once done, running it again changes nothing "
+        "until a shard has consumed.",
     )
     r.add_argument("name", help="subscription name")
     r.add_argument("--queue", choices=["main", "rq", "dlq"], required=True)
@@ -53,12 +56,12 @@ def _reset(args: argparse.Namespace) -> int:
 
         raise InvalidArgument("--to-storage-topic applies to the main queue only", field="queue")
     reset = OffsetReset(common.catalog(args))
-    plan = reset.plan(args.name, args.queue, mode, value)
-    summary = plan.summary()
+    plan, outcome = reset.prepare(args.name, args.queue, mode, value)
     if args.execute:
-        reset.execute(args.name, plan)
+        plan, outcome = reset.execute(args.name, plan)
+    summary = plan.summary()
     if args.output == "json":
-        common.emit_json(summary | {"executed": bool(args.execute)})
+        common.emit_json(summary | {"executed": bool(args.execute), "outcome": outcome})
         return 0
     print(f"{'shard':>5} {'storage topic':<32} {'part':>4} {'current':>9} {'new':>9} {'change':>9}")
     for mv in summary["moves"]:
@@ -71,6 +74,17 @@ def _reset(args: argparse.Namespace) -> int:
         print(
             f"{mv['shard']:>5} {mv['topic']:<32} {mv['partition']:>4} {current:>9} {mv['new']:>9} {change:>9}"
         )
-    verb = "reset" if args.execute else "would reset (dry run; nothing changed)"
-    print(f"{verb}: {summary['skipped']} messages skipped, {summary['replayed']} replayed")
+    counts = f"{summary['skipped']} messages skipped, {summary['replayed']} replayed"
+    if outcome == "done":
+        print(
+            "this reset was done already and no shard has consumed since: nothing changed "
+            f"(it {counts})"
+        )
+        return 0
+    resumed = " the interrupted reset recorded earlier" if outcome == "resume" else ""
+    if args.execute:
+        verb = f"resumed and finished{resumed}" if resumed else "reset"
+    else:
+        verb = f"would {'resume' + resumed if resumed else 'reset'} (dry run; nothing changed)"
+    print(f"{verb}: {counts}")
     return 0
