@@ -20,8 +20,9 @@ crash resumes at the recorded step (every step is idempotent):
                still reads, starting where the old shards stopped (`checkpoints.shard_position`,
                per partition from its old owner; -2 = earliest where unknown), the new RQ
                storage topic from its beginning;
-5. `activate`: the subscription's state, in place: `shard_count` = S, `rq_from`/`dlq_from` = the
-               new storage topics (the shards read and browse those on);
+5. `activate`: the subscription's record, in place: `shard_count` = S, `rq_from`/`dlq_from` = the
+               new storage topics (the shards read and browse those on), and the spec's
+               `shards`/`rq_partitions`/`dlq_partitions` to match (`activated`);
 6. `feed`:     the feeders copy every record of the old RQ/DLQ storage topics (read_committed,
                ticks skipped) to the new ones, into the partitions of the group's new shard.
                They never call the endpoint and never touch GroupState;
@@ -186,7 +187,7 @@ STEP_TEXT = {
     "queues": "add the new RQ and DLQ storage topics and switch their produce pointers",
     "state": "reshard GroupState to the new shards' tables; re-send last-batch RQ/DLQ records",
     "layouts": "write the new shards' reader layouts (positions carried over)",
-    "activate": "set shard_count, rq_from and dlq_from in the subscription's state",
+    "activate": "set the shard count (state and spec), rq_from and dlq_from of the subscription",
     "feed": "copy the old RQ/DLQ storage topics into the new ones (feeders)",
     "done": "finished",
 }
@@ -356,6 +357,27 @@ def plan_change(
         layouts=tuple(new_layouts),
         warnings=tuple(warnings),
     )
+
+
+def activated(doc: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+    """The subscription record after the `activate` step (pure), changed in place: the state's
+    `shard_count`, `rq_from` and `dlq_from`, and the spec's `shards`, `rq_partitions` and
+    `dlq_partitions` with them (the new storage topics' counts), so the spec still describes
+    the subscription as it runs. A spec left at the old count made every later edit of the
+    record, `pause` and `resume` included, fail as a shard-count change by `apply`."""
+    state = dict(
+        doc["state"],
+        shard_count=plan.to_shards,
+        rq_from=plan.rq_target_index,
+        dlq_from=plan.dlq_target_index,
+    )
+    spec = dict(
+        doc["spec"],
+        shards=plan.to_shards,
+        rq_partitions=plan.rq_target.partitions,
+        dlq_partitions=plan.dlq_target.partitions,
+    )
+    return {**doc, "spec": spec, "state": state}
 
 
 def reshard_tables(
@@ -637,14 +659,8 @@ class ChangeShards:
             doc = snap.get(subscriptions.KIND, name)
             if doc is None:
                 raise NotFound("subscription", name)
-            state = dict(
-                doc["state"],
-                shard_count=plan.to_shards,
-                rq_from=plan.rq_target_index,
-                dlq_from=plan.dlq_target_index,
-            )
             return {
-                key(subscriptions.KIND, name): {**doc, "state": state},
+                key(subscriptions.KIND, name): activated(doc, plan),
                 key(OPERATION, operation_name(name)): _touch(_require_op(snap, name), step="feed"),
             }
 
@@ -847,6 +863,7 @@ __all__ = [
     "Feeder",
     "Plan",
     "ShardsRunning",
+    "activated",
     "check_stopped",
     "check_target",
     "feed",

@@ -166,19 +166,25 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
     shards = []
     for shard in range(sub.shard_count):
         doc = progress.get(shard, {})
+        if doc.get("shard_count", sub.shard_count) != sub.shard_count:
+            doc = {}  # the last word of shard `shard` of the count before a change: not this one
         consumed = doc.get("consumed") or {}
         mq_owned = {
             st.name: subscriptions.owned_partitions(sub, mq, i, shard)
             for i, st in enumerate(mq.storage_topics)
             if i >= int(doc.get("mq_index", 0))
         }
+        # Older RQ/DLQ storage topics (before rq_from/dlq_from) are a previous shard count's;
+        # feeders copy them into the current ones, which the shards read.
         rq_owned = {
             st.name: subscriptions.internal_partitions(sub, rq, i, shard)
             for i, st in enumerate(rq.storage_topics)
+            if i >= sub.rq_from
         }
         dlq_owned = {
             st.name: subscriptions.internal_partitions(sub, dlq, i, shard)
             for i, st in enumerate(dlq.storage_topics)
+            if i >= sub.dlq_from
         }
         age = (now - int(doc["updated_ms"])) if doc.get("updated_ms") else None
         totals = doc.get("totals", {})

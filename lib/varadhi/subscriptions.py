@@ -547,7 +547,33 @@ def from_snapshot(snapshot: Snapshot, name: str) -> Subscription:
     doc = snapshot.get(KIND, name)
     if doc is None:
         raise NotFound("subscription", name)
-    return Subscription.from_dict(doc)
+    return Subscription.from_dict(live_record(snapshot, doc))
+
+
+def live_record(snapshot: Snapshot, doc: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A subscription record whose spec has the live shard count (pure).
+
+    `subscription change-shards` sets the spec's `shards`, `rq_partitions` and `dlq_partitions`
+    with `state.shard_count` (`resharding.activated`). Records changed by earlier versions
+    kept the creation values in the spec (`spec.shards` 2, `state.shard_count` 4), which made
+    every later edit, `pause` and `resume` included, fail as a shard-count change. Such a record
+    is read with the live values: the state's shard count and the partitions of the RQ/DLQ
+    storage topics the shards own (`rq_from`, `dlq_from`); the next edit stores them.
+    """
+    spec, state = doc["spec"], doc["state"]
+    count = int(state["shard_count"])
+    if spec.get("shards") == count:
+        return doc
+    live = dict(spec, shards=count)
+    for field, suffix, first in (
+        ("rq_partitions", "rq", "rq_from"),
+        ("dlq_partitions", "dlq", "dlq_from"),
+    ):
+        queue = snapshot.get(topics.KIND, f"{spec['name']}.{suffix}")
+        index = int(state.get(first, 0))
+        if queue is not None and index < len(queue["storage_topics"]):
+            live[field] = CompositeTopic.from_dict(queue).storage(index).partitions
+    return {**doc, "spec": live}
 
 
 # -- shard assignment -----------------------------------------------------------------------
@@ -605,9 +631,13 @@ def shard_assignments(
 ) -> list[dict[str, Any]]:
     """Per shard, the partitions it owns of every storage topic of its MQ, RQ and DLQ:
     `[{"shard": 0, "mq": [{"storage_topic_idx", "storage_topic", "partitions"}], "rq": ..., "dlq": ...}]`.
+    RQ/DLQ storage topics before `rq_from`/`dlq_from` (left by a shard-count change, drained
+    by its feeders) belong to no current shard and are not listed.
     """
 
-    def table(topic: CompositeTopic, owner: _Owner, shard: int) -> list[dict[str, Any]]:
+    def table(
+        topic: CompositeTopic, owner: _Owner, shard: int, first: int = 0
+    ) -> list[dict[str, Any]]:
         return [
             {
                 "storage_topic_idx": i,
@@ -615,14 +645,15 @@ def shard_assignments(
                 "partitions": owner(sub, topic, i, shard),
             }
             for i, st in enumerate(topic.storage_topics)
+            if i >= first
         ]
 
     return [
         {
             "shard": s,
             "mq": table(mq, owned_partitions, s),
-            "rq": table(rq, internal_partitions, s),
-            "dlq": table(dlq, internal_partitions, s),
+            "rq": table(rq, internal_partitions, s, sub.rq_from),
+            "dlq": table(dlq, internal_partitions, s, sub.dlq_from),
         }
         for s in range(sub.shard_count)
     ]
@@ -758,7 +789,8 @@ def plan_apply(snapshot: Snapshot, spec: SubscriptionSpec) -> ApplyAction:
     if doc is None:
         check_create(snapshot, spec)
         return "create"
-    return "update" if changed_fields(Subscription.from_dict(doc), spec) else "unchanged"
+    current = Subscription.from_dict(live_record(snapshot, doc))
+    return "update" if changed_fields(current, spec) else "unchanged"
 
 
 def _normalise(spec: SubscriptionSpec, source: str) -> SubscriptionSpec:
@@ -786,7 +818,8 @@ class SubscriptionService:
         return from_snapshot(self.catalog.snapshot(), name)
 
     def list(self) -> list[Subscription]:
-        return [Subscription.from_dict(d) for d in self.catalog.snapshot().items(KIND).values()]
+        snap = self.catalog.snapshot()
+        return [Subscription.from_dict(live_record(snap, d)) for d in snap.items(KIND).values()]
 
     def create(self, spec: SubscriptionSpec) -> Subscription:
         spec = _normalise(spec, "create")
@@ -847,7 +880,9 @@ class SubscriptionService:
 
         `edit` changes the stored document in place (keys it does not know, such as state
         another component added, stay) and its result must still parse; for a spec change,
-        `changed_fields` must allow it.
+        `changed_fields` must allow it (a state-only edit, such as pause, is never refused for
+        the spec). It gets the record as `live_record` reads it, so the edit also stores the
+        live shard count in a spec an earlier version left behind.
         """
         result: dict[str, Subscription] = {}
 
@@ -855,9 +890,11 @@ class SubscriptionService:
             doc = snap.get(KIND, name)
             if doc is None:
                 raise NotFound("subscription", name)
-            new = edit(doc)
-            current, updated = Subscription.from_dict(doc), Subscription.from_dict(new)
-            changed_fields(current, updated.spec)
+            live = live_record(snap, doc)
+            new = edit(dict(live))
+            current, updated = Subscription.from_dict(live), Subscription.from_dict(new)
+            if new["spec"] != live["spec"]:
+                changed_fields(current, updated.spec)
             result["sub"] = updated
             return {} if new == doc else {key(KIND, name): new}
 

@@ -13,7 +13,7 @@ from varadhi import routing
 from varadhi.catalog import Snapshot
 from varadhi.errors import InvalidArgument
 from varadhi.layouts import Layout
-from varadhi.subscriptions import Subscription, parse_spec
+from varadhi.subscriptions import Subscription, changed_fields, parse_spec
 from varadhi.topics import StorageTopic, add_storage, new_topic
 
 KEYS = [f"group-{i}" for i in range(400)] + [f"~msg-{i}" for i in range(100)]
@@ -305,3 +305,19 @@ def test_feeder_source_checks_the_operation():
     with pytest.raises(InvalidArgument, match="not a feeder source"):
         rs.feeder_source(dict(op, step="feed"), "s.rq.9")
     assert rs.feeder_source(dict(op, step="feed"), "s.rq.0")["queue"] == "rq"
+
+
+def test_activate_sets_the_spec_shard_count_with_the_state():
+    sub, mq = subscription(2), new_topic("orders", 12)
+    rq, dlq = queues(2)
+    plan = rs.plan_change(sub, mq, rq, dlq, positions(sub, mq), 3)
+    doc = sub.to_dict()
+    doc["state"]["dlq_start"] = {"orders-http.dlq.0": {"0": 5}}  # another component's key
+    new = rs.activated(doc, plan)
+    assert new["state"]["dlq_start"] == doc["state"]["dlq_start"]
+    assert doc["spec"]["shards"] == doc["state"]["shard_count"] == 2  # not changed in place
+    after = Subscription.from_dict(new)
+    assert (after.shard_count, after.rq_from, after.dlq_from) == (3, 1, 1)
+    assert (after.spec.shards, after.spec.rq_partitions, after.spec.dlq_partitions) == (3, 6, 3)
+    # what pause/resume and an apply of the spec check: no shard-count change left over
+    assert changed_fields(after, after.spec) == []

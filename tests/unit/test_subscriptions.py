@@ -597,6 +597,22 @@ def test_plan_apply():
         subs.plan_apply(snapshot(mq), parse(shards=3))
 
 
+def test_a_record_left_at_the_creation_shard_count_is_read_with_the_live_one():
+    # What change-shards 2 -> 4 wrote before its activate step set the spec too: spec.shards 2,
+    # state.shard_count 4. Reading it (and so pause, resume, apply) takes the live values.
+    rq = topic("orders-http.rq", 4, 8, internal=True)
+    dlq = topic("orders-http.dlq", 2, 4, internal=True)
+    legacy = subs.Subscription(parse(shards=2), shard_count=4, created_ms=0, rq_from=1, dlq_from=1)
+    snap = snapshot(topic("orders", 4), rq, dlq, subscriptions=[legacy])
+    sub = subs.from_snapshot(snap, "orders-http")
+    assert (sub.spec.shards, sub.spec.rq_partitions, sub.spec.dlq_partitions) == (4, 8, 4)
+    assert subs.plan_apply(snap, parse(shards=4)) == "unchanged"
+    with pytest.raises(InvalidArgument, match="change-shards"):
+        subs.plan_apply(snap, parse(shards=2))
+    consistent = subs.Subscription(parse(shards=2), shard_count=2, created_ms=0).to_dict()
+    assert subs.live_record(snap, consistent) is consistent
+
+
 # -- files ------------------------------------------------------------------------------------
 
 

@@ -272,6 +272,7 @@ def _change_shards(args: argparse.Namespace) -> int:
                 common.emit_json(plan.to_dict())
             return 0
         op = service.execute(args.name, args.to, args.allow_uneven, args.feeders)
+        paused = SubscriptionService(catalog).get(args.name).paused
     finally:
         catalog.close()
     if not text:
@@ -288,4 +289,9 @@ def _change_shards(args: argparse.Namespace) -> int:
                 print(
                     f"  ./spark-submit.sh --job feeder --subscription {args.name} --source {f['source']}"
                 )
+    if text and paused:
+        print(
+            f"subscription {args.name} is paused: its new shards wait until "
+            f"`varadhi subscription resume {args.name}`"
+        )
     return 0
