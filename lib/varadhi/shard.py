@@ -36,7 +36,7 @@ import signal
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import pandas as pd
@@ -65,10 +65,12 @@ from .queue_records import MAX_REQUEST_BYTES, out_record
 from .record_ids import group_id_column, group_key_column, msg_id_column
 from .settings import Settings
 from .state_store import StateStore, normalise
-from .status import ProgressPublisher
+from .status import ProgressPublisher, latest_progress
 
 log = logging.getLogger("varadhi.shard")
 
+# How many blocked groups a progress document lists by name (`summarize`); the count is exact.
+LISTED_BLOCKED_GROUPS = 100
 # Producers learn of a switch within a second and give up on a record after 30 s
 # (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
 SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
@@ -94,6 +96,17 @@ class ShardStats:
     failures: int = 0
     replays: int = 0
     last_batch: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def resumed(cls, progress: dict[str, Any] | None, shard_count: int) -> ShardStats:
+        """Counters that go on from a shard's last progress document (`totals`), so they
+        survive restarts; zero for a document of another shard count (a shard-count change
+        starts the new shards' own counts) or none."""
+        if not progress or progress.get("shard_count", shard_count) != shard_count:
+            return cls()
+        totals = progress.get("totals") or {}
+        names = [f.name for f in fields(cls) if f.type in ("int", int)]
+        return cls(**{n: int(totals[n]) for n in names if isinstance(totals.get(n), int)})
 
 
 class ShardJob:
@@ -130,7 +143,7 @@ class ShardJob:
         self._tick_producer: KafkaProducer | None = None
         self._store: StateStore | None = None
         self._dedup: DedupWindow | None = None
-        self._summary: dict[str, int] = {}
+        self._summary: dict[str, Any] = {}
         self._publisher: ProgressPublisher | None = None
         self._rate_window: list[tuple[float, int, int]] = []
         self._where: dict[str, Any] = {}
@@ -202,6 +215,9 @@ class ShardJob:
             )
             self._producer.init_transactions()
             self._publisher = ProgressPublisher(self.settings, self.name, self.shard)
+            last = latest_progress(self.settings, self.name).get(self.shard)
+            self.stats = ShardStats.resumed(last, sub.shard_count)
+            self._where = {"shard_count": sub.shard_count}
             while True:
                 sub, mq, rq, dlq = self._load()
                 lease.check()
@@ -225,8 +241,9 @@ class ShardJob:
             self._publish("stopped", force=True)
             self._close()
 
-    def _publish(self, state: str, query=None, force: bool = False) -> None:
-        """Send a progress document (rate-limited unless forced); see `varadhi.status`."""
+    def _publish(self, state: str, query=None, force: bool = False, flush: bool | None = None):
+        """Send a progress document (rate-limited unless forced; waits for the broker when
+        `flush`, by default when forced); see `varadhi.status`."""
         if self._publisher is None:
             return
         s = self.stats
@@ -253,7 +270,7 @@ class ShardJob:
             },
             "last_batch": s.last_batch,
         }
-        self._publisher.publish(doc, force=force)
+        self._publisher.publish(doc, force=force, flush=force if flush is None else flush)
 
     def _wait_while_paused(self) -> bool:
         """Sleep until resumed (False) or asked to stop (True)."""
@@ -292,8 +309,11 @@ class ShardJob:
         state_path, checkpoint, app_id = self._paths(sub, layout)
         if self._store is None or self._store.path != state_path:
             self._store = StateStore(self.spark, state_path, self._lease.instance)
-        # Parked retries that fall due before any new input arrives need a tick to run.
-        self._next_due_ms = _next_due(self._store.pending())
+        # Parked retries that fall due before any new input arrives need a tick to run; status
+        # shows what waits from the start, not only after the first batch.
+        pending = self._store.pending()
+        self._next_due_ms = _next_due(pending)
+        self._summary = summarize(pending)
         ctx_base = dict(
             sub=sub, mq=mq, rq=rq, dlq=dlq, state_path=state_path, app_id=app_id, lease=lease
         )
@@ -692,6 +712,9 @@ class ShardJob:
         }
         self._next_due_ms = _next_due(pending)
         self._summary = summarize(pending)
+        # Every batch's counts reach the progress topic (without waiting for the broker), so a
+        # restarted shard goes on from them (`ShardStats.resumed`).
+        self._publish("running", force=True, flush=False)
         if n_records or counts:
             log.info("%s shard %d: batch %s", self.name, self.shard, s.last_batch)
         attempts, failures = int(counts.get("attempts", 0)), int(counts.get("failures", 0))
@@ -792,14 +815,34 @@ def _next_due(pending: dict[str, list[dict]]) -> int | None:
     return min(_parked_heads(pending).values(), default=None)
 
 
-def summarize(pending: dict[str, list[dict]]) -> dict[str, int]:
-    """Counts for status: blocked groups and pending messages by where they wait (pure)."""
+def summarize(pending: dict[str, list[dict]]) -> dict[str, Any]:
+    """What status shows of a shard's GroupState (pure): blocked groups and pending messages
+    by where they wait, and the first `LISTED_BLOCKED_GROUPS` blocked groups (by key) with
+    their head: its message id, where it waits (`rq`: a retry; `dlq`: a dead letter blocking
+    the group; `held`: parked here), its reason and how many of the group's messages wait."""
     where = [r["location"] for rows in pending.values() for r in rows]
+    listed = []
+    for group in sorted(pending)[:LISTED_BLOCKED_GROUPS]:
+        rows = pending[group]
+        head = min(
+            rows, key=lambda r: (r["origin_index"], r["origin_partition"], r["origin_offset"])
+        )
+        reason = head.get("reason")
+        listed.append(
+            {
+                "group": group,
+                "head": head["msg_id"],
+                "where": head["location"],
+                "reason": reason if isinstance(reason, str) else None,
+                "waiting": len(rows),
+            }
+        )
     return {
         "blocked_groups": len(pending),
         "held": where.count("held"),
         "rq_pending": where.count("rq"),
         "dlq_pending": where.count("dlq"),
+        "blocked": listed,
     }
 
 

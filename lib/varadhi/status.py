@@ -65,7 +65,9 @@ class ProgressPublisher:
         self._lock = threading.Lock()
         self._producer = KafkaProducer(bootstrap_servers=settings.bootstrap, linger_ms=50)
 
-    def publish(self, doc: dict[str, Any], force: bool = False) -> None:
+    def publish(self, doc: dict[str, Any], force: bool = False, flush: bool = False) -> None:
+        """Send `doc` unless one went out less than `interval_s` ago (`force`: send anyway);
+        `flush` waits until the broker has it."""
         with self._lock:
             now = time.monotonic()
             if not force and now - self._last < self.interval_s:
@@ -75,7 +77,7 @@ class ProgressPublisher:
             self._producer.send(
                 self.topic, key=self.key, value=json.dumps(body).encode(), partition=0
             )
-            if force:
+            if flush:
                 self._producer.flush(5)
 
     def close(self) -> None:
@@ -215,6 +217,7 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
                     },
                 },
                 "blocked_groups": doc.get("blocked_groups", 0),
+                "blocked": doc.get("blocked", []),
                 "held": doc.get("held", 0),
                 "rates": doc.get("rates", {}),
                 "totals": totals,

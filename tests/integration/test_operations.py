@@ -47,10 +47,28 @@ def test_unsideline_redrives_in_order_and_unblocks_the_group(
             "acknowledged": 2,
         }
 
+        # A restarted shard shows what waits before its first batch, the blocked group by
+        # name, and goes on counting where it stopped.
+        run_until_idle(settings, spark, spec.name)  # nothing new to read
+        shard = status.collect(catalog, spec.name)["shards"][0]
+        assert shard["blocked_groups"] == 1 and shard["held"] == 4
+        assert shard["blocked"] == [
+            {
+                "group": "g",
+                "head": "m1",
+                "where": "dlq",
+                "reason": parked[0]["reason"],
+                "waiting": 5,
+            }
+        ]
+
         assert cli(["dlq", "unsideline", spec.name, "--group-ids", "g"]) == 0
         produce(settings, spec.topic, [("g", "m6")])  # live traffic stays behind the re-drive
         run_until_idle(settings, spark, spec.name)
         assert delivered(endpoint, "g") == ids + ["m6"]
+        # m1 (again), m2..m5 and m6 sent and acknowledged by the later runs, counted on.
+        stats = status.collect(catalog, spec.name)["stats"]
+        assert stats == {"inserted": 8, "routed": 8, "emitted": 9, "acknowledged": 8}
         attempts = [r.attempt for r in endpoint.records() if r.message_id == "m1"]
         assert attempts == [1, 1]  # attempts were reset by the re-drive
         assert [p["state"] for p in dlq.list_parked(catalog, spec.name)] == ["redriven"]

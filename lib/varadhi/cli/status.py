@@ -7,13 +7,16 @@ import argparse
 from .. import status
 from . import common
 
+TEXT_BLOCKED = 10  # blocked groups named per shard in text; --output json has up to 100
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "status",
         help="lag, rates, blocked groups and DLQ depth of a subscription",
         description="Status of a subscription from the shards' latest progress and Kafka's "
-        "current offsets. Works without Spark and while shards are stopped.",
+        "current offsets. Works without Spark and while shards are stopped. Blocked groups are "
+        "named with their head message (up to 10 per shard; 100 with --output json).",
     )
     p.add_argument("name", help="subscription name")
     common.add_output(p)
@@ -41,6 +44,15 @@ def _status(args: argparse.Namespace) -> int:
             f"{q['rq']['pending']:>7} {q['dlq']['parked']:>10} {q['dlq']['depth']:>9} "
             f"{s['blocked_groups']:>7} {r.get('delivered_per_s', 0):>8} {r.get('failures_per_s', 0):>7}"
         )
+    for s in doc["shards"]:
+        blocked = s.get("blocked") or []
+        if blocked:
+            print(f"shard {s['shard']} blocked groups ({s['blocked_groups']}):")
+        for b in blocked[:TEXT_BLOCKED]:
+            why = f": {b['reason']}" if b.get("reason") else ""
+            print(f"  {b['group']}  head {b['head']} in {b['where']}{why} ({b['waiting']} waiting)")
+        if s["blocked_groups"] > min(len(blocked), TEXT_BLOCKED):
+            print(f"  ... {s['blocked_groups'] - min(len(blocked), TEXT_BLOCKED)} more")
     st = doc["stats"]
     print(
         f"messages: inserted {st['inserted']}, routed {st['routed']}, emitted {st['emitted']}, "

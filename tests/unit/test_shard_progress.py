@@ -1,0 +1,52 @@
+"""What a shard reports to status (pure): its GroupState summarised, counters resumed."""
+
+from __future__ import annotations
+
+from varadhi.shard import LISTED_BLOCKED_GROUPS, ShardStats, summarize
+
+
+def row(offset: int, location: str, reason: str | None = None, msg_id: str | None = None):
+    return {
+        "origin_index": 0,
+        "origin_partition": 1,
+        "origin_offset": offset,
+        "msg_id": msg_id or f"m{offset}",
+        "location": location,
+        "reason": reason,
+    }
+
+
+def test_summary_counts_and_names_blocked_groups_by_their_head():
+    pending = {
+        "b": [row(7, "held"), row(3, "dlq", "fatal response 404"), row(9, "held")],
+        "a": [row(2, "rq", "HTTP 503; retry in 1000 ms")],
+    }
+    summary = summarize(pending)
+    assert (summary["blocked_groups"], summary["held"], summary["rq_pending"]) == (2, 2, 1)
+    assert summary["dlq_pending"] == 1
+    assert summary["blocked"] == [
+        {
+            "group": "a",
+            "head": "m2",
+            "where": "rq",
+            "reason": "HTTP 503; retry in 1000 ms",
+            "waiting": 1,
+        },
+        {"group": "b", "head": "m3", "where": "dlq", "reason": "fatal response 404", "waiting": 3},
+    ]
+
+
+def test_the_list_of_blocked_groups_is_bounded_but_the_count_is_not():
+    pending = {f"g{i:04d}": [row(i, "rq", float("nan"))] for i in range(LISTED_BLOCKED_GROUPS + 5)}
+    summary = summarize(pending)
+    assert summary["blocked_groups"] == LISTED_BLOCKED_GROUPS + 5
+    assert len(summary["blocked"]) == LISTED_BLOCKED_GROUPS
+    assert summary["blocked"][0]["reason"] is None  # a missing reason read from Delta is NaN
+
+
+def test_counters_go_on_from_the_last_progress_of_the_same_shard_count():
+    doc = {"shard_count": 2, "totals": {"delivered": 10, "routed": 12, "unknown": 3}}
+    stats = ShardStats.resumed(doc, 2)
+    assert (stats.delivered, stats.routed, stats.batches) == (10, 12, 0)
+    assert ShardStats.resumed(doc, 3) == ShardStats()  # another shard count: its own counts
+    assert ShardStats.resumed(None, 2) == ShardStats()
