@@ -217,7 +217,12 @@ class ShardJob:
             self._publisher = ProgressPublisher(self.settings, self.name, self.shard)
             last = latest_progress(self.settings, self.name).get(self.shard)
             self.stats = ShardStats.resumed(last, sub.shard_count)
-            self._where = {"shard_count": sub.shard_count}
+            # Where the last run stopped, for `where_reading` (same shard count only).
+            carried = last if last and last.get("shard_count") == sub.shard_count else {}
+            self._where = {
+                k: carried[k] for k in ("generation", "layout", "consumed") if k in carried
+            }
+            self._where["shard_count"] = sub.shard_count
             while True:
                 sub, mq, rq, dlq = self._load()
                 lease.check()
@@ -339,13 +344,7 @@ class ShardJob:
         )
         self._query = query
         self._stopping = False
-        self._where = {
-            "generation": layout.generation,
-            "shard_count": sub.shard_count,
-            "layout": layout.seq,
-            "mq_index": layout.mq_index,
-            "reading": assign,
-        }
+        self._where = where_reading(self._where, sub.shard_count, layout, assign)
         log.info("%s shard %d: reading %s (layout %d)", self.name, self.shard, assign, layout.seq)
         self._last_batch_end = query_started = time.monotonic()
         try:
@@ -813,6 +812,27 @@ def _due_heads(pending: dict[str, list[dict]], now_ms: int) -> list[str]:
 def _next_due(pending: dict[str, list[dict]]) -> int | None:
     """The earliest due time of a parked head (pure); None when nothing is parked."""
     return min(_parked_heads(pending).values(), default=None)
+
+
+def where_reading(
+    before: dict[str, Any], shard_count: int, layout: Layout, assign: dict[str, list[int]]
+) -> dict[str, Any]:
+    """What a progress document says of a query that starts reading `assign` (pure). The
+    offsets consumed so far (`consumed`, from the last completed batch) carry over from
+    `before` (the previous query's, or the last document of an earlier run of this shard) when
+    it read the same layout: until its first batch completes, a restarted query has consumed
+    exactly that. Otherwise status counts lag from the layout's start."""
+    where = {
+        "generation": layout.generation,
+        "shard_count": shard_count,
+        "layout": layout.seq,
+        "mq_index": layout.mq_index,
+        "reading": assign,
+    }
+    same = all(before.get(k) == where[k] for k in ("generation", "shard_count", "layout"))
+    if same and before.get("consumed"):
+        where["consumed"] = before["consumed"]
+    return where
 
 
 def summarize(pending: dict[str, list[dict]]) -> dict[str, Any]:

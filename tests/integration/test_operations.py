@@ -52,6 +52,7 @@ def test_unsideline_redrives_in_order_and_unblocks_the_group(
         run_until_idle(settings, spark, spec.name)  # nothing new to read
         shard = status.collect(catalog, spec.name)["shards"][0]
         assert shard["blocked_groups"] == 1 and shard["held"] == 4
+        assert shard["queues"]["main"]["lag"] == 0  # not the whole log before its first batch
         assert shard["blocked"] == [
             {
                 "group": "g",

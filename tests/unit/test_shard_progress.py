@@ -50,3 +50,15 @@ def test_counters_go_on_from_the_last_progress_of_the_same_shard_count():
     assert (stats.delivered, stats.routed, stats.batches) == (10, 12, 0)
     assert ShardStats.resumed(doc, 3) == ShardStats()  # another shard count: its own counts
     assert ShardStats.resumed(None, 2) == ShardStats()
+
+
+def test_a_restarted_query_reports_what_the_last_one_consumed_on_the_same_layout():
+    from varadhi.layouts import Layout
+    from varadhi.shard import where_reading
+
+    layout = Layout(generation=1, seq=2, mq_index=0, starting_offsets={})
+    before = {"generation": 1, "shard_count": 2, "layout": 2, "consumed": {"t.0": {"0": 40}}}
+    where = where_reading(before, 2, layout, {"t.0": [0]})
+    assert where["consumed"] == {"t.0": {"0": 40}} and where["reading"] == {"t.0": [0]}
+    assert "consumed" not in where_reading(dict(before, layout=1), 2, layout, {"t.0": [0]})
+    assert "consumed" not in where_reading(before, 3, layout, {"t.0": [0]})
