@@ -15,7 +15,8 @@ crash resumes at the recorded step (every step is idempotent):
                new shard (plain Delta overwrite: nobody else writes now; the meta row is not
                carried, so the new shards' first batch is not taken for a replay). The `out`
                rows of each old table's last batch are re-sent to the new queues (a shard that
-               crashed between its commit and its send never sent them);
+               crashed between its commit and its send never sent them), in one Kafka
+               transaction, skipped when the new queues already hold a committed record;
 4. `layouts`:  the new shards' reader layouts: the lowest main-topic storage topic any old shard
                still reads, starting where the old shards stopped (`checkpoints.shard_position`,
                per partition from its old owner; -2 = earliest where unknown), the new RQ
@@ -24,18 +25,24 @@ crash resumes at the recorded step (every step is idempotent):
                new storage topics (the shards read and browse those on), and the spec's
                `shards`/`rq_partitions`/`dlq_partitions` to match (`activated`);
 6. `feed`:     the feeders copy every record of the old RQ/DLQ storage topics (read_committed,
-               ticks skipped) to the new ones, into the partitions of the group's new shard.
-               They never call the endpoint and never touch GroupState;
-7. `done`.
+               ticks skipped) to the new ones, into the partitions of the group's new shard,
+               each distinct record once: what the target already holds (an earlier run's
+               copy, a re-sent `out` row) is not written again. They never call the endpoint
+               and never touch GroupState;
+7. `done`:     the same command run again then does nothing (`finished`).
+
+A crash after any step, then the same command again, ends where one clean run does (the
+subscription, operation and reader-layout documents, the new GroupState tables and the records
+of the new RQ/DLQ storage topics: `tests/integration/test_change_shards_crash.py`).
 
 Why new shards may read the new RQ while feeders still run (seed 000 lets them wait): here an RQ
 record is matched to its GroupState entry by (origin, attempts) and a group's delivery order
 comes from `origin` (its main-topic position), never from RQ positions (see
 `varadhi.group_state`). A record that arrives late only fills in the body of an entry that kept
 its place; its group waits for it meanwhile. A record that matches no `rq` entry (already
-consumed by an old shard, superseded by a later attempt, or a duplicate of a feeder re-run or of
-a re-sent `out` row) is dropped as a stale duplicate. So feeders are at-least-once and order
-holds without a barrier.
+consumed by an old shard, superseded by a later attempt, or a duplicate of a re-sent `out` row)
+is dropped as a stale duplicate. So order holds without a barrier, and a feeder that copied a
+record twice (two feeders of one source at once) does no harm.
 
 Routing: a group's new shard is the one owning `routing.route(group_hash(group_key), P, K)` of
 the main topic's last storage topic (recorded in the operation as `route_by`, so the state step
@@ -211,6 +218,18 @@ def internal_target(
     shard = new_shard_of(group_key, route_by, shard_count)
     owned = routing.shard_partitions(shard, shard_count, target_partitions)
     return routing.internal_partition(routing.group_hash(group_key), owned)
+
+
+def finished(op: Mapping[str, Any] | None, sub: Subscription, to: int) -> bool:
+    """Whether the last change of `sub` was to `to` shards, is done, and nothing has changed the
+    count since (pure): the same command run again then does nothing (a crash may have come
+    after the last step and before the operator saw the command finish)."""
+    return (
+        op is not None
+        and op.get("step") == "done"
+        and int(op.get("to", -1)) == to
+        and sub.shard_count == to
+    )
 
 
 def check_stopped(
@@ -509,6 +528,10 @@ class ChangeShards:
         """Run (or resume) the change; returns the final operation document."""
         snap = self.catalog.snapshot()
         op = snap.get(OPERATION, operation_name(name))
+        if finished(op, subscriptions.from_snapshot(snap, name), to):
+            assert op is not None
+            self.log(f"the change of {name} to {to} shards is done; nothing to do")
+            return op
         if op is not None and op.get("step") != "done":
             self._check_resumable(op, name, to)
             op = dict(op, feeders_mode=feeders)
@@ -600,6 +623,12 @@ class ChangeShards:
         return {"state": moved}
 
     def _resend(self, plan: Plan, outs: pd.DataFrame) -> None:
+        """Send the old tables' last-batch records to the new queues, once: in one Kafka
+        transaction (transactional id per subscription's change, so a re-run aborts what a
+        crashed run left open), and not at all when the new queues already hold a committed
+        record. Until `activate` nothing else writes to them (the old shards are fenced and
+        write to the old queues, the new shards do not run yet), so a committed record there
+        is this step's earlier, complete send."""
         if not len(outs):
             return
         from kafka import KafkaProducer
@@ -612,8 +641,14 @@ class ChangeShards:
             bootstrap_servers=self.catalog.settings.bootstrap,
             acks="all",
             max_request_size=MAX_REQUEST_BYTES,
+            transactional_id=f"varadhi.{plan.name}.change-shards",
         )
         try:
+            producer.init_transactions()
+            if _holds_committed(self.catalog.settings.bootstrap, list(targets.values())):
+                self.log("state: the last-batch records were re-sent by an earlier run")
+                return
+            producer.begin_transaction()
             futures = []
             for row in outs.to_dict("records"):
                 st = targets[row["target"]]
@@ -631,6 +666,7 @@ class ChangeShards:
                 )
             for f in futures:
                 f.get(timeout=30)
+            producer.commit_transaction()
         finally:
             producer.close(timeout=5)
 
@@ -741,6 +777,32 @@ def _require_op(snap: Snapshot, name: str) -> dict[str, Any]:
     return op
 
 
+def _holds_committed(bootstrap: str, storages: Sequence[StorageTopic]) -> bool:
+    """Whether any of the Kafka topics `storages` holds a committed record."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
+    )
+    try:
+        tps = [TopicPartition(st.name, p) for st in storages for p in range(st.partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = consumer.end_offsets(tps)  # the last stable offsets: nothing open is waited for
+        deadline = time.monotonic() + 30
+        while any(consumer.position(tp) < ends[tp] for tp in tps):
+            if any(consumer.poll(timeout_ms=200).values()):
+                return True
+            if time.monotonic() > deadline:
+                raise VaradhiError(
+                    "timed out reading the new RQ/DLQ storage topics "
+                    f"{', '.join(st.name for st in storages)}"
+                )
+        return False
+    finally:
+        consumer.close()
+
+
 def _progress(catalog: Catalog, name: str) -> dict[int, dict[str, Any]]:
     from .status import latest_progress
 
@@ -774,13 +836,18 @@ def check_feeder(catalog: Catalog, name: str, source: str) -> dict[str, Any]:
 
 
 def feed(spark, catalog: Catalog, name: str, source: str) -> int:
-    """Copy every record of old RQ/DLQ storage topic `source` to the new one; returns how many.
+    """Copy every record of old RQ/DLQ storage topic `source` to the new one; returns how many
+    distinct records `source` holds (all of them are in the new one afterwards).
 
     A bounded Spark batch: read `source` from its start (for a DLQ, from the offset reset's
     `dlq_start` where there is one) to its end, read_committed, skip tick records, and write
     each record (key, value and headers kept) to the partition of the new storage topic that
     its group's new shard owns (`internal_target` of `group_key_column`, the shard's own rule).
-    At-least-once: a re-run writes duplicates, which the shards drop. Marks the feeder done.
+    Idempotent: a record is written only if the target partition does not already hold one
+    with the same key, value and headers (compared by `_fingerprint`), so a re-run after a crash
+    (before or after part of the write, or before the feeder was marked done) adds nothing
+    twice. Identical records are the same retry or dead letter by the shards' own rule (origin
+    and attempts), so one copy of each is enough. Marks the feeder done.
     """
     import json
 
@@ -822,25 +889,56 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
         .load()
     )
     is_tick = F.coalesce(F.exists("headers", lambda h: h["key"] == TICK_HEADER), F.lit(False))
-    out = (
+    copies = (
         records.where(~is_tick)
         .select("key", "value", "headers", group_key_column(sub.spec.grouped).alias("group_key"))
         .select("key", "value", "headers", partition_of("group_key").alias("partition"))
+        .withColumn("fingerprint", _fingerprint())
+        .dropDuplicates(["fingerprint"])
         .persist()
     )
+    there = (
+        spark.read.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", target.name)
+        .option("startingOffsets", "earliest")
+        .option("endingOffsets", "latest")
+        .option("includeHeaders", "true")
+        .option("kafka.isolation.level", "read_committed")
+        .load()
+        .select(_fingerprint().alias("fingerprint"))
+    )
     try:
-        n = out.count()
+        n = copies.count()
+        missing = copies.join(there, "fingerprint", "left_anti").drop("fingerprint")
         (
-            out.write.format("kafka")
+            missing.write.format("kafka")
             .option("kafka.bootstrap.servers", bootstrap)
             .option("kafka.acks", "all")
             .option("topic", target.name)
             .save()
         )
     finally:
-        out.unpersist()
+        copies.unpersist()
     _mark_fed(catalog, name, source, n)
     return n
+
+
+def _fingerprint():
+    """A Kafka record's identity for the feeders: SHA-256 over its partition, key, value and
+    headers (as JSON with base64 bytes, so no two different records share the input)."""
+    from pyspark.sql import functions as F
+
+    headers = F.transform(
+        "headers", lambda h: F.struct(h["key"].alias("k"), F.base64(h["value"]).alias("v"))
+    )
+    doc = F.struct(
+        F.col("partition").alias("p"),
+        F.base64("key").alias("k"),
+        F.base64("value").alias("v"),
+        headers.alias("h"),
+    )
+    return F.sha2(F.to_json(doc).cast("binary"), 256)
 
 
 def _mark_fed(catalog: Catalog, name: str, source: str, records: int) -> None:

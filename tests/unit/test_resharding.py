@@ -321,3 +321,12 @@ def test_activate_sets_the_spec_shard_count_with_the_state():
     assert (after.spec.shards, after.spec.rq_partitions, after.spec.dlq_partitions) == (3, 6, 3)
     # what pause/resume and an apply of the spec check: no shard-count change left over
     assert changed_fields(after, after.spec) == []
+
+
+def test_a_finished_change_run_again_does_nothing():
+    op = {"kind": "change-shards", "from": 2, "to": 4, "step": "done"}
+    assert rs.finished(op, subscription(4), 4)
+    assert not rs.finished(op, subscription(4), 3)  # another change: planned afresh
+    assert not rs.finished(dict(op, step="feed"), subscription(4), 4)  # resumed instead
+    assert not rs.finished(op, subscription(2), 4)  # the count changed since
+    assert not rs.finished(None, subscription(4), 4)
