@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import time
+from collections.abc import Callable
 
 from . import layouts, subscriptions
 from .catalog import Catalog
@@ -47,3 +49,45 @@ def shard_position(
         catalog.settings.warehouse, sub.name, sub.shard_count, shard, layout
     )
     return layout, layouts.merged(layout.starting_offsets, committed_offsets(path) or {})
+
+
+def forget_planned_batch(checkpoint: str, batch_id: int) -> bool:
+    """Delete the plan of batch `batch_id` (`offsets/<id>`) if it is the newest plan and was
+    never committed, so that the next query on the checkpoint plans that batch again under its
+    own limits (`maxOffsetsPerTrigger`) instead of re-running the planned range. Only for a
+    batch whose `foreachBatch` did nothing (a shard refuses a batch planned while it stops its
+    query); a batch that may have had effects must be re-run as planned. Returns whether a plan
+    was deleted."""
+    offsets = os.path.join(checkpoint, "offsets")
+    if not os.path.isdir(offsets):
+        return False
+    planned = [int(n) for n in os.listdir(offsets) if n.isdigit()]
+    if max(planned, default=-1) != batch_id:
+        return False
+    if os.path.exists(os.path.join(checkpoint, "commits", str(batch_id))):
+        return False
+    for name in (str(batch_id), f".{batch_id}.crc"):  # the plan and Hadoop's checksum of it
+        try:
+            os.remove(os.path.join(offsets, name))
+        except FileNotFoundError:
+            pass
+    return True
+
+
+def await_commit(
+    checkpoint: str, batch_id: int, running: Callable[[], bool], timeout_s: float = 10.0
+) -> bool:
+    """Wait until Spark has committed batch `batch_id` (`commits/<id>`) while `running()`.
+
+    `foreachBatch` returns before Spark writes the commit; a query stopped in between runs the
+    batch again on its next start. A driver that stops its query because of what a batch just
+    did waits for this first. False on timeout (or a checkpoint this process cannot read)."""
+    done = os.path.join(checkpoint, "commits", str(batch_id))
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(done):
+        if batch_id < 0 or not os.path.isdir(checkpoint) or not running():
+            return False
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -1,8 +1,10 @@
-"""Typed, immutable configuration of a subscription: endpoint, retry and consumption policies.
+"""Typed, immutable configuration of a subscription: endpoint, retry, consumption and circuit
+breaker policies.
 
 These are plain frozen dataclasses with defaults that match DESIGN.md section 2. Parsing YAML or
 CLI options into them, and validating them with messages that name the field, lives in
-`varadhi.subscriptions`; deciding what a response means lives in `varadhi.retry`.
+`varadhi.subscriptions`; deciding what a response means lives in `varadhi.retry`, and when to
+stop sending to a failing endpoint in `varadhi.circuit`.
 
 Secrets never live here: the endpoint names the environment variable that holds its auth header
 value (`auth_env`), and only the delivery code on executors reads it.
@@ -81,15 +83,33 @@ class ConsumptionPolicy:
     """`concurrency`: delivery tasks per shard (the Kafka partitions a shard reads are coalesced
     into this many Spark tasks, or spread over them by group when there are fewer);
     `max_in_flight`: concurrent HTTP requests per task; `max_messages_per_batch` bounds a
-    micro-batch (the Kafka source's maxOffsetsPerTrigger); when the failure rate of the last batch
-    passes `error_rate_threshold`, the shard waits `throttle_ms` before the next batch."""
+    micro-batch (the Kafka source's maxOffsetsPerTrigger). A failing endpoint is the circuit
+    breaker's (`CircuitPolicy`)."""
 
     concurrency: int = 2
     max_in_flight: int = 64
     max_messages_per_batch: int = 100_000
     trigger_interval_ms: int = 500
-    error_rate_threshold: float = 0.5
-    throttle_ms: int = 5_000
+
+
+@dataclass(frozen=True)
+class CircuitPolicy:
+    """When a shard stops sending to its endpoint, and how it tries again (`varadhi.circuit`).
+
+    Closed: the shard delivers normally; it opens when the batches that ended within the last
+    `window_ms` made at least `min_requests` attempts and at least `failure_rate` of them failed.
+    Open: nothing is read or sent for `open_for_ms`, doubled for every consecutive open (a failed
+    probe) up to `max_open_for_ms`. Half-open: micro-batches read at most `probes` records; the
+    first one that makes attempts closes the circuit if fewer than `failure_rate` of them failed
+    and opens it again otherwise."""
+
+    enabled: bool = True
+    failure_rate: float = 0.5
+    min_requests: int = 20
+    window_ms: int = 10_000
+    open_for_ms: int = 5_000
+    max_open_for_ms: int = 60_000
+    probes: int = 10
 
 
 @dataclass(frozen=True)
@@ -105,6 +125,7 @@ class SubscriptionSpec:
     dlq_partitions: int | None = None  # default: shards
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     consumption: ConsumptionPolicy = field(default_factory=ConsumptionPolicy)
+    circuit_breaker: CircuitPolicy = field(default_factory=CircuitPolicy)
     on_dead_letter: OnDeadLetter = "block"
     max_message_bytes: int = 1_048_576
     dedup_window_ms: int | None = None

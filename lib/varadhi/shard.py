@@ -45,8 +45,8 @@ from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
+from . import checkpoints, layouts, routing, subscriptions, topics
 from . import dlq as dlq_ops
-from . import layouts, routing, subscriptions, topics
 from .batch import (
     STATE_SCHEMA,
     TICK_HEADER,
@@ -56,11 +56,13 @@ from .batch import (
     process_partition,
 )
 from .catalog import Catalog, key
+from .circuit import CircuitBreaker
 from .dedup import DedupWindow, dedup_id
 from .errors import Fenced, InvalidArgument, VaradhiError
 from .faults import crash_point
 from .layouts import READER_KIND, Layout, drained, next_layout
 from .leases import Lease
+from .policies import CircuitPolicy
 from .queue_records import MAX_REQUEST_BYTES, out_record
 from .record_ids import group_id_column, group_key_column, msg_id_column
 from .settings import Settings
@@ -137,6 +139,11 @@ class ShardJob:
         self._signal = threading.Event()
         self._last_batch_end = time.monotonic()
         self._last_batch_start_ms = -1  # before any batch: a due time of 0 still gets a tick
+        self._circuit = CircuitBreaker(CircuitPolicy())  # configured from the spec
+        self._query_circuit = "closed"  # the circuit state the running query was started in
+        self._aborted: tuple[str, int] | None = None  # (checkpoint, batch) refused unstarted
+        self._query_checkpoint = ""
+        self._completed = ("", -1)  # (checkpoint, batch) this process last completed
         self._next_due_ms: int | None = None
         self._query = None
         self._producer: KafkaProducer | None = None
@@ -234,6 +241,13 @@ class ShardJob:
                     if self._wait_while_paused():
                         return 0
                     continue
+                self._circuit.configure(sub.spec.circuit_breaker)
+                if self._circuit.poll() == "open":
+                    self._publish("circuit open", force=True)
+                    if self._wait_while_open():
+                        return 0
+                    self._publish("running", force=True)
+                    continue
                 layout = self._layout(sub)
                 outcome = self._run_query(sub, mq, rq, dlq, layout, lease)
                 if outcome in ("stop", "idle"):
@@ -274,6 +288,7 @@ class ShardJob:
                 "failures_per_s": round((s.failures - f0) / span, 2) if span > 1 else 0.0,
             },
             "last_batch": s.last_batch,
+            "circuit": self._circuit.status(),
         }
         self._publisher.publish(doc, force=force, flush=force if flush is None else flush)
 
@@ -283,6 +298,18 @@ class ShardJob:
             self._lease.check()
             if not subscriptions.from_snapshot(self.catalog.snapshot(), self.name).paused:
                 return False
+        return True
+
+    def _wait_while_open(self) -> bool:
+        """Read and send nothing until the circuit half-opens, the subscription is paused or
+        reconfigured (False), or the shard is asked to stop (True)."""
+        while not self._signal.wait(min(1.0, max(0.01, self._circuit.seconds_to_half_open()))):
+            self._lease.check()
+            sub = subscriptions.from_snapshot(self.catalog.snapshot(), self.name)
+            self._circuit.configure(sub.spec.circuit_breaker)
+            if sub.paused or self._circuit.poll() != "open":
+                return False
+            self._publish("circuit open")
         return True
 
     def _install_signals(self) -> None:
@@ -322,6 +349,15 @@ class ShardJob:
         ctx_base = dict(
             sub=sub, mq=mq, rq=rq, dlq=dlq, state_path=state_path, app_id=app_id, lease=lease
         )
+        # Half-open, the query reads a few records (`varadhi.circuit`); the query stops when the
+        # circuit moves. A batch this process refused before doing anything is planned again
+        # under this query's limit (Spark would re-run it with the range it planned).
+        self._query_circuit = self._circuit.poll()
+        normal = sub.spec.consumption.max_messages_per_batch
+        limit = self._circuit.read_limit(normal) or normal
+        aborted, self._aborted, self._query_checkpoint = self._aborted, None, checkpoint
+        if aborted and aborted[0] == checkpoint and checkpoints.forget_planned_batch(*aborted):
+            log.info("%s shard %d: batch %d planned again", self.name, self.shard, aborted[1])
         source = (
             self.spark.readStream.format("kafka")
             .option("kafka.bootstrap.servers", self.settings.bootstrap)
@@ -330,7 +366,7 @@ class ShardJob:
             .option("includeHeaders", "true")
             .option("failOnDataLoss", "true")
             .option("kafka.isolation.level", "read_committed")
-            .option("maxOffsetsPerTrigger", str(sub.spec.consumption.max_messages_per_batch))
+            .option("maxOffsetsPerTrigger", str(limit))
             .load()
         )
         query = (
@@ -345,7 +381,15 @@ class ShardJob:
         self._query = query
         self._stopping = False
         self._where = where_reading(self._where, sub.shard_count, layout, assign)
-        log.info("%s shard %d: reading %s (layout %d)", self.name, self.shard, assign, layout.seq)
+        log.info(
+            "%s shard %d: reading %s (layout %d, circuit %s, at most %d records a batch)",
+            self.name,
+            self.shard,
+            assign,
+            layout.seq,
+            self._query_circuit,
+            limit,
+        )
         self._last_batch_end = query_started = time.monotonic()
         try:
             while True:
@@ -363,12 +407,19 @@ class ShardJob:
                             )
                             return "restart"
                         raise VaradhiError(f"query failed: {exc}")
-                    return "stop"
+                    return "circuit" if self._circuit.state != self._query_circuit else "stop"
                 if self._signal.is_set():
                     self._stop_between_batches(query)
                     return "stop"
                 lease.check()
+                if self._circuit.state != self._query_circuit:  # opened, or a probe decided
+                    # Right after the batch that moved it: let Spark commit that batch first,
+                    # or the next query runs it again.
+                    checkpoints.await_commit(*self._completed, lambda: query.isActive)
+                    self._stop_between_batches(query)
+                    return "circuit"
                 current = subscriptions.from_snapshot(self.catalog.snapshot(), self.name)
+                self._circuit.configure(current.spec.circuit_breaker)
                 if current.paused:
                     self._stop_between_batches(query)
                     return "paused"
@@ -395,9 +446,18 @@ class ShardJob:
                 self._stop_between_batches(query)
 
     def _stop_between_batches(self, query) -> None:
-        self._stopping = True
-        with self._batch_lock:
+        self._stopping = True  # a batch Spark plans from now on does nothing (StopRequested)
+        with self._batch_lock:  # the batch in flight finishes
             pass
+        # Spark commits a batch after `foreachBatch` returned, within its trigger: stopping the
+        # query before the trigger ends interrupts the commit, and the next run delivers the
+        # batch again. A trigger that plans a new batch ends it refused (and the query failed).
+        deadline = time.monotonic() + 30
+        while query.isActive and query.status["isTriggerActive"]:
+            if time.monotonic() > deadline:
+                log.warning("%s shard %d: the batch did not commit in 30 s", self.name, self.shard)
+                break
+            time.sleep(0.02)
         query.stop()
 
     # -- layouts, idleness and ticks ------------------------------------------------------
@@ -489,16 +549,22 @@ class ShardJob:
 
     # -- the micro-batch ------------------------------------------------------------------
     def _on_batch(self, df: DataFrame, batch_id: int, **ctx) -> None:
-        if self._stopping:
-            raise StopRequested()
+        self._refuse_if_stopping(batch_id)
         with self._batch_lock:
-            if self._stopping:
-                raise StopRequested()
+            self._refuse_if_stopping(batch_id)
             self._last_batch_start_ms = int(time.time() * 1000)
             try:
                 self._process(df, batch_id, **ctx)
+                self._completed = (self._query_checkpoint, batch_id)
             finally:
                 self._last_batch_end = time.monotonic()
+
+    def _refuse_if_stopping(self, batch_id: int) -> None:
+        """A batch Spark planned while the driver stops the query, or after the circuit moved
+        (it opened: send nothing; a probe decided: read with other limits), does nothing."""
+        if self._stopping or self._circuit.state != self._query_circuit:
+            self._aborted = (self._query_checkpoint, batch_id)
+            raise StopRequested()
 
     def _process(
         self, df: DataFrame, batch_id: int, sub, mq, rq, dlq, state_path, app_id, lease
@@ -531,6 +597,10 @@ class ShardJob:
         pending = store.pending()
         now_ms = int(time.time() * 1000)
         due_groups = _due_heads(pending, now_ms)
+        probes = self._circuit.due_limit()  # half-open: only a few parked retries
+        if probes is not None and len(due_groups) > probes:
+            due_groups = due_groups[:probes]
+            self._last_batch_start_ms = -1  # the others are due already: tick for them
         records = _records(df, sub, mq)
         dropped: list[str] = []
         if sub.spec.dedup_window_ms:
@@ -711,29 +781,23 @@ class ShardJob:
         }
         self._next_due_ms = _next_due(pending)
         self._summary = summarize(pending)
+        attempts, failures = int(counts.get("attempts", 0)), int(counts.get("failures", 0))
+        before = self._circuit.state
+        if self._circuit.record(attempts, failures) != before:
+            log.warning(
+                "%s shard %d: circuit %s -> %s (%d of %d attempts failed)",
+                self.name,
+                self.shard,
+                before,
+                self._circuit.state,
+                failures,
+                attempts,
+            )
         # Every batch's counts reach the progress topic (without waiting for the broker), so a
         # restarted shard goes on from them (`ShardStats.resumed`).
         self._publish("running", force=True, flush=False)
         if n_records or counts:
             log.info("%s shard %d: batch %s", self.name, self.shard, s.last_batch)
-        attempts, failures = int(counts.get("attempts", 0)), int(counts.get("failures", 0))
-        policy = self._throttle_policy
-        if policy and attempts >= 10 and failures / attempts > policy.error_rate_threshold:
-            log.warning(
-                "%s shard %d: failure rate %.0f%%; throttling %d ms",
-                self.name,
-                self.shard,
-                100 * failures / attempts,
-                policy.throttle_ms,
-            )
-            time.sleep(policy.throttle_ms / 1000)
-
-    @property
-    def _throttle_policy(self):
-        try:
-            return subscriptions.from_snapshot(self.catalog.snapshot(), self.name).spec.consumption
-        except VaradhiError:
-            return None
 
     def _close(self) -> None:
         if self._publisher is not None:

@@ -124,6 +124,21 @@ def lag(
     return total
 
 
+def circuit_text(circuit: dict[str, Any] | None, now_ms: int) -> str:
+    """A shard's circuit breaker in one word for `varadhi status` (pure): closed, half-open,
+    open with the seconds left (and `xN` for the N-th open in a row), off, or "-" (no report)."""
+    if not circuit:
+        return "-"
+    if not circuit.get("enabled", True):
+        return "off"
+    state = circuit.get("state")
+    if state == "open":
+        left = max(0, int(circuit.get("open_until_ms") or now_ms) - now_ms) / 1000
+        opens = int(circuit.get("consecutive_opens") or 1)
+        return f"open {left:.0f}s" + (f" x{opens}" if opens > 1 else "")
+    return "half-open" if state == "half_open" else str(state)
+
+
 STAT_NAMES = ("inserted", "routed", "emitted", "acknowledged")
 
 
@@ -219,6 +234,7 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
                 "blocked_groups": doc.get("blocked_groups", 0),
                 "blocked": doc.get("blocked", []),
                 "held": doc.get("held", 0),
+                "circuit": doc.get("circuit"),
                 "rates": doc.get("rates", {}),
                 "totals": totals,
                 "stats": stats_of(inserted, totals),

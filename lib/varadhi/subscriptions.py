@@ -6,6 +6,9 @@ or the `spec` part of a catalog record) is parsed by `parse_spec` into the froze
 raises `InvalidArgument` whose `field` is the dotted path of the key (`retry.max_attempts`,
 `retry.responses[2].codes`), so the user can find it in their file. Durations are integers in
 milliseconds or strings with a unit (`500ms`, `2s`, `1m`, `1h`); stored documents use integers.
+Documents written before the circuit breaker carry `consumption.error_rate_threshold` and
+`consumption.throttle`; they still parse, into a `circuit_breaker` policy, with a deprecation
+warning (`_parse_circuit`).
 
 The catalog holds one record per subscription under `subscription/<name>`:
 
@@ -23,20 +26,23 @@ can before its first side effect.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from . import messages, routing, topics
 from .catalog import Catalog, Snapshot, key
+from .circuit import validate_circuit_policy
 from .errors import AlreadyExists, InvalidArgument, NotFound
 from .policies import (
     DEFAULT_RESPONSES,
+    CircuitPolicy,
     ConsumptionPolicy,
     Endpoint,
     ResponseRule,
@@ -47,6 +53,8 @@ from .retry import validate_retry_policy
 from .topics import CompositeTopic
 
 KIND = "subscription"
+
+log = logging.getLogger(__name__)
 
 # -- durations ------------------------------------------------------------------------------
 
@@ -102,6 +110,7 @@ _RESERVED_HEADERS = tuple(
 _ENDPOINT = Endpoint(url="")
 _RETRY = RetryPolicy()
 _CONSUMPTION = ConsumptionPolicy()
+_CIRCUIT = CircuitPolicy()
 _SPEC = SubscriptionSpec(name="", topic="", endpoint=_ENDPOINT)
 
 
@@ -218,6 +227,7 @@ _TOP_KEYS = (
     "dlq_partitions",
     "retry",
     "consumption",
+    "circuit_breaker",
     "on_dead_letter",
     "max_message_bytes",
     "dedup_window",
@@ -243,13 +253,23 @@ _RETRY_KEYS = (
     "in_place_window",
 )
 _RULE_KEYS = ("codes", "action", "honour_retry_after")
+# Before the circuit breaker (`_parse_circuit`): still read, deprecated.
+_LEGACY_CONSUMPTION_KEYS = ("error_rate_threshold", "throttle")
 _CONSUMPTION_KEYS = (
     "concurrency",
     "max_in_flight",
     "max_messages_per_batch",
     "trigger_interval",
-    "error_rate_threshold",
-    "throttle",
+    *_LEGACY_CONSUMPTION_KEYS,
+)
+_CIRCUIT_KEYS = (
+    "enabled",
+    "failure_rate",
+    "min_requests",
+    "window",
+    "open_for",
+    "max_open_for",
+    "probes",
 )
 
 
@@ -273,6 +293,7 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
     shards = top.integer("shards", _SPEC.shards)
     if shards > topics.MAX_PARTITIONS:
         raise top.error("shards", f"must be at most {topics.MAX_PARTITIONS}, got {shards}")
+    consumption = top.section("consumption", _CONSUMPTION_KEYS)
     return SubscriptionSpec(
         name=name,
         topic=topic,
@@ -282,7 +303,8 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
         rq_partitions=_internal_partitions(top, "rq_partitions", shards, 2 * shards),
         dlq_partitions=_internal_partitions(top, "dlq_partitions", shards, shards),
         retry=_parse_retry(top.section("retry", _RETRY_KEYS)),
-        consumption=_parse_consumption(top.section("consumption", _CONSUMPTION_KEYS)),
+        consumption=_parse_consumption(consumption),
+        circuit_breaker=_parse_circuit(top, consumption),
         on_dead_letter=top.choice("on_dead_letter", _SPEC.on_dead_letter, ("block", "skip")),
         max_message_bytes=top.integer("max_message_bytes", _SPEC.max_message_bytes),
         dedup_window_ms=top.duration("dedup_window", 0) if top.has("dedup_window") else None,
@@ -411,13 +433,8 @@ def _parse_responses(s: _Section) -> tuple[ResponseRule, ...]:
 
 
 def _parse_consumption(s: _Section) -> ConsumptionPolicy:
-    threshold = s.number("error_rate_threshold", _CONSUMPTION.error_rate_threshold)
-    if not 0.0 < threshold <= 1.0:
-        raise s.error("error_rate_threshold", f"must be in (0, 1], got {threshold}")
-    # Zero is meaningful for both durations: trigger at once after the previous batch (Spark's
-    # default), and never pause a failing shard.
+    # Zero triggers at once after the previous batch (Spark's default).
     trigger = s.duration("trigger_interval", _CONSUMPTION.trigger_interval_ms, minimum=0)
-    throttle = s.duration("throttle", _CONSUMPTION.throttle_ms, minimum=0)
     return ConsumptionPolicy(
         concurrency=s.integer("concurrency", _CONSUMPTION.concurrency),
         max_in_flight=s.integer("max_in_flight", _CONSUMPTION.max_in_flight),
@@ -425,9 +442,71 @@ def _parse_consumption(s: _Section) -> ConsumptionPolicy:
             "max_messages_per_batch", _CONSUMPTION.max_messages_per_batch
         ),
         trigger_interval_ms=trigger,
-        error_rate_threshold=threshold,
-        throttle_ms=throttle,
     )
+
+
+_deprecation_warned: set[str] = set()
+
+
+def _parse_circuit(top: _Section, consumption: _Section) -> CircuitPolicy:
+    """The `circuit_breaker` section, or the policy a document written before it means.
+
+    Such a document has `consumption.error_rate_threshold` (default 0.5) and
+    `consumption.throttle` (default 5s; 0 never paused): they are still validated, and read as
+    `failure_rate` and `open_for`, or as a disabled breaker for a throttle of 0, with a warning
+    (once per message and process). Next to a `circuit_breaker` section they are ignored."""
+    legacy = [k for k in _LEGACY_CONSUMPTION_KEYS if consumption.has(k)]
+    threshold = consumption.number("error_rate_threshold", _CIRCUIT.failure_rate)
+    if not 0.0 < threshold <= 1.0:
+        raise consumption.error("error_rate_threshold", f"must be in (0, 1], got {threshold}")
+    throttle = consumption.duration("throttle", _CIRCUIT.open_for_ms, minimum=0)
+    if top.has("circuit_breaker") or not legacy:
+        policy = _parse_circuit_section(top.section("circuit_breaker", _CIRCUIT_KEYS))
+        meaning = "ignored: the circuit_breaker section applies"
+    elif throttle == 0:
+        policy = replace(_CIRCUIT, enabled=False)
+        meaning = "read as circuit_breaker.enabled: false"
+    else:
+        policy = replace(
+            _CIRCUIT,
+            failure_rate=threshold,
+            open_for_ms=throttle,
+            max_open_for_ms=max(_CIRCUIT.max_open_for_ms, throttle),
+        )
+        meaning = f"read as circuit_breaker failure_rate {threshold}, open_for {throttle}ms"
+    if legacy:
+        keys = " and ".join(consumption.field(k) for k in legacy)
+        message = (
+            f"{keys} (in {consumption.source}) are deprecated, {meaning}; configure the "
+            "circuit_breaker section instead (conf/subscriptions/example.yaml)"
+        )
+        if message not in _deprecation_warned:
+            _deprecation_warned.add(message)
+            log.warning("%s", message)
+    return policy
+
+
+def _parse_circuit_section(s: _Section) -> CircuitPolicy:
+    """Range rules are `varadhi.circuit.validate_circuit_policy`'s; its `*_ms` field names are
+    reported under this document's duration keys (`circuit_breaker.open_for`)."""
+    open_for = s.duration("open_for", _CIRCUIT.open_for_ms)
+    policy = CircuitPolicy(
+        enabled=s.boolean("enabled", _CIRCUIT.enabled),
+        failure_rate=s.number("failure_rate", _CIRCUIT.failure_rate),
+        min_requests=s.integer("min_requests", _CIRCUIT.min_requests),
+        window_ms=s.duration("window", _CIRCUIT.window_ms, minimum=0),
+        open_for_ms=open_for,
+        # Left out, it grows with a long open_for rather than refusing it.
+        max_open_for_ms=s.duration("max_open_for", max(_CIRCUIT.max_open_for_ms, open_for)),
+        probes=s.integer("probes", _CIRCUIT.probes),
+    )
+    try:
+        validate_circuit_policy(policy, prefix=s.path)
+    except InvalidArgument as e:
+        field = (e.field or s.path).removesuffix("_ms")
+        message = str(e).removeprefix(f"{e.field}: ")
+        raise InvalidArgument(f"{message} (in {s.source})", field=field) from None
+    return policy
 
 
 # -- documents ------------------------------------------------------------------------------
@@ -435,7 +514,7 @@ def _parse_consumption(s: _Section) -> ConsumptionPolicy:
 
 def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
     """The document `parse_spec` reads, with durations in milliseconds (JSON-safe)."""
-    e, r, c = spec.endpoint, spec.retry, spec.consumption
+    e, r, c, b = spec.endpoint, spec.retry, spec.consumption, spec.circuit_breaker
     return {
         "name": spec.name,
         "topic": spec.topic,
@@ -470,8 +549,15 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             "max_in_flight": c.max_in_flight,
             "max_messages_per_batch": c.max_messages_per_batch,
             "trigger_interval": c.trigger_interval_ms,
-            "error_rate_threshold": c.error_rate_threshold,
-            "throttle": c.throttle_ms,
+        },
+        "circuit_breaker": {
+            "enabled": b.enabled,
+            "failure_rate": b.failure_rate,
+            "min_requests": b.min_requests,
+            "window": b.window_ms,
+            "open_for": b.open_for_ms,
+            "max_open_for": b.max_open_for_ms,
+            "probes": b.probes,
         },
         "on_dead_letter": spec.on_dead_letter,
         "max_message_bytes": spec.max_message_bytes,
@@ -741,6 +827,7 @@ MUTABLE_FIELDS = frozenset(
         "endpoint",
         "retry",
         "consumption",
+        "circuit_breaker",
         "on_dead_letter",
         "dedup_window_ms",
         "max_message_bytes",

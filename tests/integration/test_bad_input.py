@@ -201,7 +201,8 @@ def test_every_kind_of_bad_input_is_delivered_or_dead_lettered_and_nothing_dies(
             "jitter": 0,
             "in_place_window": 0,
         },
-        "consumption": {"trigger_interval": "100ms", "throttle": "0ms"},
+        "consumption": {"trigger_interval": "100ms"},
+        "circuit_breaker": {"enabled": False},
     }
     all_cases = cases()
     with TestEndpoint(record_headers=True) as ep:

@@ -56,7 +56,9 @@ FAST_RETRY = {
     "jitter": 0,
     "in_place_window": 0,
 }
-FAST_CONSUMPTION = {"trigger_interval": "100ms", "throttle": "0ms"}
+FAST_CONSUMPTION = {"trigger_interval": "100ms"}
+# Failures are the subject here, not the circuit breaker's (tests/integration/test_circuit_breaker.py).
+NO_CIRCUIT_BREAKER = {"enabled": False}
 
 
 @pytest.fixture(scope="session")
@@ -95,6 +97,7 @@ def create_sub(catalog: Catalog, endpoint: TestEndpoint, **spec: Any) -> Sub:
         "shards": 1,
         "retry": FAST_RETRY,
         "consumption": FAST_CONSUMPTION,
+        "circuit_breaker": NO_CIRCUIT_BREAKER,
         **spec,
     }
     SubscriptionService(catalog).create(parse_spec(doc))

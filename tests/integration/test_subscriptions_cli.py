@@ -371,7 +371,8 @@ def test_apply_creates_then_updates_allowed_fields(
     doc.update(
         endpoint={"url": "http://h/v2", "headers": {"Content-Type": "application/json"}},
         retry={"max_attempts": 9, "min_backoff": "2s"},
-        consumption={"concurrency": 4, "throttle": "1m"},
+        consumption={"concurrency": 4},
+        circuit_breaker={"open_for": "1m", "probes": 2},
         on_dead_letter="skip",
         dedup_window="30m",
     )
@@ -384,7 +385,9 @@ def test_apply_creates_then_updates_allowed_fields(
     assert spec["endpoint"]["url"] == "http://h/v2"
     assert spec["endpoint"]["headers"] == {"Content-Type": "application/json"}
     assert (spec["retry"]["max_attempts"], spec["retry"]["min_backoff"]) == (9, 2000)
-    assert (spec["consumption"]["concurrency"], spec["consumption"]["throttle"]) == (4, 60_000)
+    assert spec["consumption"]["concurrency"] == 4
+    assert (spec["circuit_breaker"]["open_for"], spec["circuit_breaker"]["probes"]) == (60_000, 2)
+    assert spec["circuit_breaker"]["max_open_for"] == 60_000
     assert (spec["on_dead_letter"], spec["dedup_window"]) == ("skip", 1_800_000)
 
     code, out, _ = run("subscription", "apply", "-f", write_yaml(doc))
@@ -411,7 +414,7 @@ def test_apply_the_example_file(run, stored, make_topic, unique_name, write_yaml
     doc.update(name=unique_name("sub"), topic=make_topic(4))
     code, out, err = run("subscription", "apply", "-f", write_yaml(doc))
     assert code == 0, err
-    assert stored(doc["name"])["spec"]["consumption"]["throttle"] == 5000
+    assert stored(doc["name"])["spec"]["circuit_breaker"]["open_for"] == 5000
 
 
 @pytest.fixture
@@ -437,6 +440,7 @@ def existing(run, make_topic, unique_name, write_yaml):
         ({"retry": {"jitter": 2}}, ("retry.jitter:",)),
         ({"retry": {"responses": [{"codes": "5xx", "action": "retry"}]}}, ("retry.responses:",)),
         ({"consumption": {"error_rate_threshold": 0}}, ("consumption.error_rate_threshold:",)),
+        ({"circuit_breaker": {"probes": 0}}, ("circuit_breaker.probes:",)),
         ({"endpoint": {"url": "http://h/x", "headers": {"Authorization": "Bearer x"}}},
          ("endpoint.headers.Authorization:", "auth_env")),
         ({"retries": 3}, ("unknown key(s) retries",)),

@@ -12,6 +12,7 @@ from varadhi.cli.subscription import load_specs
 from varadhi.errors import AlreadyExists, InvalidArgument
 from varadhi.policies import (
     DEFAULT_RESPONSES,
+    CircuitPolicy,
     ConsumptionPolicy,
     Endpoint,
     ResponseRule,
@@ -63,6 +64,7 @@ def test_minimal_document_takes_every_default():
         dlq_partitions=1,
     )
     assert spec.retry == RetryPolicy() and spec.consumption == ConsumptionPolicy()
+    assert spec.circuit_breaker == CircuitPolicy()
     assert spec.retry.responses == DEFAULT_RESPONSES
     assert spec.dedup_window_ms is None and spec.allow_uneven is False
 
@@ -111,8 +113,15 @@ def test_full_document_is_parsed():
             "max_in_flight": 8,
             "max_messages_per_batch": 1000,
             "trigger_interval": 0,
-            "error_rate_threshold": 1,
-            "throttle": "2s",
+        },
+        circuit_breaker={
+            "enabled": True,
+            "failure_rate": 1,
+            "min_requests": 5,
+            "window": "30s",
+            "open_for": "2s",
+            "max_open_for": "1m",
+            "probes": 3,
         },
         on_dead_letter="skip",
         max_message_bytes=100,
@@ -138,7 +147,8 @@ def test_full_document_is_parsed():
         ),
         in_place_window_ms=500,
     )
-    assert spec.consumption == ConsumptionPolicy(4, 8, 1000, 0, 1.0, 2000)
+    assert spec.consumption == ConsumptionPolicy(4, 8, 1000, 0)
+    assert spec.circuit_breaker == CircuitPolicy(True, 1.0, 5, 30_000, 2_000, 60_000, 3)
     assert (spec.grouped, spec.on_dead_letter, spec.max_message_bytes) == (False, "skip", 100)
     assert (spec.dedup_window_ms, spec.allow_uneven) == (1_800_000, True)
 
@@ -258,6 +268,18 @@ def test_durations_in_documents():
         ({"consumption__error_rate_threshold": 0}, "consumption.error_rate_threshold"),
         ({"consumption__error_rate_threshold": 1.5}, "consumption.error_rate_threshold"),
         ({"consumption__throttle": "5"}, "consumption.throttle"),
+        ({"circuit_breaker": "on"}, "circuit_breaker"),
+        ({"circuit_breaker__enable": True}, "circuit_breaker.enable"),
+        ({"circuit_breaker__enabled": "yes"}, "circuit_breaker.enabled"),
+        ({"circuit_breaker__failure_rate": 0}, "circuit_breaker.failure_rate"),
+        ({"circuit_breaker__failure_rate": 1.5}, "circuit_breaker.failure_rate"),
+        ({"circuit_breaker__failure_rate": "half"}, "circuit_breaker.failure_rate"),
+        ({"circuit_breaker__min_requests": 0}, "circuit_breaker.min_requests"),
+        ({"circuit_breaker__window": "10"}, "circuit_breaker.window"),
+        ({"circuit_breaker__open_for": 0}, "circuit_breaker.open_for"),
+        ({"circuit_breaker__open_for": "5s", "circuit_breaker__max_open_for": "4s"},
+         "circuit_breaker.max_open_for"),
+        ({"circuit_breaker__probes": 0}, "circuit_breaker.probes"),
         ({"on_dead_letter": "drop"}, "on_dead_letter"),
         ({"max_message_bytes": 0}, "max_message_bytes"),
         ({"dedup_window": 0}, "dedup_window"),
@@ -335,7 +357,8 @@ def rich_spec() -> SubscriptionSpec:
             {"codes": "timeout", "action": "dead_letter"},
         ],
         retry__multiplier=1.5,
-        consumption__error_rate_threshold=0.25,
+        circuit_breaker__failure_rate=0.25,
+        circuit_breaker__open_for="2m",
         dedup_window="1h",
         allow_uneven=True,
     )
@@ -347,6 +370,48 @@ def test_spec_round_trips_through_the_catalog_encoding(spec):
     stored = json.loads(json.dumps(d, sort_keys=True))  # what Catalog.mutate writes
     assert subs.spec_from_dict(stored) == spec
     assert subs.spec_to_dict(subs.spec_from_dict(stored)) == d
+
+
+def old_record(**consumption) -> dict:
+    """A catalog record as a version before the circuit breaker wrote it."""
+    d = subs.spec_to_dict(parse())
+    d.pop("circuit_breaker")
+    d["consumption"].update({"error_rate_threshold": 0.5, "throttle": 5000, **consumption})
+    return {"spec": d, "state": {"shard_count": 1, "created_ms": 0}}
+
+
+def test_a_record_from_before_the_circuit_breaker_still_loads(caplog):
+    record = old_record()
+    with caplog.at_level("WARNING", logger="varadhi.subscriptions"):
+        sub = subs.Subscription.from_dict(record)
+    # The old defaults (throttle 5 s above a 50% failure rate) are the breaker's defaults.
+    assert sub.spec.circuit_breaker == CircuitPolicy()
+    assert "consumption.error_rate_threshold and consumption.throttle (in catalog)" in caplog.text
+    assert "deprecated" in caplog.text
+    # Written back (any edit), it has the new shape only, and reads without a warning.
+    rewritten = sub.to_dict()
+    assert "throttle" not in rewritten["spec"]["consumption"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="varadhi.subscriptions"):
+        assert subs.Subscription.from_dict(rewritten) == sub
+    assert not caplog.text
+
+
+def test_old_throttle_settings_map_to_the_breaker():
+    mapped = subs.Subscription.from_dict(old_record(error_rate_threshold=0.8, throttle=90_000))
+    assert mapped.spec.circuit_breaker == CircuitPolicy(
+        failure_rate=0.8, open_for_ms=90_000, max_open_for_ms=90_000
+    )
+    never = subs.Subscription.from_dict(old_record(throttle=0))  # "0 never waits"
+    assert never.spec.circuit_breaker == CircuitPolicy(enabled=False)
+    assert parse(consumption__throttle="0ms").circuit_breaker.enabled is False
+
+
+def test_old_throttle_keys_next_to_a_circuit_breaker_section_are_ignored(caplog):
+    with caplog.at_level("WARNING", logger="varadhi.subscriptions"):
+        spec = parse(consumption__throttle="0ms", circuit_breaker__probes=3)
+    assert spec.circuit_breaker == CircuitPolicy(probes=3)
+    assert "consumption.throttle (in test.yaml) are deprecated, ignored" in caplog.text
 
 
 def test_spec_to_dict_is_the_yaml_shape():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 from .. import status
 from . import common
@@ -33,14 +34,16 @@ def _status(args: argparse.Namespace) -> int:
         f"subscription {doc['subscription']}{flags}: {doc['shard_count']} shards, generation {doc['generation']}"
     )
     print(
-        f"{'shard':>5}  {'state':<14} {'main lag':>9} {'rq lag':>7} {'rq pend':>7} {'dlq parked':>10} "
-        f"{'dlq depth':>9} {'blocked':>7} {'deliv/s':>8} {'fail/s':>7}"
+        f"{'shard':>5}  {'state':<14} {'circuit':<12} {'main lag':>9} {'rq lag':>7} {'rq pend':>7} "
+        f"{'dlq parked':>10} {'dlq depth':>9} {'blocked':>7} {'deliv/s':>8} {'fail/s':>7}"
     )
+    now = int(time.time() * 1000)
     for s in doc["shards"]:
         q = s["queues"]
         r = s["rates"]
+        circuit = status.circuit_text(s.get("circuit"), now)
         print(
-            f"{s['shard']:>5}  {s['state']:<14} {q['main']['lag']:>9} {q['rq']['lag']:>7} "
+            f"{s['shard']:>5}  {s['state']:<14} {circuit:<12} {q['main']['lag']:>9} {q['rq']['lag']:>7} "
             f"{q['rq']['pending']:>7} {q['dlq']['parked']:>10} {q['dlq']['depth']:>9} "
             f"{s['blocked_groups']:>7} {r.get('delivered_per_s', 0):>8} {r.get('failures_per_s', 0):>7}"
         )

@@ -1,0 +1,189 @@
+"""The circuit breaker's transitions, with a fake clock (`varadhi.circuit`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from varadhi.circuit import CircuitBreaker, validate_circuit_policy
+from varadhi.errors import InvalidArgument
+from varadhi.policies import CircuitPolicy
+from varadhi.status import circuit_text
+
+POLICY = CircuitPolicy(
+    failure_rate=0.5,
+    min_requests=10,
+    window_ms=2_000,
+    open_for_ms=1_000,
+    max_open_for_ms=3_000,
+    probes=4,
+)
+
+
+class Clock:
+    def __init__(self, ms: int = 1_000_000):
+        self.ms = ms
+
+    def __call__(self) -> int:
+        return self.ms
+
+    def advance(self, ms: int) -> None:
+        self.ms += ms
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def breaker(clock) -> CircuitBreaker:
+    return CircuitBreaker(POLICY, clock)
+
+
+def opened(breaker: CircuitBreaker) -> CircuitBreaker:
+    assert breaker.record(10, 10) == "open"
+    return breaker
+
+
+def test_it_starts_closed_and_reads_normally(breaker):
+    assert breaker.poll() == "closed"
+    assert breaker.read_limit(1_000) == 1_000
+    assert breaker.due_limit() is None
+    assert breaker.status()["consecutive_opens"] == 0
+
+
+def test_closed_stays_closed_below_the_rate_or_below_min_requests(breaker, clock):
+    assert breaker.record(100, 49) == "closed"  # 49% < 50%
+    clock.advance(5_000)  # the window forgets that batch
+    assert breaker.record(9, 9) == "closed"  # every attempt failed, but only 9 of them
+    assert breaker.record(0, 0) == "closed"
+
+
+def test_closed_opens_on_one_batch_at_the_rate_with_enough_attempts(breaker, clock):
+    assert breaker.record(20, 10) == "open"  # exactly 50%
+    status = breaker.status()
+    assert (status["state"], status["since_ms"]) == ("open", clock.ms)
+    assert status["open_until_ms"] == clock.ms + 1_000
+    assert status["consecutive_opens"] == 1
+
+
+def test_closed_sums_the_batches_of_the_window(breaker, clock):
+    assert breaker.record(6, 6) == "closed"
+    clock.advance(1_500)
+    assert breaker.record(6, 1) == "open"  # 12 attempts, 7 failed, within 2 s
+
+
+def test_batches_older_than_the_window_do_not_count(breaker, clock):
+    assert breaker.record(6, 6) == "closed"
+    clock.advance(2_001)
+    assert breaker.record(6, 6) == "closed"  # the first batch left the window
+    clock.advance(100)
+    assert breaker.record(4, 4) == "open"
+
+
+def test_open_reads_nothing_until_its_time_is_up_then_half_opens(breaker, clock):
+    opened(breaker)
+    assert breaker.read_limit(1_000) is None
+    assert breaker.seconds_to_half_open() == pytest.approx(1.0)
+    clock.advance(999)
+    assert breaker.poll() == "open"
+    assert breaker.record(50, 0) == "open"  # a straggling batch decides nothing while open
+    clock.advance(1)
+    assert breaker.poll() == "half_open"
+    status = breaker.status()
+    assert (status["since_ms"], status["open_until_ms"]) == (clock.ms, None)
+    assert breaker.read_limit(1_000) == 4
+    assert breaker.read_limit(3) == 3  # never more than the normal limit
+    assert breaker.due_limit() == 4
+    assert breaker.seconds_to_half_open() == 0.0
+
+
+def test_half_open_closes_when_the_probe_succeeds(breaker, clock):
+    opened(breaker)
+    clock.advance(1_000)
+    assert breaker.poll() == "half_open"
+    assert breaker.record(4, 1) == "closed"  # 25% < 50%, however few attempts
+    assert breaker.status()["consecutive_opens"] == 0
+    assert breaker.read_limit(1_000) == 1_000
+    # The failures before the open are forgotten: a new open needs a full window again.
+    assert breaker.record(9, 9) == "closed"
+
+
+def test_half_open_reopens_for_twice_as_long_up_to_the_cap(breaker, clock):
+    opened(breaker)
+    expected = [2_000, 3_000, 3_000]  # 1 s doubled, then capped at 3 s
+    for n, duration in enumerate(expected, start=2):
+        clock.advance(breaker.status()["open_until_ms"] - clock.ms)
+        assert breaker.poll() == "half_open"
+        assert breaker.record(4, 2) == "open"  # 50% is not below the rate
+        status = breaker.status()
+        assert status["consecutive_opens"] == n
+        assert status["open_until_ms"] - clock.ms == duration
+    # A success resets the doubling: the next open lasts open_for again.
+    clock.advance(3_000)
+    assert breaker.poll() == "half_open"
+    assert breaker.record(1, 0) == "closed"
+    assert breaker.record(10, 10) == "open"
+    assert breaker.status()["open_until_ms"] - clock.ms == 1_000
+
+
+def test_half_open_without_attempts_stays_half_open(breaker, clock):
+    opened(breaker)
+    clock.advance(60_000)
+    assert breaker.poll() == "half_open"
+    since = breaker.status()["since_ms"]
+    clock.advance(10_000)
+    assert breaker.record(0, 0) == "half_open"
+    assert breaker.poll() == "half_open"
+    assert breaker.status()["since_ms"] == since
+
+
+def test_a_disabled_policy_never_opens_and_disabling_closes(breaker, clock):
+    off = CircuitBreaker(CircuitPolicy(enabled=False), clock)
+    assert off.record(1_000, 1_000) == "closed"
+    assert off.status()["enabled"] is False
+    opened(breaker)
+    breaker.configure(CircuitPolicy(enabled=False))
+    assert breaker.poll() == "closed"
+    assert breaker.read_limit(7) == 7
+
+
+def test_a_changed_policy_applies_to_the_next_decision(breaker, clock):
+    breaker.configure(CircuitPolicy(min_requests=1, failure_rate=1.0, probes=2))
+    assert breaker.record(2, 1) == "closed"
+    assert breaker.record(1, 1) == "closed"  # 2 of 3 in the window
+    breaker.configure(CircuitPolicy(min_requests=1, failure_rate=0.5, probes=2))
+    assert breaker.record(1, 1) == "open"
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"failure_rate": 0.0}, "circuit_breaker.failure_rate"),
+        ({"failure_rate": 1.01}, "circuit_breaker.failure_rate"),
+        ({"min_requests": 0}, "circuit_breaker.min_requests"),
+        ({"probes": 0}, "circuit_breaker.probes"),
+        ({"open_for_ms": 0}, "circuit_breaker.open_for_ms"),
+        ({"window_ms": -1}, "circuit_breaker.window_ms"),
+        ({"open_for_ms": 5_000, "max_open_for_ms": 4_000}, "circuit_breaker.max_open_for_ms"),
+    ],
+)
+def test_invalid_policies_are_refused_by_field(change, field):
+    from dataclasses import replace
+
+    with pytest.raises(InvalidArgument) as e:
+        validate_circuit_policy(replace(CircuitPolicy(), **change))
+    assert e.value.field == field
+    validate_circuit_policy(CircuitPolicy())
+
+
+def test_status_shows_the_circuit_in_one_word():
+    now = 1_000_000
+    assert circuit_text(None, now) == "-"  # no report (an older shard, or none yet)
+    assert circuit_text({"state": "closed", "enabled": True}, now) == "closed"
+    assert circuit_text({"state": "closed", "enabled": False}, now) == "off"
+    assert circuit_text({"state": "half_open"}, now) == "half-open"
+    is_open = {"state": "open", "open_until_ms": now + 2_400, "consecutive_opens": 1}
+    assert circuit_text(is_open, now) == "open 2s"
+    assert circuit_text({**is_open, "consecutive_opens": 3}, now) == "open 2s x3"
+    assert circuit_text(is_open, now + 10_000) == "open 0s"  # a stale report
