@@ -10,7 +10,7 @@ feeder `varadhi subscription change-shards NAME --to S --feeders external` lists
 feeder is safe (the shards drop the duplicates).
 
 Exit codes: 0 copied, 2 refused (no such change in progress, or the source is not one of its
-feeders), 1 failed.
+feeders), 1 failed or interrupted (SIGINT or SIGTERM cancel the copy; run the feeder again).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from varadhi.catalog import Catalog
 from varadhi.errors import VaradhiError
 from varadhi.resharding import check_feeder, feed
 from varadhi.settings import Settings
+from varadhi.stop_signals import StopSignals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,18 +43,32 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("py4j").setLevel(logging.WARNING)
     logging.getLogger("kafka").setLevel(logging.WARNING)
     catalog = Catalog(Settings.from_env(bootstrap=args.bootstrap))
+    signals: StopSignals | None = None
     try:
         check_feeder(catalog, args.subscription, args.source)
         from varadhi.spark import get_spark
 
         spark = get_spark(f"varadhi-{args.subscription}-feeder", local=not args.cluster)
+        signals = StopSignals.cancelling(spark)  # SIGINT/SIGTERM: the copy fails, not marked done
+        signals.install()
         n = feed(spark, catalog, args.subscription, args.source)
         print(f"fed {n} records from {args.source}")
         return 0
     except VaradhiError as e:
         print(f"varadhi: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:  # noqa: BLE001 - the Spark job, cancelled by a signal
+        if signals is None or signals.received is None:
+            raise
+        print(
+            f"varadhi: interrupted by {signals.received} ({type(e).__name__}); the feeder is not"
+            " marked done: run it again (the shards drop what it copied twice)",
+            file=sys.stderr,
+        )
+        return 1
     finally:
+        if signals is not None:
+            signals.restore()
         catalog.close()
 
 

@@ -8,7 +8,8 @@ now, when the job starts). The subscription's offsets, GroupState, RQ and DLQ ar
 Prints the result (text or --output json) and records it in the catalog under
 operation/<subscription>/replay-<id>. See varadhi.replay and docs/replay.md.
 
-Exit codes: 0 every message delivered, 1 some failed (each stopped its group) or the job failed,
+Exit codes: 0 every message delivered, 1 some failed (each stopped its group) or the job failed
+or was interrupted (SIGINT or SIGTERM cancel the Spark job; the replay is recorded as failed),
 2 refused before any side effect (unknown subscription, bad times, nothing in the range).
 """
 
@@ -23,6 +24,7 @@ from varadhi import replay
 from varadhi.catalog import Catalog
 from varadhi.errors import VaradhiError
 from varadhi.settings import Settings
+from varadhi.stop_signals import StopSignals
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,20 +47,27 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("py4j").setLevel(logging.WARNING)
     logging.getLogger("kafka").setLevel(logging.WARNING)
     catalog = Catalog(Settings.from_env(bootstrap=args.bootstrap))
+    signals: list[StopSignals] = []
 
     def spark():
         from varadhi.spark import get_spark
 
-        return get_spark(f"varadhi-replay-{args.subscription}", local=not args.cluster)
+        session = get_spark(f"varadhi-replay-{args.subscription}", local=not args.cluster)
+        signals.append(StopSignals.cancelling(session))  # SIGINT/SIGTERM: the job fails
+        signals[0].install()
+        return session
 
     try:
         result = replay.run_replay(
             catalog, args.subscription, args.from_, args.to, spark, args.parallelism
         )
     except VaradhiError as e:
-        print(f"varadhi: {e}", file=sys.stderr)
+        why = f"interrupted by {signals[0].received}: " if signals and signals[0].received else ""
+        print(f"varadhi: {why}{e}", file=sys.stderr)
         return e.exit_code
     finally:
+        for s in signals:
+            s.restore()
         catalog.close()
     doc = result.to_dict()
     if args.output == "json":

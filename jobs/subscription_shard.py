@@ -3,8 +3,9 @@
     spark-submit.sh SUBSCRIPTION SHARD            (local, with the project's jars and venv)
     spark-submit jobs/subscription_shard.py --subscription NAME --shard N   (a cluster)
 
-Exit codes: 0 stopped (SIGTERM, or idle with --stop-when-idle), 3 fenced by a newer instance of
-the same shard, 1 failed, 2 refused (unknown subscription or shard).
+Exit codes: 0 stopped (SIGINT or SIGTERM, after the micro-batch in flight; or idle with
+--stop-when-idle), 3 fenced by a newer instance of the same shard, 1 failed, 2 refused (unknown
+subscription or shard).
 """
 
 from __future__ import annotations

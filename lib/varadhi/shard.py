@@ -23,8 +23,8 @@ Reader layouts (DESIGN hazard 3). A shard reads one main-topic storage topic at 
 from T_i to T_i+1 only when produce has moved off T_i more than a grace period ago (producers poll
 the catalog) and the shard has consumed all of T_i. Each layout has its own checkpoint, its own
 starting offsets (carried over from the previous layout) and its own idempotency id, since batch
-ids restart at 0 in a new checkpoint (hazard 7). Layout changes, pauses and SIGTERM all stop the
-query between batches (`_stop_between_batches`), never inside one.
+ids restart at 0 in a new checkpoint (hazard 7). Layout changes, pauses, SIGINT and SIGTERM all
+stop the query between batches (`_stop_between_batches`), never inside one.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import threading
 import time
 import zlib
@@ -68,6 +67,7 @@ from .record_ids import group_id_column, group_key_column, msg_id_column
 from .settings import Settings
 from .state_store import StateStore, normalise
 from .status import ProgressPublisher, latest_progress
+from .stop_signals import StopSignals
 
 log = logging.getLogger("varadhi.shard")
 
@@ -211,7 +211,7 @@ class ShardJob:
         lease = Lease(self.catalog, self._owner(sub))
         lease.acquire()
         self._lease = lease
-        self._install_signals()
+        signals = self._install_signals()
         try:
             self._producer = KafkaProducer(
                 bootstrap_servers=self.settings.bootstrap,
@@ -259,6 +259,7 @@ class ShardJob:
         finally:
             self._publish("stopped", force=True)
             self._close()
+            signals.restore()
 
     def _publish(self, state: str, query=None, force: bool = False, flush: bool | None = None):
         """Send a progress document (rate-limited unless forced; waits for the broker when
@@ -312,10 +313,13 @@ class ShardJob:
             self._publish("circuit open")
         return True
 
-    def _install_signals(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: self._signal.set())
-            signal.signal(signal.SIGINT, lambda *_: self._signal.set())
+    def _install_signals(self) -> StopSignals:
+        """SIGINT and SIGTERM stop the shard between micro-batches (`varadhi.stop_signals`): the
+        session first, since creating the SparkContext installs PySpark's own SIGINT handler,
+        which would cancel the batch in flight."""
+        signals = StopSignals(self.spark, lambda _signum: self._signal.set())
+        signals.install()
+        return signals
 
     def request_stop(self) -> None:
         self._signal.set()

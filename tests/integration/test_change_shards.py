@@ -1,15 +1,20 @@
 """Shard-count changes against the real broker, Delta and an HTTP endpoint: 2 -> 4 -> 3 shards
 on a 12-partition topic with retries pending in the RQ and a dead-lettered group in the DLQ,
 a producer producing between the steps, then a re-drive. Shards of one step run in threads of
-this process on the session's SparkSession."""
+this process on the session's SparkSession. An external feeder job is stopped by a signal."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from kafka import KafkaProducer
 
 from varadhi import dlq, resharding, subscriptions, topics
 from varadhi.cli import main as cli
@@ -188,3 +193,63 @@ def test_change_shards_two_four_three_keeps_group_order_and_loses_nothing(
                 *RETRYABLE,
                 200,
             ]
+
+
+def test_a_signal_cancels_an_external_feeder_which_stays_to_run(
+    settings, spark, catalog, unique_name, capsys, tmp_path
+):
+    """SIGTERM to the process group of `spark-submit.sh --job feeder` (the JVM and the Python
+    driver) while it copies: the JVM does not go down under it; the copy is cancelled, the feeder
+    stays not done (to run again), and the job exits 1 saying why."""
+    topic = unique_name("feed-sig")
+    TopicService(catalog).create(topic, 2)
+    spec = parse_spec(
+        {
+            "name": unique_name("feed-sig-sub"),
+            "topic": topic,
+            "shards": 1,
+            "endpoint": {"url": "http://127.0.0.1:9/unused"},
+        }
+    )
+    SubscriptionService(catalog).create(spec)
+    name = spec.name
+    producer = KafkaProducer(bootstrap_servers=settings.bootstrap, linger_ms=20)
+    for i in range(100_000):  # a copy of some seconds: the signal comes in the middle of it
+        producer.send(f"{name}.rq.0", key=f"g{i % 100}".encode(), value=b"v" * 100, partition=i % 2)
+    producer.flush(60)
+    producer.close()
+    capsys.readouterr()
+    assert change(name, 2, "--feeders", "external") == 0
+    log = tmp_path / "feeder.log"
+    root = Path(__file__).resolve().parents[2]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(root / "spark-submit.sh"), "--job", "feeder", "--subscription", name]
+            + ["--source", f"{name}.rq.0"],
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        # The copy runs once Spark has started its Python workers (children of the JVM).
+        workers = ["pgrep", "-P", str(proc.pid), "-f", "pyspark.daemon"]
+        wait(
+            lambda: (
+                subprocess.run(workers, capture_output=True).returncode == 0
+                or proc.poll() is not None
+            ),
+            240,
+        )
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        os.killpg(proc.pid, signal.SIGTERM)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log.read_text(errors="replace")[-3000:]
+    assert code == 1, text
+    assert "varadhi: interrupted by SIGTERM" in text and "Fatal Python error" not in text, text
+    op = catalog.snapshot().get(resharding.OPERATION, resharding.operation_name(name))
+    assert [f["done"] for f in op["feeders"] if f["source"] == f"{name}.rq.0"] == [False]

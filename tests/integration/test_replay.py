@@ -14,6 +14,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -27,6 +30,7 @@ from varadhi.errors import InvalidArgument
 from varadhi.producer import encode, kafka_headers, plan
 from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.harness import wait_for
 from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
@@ -209,6 +213,47 @@ def test_the_job_entry_point_replays_up_to_now(history, catalog, settings, spark
     assert "delivered 6 of 6 messages in 3 groups" in out
     got = successes(history.endpoint, since)
     assert got == {g: history.ids("w2", g) for g in GROUPS}  # from --from inclusive, to now
+
+
+def test_ctrl_c_cancels_the_replay_job_and_records_it(history, catalog, tmp_path):
+    """Ctrl-C (SIGINT to the process group: the JVM and the Python driver) while
+    `spark-submit.sh --job replay` delivers: the JVM does not go down under the job; the Spark
+    job is cancelled, the replay recorded as failed, and the job exits 1 saying why."""
+    since = len(history.endpoint.records())
+    history.endpoint.latency_ms = 500  # a's 7 messages, one at a time: >= 3.5 s of deliveries
+    log = tmp_path / "replay.log"
+    root = Path(__file__).resolve().parents[2]
+    cmd = [str(root / "spark-submit.sh"), "--job", "replay", "--subscription", history.sub]
+    try:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [*cmd, "--from", str(BASE), "--to", str(TO)],
+                cwd=tmp_path,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, as a terminal's foreground job
+            )
+        try:
+            wait_for(
+                lambda: len(history.endpoint.records()) > since or proc.poll() is not None,
+                240,
+                "the replay's first delivery",
+            )
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            os.killpg(proc.pid, signal.SIGINT)
+            code = proc.wait(120)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    finally:
+        history.endpoint.latency_ms = 0
+    text = log.read_text(errors="replace")
+    assert code == 1, text[-3000:]
+    assert "Fatal Python error" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    [replay_id] = re.findall(r"varadhi: interrupted by SIGINT: replay (\S+) failed", text)
+    recorded = replay.replays(catalog.snapshot(), history.sub)[f"replay-{replay_id}"]
+    assert recorded["step"] == "failed" and recorded["error"], recorded  # a whole one: "done"
 
 
 def test_bad_requests_are_refused_before_anything_happens(history, catalog, capsys):

@@ -15,6 +15,9 @@ hold:
   GroupState commit of its own, and every RQ/DLQ record (read_committed) is the outbox of a
   GroupState commit made by the lease holder of the time.
 
+A shard stopped by SIGINT or SIGTERM (to its process group) is not a crash: it finishes and
+commits its micro-batch in flight, exits 0, and nothing of that batch is delivered again.
+
 Each shard process costs a JVM start, so the scenarios restart a few times only.
 """
 
@@ -353,6 +356,36 @@ def test_sigkill_at_random_moments_then_restart(scenario, spark):
     final = sc.start(idle_s=3)
     assert sc.wait(final) == 0, f"kill delays {delays}\n{final.tail()}"
     assert_contract(sc, spark)
+
+
+def test_sigint_or_sigterm_to_the_process_group_stops_between_batches(scenario, spark):
+    """Ctrl-C (SIGINT to the whole process group, as a terminal sends it: the JVM and the Python
+    driver), then SIGTERM to the group, each in the middle of a micro-batch: the batch finishes
+    and is committed, the shard exits 0 without a fatal error, and nothing is delivered twice."""
+    sc = scenario
+    sc.endpoint.latency_ms = 400  # 5 messages a group in one batch: a batch lasts >= 2 s
+    sc.create()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        sc.produce(groups=12, per_group=5)
+        seen = len(sc.endpoint.records())
+        run = sc.start(idle_s=300)  # only the signal stops it
+        sc.wait_for(
+            "the shard's first delivery",
+            lambda run=run, seen=seen: (
+                len(sc.endpoint.records()) > seen or run.proc.poll() is not None
+            ),
+            timeout=RUN_TIMEOUT_S,
+        )
+        assert run.proc.poll() is None, run.tail()
+        os.killpg(run.proc.pid, sig)
+        at_signal = len(sc.endpoint.records())
+        assert sc.wait(run) == 0, f"{sig.name}\n{run.tail()}"
+        text = run.log.read_text(errors="replace")
+        assert "Fatal Python error" not in text and "KeyboardInterrupt" not in text, run.tail()
+        assert len(sc.endpoint.records()) > at_signal, f"{sig.name}: the batch was abandoned"
+    final = sc.start(idle_s=3)
+    assert sc.wait(final) == 0, final.tail()
+    assert_contract(sc, spark)  # a second success only after a crashed run: none here
 
 
 # -- 8. fencing -----------------------------------------------------------------------------------
