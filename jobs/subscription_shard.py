@@ -1,11 +1,17 @@
 """Spark entry point: run one shard of a subscription until stopped, fenced or failed.
 
-    spark-submit.sh SUBSCRIPTION SHARD            (local, with the project's jars and venv)
+    spark-submit.sh SUBSCRIPTION SHARD [--standby]   (local, with the project's jars and venv)
     spark-submit jobs/subscription_shard.py --subscription NAME --shard N   (a cluster)
 
+A shard holds a lease that it renews every TTL/3 (--lease-ttl, default 15 s or
+$VARADHI_LEASE_TTL_MS). A normal start takes the lease at once (the instance running before is
+fenced). With --standby the instance starts Spark and waits; once the active instance's lease
+has not been renewed for its TTL (the process died or hangs) it takes the lease and runs the
+shard. A shard stopped with SIGINT/SIGTERM is not taken over.
+
 Exit codes: 0 stopped (SIGINT or SIGTERM, after the micro-batch in flight; or idle with
---stop-when-idle), 3 fenced by a newer instance of the same shard, 1 failed, 2 refused (unknown
-subscription or shard).
+--stop-when-idle; a standby stopped while waiting), 3 fenced by a newer instance of the same
+shard (or its lease expired), 1 failed, 2 refused (unknown subscription or shard).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import sys
 
 from varadhi.errors import VaradhiError
+from varadhi.leases import ttl_from_env
 from varadhi.settings import Settings
 from varadhi.shard import ShardJob
 
@@ -38,6 +45,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cluster", action="store_true", help="use the cluster's Spark (no local jars)"
     )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="wait, Spark started, until the active instance's lease expires, then take over",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        metavar="SECONDS",
+        help="lease TTL: renewed every third of it; a standby takes over a lease not renewed "
+        "for it (default: $VARADHI_LEASE_TTL_MS ms, or 15)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -56,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             settings,
             spark=spark,
             stop_when_idle_s=args.stop_when_idle,
+            standby=args.standby,
+            lease_ttl_ms=ttl_from_env(args.lease_ttl),
         )
         return job.run()
     except VaradhiError as e:

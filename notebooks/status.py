@@ -149,6 +149,7 @@ progress = (
     .load()
     .select(F.col("key").cast("string").alias("key"), F.col("value").cast("string").alias("json"))
     .where(F.col("key").startswith(f"{NAME}/"))
+    .where(~F.col("key").contains("/standby/"))  # standby instances report there, not shards
     .select(F.from_json("json", PROGRESS_SCHEMA).alias("p"))
     .select("p.*")
     .where(F.col("updated_ms") >= since_ms)

@@ -11,6 +11,12 @@ transaction. Any commit by somebody else in between needs a newer epoch, which m
 fail with a fencing error; `mutate` then re-fences, re-reads and re-applies (bounded retries).
 So concurrent or repeated commands can never interleave half-applied changes.
 
+Lease documents are the exception: each lease is written only through a writer of its own
+(`Catalog(writer=...)`, transactional id `varadhi-catalog-writer.<topic>.lease.<owner>`), so its
+writes fence one another (each is still an atomic read-modify-write of that document) while a
+shard's heartbeat every few seconds fences none of the catalog's other writers
+(`varadhi.leases`).
+
 Keys are `<kind>/<name>`, for example `topic/orders`, `subscription/orders-http`,
 `lease/orders-http/0`, `operation/orders-http`.
 """
@@ -26,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from .errors import ConcurrentModification, KafkaUnavailable, VaradhiError
@@ -34,6 +40,7 @@ from .settings import Settings
 
 log = logging.getLogger(__name__)
 
+SEGMENT_MS = 3_600_000  # the catalog topic's segment.ms: compaction runs on closed segments
 WRITER_ID = "varadhi-catalog-writer"  # + "." + catalog topic: one fence per catalog
 Document = dict[str, Any]
 Changes = Mapping[str, Document | None]
@@ -79,9 +86,14 @@ class Snapshot:
 class Catalog:
     """Reads and writes the catalog topic. One instance per process; thread-safe."""
 
-    def __init__(self, settings: Settings | None = None, timeout_s: float = 30.0):
+    def __init__(
+        self, settings: Settings | None = None, timeout_s: float = 30.0, writer: str | None = None
+    ):
         self.settings = settings or Settings.from_env()
         self.topic = self.settings.catalog_topic
+        # `writer`: a transactional id of its own (`WRITER_ID.<topic>.<writer>`), for documents
+        # only ever written through it (a lease: `varadhi.leases`); None: the shared one.
+        self.writer = writer
         self.timeout_s = timeout_s
         self._lock = threading.RLock()
         self._entries: dict[str, Document] = {}
@@ -105,12 +117,41 @@ class Catalog:
                         topic_configs={
                             "cleanup.policy": "compact",
                             "min.compaction.lag.ms": "60000",
+                            # lease renewals add a record every few seconds per shard: roll
+                            # segments so compaction keeps the catalog small to read
+                            "segment.ms": str(SEGMENT_MS),
                         },
                     )
                 ]
             )
         except TopicAlreadyExistsError:
             pass
+        finally:
+            admin.close()
+
+    def ensure_segment_roll(self) -> None:
+        """Give a catalog topic created before `segment.ms` was set (Kafka's default is 7 days)
+        hourly segments, so compaction can drop superseded lease renewals. Idempotent; a
+        failure is only logged (shards call this once at their start)."""
+        admin = self._admin()
+        try:
+            found = admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, self.topic, configs=["segment.ms"])],
+                config_filter="all",
+            )["topic"][self.topic]["segment.ms"]
+            if int(found["value"]) > SEGMENT_MS:
+                admin.alter_configs(
+                    [
+                        ConfigResource(
+                            ConfigResourceType.TOPIC,
+                            self.topic,
+                            configs={"segment.ms": str(SEGMENT_MS)},
+                        )
+                    ]
+                )
+                log.info("catalog %s: segment.ms set to %d", self.topic, SEGMENT_MS)
+        except (KafkaError, KeyError, TypeError, ValueError) as e:
+            log.warning("catalog %s: could not check segment.ms: %s", self.topic, e)
         finally:
             admin.close()
 
@@ -239,7 +280,8 @@ class Catalog:
             try:
                 producer = KafkaProducer(
                     bootstrap_servers=self.settings.bootstrap,
-                    transactional_id=f"{WRITER_ID}.{self.topic}",
+                    transactional_id=f"{WRITER_ID}.{self.topic}"
+                    + (f".{self.writer}" if self.writer else ""),
                     client_id="varadhi-catalog-writer",
                     acks="all",
                     request_timeout_ms=int(self.timeout_s * 1000),

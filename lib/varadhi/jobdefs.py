@@ -312,6 +312,11 @@ def spark_submit_script(p: JobPlan, cfg: DeployConfig) -> str:
     lines += ["", "# this checkout (local Spark, the project's jars and venv), one per terminal:"]
     lines += [shlex.join(c) for c in local]
     lines += [
+        "# optional standbys (another host or terminal): each waits, Spark started, and takes its",
+        "# shard over once the active instance's lease has not been renewed for its TTL:",
+    ]
+    lines += [f"# {shlex.join([*c, '--standby'])}" for c in local if c[1] != "--job"]
+    lines += [
         "",
         "# a cluster (its spark-submit and master; wheel and "
         f"{', '.join(RUNTIME_PYPI)} on every node):",

@@ -44,7 +44,7 @@ from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from . import checkpoints, layouts, routing, subscriptions, topics
+from . import checkpoints, layouts, leases, routing, subscriptions, topics
 from . import dlq as dlq_ops
 from .batch import (
     STATE_SCHEMA,
@@ -57,7 +57,7 @@ from .batch import (
 from .catalog import Catalog, key
 from .circuit import CircuitBreaker
 from .dedup import DedupWindow, dedup_id
-from .errors import Fenced, InvalidArgument, VaradhiError
+from .errors import Fenced, InvalidArgument, KafkaUnavailable, VaradhiError
 from .faults import crash_point
 from .layouts import READER_KIND, Layout, drained, next_layout
 from .leases import Lease
@@ -125,12 +125,18 @@ class ShardJob:
         settings: Settings | None = None,
         spark: SparkSession | None = None,
         stop_when_idle_s: float | None = None,
+        standby: bool = False,
+        lease_ttl_ms: int | None = None,
     ):
         self.settings = settings or Settings.from_env()
         self.catalog = Catalog(self.settings)
         self.name = name
         self.shard = shard
         self.stop_when_idle_s = stop_when_idle_s
+        # Failover (`varadhi.leases`): the lease's TTL, and whether this instance waits for the
+        # active one's lease to expire instead of taking it at once.
+        self.standby = standby
+        self.lease_ttl_ms = lease_ttl_ms or leases.ttl_from_env()
         self._spark = spark
         self.stats = ShardStats()
         self._batch_lock = threading.Lock()
@@ -208,10 +214,29 @@ class ShardJob:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> int:
         sub, _, _, _ = self._load()
-        lease = Lease(self.catalog, self._owner(sub))
-        lease.acquire()
+        self.catalog.ensure_segment_roll()  # lease renewals must be compacted away
+        if self.standby:
+            # Spark is started ahead of time; the lease is taken only once the active instance's
+            # has expired (nothing before it may fence the active one: no producer yet).
+            signals = self._install_signals()
+            try:
+                took = self._stand_by()
+            except BaseException:
+                signals.restore()
+                raise
+            if took is None:
+                signals.restore()
+                return 0
+            lease = took
+            sub, _, _, _ = self._load()
+        else:
+            lease = Lease(self.catalog, self._owner(sub), ttl_ms=self.lease_ttl_ms)
+            lease.acquire()
+        lease.start_heartbeat()
         self._lease = lease
-        signals = self._install_signals()
+        if not self.standby:
+            signals = self._install_signals()
+        clean = False  # stopped on request (a signal) or idle, not fenced or failed
         try:
             self._producer = KafkaProducer(
                 bootstrap_servers=self.settings.bootstrap,
@@ -251,15 +276,108 @@ class ShardJob:
                 layout = self._layout(sub)
                 outcome = self._run_query(sub, mq, rq, dlq, layout, lease)
                 if outcome in ("stop", "idle"):
+                    clean = True
                     return 0
         except Fenced as e:
+            self._signal.clear()  # not a clean stop, even if one was asked for meanwhile
             log.warning("%s shard %d: %s; stopping without committing", self.name, self.shard, e)
             self._publish("fenced", force=True)
             return 3
+        except Exception as e:
+            # A failure after the lease was lost or expired (a process that was frozen comes
+            # back to timed-out Kafka calls) is a fence: another instance may hold the shard.
+            why = lease.lost()
+            if why is None:
+                raise
+            self._signal.clear()
+            log.warning(
+                "%s shard %d: %s after its lease was lost (%s); stopping without committing",
+                self.name,
+                self.shard,
+                f"{type(e).__name__}: {e}",
+                why,
+            )
+            self._publish("fenced", force=True)
+            return 3
         finally:
+            lease.stop_heartbeat()
+            if clean or self._signal.is_set():
+                # An operator's stop: standbys do not take over (a crash lets the lease expire).
+                try:
+                    lease.stop()
+                except Exception as e:  # noqa: BLE001 - it then expires instead
+                    log.warning(
+                        "%s shard %d: lease not marked stopped: %s", self.name, self.shard, e
+                    )
             self._publish("stopped", force=True)
+            lease.close()
             self._close()
             signals.restore()
+
+    def _stand_by(self) -> Lease | None:
+        """Wait while the shard's lease is held and renewed, reporting `standby` to status; take
+        it once it has been unchanged for its TTL (`leases.may_take_over`, a compare-and-set on
+        the document watched: a renewal or another standby in between wins). Returns the lease
+        taken, or None when asked to stop first. Follows a shard-count change (the lease of
+        shard N of the current count; a shard beyond it is refused, exit 2)."""
+        lease: Lease | None = None
+        seen: leases.Seen | None = None
+        poll_s = min(1.0, self.lease_ttl_ms / 5000)
+        instance = Lease(self.catalog, "").instance
+        publisher = ProgressPublisher(self.settings, self.name, self.shard, standby=instance)
+        log.info("%s shard %d: standing by as %s", self.name, self.shard, instance)
+        state = "stopped"
+        try:
+            while True:
+                try:
+                    sub, _, _, _ = self._load()
+                    if lease is None or lease.owner != self._owner(sub):
+                        lease = Lease(
+                            self.catalog, self._owner(sub), self.lease_ttl_ms, instance=instance
+                        )
+                        seen = None
+                    now = time.monotonic()
+                    seen = leases.observe(seen, self.catalog.get(leases.KIND, lease.owner), now)
+                    if leases.may_take_over(seen, now):
+                        assert seen.doc is not None
+                        if lease.take_over(seen.doc):
+                            log.warning(
+                                "%s shard %d: the lease of %s was not renewed for %d ms; took "
+                                "it over (epoch %d)",
+                                self.name,
+                                self.shard,
+                                seen.doc.get("instance"),
+                                int(seen.doc["ttl_ms"]),
+                                lease.epoch,
+                            )
+                            state = "took over"
+                            return lease
+                        seen = None  # written meanwhile: watch the new document
+                    publisher.publish(
+                        {
+                            "state": "standby",
+                            "shard": self.shard,
+                            "shard_count": sub.shard_count,
+                            "instance": instance,
+                            "watching": leases.standby_view(seen, time.monotonic()),
+                        }
+                    )
+                except (KafkaError, KafkaUnavailable) as e:
+                    # What the catalog says is unknown: the lease must be seen unchanged for a
+                    # whole TTL of successful reads again.
+                    log.warning("%s shard %d: standby: %s", self.name, self.shard, e)
+                    seen = None
+                if self._signal.wait(poll_s):
+                    return None
+        finally:
+            try:
+                publisher.publish(
+                    {"state": state, "shard": self.shard, "instance": instance},
+                    force=True,
+                    flush=True,
+                )
+            finally:
+                publisher.close()
 
     def _publish(self, state: str, query=None, force: bool = False, flush: bool | None = None):
         """Send a progress document (rate-limited unless forced; waits for the broker when
@@ -402,6 +520,17 @@ class ShardJob:
                     if exc is not None and "StopRequested" not in str(exc):
                         if "Fenced" in str(exc):
                             raise Fenced(f"lease {self._owner(sub)}", lease.epoch or 0, -1)
+                        # A query that died after this instance lost its lease is fenced, not
+                        # failed (a zombie's Spark found the new holder's checkpoint files).
+                        lease.check()
+                        if _zombie_wrote_checkpoint(exc):
+                            log.warning(
+                                "%s shard %d: another instance wrote this checkpoint (a fenced "
+                                "one, still running); restarting the query",
+                                self.name,
+                                self.shard,
+                            )
+                            return "restart"
                         if self._last_batch_end > query_started and _kafka_metrics_npe(query):
                             log.warning(
                                 "%s shard %d: Spark's Kafka source failed after a replayed batch"
@@ -818,6 +947,14 @@ class ShardJob:
 
 
 # -- helpers (pure or Spark-expression builders) ---------------------------------------------
+
+
+def _zombie_wrote_checkpoint(exc) -> bool:
+    """Whether a query failed because another query wrote its checkpoint's offset or commit
+    log first: a fenced instance of the shard that has not noticed yet (its next lease check
+    stops it). The files it wrote are valid (same log), so the holder restarts the query."""
+    text = str(exc)
+    return "Concurrent update to the" in text or "Multiple streaming jobs detected" in text
 
 
 def _kafka_metrics_npe(query) -> bool:

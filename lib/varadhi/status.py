@@ -19,8 +19,10 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
-from . import subscriptions, topics
+from . import layouts, subscriptions, topics
 from .catalog import Catalog, decode_record
+from .leases import KIND as LEASE_KIND
+from .leases import lease_view
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,20 @@ def ensure_progress_topic(settings: Settings) -> None:
 class ProgressPublisher:
     """Sends a shard's progress documents, at most every `interval_s` unless forced."""
 
-    def __init__(self, settings: Settings, subscription: str, shard: int, interval_s: float = 5.0):
+    def __init__(
+        self,
+        settings: Settings,
+        subscription: str,
+        shard: int,
+        interval_s: float = 5.0,
+        standby: str | None = None,
+    ):
         ensure_progress_topic(settings)
         self.topic = progress_topic(settings)
-        self.key = f"{subscription}/{shard}".encode()
+        # A standby instance reports under `<sub>/<shard>/standby/<instance>` (`standbys_of`),
+        # never under the shard's own key, whose newest document is the active instance's.
+        suffix = f"/standby/{standby}" if standby else ""
+        self.key = f"{subscription}/{shard}{suffix}".encode()
         self.interval_s = interval_s
         self._last = 0.0
         self._lock = threading.Lock()
@@ -86,6 +98,35 @@ class ProgressPublisher:
 
 def latest_progress(settings: Settings, subscription: str) -> dict[int, dict[str, Any]]:
     """The newest progress document of every shard of `subscription` (shard -> document)."""
+    return shard_documents(progress_documents(settings, subscription))
+
+
+def shard_documents(found: dict[str, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """The shards' own documents among `progress_documents` (pure)."""
+    return {int(k): doc for k, doc in found.items() if k.isdigit()}
+
+
+STANDBY_FRESH_MS = 15_000  # a standby reports every 5 s; silent this long, it is gone
+
+
+def standbys_of(
+    found: dict[str, dict[str, Any]], now_ms: int, fresh_ms: int = STANDBY_FRESH_MS
+) -> dict[int, list[dict[str, Any]]]:
+    """Standby instances waiting per shard, from `progress_documents` (pure): the newest
+    document of each is `standby` and recent."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for k, doc in sorted(found.items()):
+        shard, _, instance = k.partition("/standby/")
+        if not instance or not shard.isdigit() or doc.get("state") != "standby":
+            continue
+        if now_ms - int(doc.get("updated_ms") or 0) < fresh_ms:
+            out.setdefault(int(shard), []).append(doc)
+    return out
+
+
+def progress_documents(settings: Settings, subscription: str) -> dict[str, dict[str, Any]]:
+    """The newest progress document per key of `subscription`, by key suffix: `<shard>` for a
+    shard, `<shard>/standby/<instance>` for a standby instance."""
     ensure_progress_topic(settings)
     tp = TopicPartition(progress_topic(settings), 0)
     consumer = KafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False)
@@ -93,7 +134,7 @@ def latest_progress(settings: Settings, subscription: str) -> dict[int, dict[str
         consumer.assign([tp])
         end = consumer.end_offsets([tp])[tp]
         consumer.seek(tp, max(0, end - SCAN_RECORDS))
-        found: dict[int, dict[str, Any]] = {}
+        found: dict[str, dict[str, Any]] = {}
         prefix = f"{subscription}/"
         deadline = time.monotonic() + 10
         while consumer.position(tp) < end and time.monotonic() < deadline:
@@ -104,9 +145,8 @@ def latest_progress(settings: Settings, subscription: str) -> dict[int, dict[str
                         log.warning("progress topic: skipped a record another program wrote")
                         continue
                     name, doc = entry
-                    shard = name[len(prefix) :]
-                    if name.startswith(prefix) and shard.isdigit() and doc is not None:
-                        found[int(shard)] = doc
+                    if name.startswith(prefix) and doc is not None:
+                        found[name[len(prefix) :]] = doc
         return found
     finally:
         consumer.close()
@@ -137,6 +177,28 @@ def circuit_text(circuit: dict[str, Any] | None, now_ms: int) -> str:
         opens = int(circuit.get("consecutive_opens") or 1)
         return f"open {left:.0f}s" + (f" x{opens}" if opens > 1 else "")
     return "half-open" if state == "half_open" else str(state)
+
+
+def shard_state(
+    doc: dict[str, Any],
+    age_ms: int | None,
+    lease: dict[str, Any] | None,
+    silent_ms: int = 60_000,
+) -> tuple[str, int | None]:
+    """A shard's state for status (pure) and, when `dead`, ms since its lease was last renewed.
+
+    `doc` is its newest progress document (`age_ms` old, None: none), `lease` its `lease_view`.
+    Dead: its lease is held with a heartbeat and was not renewed for its TTL, and the progress
+    document is at least that old and does not say the process ended (the process died or hangs;
+    a standby takes over). Without a heartbeat (an older shard), silent after `silent_ms`."""
+    said = str(doc.get("state", "never started")) if age_ms is not None else "never started"
+    if said not in ("stopped", "fenced") and lease and lease["expired"]:
+        ttl = int(lease["ttl_ms"])
+        if age_ms is None or age_ms >= ttl:
+            return "dead", lease["renewed_age_ms"]
+    if age_ms is not None and age_ms >= silent_ms:
+        return "silent", None
+    return said, None
 
 
 STAT_NAMES = ("inserted", "routed", "emitted", "acknowledged")
@@ -178,8 +240,10 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
     rq = topics.from_snapshot(snap, sub.spec.rq_topic)
     dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
     ends = topics.end_offsets(catalog, mq.storage_topics + rq.storage_topics + dlq.storage_topics)
-    progress = latest_progress(catalog.settings, name)
+    found = progress_documents(catalog.settings, name)
+    progress = shard_documents(found)
     now = int(time.time() * 1000)
+    standbys = standbys_of(found, now)
     shards = []
     for shard in range(sub.shard_count):
         doc = progress.get(shard, {})
@@ -210,12 +274,19 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
             for i, st in enumerate(mq.storage_topics)
             for p in subscriptions.owned_partitions(sub, mq, i, shard)
         )
+        held = lease_view(snap.get(LEASE_KIND, layouts.owner(name, sub.shard_count, shard)), now)
+        state, dead_ms = shard_state(doc, age, held)
         shards.append(
             {
                 "shard": shard,
-                "state": doc.get("state", "never started")
-                if age is None or age < 60_000
-                else "silent",
+                "state": state,
+                "dead_for_ms": dead_ms,
+                "lease": held,
+                "standbys": [
+                    {k: s.get(k) for k in ("instance", "updated_ms", "watching")}
+                    for s in standbys.get(shard, [])
+                    if s.get("shard_count", sub.shard_count) == sub.shard_count
+                ],
                 "progress_age_ms": age,
                 "generation": doc.get("generation"),
                 "layout": doc.get("layout"),

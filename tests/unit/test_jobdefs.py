@@ -423,6 +423,7 @@ def test_spark_submit_script_has_local_and_cluster_commands_per_shard():
             "hdfs:///varadhi/warehouse",
         ]
     assert "paused" not in script and "feeder" not in script
+    assert "# ./spark-submit.sh orders-http 1 --standby" in script.splitlines()
 
 
 def test_spark_submit_feeders_and_pause_note():

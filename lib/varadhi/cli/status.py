@@ -24,6 +24,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_status)
 
 
+def standby_text(sb: dict) -> str:
+    """One line about a standby instance of a shard (pure)."""
+    w = sb.get("watching") or {}
+    if w.get("holder"):
+        how = f"lease of {w['holder']} unchanged for {w.get('unchanged_s', 0):.0f}s"
+        if w.get("ttl_ms"):
+            how += f" of {w['ttl_ms'] / 1000:.0f}s"
+    else:
+        how = w.get("why") or "waiting"
+    return f"standby {sb.get('instance')}: {how}"
+
+
 def _status(args: argparse.Namespace) -> int:
     doc = status.collect(common.catalog(args), args.name)
     if args.output == "json":
@@ -42,11 +54,17 @@ def _status(args: argparse.Namespace) -> int:
         q = s["queues"]
         r = s["rates"]
         circuit = status.circuit_text(s.get("circuit"), now)
+        state = s["state"]
+        if state == "dead" and s.get("dead_for_ms") is not None:
+            state = f"dead {s['dead_for_ms'] / 1000:.0f}s"
         print(
-            f"{s['shard']:>5}  {s['state']:<14} {circuit:<12} {q['main']['lag']:>9} {q['rq']['lag']:>7} "
+            f"{s['shard']:>5}  {state:<14} {circuit:<12} {q['main']['lag']:>9} {q['rq']['lag']:>7} "
             f"{q['rq']['pending']:>7} {q['dlq']['parked']:>10} {q['dlq']['depth']:>9} "
             f"{s['blocked_groups']:>7} {r.get('delivered_per_s', 0):>8} {r.get('failures_per_s', 0):>7}"
         )
+    for s in doc["shards"]:
+        for sb in s.get("standbys") or []:
+            print(f"shard {s['shard']} {standby_text(sb)}")
     for s in doc["shards"]:
         blocked = s.get("blocked") or []
         if blocked:

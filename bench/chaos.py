@@ -1,0 +1,515 @@
+"""A chaos run anyone can repeat: a grouped subscription delivering under failures, kills, a broker
+restart and shard-count changes while producing goes on, judged from what the endpoint saw.
+
+    .venv/bin/python bench/chaos.py                       # 100,000 messages, about 15-25 min
+    .venv/bin/python bench/chaos.py --messages 20000 --produce-seconds 60 --kills 3   # shorter
+
+What it does, on its own broker (scripts/kafka on --kafka-port, a throw-away data folder, so the
+broker can be killed without touching anyone else's):
+
+1. A local endpoint (varadhi.testing.endpoint) that fails `--fail-rate` of attempts: 500s, 503s
+   with Retry-After, and answers slower than the request timeout; plus *poison*: `--poison`
+   messages it always refuses with 422 and as many records with no value (both dead-lettered).
+2. A 12-partition topic and a grouped subscription (2 shards, `on_dead_letter: skip`, enough
+   attempts that random failures never exhaust a message), shards run with ./spark-submit.sh
+   under a supervisor that restarts a shard whose process ended.
+3. A producer sending `--messages` over `--groups` groups at a steady rate for
+   `--produce-seconds`, retrying a send until the broker acknowledges it.
+4. Meanwhile, at seeded random moments: `--kills` SIGKILLs of a random shard's process group,
+   a SIGKILL of the broker and its restart, and shard-count changes 2 -> 4 -> 3 by the documented
+   path (pause, stop, change-shards with external feeders, feeders, start, resume).
+5. At the end the shards run until idle, and the run is judged:
+   - lost: acknowledged messages neither delivered (2xx) nor in the DLQ (must be 0);
+   - order violations: groups whose first successful deliveries are not in produce order (0);
+   - early retries: attempt n+1 of a message sent before attempt n's backoff or Retry-After
+     could have passed (0; the policy has no jitter so the bound is exact);
+   - dead letters: must be exactly the poison messages;
+   - duplicates: successful deliveries beyond the first of each message, as a share.
+
+Prints the verdict and writes --out (default bench/results/chaos.json). Exit 1 if a must-be-zero
+figure is not. Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import defaultdict
+from pathlib import Path
+
+from kafka import KafkaProducer
+
+from common import machine, write_results
+from varadhi import dlq, resharding, status
+from varadhi.catalog import Catalog
+from varadhi.producer import Producer
+from varadhi.settings import Settings
+from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.testing.endpoint import TestEndpoint
+from varadhi.topics import TopicService
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTITIONS = 12
+RETRY = {"max_attempts": 12, "min_backoff_ms": 200, "max_backoff_ms": 2_000, "retry_after_s": 1}
+REQUEST_TIMEOUT_MS = 1_000
+CLOCK_SLACK_MS = 5  # the endpoint stamps arrival after reading the request
+
+
+def log(t0: float, text: str) -> None:
+    print(f"[{time.monotonic() - t0:7.1f} s] {text}", flush=True)
+
+
+class Broker:
+    """The run's own broker: scripts/kafka on its port and data folder."""
+
+    def __init__(self, port: int, folder: str):
+        self.env = dict(os.environ, VARADHI_KAFKA_PORT=str(port), VARADHI_KAFKA_DIR=folder)
+        self.folder = folder
+        self.bootstrap = f"127.0.0.1:{port}"
+
+    def _script(self, command: str) -> None:
+        subprocess.run(
+            [str(ROOT / "scripts" / "kafka"), command],
+            env=self.env,
+            check=True,
+            capture_output=True,
+        )
+
+    def start(self) -> None:
+        self._script("start")
+
+    def kill_and_restart(self, down_s: float) -> None:
+        pid = int(Path(self.folder, "broker.pid").read_text().strip())
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(down_s)
+        self.start()
+
+    def wipe(self) -> None:
+        self._script("wipe")
+
+
+class Shards:
+    """The subscription's shard processes (./spark-submit.sh), restarted when they end unless
+    stopped on purpose."""
+
+    def __init__(self, name: str, env: dict[str, str], logs: Path, t0: float):
+        self.name, self.env, self.logs, self.t0 = name, env, logs, t0
+        self.procs: dict[int, subprocess.Popen] = {}
+        self.supervise = False
+        self.restarts = 0
+        self.exits: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._supervisor, daemon=True).start()
+
+    def start(self, count: int, extra: tuple[str, ...] = ()) -> None:
+        with self._lock:
+            for shard in range(count):
+                self._start(shard, extra)
+            self.supervise = not extra
+
+    def _start(self, shard: int, extra: tuple[str, ...] = ()) -> None:
+        out = open(self.logs / f"shard-{shard}.log", "a")  # noqa: SIM115
+        self.procs[shard] = subprocess.Popen(
+            [str(ROOT / "spark-submit.sh"), self.name, str(shard), *extra],
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def _supervisor(self) -> None:
+        while True:
+            time.sleep(1)
+            with self._lock:
+                if not self.supervise:
+                    continue
+                for shard, proc in list(self.procs.items()):
+                    code = proc.poll()
+                    if code is not None:
+                        self.exits.append((shard, code))
+                        self.restarts += 1
+                        log(self.t0, f"shard {shard} ended with {code}; restarting it")
+                        self._start(shard)
+
+    def kill(self, rng: random.Random) -> int:
+        with self._lock:
+            shard = rng.choice(sorted(self.procs))
+            os.killpg(self.procs[shard].pid, signal.SIGKILL)
+            return shard
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 180) -> list[int]:
+        with self._lock:
+            self.supervise = False
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    os.killpg(proc.pid, sig)
+            codes = []
+            for proc in self.procs.values():
+                try:
+                    codes.append(proc.wait(timeout))
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    codes.append(proc.wait())
+            self.procs.clear()
+            return codes
+
+    def wait(self) -> list[int]:
+        return [p.wait() for p in self.procs.values()]
+
+
+class Producing(threading.Thread):
+    """Sends messages `<run>-<group>-<seq>` at a steady rate; each is re-sent until acked."""
+
+    def __init__(self, settings, topic, run, messages, groups, seconds, poison):
+        super().__init__(daemon=True)
+        self.settings, self.topic, self.run_id = settings, topic, run
+        self.messages, self.groups, self.seconds, self.poison = messages, groups, seconds, poison
+        self.acked: dict[str, tuple[str, int]] = {}  # msg id -> (group, seq in group)
+        self.resent = 0
+        self.error: BaseException | None = None
+
+    def ids(self):
+        per_group: dict[str, int] = defaultdict(int)
+        for i in range(self.messages):
+            group = f"g{i % self.groups}"
+            seq = per_group[group]
+            per_group[group] += 1
+            yield f"{self.run_id}-{group}-{seq}", group, seq
+
+    def run(self) -> None:
+        try:
+            self._produce()
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            self.error = e
+
+    def _produce(self) -> None:
+        started = time.monotonic()
+        chunk: list[tuple[str, str, int]] = []
+        with Producer(self.topic, self.settings) as producer:
+            for n, item in enumerate(self.ids()):
+                chunk.append(item)
+                if len(chunk) == 500 or n == self.messages - 1:
+                    self._send(producer, chunk)
+                    chunk = []
+                    ahead = started + self.seconds * (n + 1) / self.messages - time.monotonic()
+                    if ahead > 0:
+                        time.sleep(ahead)
+
+    def _send(self, producer: Producer, chunk) -> None:
+        todo = list(chunk)
+        while todo:
+            results = []
+            for msg_id, group, seq in todo:
+                try:
+                    results.append(
+                        (
+                            producer.send(f"body {msg_id}", group, message_id=msg_id),
+                            msg_id,
+                            group,
+                            seq,
+                        )
+                    )
+                except Exception:  # noqa: BLE001 - the broker is down: send again later
+                    results.append((None, msg_id, group, seq))
+            failed = []
+            for result, msg_id, group, seq in results:
+                try:
+                    if result is None:
+                        raise RuntimeError("not sent")
+                    result.get(timeout=60)
+                    self.acked[msg_id] = (group, seq)
+                except Exception:  # noqa: BLE001
+                    failed.append((msg_id, group, seq))
+            if failed:
+                self.resent += len(failed)
+                time.sleep(1)
+            todo = failed
+
+
+def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0) -> dict:
+    """The documented path: pause, stop, change-shards with external feeders, run the feeders,
+    start the new shards, resume."""
+    varadhi = [str(ROOT / ".venv" / "bin" / "varadhi")]
+    started = time.monotonic()
+    subprocess.run([*varadhi, "subscription", "pause", name], env=env, check=True)
+    shards.stop()
+    subprocess.run(
+        [*varadhi, "subscription", "change-shards", name, "--to", str(to), "--feeders", "external"],
+        env=env,
+        check=True,
+        capture_output=True,
+    )
+    op = catalog.snapshot().get("operation", resharding.operation_name(name)) or {}
+    sources = [f["source"] for f in op.get("feeders", []) if not f.get("done")]
+    feeders = [
+        subprocess.Popen(
+            [
+                str(ROOT / "spark-submit.sh"),
+                "--job",
+                "feeder",
+                "--subscription",
+                name,
+                "--source",
+                s,
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for s in sources
+    ]
+    shards.start(to)
+    subprocess.run([*varadhi, "subscription", "resume", name], env=env, check=True)
+    codes = [f.wait() for f in feeders]
+    log(t0, f"shard count now {to}; feeders {sources} exited {codes}")
+    return {
+        "to": to,
+        "feeders": len(sources),
+        "feeder_exits": codes,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def judge(endpoint: TestEndpoint, acked, parked_ids, poison) -> dict:
+    """The verdict from what the endpoint saw, the producer's acks and the DLQ (pure but for
+    its inputs)."""
+    records = sorted(endpoint.records(), key=lambda r: r.seq)
+    ok_count: dict[str, int] = defaultdict(int)
+    order: dict[str, list[int]] = defaultdict(list)
+    by_msg: dict[str, list] = defaultdict(list)
+    for r in records:
+        if r.message_id is None:
+            continue
+        by_msg[r.message_id].append(r)
+        if r.status < 300:
+            ok_count[r.message_id] += 1
+            if ok_count[r.message_id] == 1 and r.message_id in acked:
+                order[acked[r.message_id][0]].append(acked[r.message_id][1])
+    broken = sorted(g for g, seqs in order.items() if seqs != sorted(seqs))
+    early = 0
+    for rs in by_msg.values():
+        for prev, nxt in zip(rs, rs[1:], strict=False):
+            if prev.attempt is None or nxt.attempt != prev.attempt + 1 or prev.status < 300:
+                continue
+            if prev.status == 503:
+                need = RETRY["retry_after_s"] * 1000
+            else:
+                need = min(
+                    RETRY["min_backoff_ms"] * 2 ** (prev.attempt - 1), RETRY["max_backoff_ms"]
+                )
+            if nxt.received_ms + CLOCK_SLACK_MS < prev.received_ms + need:
+                early += 1
+    delivered = {m for m, n in ok_count.items() if n}
+    lost = sorted(m for m in acked if m not in delivered and m not in parked_ids)
+    duplicates = sum(n - 1 for n in ok_count.values())
+    return {
+        "acknowledged_by_kafka": len(acked),
+        "delivered": len(delivered & set(acked)),
+        "requests": len(records),
+        "lost": len(lost),
+        "lost_examples": lost[:10],
+        "order_violations": len(broken),
+        "order_violation_groups": broken[:10],
+        "early_retries": early,
+        "dead_letters": len(parked_ids),
+        "dead_letters_are_the_poison": set(parked_ids) == set(poison),
+        "unexpected_dead_letters": sorted(set(parked_ids) - set(poison))[:10],
+        "poison_not_dead_lettered": sorted(set(poison) - set(parked_ids))[:10],
+        "duplicates": duplicates,
+        "duplicate_share": round(duplicates / max(len(delivered), 1), 4),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--messages", type=int, default=100_000)
+    p.add_argument("--groups", type=int, default=1_000)
+    p.add_argument("--produce-seconds", type=float, default=300)
+    p.add_argument("--fail-rate", type=float, default=0.2)
+    p.add_argument("--poison", type=int, default=10, help="messages the endpoint always refuses")
+    p.add_argument("--kills", type=int, default=6, help="SIGKILLs of a random shard")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--kafka-port", type=int, default=29592)
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "chaos.json"))
+    args = p.parse_args()
+
+    rng = random.Random(args.seed)
+    load = os.getloadavg()
+    t0 = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="varadhi-chaos-"))
+    broker = Broker(args.kafka_port, str(work / "kafka"))
+    broker.start()
+    run = uuid.uuid4().hex[:6]
+    settings = Settings(
+        bootstrap=broker.bootstrap,
+        catalog_topic=f"__varadhi_catalog_chaos_{run}",
+        warehouse=str(work / "warehouse"),
+    )
+    env = dict(
+        os.environ,
+        VARADHI_BOOTSTRAP=settings.bootstrap,
+        VARADHI_CATALOG_TOPIC=settings.catalog_topic,
+        VARADHI_WAREHOUSE=settings.warehouse,
+    )
+    os.environ.update(
+        {k: env[k] for k in ("VARADHI_BOOTSTRAP", "VARADHI_CATALOG_TOPIC", "VARADHI_WAREHOUSE")}
+    )
+    catalog = Catalog(settings)
+    logs = work / "logs"
+    logs.mkdir()
+    log(t0, f"broker {broker.bootstrap}, work folder {work}")
+
+    producing = Producing(
+        settings, f"chaos-{run}", run, args.messages, args.groups, args.produce_seconds, ()
+    )
+    all_ids = list(producing.ids())
+    poison = sorted(m for m, _, _ in rng.sample(all_ids, args.poison))
+    mix = {"500": 0.4, "503": 0.4, "slow": 0.2}
+    endpoint = TestEndpoint(
+        fail_rate=args.fail_rate,
+        seed=args.seed,
+        mix=mix,
+        slow_ms=REQUEST_TIMEOUT_MS + 500,
+        retry_after_s=RETRY["retry_after_s"],
+        script={m: [422] * 20 for m in poison},
+    )
+    url = endpoint.start()
+    topic, name = f"chaos-{run}", f"chaos-http-{run}"
+    TopicService(catalog).create(topic, PARTITIONS)
+    SubscriptionService(catalog).create(
+        parse_spec(
+            {
+                "name": name,
+                "topic": topic,
+                "endpoint": {"url": url, "request_timeout": f"{REQUEST_TIMEOUT_MS}ms"},
+                "shards": 2,
+                "on_dead_letter": "skip",
+                "retry": {
+                    "max_attempts": RETRY["max_attempts"],
+                    "min_backoff": f"{RETRY['min_backoff_ms']}ms",
+                    "max_backoff": f"{RETRY['max_backoff_ms']}ms",
+                    "jitter": 0,
+                },
+                "consumption": {"trigger_interval": "500ms", "max_messages_per_batch": 20_000},
+                # Failures are the subject: the breaker would only slow the run down.
+                "circuit_breaker": {"enabled": False},
+            }
+        )
+    )
+    # Records no producer library would write: no value (dead-lettered as malformed).
+    raw = KafkaProducer(bootstrap_servers=settings.bootstrap)
+    malformed = []
+    for i in range(3):
+        msg_id = f"{run}-malformed-{i}"
+        raw.send(
+            f"{topic}.0",
+            key=f"m{i}".encode(),
+            value=None,
+            headers=[("varadhi-msg-id", msg_id.encode())],
+        ).get(30)
+        malformed.append(msg_id)
+    raw.close()
+
+    shards = Shards(name, env, logs, t0)
+    shards.start(2)
+    producing.start()
+    log(
+        t0,
+        f"{args.messages} messages over {args.groups} groups in {args.produce_seconds:.0f} s; endpoint fails {args.fail_rate:.0%}; poison {len(poison)} + {len(malformed)} malformed",
+    )
+
+    span = args.produce_seconds
+    timeline = sorted(
+        [(rng.uniform(0.1, 0.9) * span, "kill") for _ in range(args.kills)]
+        + [(0.3 * span, "change:4"), (0.5 * span, "broker"), (0.7 * span, "change:3")]
+    )
+    events = []
+    produce_started = time.monotonic()
+    for at, what in timeline:
+        delay = produce_started + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        now = round(time.monotonic() - t0, 1)
+        if what == "kill":
+            shard = shards.kill(rng)
+            log(t0, f"SIGKILL shard {shard}")
+            events.append({"t": now, "event": "kill", "shard": shard})
+        elif what == "broker":
+            log(t0, "SIGKILL the broker; restart in 5 s")
+            broker.kill_and_restart(5)
+            events.append({"t": now, "event": "broker restart"})
+        else:
+            to = int(what.split(":")[1])
+            log(t0, f"changing the shard count to {to}")
+            events.append(
+                {
+                    "t": now,
+                    "event": "change-shards",
+                    **change_shards(catalog, shards, name, to, env, t0),
+                }
+            )
+    producing.join()
+    if producing.error is not None:
+        raise producing.error
+    log(
+        t0,
+        f"producing done: {len(producing.acked)} acknowledged, {producing.resent} sends repeated",
+    )
+
+    shards.stop()
+    count = status.collect(catalog, name)["shard_count"]
+    shards.start(count, ("--stop-when-idle", "20"))
+    drain_codes = shards.wait()
+    log(t0, f"drained; shards exited {drain_codes}")
+
+    parked = {p["msg_id"] for p in dlq.list_parked(catalog, name, limit=0)}
+    verdict = judge(endpoint, producing.acked, parked, poison + malformed)
+    verdict.update(
+        seconds=round(time.monotonic() - t0, 1),
+        shard_restarts=shards.restarts,
+        shard_exits=shards.exits,
+        events=events,
+    )
+    endpoint.stop()
+    catalog.close()
+    broker.wipe()
+    shutil.rmtree(work, ignore_errors=True)
+
+    for k in (
+        "acknowledged_by_kafka",
+        "delivered",
+        "lost",
+        "order_violations",
+        "early_retries",
+        "dead_letters",
+        "dead_letters_are_the_poison",
+        "duplicates",
+        "duplicate_share",
+        "shard_restarts",
+        "seconds",
+    ):
+        print(f"{k:>28}: {verdict[k]}")
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    write_results(Path(args.out), {"machine": machine(load), "config": config, "verdict": verdict})
+    bad = (
+        verdict["lost"]
+        or verdict["order_violations"]
+        or verdict["early_retries"]
+        or not verdict["dead_letters_are_the_poison"]
+    )
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
