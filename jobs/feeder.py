@@ -42,7 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     logging.getLogger("py4j").setLevel(logging.WARNING)
     logging.getLogger("kafka").setLevel(logging.WARNING)
-    catalog = Catalog(Settings.from_env(bootstrap=args.bootstrap))
+    try:  # a bad Kafka client configuration ($VARADHI_KAFKA_CONFIG) is one line
+        catalog = Catalog(Settings.from_env(bootstrap=args.bootstrap))
+    except VaradhiError as e:
+        print(f"varadhi: {e}", file=sys.stderr)
+        return e.exit_code
     signals: StopSignals | None = None
     try:
         check_feeder(catalog, args.subscription, args.source)

@@ -9,6 +9,8 @@ import argparse
 import os
 import sys
 
+from varadhi import kafka_clients
+from varadhi.settings import Settings
 from varadhi.spark import get_spark
 
 
@@ -24,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     spark = get_spark("varadhi-smoke-count")
     counts = (
         spark.read.format("kafka")
-        .option("kafka.bootstrap.servers", args.bootstrap)
+        .options(**kafka_clients.spark_options(Settings.from_env(bootstrap=args.bootstrap)))
         .option("subscribe", args.topic)
         .load()
         .groupBy("partition")

@@ -62,7 +62,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     logging.getLogger("py4j").setLevel(logging.WARNING)
-    settings = Settings.from_env(bootstrap=args.bootstrap, warehouse=args.warehouse)
+    try:  # a bad Kafka client configuration ($VARADHI_KAFKA_CONFIG) is one line
+        settings = Settings.from_env(bootstrap=args.bootstrap, warehouse=args.warehouse)
+    except VaradhiError as e:
+        print(f"varadhi: {e}", file=sys.stderr)
+        return e.exit_code
     spark = None
     if args.cluster:
         from varadhi.spark import get_spark

@@ -65,6 +65,11 @@ BOOTSTRAP = widget(
 CATALOG_TOPIC = widget(
     "catalog_topic", os.environ.get("VARADHI_CATALOG_TOPIC", "__varadhi_catalog"), "Catalog topic"
 )
+KAFKA_CONFIG = widget(
+    "kafka_config",
+    os.environ.get("VARADHI_KAFKA_CONFIG", ""),
+    "Kafka client properties file (security.protocol, sasl.*, ssl.*; secrets as ${env:...})",
+)
 NAME = widget("subscription", "", "Subscription")
 GROUP_FILTER = widget("group_id", "", "Only this group (empty: all)")
 LIMIT = int(widget("limit", "1000", "Newest N parked messages (0: all)"))
@@ -79,6 +84,8 @@ if not NAME:
 
 os.environ["VARADHI_BOOTSTRAP"] = BOOTSTRAP
 os.environ["VARADHI_CATALOG_TOPIC"] = CATALOG_TOPIC
+if KAFKA_CONFIG:
+    os.environ["VARADHI_KAFKA_CONFIG"] = KAFKA_CONFIG
 
 from varadhi import dlq
 from varadhi.catalog import Catalog

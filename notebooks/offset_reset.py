@@ -72,6 +72,11 @@ BOOTSTRAP = widget(
 CATALOG_TOPIC = widget(
     "catalog_topic", os.environ.get("VARADHI_CATALOG_TOPIC", "__varadhi_catalog"), "Catalog topic"
 )
+KAFKA_CONFIG = widget(
+    "kafka_config",
+    os.environ.get("VARADHI_KAFKA_CONFIG", ""),
+    "Kafka client properties file (security.protocol, sasl.*, ssl.*; secrets as ${env:...})",
+)
 NAME = widget("subscription", "", "Subscription")
 QUEUE = widget("queue", "main", "Queue", ["main", "rq", "dlq"])
 MODE = widget(
@@ -91,6 +96,8 @@ if not NAME:
 # Every varadhi component reads these (lib/varadhi/settings.py).
 os.environ["VARADHI_BOOTSTRAP"] = BOOTSTRAP
 os.environ["VARADHI_CATALOG_TOPIC"] = CATALOG_TOPIC
+if KAFKA_CONFIG:
+    os.environ["VARADHI_KAFKA_CONFIG"] = KAFKA_CONFIG
 
 from varadhi import status
 from varadhi.catalog import Catalog

@@ -62,6 +62,11 @@ BOOTSTRAP = widget(
 CATALOG_TOPIC = widget(
     "catalog_topic", os.environ.get("VARADHI_CATALOG_TOPIC", "__varadhi_catalog"), "Catalog topic"
 )
+KAFKA_CONFIG = widget(
+    "kafka_config",
+    os.environ.get("VARADHI_KAFKA_CONFIG", ""),
+    "Kafka client properties file (security.protocol, sasl.*, ssl.*; secrets as ${env:...})",
+)
 NAME = widget("subscription", "", "Subscription")
 HOURS = float(widget("hours", "6", "Hours of history"))
 POINTS = int(widget("points", "120", "Points per shard"))
@@ -71,12 +76,14 @@ if not NAME:
 
 os.environ["VARADHI_BOOTSTRAP"] = BOOTSTRAP
 os.environ["VARADHI_CATALOG_TOPIC"] = CATALOG_TOPIC
+if KAFKA_CONFIG:
+    os.environ["VARADHI_KAFKA_CONFIG"] = KAFKA_CONFIG
 
 import pandas as pd
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 from pyspark.sql import functions as F
 
-from varadhi import status, topics
+from varadhi import kafka_clients, status, topics
 from varadhi.catalog import Catalog
 from varadhi.cli import main as varadhi_main
 from varadhi.settings import Settings
@@ -142,7 +149,7 @@ PROGRESS_SCHEMA = (
 since_ms = int((time.time() - HOURS * 3600) * 1000)
 progress = (
     spark.read.format("kafka")
-    .option("kafka.bootstrap.servers", BOOTSTRAP)
+    .options(**kafka_clients.spark_options(settings))
     .option("subscribe", PROGRESS_TOPIC)
     .option("startingOffsets", "earliest")
     .option("endingOffsets", "latest")
@@ -226,7 +233,7 @@ def lag_history(samples):
         },
         key=lambda tp: (tp.topic, tp.partition),
     )
-    consumer = KafkaConsumer(bootstrap_servers=BOOTSTRAP, enable_auto_commit=False)
+    consumer = kafka_clients.consumer(settings, enable_auto_commit=False)
     try:
         ends_now = consumer.end_offsets(tps) if tps else {}
         produced_by = {}  # updated_ms -> {tp: offset of the first message at or after it}

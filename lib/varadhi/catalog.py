@@ -35,6 +35,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
+from . import kafka_clients
 from .errors import ConcurrentModification, KafkaUnavailable, VaradhiError
 from .settings import Settings
 
@@ -157,8 +158,8 @@ class Catalog:
 
     def _admin(self) -> KafkaAdminClient:
         try:
-            return KafkaAdminClient(
-                bootstrap_servers=self.settings.bootstrap,
+            return kafka_clients.admin(
+                self.settings,
                 client_id="varadhi-catalog-admin",
                 request_timeout_ms=int(self.timeout_s * 1000),
             )
@@ -212,8 +213,8 @@ class Catalog:
         if self._consumer is None:
             self.ensure_topic()
             try:
-                consumer = KafkaConsumer(
-                    bootstrap_servers=self.settings.bootstrap,
+                consumer = kafka_clients.consumer(
+                    self.settings,
                     isolation_level="read_committed",
                     auto_offset_reset="earliest",
                     enable_auto_commit=False,
@@ -278,8 +279,8 @@ class Catalog:
         if self._producer is None:
             self.ensure_topic()
             try:
-                producer = KafkaProducer(
-                    bootstrap_servers=self.settings.bootstrap,
+                producer = kafka_clients.producer(
+                    self.settings,
                     transactional_id=f"{WRITER_ID}.{self.topic}"
                     + (f".{self.writer}" if self.writer else ""),
                     client_id="varadhi-catalog-writer",

@@ -49,11 +49,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka import KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from . import topics
+from . import kafka_clients, topics
 from .catalog import Catalog
 from .errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from .messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS
@@ -421,8 +421,8 @@ class DeltaOutbox:
         if self._committed is not None:
             return self._committed
         self._transactional_producer()  # fences older instances first: their commits are done
-        consumer = KafkaConsumer(
-            bootstrap_servers=self.settings.bootstrap,
+        consumer = kafka_clients.consumer(
+            self.settings,
             isolation_level="read_committed",
             enable_auto_commit=False,
             client_id=f"varadhi-delta-outbox-{self.name}-marker",
@@ -452,8 +452,8 @@ class DeltaOutbox:
         if self._producer is None:
             self._ensure_marker_topic()
             try:
-                producer = KafkaProducer(
-                    bootstrap_servers=self.settings.bootstrap,
+                producer = kafka_clients.producer(
+                    self.settings,
                     transactional_id=self.transactional_id,
                     client_id=self.transactional_id,
                     max_block_ms=int(self.send_timeout_s * 1000),
@@ -481,9 +481,7 @@ class DeltaOutbox:
 
     def _ensure_marker_topic(self) -> None:
         try:
-            admin = KafkaAdminClient(
-                bootstrap_servers=self.settings.bootstrap, client_id="varadhi-delta-outbox-admin"
-            )
+            admin = kafka_clients.admin(self.settings, client_id="varadhi-delta-outbox-admin")
         except KafkaError as e:
             raise KafkaUnavailable(f"cannot reach Kafka at {self.settings.bootstrap}: {e}") from e
         try:

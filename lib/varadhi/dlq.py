@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 
+from . import kafka_clients, subscriptions, topics
 from . import messages as m
-from . import subscriptions, topics
 from .catalog import Catalog, Snapshot, key
 from .errors import InvalidArgument
 from .record_ids import header_value, text_id
@@ -201,8 +201,8 @@ def iter_parked(
     tps = [TopicPartition(t, p) for t, parts in partitions.items() for p in parts]
     if not tps:
         return
-    consumer = KafkaConsumer(
-        bootstrap_servers=settings.bootstrap,
+    consumer = kafka_clients.consumer(
+        settings,
         isolation_level="read_committed",
         enable_auto_commit=False,
         auto_offset_reset="earliest",
@@ -255,8 +255,8 @@ def end_offsets(settings, partitions: dict[str, Sequence[int]]) -> Scanned:
     tps = [TopicPartition(t, p) for t, parts in partitions.items() for p in parts]
     if not tps:
         return {}
-    consumer = KafkaConsumer(
-        bootstrap_servers=settings.bootstrap,
+    consumer = kafka_clients.consumer(
+        settings,
         isolation_level="read_committed",
         enable_auto_commit=False,
     )

@@ -30,10 +30,10 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 
 from . import dlq as dlq_ops
-from . import layouts, status, subscriptions, topics
+from . import kafka_clients, layouts, status, subscriptions, topics
 from . import messages as m
 from .catalog import Catalog, Snapshot, key
 from .checkpoints import shard_position
@@ -323,9 +323,7 @@ def _describe(request: dict[str, Any]) -> str:
 def kafka_offsets(
     catalog: Catalog, storages: list[topics.StorageTopic], at_ms: int | None
 ) -> Offsets:
-    consumer = KafkaConsumer(
-        bootstrap_servers=catalog.settings.bootstrap, isolation_level="read_committed"
-    )
+    consumer = kafka_clients.consumer(catalog.settings, isolation_level="read_committed")
     try:
         tps = [TopicPartition(st.name, p) for st in storages for p in range(st.partitions)]
         begin = consumer.beginning_offsets(tps)
@@ -353,8 +351,8 @@ def skipped_records(catalog: Catalog, moves: tuple[Move, ...]) -> list[tuple[int
     }
     if not ranges:
         return []
-    consumer = KafkaConsumer(
-        bootstrap_servers=catalog.settings.bootstrap,
+    consumer = kafka_clients.consumer(
+        catalog.settings,
         isolation_level="read_committed",
         enable_auto_commit=False,
     )

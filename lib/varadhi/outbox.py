@@ -69,7 +69,7 @@ from kafka.protocol.producer import ProduceRequest
 from kafka.record.default_records import DefaultRecordBatchBuilder
 from kafka.structs import TopicPartition
 
-from . import routing, topics
+from . import kafka_clients, routing, topics
 from .catalog import Catalog
 from .errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from .producer import Message, Record, kafka_headers, plan, validate
@@ -415,7 +415,7 @@ class BatchSender:
             )
             self.client.check_version(timeout_ms=self.timeout_ms)
         except KafkaError as e:
-            raise KafkaUnavailable(f"cannot reach Kafka at {bootstrap}: {e}") from e
+            raise KafkaUnavailable(f"cannot reach Kafka at {bootstrap}: {e}") from None
 
     def partitions(self, topic: str) -> set[int] | None:
         """The partitions Kafka knows for `topic` (fetching its metadata on first use)."""
@@ -1013,7 +1013,7 @@ class Relay:
                 self.settings.bootstrap,
                 f"varadhi-outbox-relay-{self.owner}",
                 self.send_timeout_s,
-                **self._kafka_config,
+                **{**kafka_clients.config_of(self.settings).python_kwargs(), **self._kafka_config},
             )
         return self._sender
 

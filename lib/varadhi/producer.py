@@ -47,7 +47,7 @@ from kafka import KafkaProducer
 from kafka.errors import KafkaConfigurationError, KafkaError
 from kafka.producer.future import FutureRecordMetadata, RecordMetadata
 
-from . import routing, topics
+from . import kafka_clients, routing, topics
 from .catalog import Catalog
 from .errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from .messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS
@@ -538,8 +538,8 @@ class Producer:
 
     def _kafka(self, **extra) -> KafkaProducer:
         try:
-            return KafkaProducer(
-                bootstrap_servers=self.settings.bootstrap,
+            return kafka_clients.producer(
+                self.settings,
                 client_id=f"varadhi-producer-{self.name}",
                 **self._kafka_config,
                 **extra,

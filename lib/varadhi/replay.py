@@ -73,10 +73,10 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import pandas as pd
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 from kafka.errors import KafkaError
 
-from . import dlq, messages, subscriptions, topics
+from . import dlq, kafka_clients, messages, subscriptions, topics
 from .batch import BatchContext, entry_from_record
 from .catalog import Catalog, key
 from .delivery import HttpDeliverer, Outcome, Request, Wait
@@ -571,8 +571,8 @@ def resolve_offsets(
 ) -> list[PartitionRange]:
     """Ask Kafka (kafka-python, read_committed) for the window's offsets and plan them."""
     try:
-        consumer = KafkaConsumer(
-            bootstrap_servers=settings.bootstrap,
+        consumer = kafka_clients.consumer(
+            settings,
             client_id="varadhi-replay",
             isolation_level="read_committed",
             enable_auto_commit=False,
@@ -659,9 +659,7 @@ def execute(spark: SparkSession, catalog: Catalog, plan: ReplayPlan) -> ReplayRe
         mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
         seed=zlib.crc32(plan.replay_id.encode()),
     )
-    reader = spark.read.format("kafka").option(
-        "kafka.bootstrap.servers", catalog.settings.bootstrap
-    )
+    reader = spark.read.format("kafka").options(**kafka_clients.spark_options(catalog.settings))
     for option, value in plan.kafka_options().items():
         reader = reader.option(option, value)
     result = ReplayResult(plan, started, started)
@@ -673,7 +671,8 @@ def execute(spark: SparkSession, catalog: Catalog, plan: ReplayPlan) -> ReplayRe
             .toPandas()
         )
     except Exception as e:  # Spark, Py4J or Kafka: record what happened, then fail
-        result.state, result.error = "failed", f"{type(e).__name__}: {str(e)[:2000]}"
+        error = catalog.settings.kafka.redact(f"{type(e).__name__}: {e}")
+        result.state, result.error = "failed", error[:2000]
         result.finished_ms = _now_ms()
         record(catalog, result)
         raise VaradhiError(f"replay {plan.replay_id} failed: {result.error}") from e

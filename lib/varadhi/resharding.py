@@ -61,7 +61,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from . import layouts, routing, subscriptions, topics
+from . import kafka_clients, layouts, routing, subscriptions, topics
 from .catalog import Catalog, Snapshot, key
 from .checkpoints import Offsets, shard_position
 from .errors import InvalidArgument, NotFound, VaradhiError
@@ -631,21 +631,20 @@ class ChangeShards:
         is this step's earlier, complete send."""
         if not len(outs):
             return
-        from kafka import KafkaProducer
 
         from .queue_records import MAX_REQUEST_BYTES, out_record
 
         targets = {"rq": plan.rq_target, "dlq": plan.dlq_target}
         limits = topics.max_message_bytes(self.catalog, [st.name for st in targets.values()])
-        producer = KafkaProducer(
-            bootstrap_servers=self.catalog.settings.bootstrap,
+        producer = kafka_clients.producer(
+            self.catalog.settings,
             acks="all",
             max_request_size=MAX_REQUEST_BYTES,
             transactional_id=f"varadhi.{plan.name}.change-shards",
         )
         try:
             producer.init_transactions()
-            if _holds_committed(self.catalog.settings.bootstrap, list(targets.values())):
+            if _holds_committed(self.catalog.settings, list(targets.values())):
                 self.log("state: the last-batch records were re-sent by an earlier run")
                 return
             producer.begin_transaction()
@@ -777,12 +776,12 @@ def _require_op(snap: Snapshot, name: str) -> dict[str, Any]:
     return op
 
 
-def _holds_committed(bootstrap: str, storages: Sequence[StorageTopic]) -> bool:
+def _holds_committed(settings: kafka_clients.HasKafka, storages: Sequence[StorageTopic]) -> bool:
     """Whether any of the Kafka topics `storages` holds a committed record."""
-    from kafka import KafkaConsumer, TopicPartition
+    from kafka import TopicPartition
 
-    consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
+    consumer = kafka_clients.consumer(
+        settings, isolation_level="read_committed", enable_auto_commit=False
     )
     try:
         tps = [TopicPartition(st.name, p) for st in storages for p in range(st.partitions)]
@@ -877,10 +876,10 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
     def partition_of(keys: pd.Series) -> pd.Series:
         return keys.map(lambda k: internal_target(k, route_by, to, target.partitions))
 
-    bootstrap = catalog.settings.bootstrap
+    kafka = kafka_clients.spark_options(catalog.settings)
     records = (
         spark.read.format("kafka")
-        .option("kafka.bootstrap.servers", bootstrap)
+        .options(**kafka)
         .option("assign", json.dumps({source: list(range(src_parts))}))
         .option("startingOffsets", json.dumps(starting))
         .option("endingOffsets", "latest")
@@ -899,7 +898,7 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
     )
     there = (
         spark.read.format("kafka")
-        .option("kafka.bootstrap.servers", bootstrap)
+        .options(**kafka)
         .option("subscribe", target.name)
         .option("startingOffsets", "earliest")
         .option("endingOffsets", "latest")
@@ -913,7 +912,7 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
         missing = copies.join(there, "fingerprint", "left_anti").drop("fingerprint")
         (
             missing.write.format("kafka")
-            .option("kafka.bootstrap.servers", bootstrap)
+            .options(**kafka)
             .option("kafka.acks", "all")
             .option("topic", target.name)
             .save()

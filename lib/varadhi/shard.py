@@ -44,7 +44,7 @@ from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from . import checkpoints, layouts, leases, routing, subscriptions, topics
+from . import checkpoints, kafka_clients, layouts, leases, routing, subscriptions, topics
 from . import dlq as dlq_ops
 from .batch import (
     STATE_SCHEMA,
@@ -238,8 +238,8 @@ class ShardJob:
             signals = self._install_signals()
         clean = False  # stopped on request (a signal) or idle, not fenced or failed
         try:
-            self._producer = KafkaProducer(
-                bootstrap_servers=self.settings.bootstrap,
+            self._producer = kafka_clients.producer(
+                self.settings,
                 transactional_id=f"varadhi.{self.name}.s{sub.shard_count}.shard-{self.shard}",
                 acks="all",
                 linger_ms=5,
@@ -482,7 +482,7 @@ class ShardJob:
             log.info("%s shard %d: batch %d planned again", self.name, self.shard, aborted[1])
         source = (
             self.spark.readStream.format("kafka")
-            .option("kafka.bootstrap.servers", self.settings.bootstrap)
+            .options(**kafka_clients.spark_options(self.settings))
             .option("assign", json.dumps(assign))
             .option("startingOffsets", json.dumps(starting))
             .option("includeHeaders", "true")
@@ -613,8 +613,8 @@ class ShardJob:
         # idle check, and a new kafka-python consumer per call cost CPU the batches need.
         # Only the driver's main loop calls this (a consumer is not thread-safe).
         if self._offsets_consumer is None:
-            self._offsets_consumer = KafkaConsumer(
-                bootstrap_servers=self.settings.bootstrap, isolation_level="read_committed"
+            self._offsets_consumer = kafka_clients.consumer(
+                self.settings, isolation_level="read_committed"
             )
         tps = [TopicPartition(t, p) for t, parts in assign.items() for p in parts]
         ends = self._offsets_consumer.end_offsets(tps) if tps else {}
@@ -671,9 +671,7 @@ class ShardJob:
         if not parts:
             return
         if self._tick_producer is None:
-            self._tick_producer = KafkaProducer(
-                bootstrap_servers=self.settings.bootstrap, linger_ms=0
-            )
+            self._tick_producer = kafka_clients.producer(self.settings, linger_ms=0)
         self._tick_producer.send(
             st.name, value=b"", partition=parts[0], headers=[(TICK_HEADER, b"1")]
         )

@@ -15,11 +15,11 @@ import threading
 import time
 from typing import Any
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
+from kafka import TopicPartition
+from kafka.admin import NewTopic
 from kafka.errors import TopicAlreadyExistsError
 
-from . import layouts, subscriptions, topics
+from . import kafka_clients, layouts, subscriptions, topics
 from .catalog import Catalog, decode_record
 from .leases import KIND as LEASE_KIND
 from .leases import lease_view
@@ -36,7 +36,7 @@ def progress_topic(settings: Settings) -> str:
 
 
 def ensure_progress_topic(settings: Settings) -> None:
-    admin = KafkaAdminClient(bootstrap_servers=settings.bootstrap, client_id="varadhi-status")
+    admin = kafka_clients.admin(settings, client_id="varadhi-status")
     try:
         if progress_topic(settings) not in admin.list_topics():
             admin.create_topics(
@@ -75,7 +75,7 @@ class ProgressPublisher:
         self.interval_s = interval_s
         self._last = 0.0
         self._lock = threading.Lock()
-        self._producer = KafkaProducer(bootstrap_servers=settings.bootstrap, linger_ms=50)
+        self._producer = kafka_clients.producer(settings, linger_ms=50)
 
     def publish(self, doc: dict[str, Any], force: bool = False, flush: bool = False) -> None:
         """Send `doc` unless one went out less than `interval_s` ago (`force`: send anyway);
@@ -129,7 +129,7 @@ def progress_documents(settings: Settings, subscription: str) -> dict[str, dict[
     shard, `<shard>/standby/<instance>` for a standby instance."""
     ensure_progress_topic(settings)
     tp = TopicPartition(progress_topic(settings), 0)
-    consumer = KafkaConsumer(bootstrap_servers=settings.bootstrap, enable_auto_commit=False)
+    consumer = kafka_clients.consumer(settings, enable_auto_commit=False)
     try:
         consumer.assign([tp])
         end = consumer.end_offsets([tp])[tp]

@@ -16,11 +16,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kafka import KafkaConsumer, TopicPartition
-from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
+from kafka import TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
-from . import routing
+from . import kafka_clients, routing
 from .catalog import Catalog, Snapshot, key
 from .errors import AlreadyExists, InvalidArgument, KafkaUnavailable, NotFound
 
@@ -204,9 +204,7 @@ def from_snapshot(snapshot: Snapshot, name: str) -> CompositeTopic:
 def create_kafka_topics(catalog: Catalog, storages: Sequence[StorageTopic]) -> None:
     """Create the Kafka topics (idempotent: an existing topic with the same count is accepted)."""
     try:
-        admin = KafkaAdminClient(
-            bootstrap_servers=catalog.settings.bootstrap, client_id="varadhi-admin"
-        )
+        admin = kafka_clients.admin(catalog.settings, client_id="varadhi-admin")
     except KafkaError as e:
         raise KafkaUnavailable(f"cannot reach Kafka at {catalog.settings.bootstrap}: {e}") from e
     try:
@@ -230,9 +228,7 @@ def max_message_bytes(catalog: Catalog, names: Sequence[str]) -> dict[str, int]:
     """Each Kafka topic's effective `max.message.bytes` (its own setting or the broker's
     default): the largest record batch the broker accepts on it."""
     try:
-        admin = KafkaAdminClient(
-            bootstrap_servers=catalog.settings.bootstrap, client_id="varadhi-admin"
-        )
+        admin = kafka_clients.admin(catalog.settings, client_id="varadhi-admin")
     except KafkaError as e:
         raise KafkaUnavailable(f"cannot reach Kafka at {catalog.settings.bootstrap}: {e}") from e
     try:
@@ -251,8 +247,8 @@ def max_message_bytes(catalog: Catalog, names: Sequence[str]) -> dict[str, int]:
 def end_offsets(catalog: Catalog, storages: Sequence[StorageTopic]) -> dict[str, list[int]]:
     """Log-end offsets of every partition of `storages`: storage name -> [offset per partition]."""
     try:
-        consumer = KafkaConsumer(
-            bootstrap_servers=catalog.settings.bootstrap,
+        consumer = kafka_clients.consumer(
+            catalog.settings,
             client_id="varadhi-offsets",
             enable_auto_commit=False,
         )

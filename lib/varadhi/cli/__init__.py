@@ -20,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Ordered, retried delivery of Kafka messages to HTTP endpoints on Spark.",
     )
     parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP)")
+    parser.add_argument(
+        "--command-config",
+        metavar="FILE",
+        help="Kafka client properties (security.protocol, sasl.*, ssl.*), as Kafka's tools take "
+        "them (default: $VARADHI_KAFKA_CONFIG)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for group in COMMAND_GROUPS:

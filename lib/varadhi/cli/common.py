@@ -11,7 +11,10 @@ from ..settings import Settings
 
 
 def settings(args: argparse.Namespace) -> Settings:
-    return Settings.from_env(bootstrap=getattr(args, "bootstrap", None))
+    return Settings.from_env(
+        command_config=getattr(args, "command_config", None),
+        bootstrap=getattr(args, "bootstrap", None),
+    )
 
 
 def catalog(args: argparse.Namespace) -> Catalog:

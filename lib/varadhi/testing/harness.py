@@ -6,8 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from kafka import KafkaConsumer, TopicPartition
+from kafka import TopicPartition
 
+from .. import kafka_clients
 from ..producer import Producer
 from ..settings import Settings
 from .endpoint import TestEndpoint
@@ -50,10 +51,12 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: str = "conditi
     raise AssertionError(f"{what} not met within {seconds} s")
 
 
-def read_queue(bootstrap: str, storage_topic: str) -> list[dict]:
-    """Every committed record of a Kafka topic: key, value, headers (dict), partition, offset."""
-    consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap, isolation_level="read_committed", enable_auto_commit=False
+def read_queue(bootstrap: str | Settings, storage_topic: str) -> list[dict]:
+    """Every committed record of a Kafka topic: key, value, headers (dict), partition, offset.
+    `bootstrap`: the servers of a plaintext cluster, or `Settings` (with their Kafka config)."""
+    settings = Settings(bootstrap=bootstrap) if isinstance(bootstrap, str) else bootstrap
+    consumer = kafka_clients.consumer(
+        settings, isolation_level="read_committed", enable_auto_commit=False
     )
     try:
         tps = [

@@ -1,0 +1,162 @@
+"""Every Kafka client of the product is built here, from `Settings` (bootstrap servers and the
+`KafkaConfig` of `lib/varadhi/kafka_config.py`).
+
+`consumer`, `producer` and `admin` return kafka-python clients with the configured security
+(TLS, SASL); `spark_options` gives the Spark Kafka source/sink's `kafka.*` options. A client that
+cannot be created (nothing listens, TLS refused, wrong credentials) raises `KafkaUnavailable`
+with one line saying which, within the client's timeout, secrets never included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import ssl
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.errors import KafkaError
+
+from .errors import KafkaUnavailable
+from .kafka_config import PLAINTEXT, KafkaConfig
+
+#: How long a client waits for the cluster's first answer (its bootstrap).
+CONNECT_TIMEOUT_MS = 10_000
+
+
+class HasKafka(Protocol):
+    bootstrap: str
+    kafka: KafkaConfig
+
+
+def config_of(settings: HasKafka) -> KafkaConfig:
+    return getattr(settings, "kafka", None) or PLAINTEXT
+
+
+def connection_kwargs(settings: HasKafka) -> dict[str, Any]:
+    """bootstrap_servers and the security arguments of kafka-python's clients."""
+    return {"bootstrap_servers": settings.bootstrap, **config_of(settings).python_kwargs()}
+
+
+def spark_options(settings: HasKafka) -> dict[str, str]:
+    """The Spark Kafka source/sink options: kafka.bootstrap.servers and the security ones."""
+    return {"kafka.bootstrap.servers": settings.bootstrap, **config_of(settings).spark_options()}
+
+
+class _Failures(logging.Handler):
+    """Collects kafka-python's connection failures while a client bootstraps (it retries them
+    until its timeout and then reports only the timeout)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.args and isinstance(record.args, tuple):
+            for arg in record.args:
+                if isinstance(arg, BaseException):
+                    self.seen.append(f"{type(arg).__name__}: {arg}")
+
+
+@contextlib.contextmanager
+def _watching() -> Iterator[_Failures]:
+    logger = logging.getLogger("kafka.net.manager")
+    handler = _Failures()
+    level = logger.level
+    logger.addHandler(handler)
+    if logger.getEffectiveLevel() > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _build(cls: type, settings: HasKafka, kwargs: dict[str, Any]) -> Any:
+    args = {"bootstrap_timeout_ms": CONNECT_TIMEOUT_MS, **connection_kwargs(settings)}
+    args.update(kwargs)
+    with _watching() as failures:
+        try:
+            return cls(**args)
+        except KafkaError as e:
+            auth = [f for f in failures.seen if "Authentication" in f or "Authorization" in f]
+            cause = (auth or failures.seen or [None])[-1]
+            raise KafkaUnavailable(explain(settings, cause or e)) from None
+
+
+def consumer(settings: HasKafka, **kwargs: Any) -> KafkaConsumer:
+    return _build(KafkaConsumer, settings, kwargs)
+
+
+def producer(settings: HasKafka, **kwargs: Any) -> KafkaProducer:
+    return _build(KafkaProducer, settings, kwargs)
+
+
+def admin(settings: HasKafka, **kwargs: Any) -> KafkaAdminClient:
+    return _build(KafkaAdminClient, settings, kwargs)
+
+
+def explain(settings: HasKafka, error: BaseException | str) -> str:
+    """One line: what failed connecting to the cluster (probes the first bootstrap server)."""
+    cfg = config_of(settings)
+    where = f"Kafka at {settings.bootstrap} ({cfg.summary()})"
+    cause = probe(settings)
+    if cause is None:
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        cause = cfg.redact(text)
+        if "SaslAuthenticationFailed" in text:
+            cause = (
+                "authentication failed (wrong user name, password or mechanism): "
+                + cause.rsplit("Error: ", 1)[-1]
+            )
+    return f"cannot connect to {where}: {cause}"
+
+
+def probe(settings: HasKafka, timeout: float = 5.0) -> str | None:
+    """Why the first bootstrap server cannot be used, or None when TCP (and TLS) work: nothing
+    listening, TLS refused or the broker's certificate not trusted (a SASL failure is reported
+    by the caller's own error)."""
+    cfg = config_of(settings)
+    first = settings.bootstrap.split(",")[0].strip()
+    host, _, port = first.rpartition(":")
+    host = host.strip("[]")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+    except (OSError, ValueError) as e:
+        return f"nothing answers at {first} ({getattr(e, 'strerror', None) or e})"
+    try:
+        if not cfg.uses_tls:
+            return _speaks_tls(sock, host, timeout)
+        context = ssl.create_default_context(cafile=cfg.get("ssl.truststore.location"))
+        context.check_hostname = bool(cfg.get("ssl.endpoint.identification.algorithm", "https"))
+        if not context.check_hostname:
+            context.verify_mode = ssl.CERT_REQUIRED
+        try:
+            with context.wrap_socket(sock, server_hostname=host) as tls:
+                tls.settimeout(timeout)
+        except ssl.SSLCertVerificationError as e:
+            return (
+                f"the broker's TLS certificate is not trusted: {e.verify_message} (check "
+                f"ssl.truststore.location{' and the host name' if 'match' in str(e) else ''})"
+            )
+        except (ssl.SSLError, OSError) as e:
+            return f"TLS handshake failed ({e}); is this a TLS listener?"
+        return None
+    finally:
+        sock.close()
+
+
+def _speaks_tls(sock: socket.socket, host: str, timeout: float) -> str | None:
+    """A plaintext client's hint: the listener answers a TLS handshake."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        sock.settimeout(timeout)
+        with context.wrap_socket(sock, server_hostname=host):
+            return "the listener speaks TLS: set security.protocol=SSL or SASL_SSL"
+    except (ssl.SSLError, OSError):
+        return None

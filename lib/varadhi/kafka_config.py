@@ -1,0 +1,541 @@
+"""One Kafka client configuration for every component.
+
+A Kafka-style client properties file (what `kafka-console-producer.sh --command-config` takes),
+named by `varadhi --command-config FILE` or `$VARADHI_KAFKA_CONFIG`, plus single keys from the
+environment (`VARADHI_KAFKA_SASL_MECHANISM=SCRAM-SHA-512` sets `sasl.mechanism`: the key in
+upper case, dots as underscores). `load` parses, resolves and validates it into a frozen
+`KafkaConfig` with two views:
+
+- `python_kwargs()`: kafka-python's arguments (`security_protocol`, `ssl_cafile`, `sasl_*`, ...);
+- `spark_options()`: the Spark Kafka source/sink's `kafka.`-prefixed options (the Java client
+  takes the properties as written, with references resolved).
+
+Supported: security.protocol PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL; TLS with a PEM CA file
+(`ssl.truststore.type=PEM`, `ssl.truststore.location`), a PEM client key and certificate chain for
+mutual TLS (`ssl.keystore.type=PEM`, `ssl.keystore.location`, `ssl.key.password`), hostname
+verification on unless `ssl.endpoint.identification.algorithm=` (empty); sasl.mechanism PLAIN,
+SCRAM-SHA-256, SCRAM-SHA-512 (username and password from `sasl.jaas.config`) and OAUTHBEARER
+(client credentials: `clientId`, `clientSecret`, `scope` in `sasl.jaas.config` and
+`sasl.oauthbearer.token.endpoint.url`).
+
+Secrets by reference: a value may contain `${env:NAME}` (an environment variable) or
+`${file:/path}` (a file's content, without its trailing newline). The resolved values live only
+in the `KafkaConfig` object; its `repr`, `describe()` and `summary()` show the references, never
+the values, and `redact(text)` removes them from any text (error messages).
+
+Bad configuration raises `KafkaConfigError` (exit code 2) with one line naming the problem: an
+unknown or misspelt property (with the likely intended one), a missing variable or file, a
+mechanism without its credentials, TLS settings under a plaintext protocol.
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import json
+import os
+import re
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import InvalidArgument
+
+CONFIG_ENV = "VARADHI_KAFKA_CONFIG"
+ENV_PREFIX = "VARADHI_KAFKA_"
+
+PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+OAUTH_HANDLER = "org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginCallbackHandler"
+
+#: Every property this product understands (Java client names), with what it is for.
+KNOWN: dict[str, str] = {
+    "bootstrap.servers": "host:port[,host:port...] (--bootstrap and $VARADHI_BOOTSTRAP win)",
+    "client.dns.lookup": "Java clients only: use_all_dns_ips or resolve_canonical_bootstrap_servers_only",
+    "security.protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
+    "ssl.truststore.type": "PEM (the Python clients read PEM only)",
+    "ssl.truststore.location": "a PEM file of the CA certificates that sign the brokers' certificates",
+    "ssl.truststore.password": "ignored for PEM; accepted for property files shared with Java tools",
+    "ssl.keystore.type": "PEM",
+    "ssl.keystore.location": "a PEM file with the client's private key and certificate chain",
+    "ssl.keystore.password": "ignored for PEM; accepted for property files shared with Java tools",
+    "ssl.key.password": "the password of an encrypted private key in ssl.keystore.location",
+    "ssl.endpoint.identification.algorithm": "https (default: hostname verification) or empty",
+    "sasl.mechanism": "PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER",
+    "sasl.jaas.config": "the login module and its options (username/password, clientId/...)",
+    "sasl.login.callback.handler.class": "Java clients: the OAUTHBEARER login handler",
+    "sasl.oauthbearer.token.endpoint.url": "OAUTHBEARER: the OAuth token endpoint",
+    "sasl.oauthbearer.scope.claim.name": "Java clients: OAUTHBEARER scope claim name",
+    "sasl.oauthbearer.sub.claim.name": "Java clients: OAUTHBEARER subject claim name",
+}
+#: Keys whose value is secret as a whole; sasl.jaas.config has secret options inside.
+SECRET_KEYS = {"ssl.truststore.password", "ssl.keystore.password", "ssl.key.password"}
+SECRET_OPTIONS = {"password", "clientSecret", "client_secret", "token"}
+
+_REF = re.compile(r"\$\{(env|file):([^}]*)\}")
+_HIDDEN = "[hidden]"
+
+
+class KafkaConfigError(InvalidArgument):
+    """The Kafka client configuration is invalid; nothing was started."""
+
+
+# -- Java properties ------------------------------------------------------------------------------
+def parse_properties(text: str, source: str = "properties") -> dict[str, str]:
+    """Java `.properties` syntax: `key=value`, `key: value` or `key value`; `#`/`!` comments;
+    a trailing backslash continues a line; backslash escapes (`\\t`, `\\n`, `\\uXXXX`, ...)."""
+    props: dict[str, str] = {}
+    logical: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.lstrip()
+        if not pending and (not line or line[0] in "#!"):
+            continue
+        trailing = len(line) - len(line.rstrip("\\"))
+        if trailing % 2 == 1:
+            pending += line[:-1]
+            continue
+        logical.append(pending + line)
+        pending = ""
+    if pending:
+        logical.append(pending)
+    for line in logical:
+        key, value = _split(line)
+        if not key:
+            raise KafkaConfigError(f"{source}: a line has no property name: {line[:40]!r}")
+        props[key] = value
+    return props
+
+
+def _split(line: str) -> tuple[str, str]:
+    i, n = 0, len(line)
+    while i < n and line[i] not in "=: \t\f":
+        i += 2 if line[i] == "\\" else 1
+    key = _unescape(line[:i])
+    j = i
+    while j < n and line[j] in " \t\f":
+        j += 1
+    if j < n and line[j] in "=:":
+        j += 1
+        while j < n and line[j] in " \t\f":
+            j += 1
+    return key, _unescape(line[j:])
+
+
+def _unescape(s: str) -> str:
+    out, i = [], 0
+    while i < len(s):
+        c = s[i]
+        if c == "\\" and i + 1 < len(s):
+            nxt = s[i + 1]
+            if nxt == "u" and re.fullmatch(r"[0-9a-fA-F]{4}", s[i + 2 : i + 6]):
+                out.append(chr(int(s[i + 2 : i + 6], 16)))
+                i += 6
+                continue
+            out.append({"t": "\t", "n": "\n", "r": "\r", "f": "\f"}.get(nxt, nxt))
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+# -- JAAS -----------------------------------------------------------------------------------------
+_JAAS = re.compile(
+    r"\s*([\w.$]+)\s+(required|requisite|sufficient|optional)\s*(.*?)\s*;?\s*$", re.S
+)
+_OPTION = re.compile(r'\s*([\w.-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^\s;]+)')
+
+
+def parse_jaas(value: str) -> tuple[str, dict[str, str]]:
+    """`<LoginModule> required key="value" ...;` -> (login module class, options)."""
+    m = _JAAS.fullmatch(value)
+    if not m:
+        raise KafkaConfigError(
+            "sasl.jaas.config is not '<LoginModule> required key=\"value\" ...;'"
+        )
+    options: dict[str, str] = {}
+    rest = m.group(3)
+    pos = 0
+    while pos < len(rest):
+        om = _OPTION.match(rest, pos)
+        if not om:
+            if rest[pos:].strip(" ;\n\t"):
+                raise KafkaConfigError(
+                    f"sasl.jaas.config: cannot read the options after {rest[:pos].strip()[:20]!r}"
+                    if pos
+                    else "sasl.jaas.config: cannot read its options"
+                )
+            break
+        v = om.group(2)
+        if v.startswith('"'):
+            v = re.sub(r"\\(.)", r"\1", v[1:-1])
+        options[om.group(1)] = v
+        pos = om.end()
+    return m.group(1), options
+
+
+def _jaas_display(value: str) -> str:
+    """The jaas config with inline secret options hidden (references are shown as written)."""
+
+    def hide(m: re.Match) -> str:
+        name, v = m.group(1), m.group(2)
+        if name in SECRET_OPTIONS and not _REF.fullmatch(v.strip('"')):
+            return f'{m.group(0)[: m.start(2) - m.start(0)]}"{_HIDDEN}"'
+        return m.group(0)
+
+    return _OPTION.sub(hide, value)
+
+
+# -- the configuration ----------------------------------------------------------------------------
+@dataclass(frozen=True, repr=False)
+class KafkaConfig:
+    """Resolved client properties. `written` holds them as written (references unresolved)."""
+
+    written: tuple[tuple[str, str], ...] = ()
+    resolved: tuple[tuple[str, str], ...] = ()
+    source: str | None = None
+
+    # -- reading
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return dict(self.resolved).get(key, default)
+
+    @property
+    def protocol(self) -> str:
+        return (self.get("security.protocol") or "PLAINTEXT").upper()
+
+    @property
+    def mechanism(self) -> str | None:
+        return self.get("sasl.mechanism") if self.protocol.startswith("SASL_") else None
+
+    @property
+    def bootstrap(self) -> str | None:
+        return self.get("bootstrap.servers")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.protocol in ("SSL", "SASL_SSL")
+
+    def _jaas_options(self) -> dict[str, str]:
+        jaas = self.get("sasl.jaas.config")
+        return parse_jaas(jaas)[1] if jaas else {}
+
+    @property
+    def username(self) -> str | None:
+        options = self._jaas_options()
+        return options.get("username") or options.get("clientId")
+
+    # -- views
+    def python_kwargs(self) -> dict[str, Any]:
+        """kafka-python's security arguments (nothing for PLAINTEXT)."""
+        kw: dict[str, Any] = {}
+        if self.protocol == "PLAINTEXT":
+            return kw
+        kw["security_protocol"] = self.protocol
+        if self.uses_tls:
+            if self.get("ssl.truststore.location"):
+                kw["ssl_cafile"] = self.get("ssl.truststore.location")
+            if self.get("ssl.keystore.location"):
+                kw["ssl_certfile"] = self.get("ssl.keystore.location")
+                kw["ssl_keyfile"] = self.get("ssl.keystore.location")
+                if self.get("ssl.key.password"):
+                    kw["ssl_password"] = self.get("ssl.key.password")
+            algorithm = self.get("ssl.endpoint.identification.algorithm", "https")
+            kw["ssl_check_hostname"] = bool(algorithm)
+        mechanism = self.mechanism
+        if mechanism:
+            kw["sasl_mechanism"] = mechanism
+            options = self._jaas_options()
+            if mechanism == "OAUTHBEARER":
+                kw["sasl_oauth_token_provider"] = _token_provider(
+                    self.get("sasl.oauthbearer.token.endpoint.url") or "",
+                    options.get("clientId", ""),
+                    options.get("clientSecret", ""),
+                    options.get("scope"),
+                )
+            else:
+                kw["sasl_plain_username"] = options["username"]
+                kw["sasl_plain_password"] = options["password"]
+        return kw
+
+    def spark_options(self) -> dict[str, str]:
+        """The Spark Kafka source/sink's options (`kafka.` + the Java client property), without
+        bootstrap.servers (the caller sets `kafka.bootstrap.servers`)."""
+        props = {k: v for k, v in self.resolved if k != "bootstrap.servers"}
+        if props.get("ssl.truststore.location") and "ssl.truststore.type" not in props:
+            props["ssl.truststore.type"] = "PEM"
+        if props.get("ssl.keystore.location") and "ssl.keystore.type" not in props:
+            props["ssl.keystore.type"] = "PEM"
+        if self.mechanism == "OAUTHBEARER":
+            props.setdefault("sasl.login.callback.handler.class", OAUTH_HANDLER)
+        return {f"kafka.{k}": v for k, v in props.items()}
+
+    def describe(self) -> dict[str, str]:
+        """The properties as written, inline secrets hidden (safe to print and log)."""
+        shown = {}
+        for key, value in self.written:
+            if key in SECRET_KEYS and not _REF.fullmatch(value):
+                shown[key] = _HIDDEN
+            elif key == "sasl.jaas.config":
+                shown[key] = _jaas_display(value)
+            else:
+                shown[key] = value
+        return shown
+
+    def summary(self) -> str:
+        """A short description for messages: 'SASL_SSL, SCRAM-SHA-512 as alice'."""
+        parts = [self.protocol]
+        if self.mechanism:
+            user = self.username
+            parts.append(f"{self.mechanism} as {user}" if user else self.mechanism)
+        return ", ".join(parts)
+
+    def secrets(self) -> list[str]:
+        found = [v for k, v in self.resolved if k in SECRET_KEYS and v]
+        for name, v in self._jaas_options().items() if self.get("sasl.jaas.config") else ():
+            if name in SECRET_OPTIONS and v:
+                found.append(v)
+        return sorted(set(found), key=len, reverse=True)
+
+    def redact(self, text: str) -> str:
+        """`text` with every secret value of this configuration replaced by [hidden]."""
+        for secret in self.secrets():
+            if len(secret) >= 3:
+                text = text.replace(secret, _HIDDEN)
+        return text
+
+    def __repr__(self) -> str:
+        return f"KafkaConfig({self.source or 'defaults'}: {self.describe()})"
+
+
+PLAINTEXT = KafkaConfig()
+
+
+def env_name(key: str) -> str:
+    """The environment variable that overrides one property: security.protocol ->
+    VARADHI_KAFKA_SECURITY_PROTOCOL."""
+    return ENV_PREFIX + key.upper().replace(".", "_")
+
+
+def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> KafkaConfig:
+    """The configuration from `path` (else `$VARADHI_KAFKA_CONFIG`, else none) and the
+    single-key environment overrides; validated, references resolved."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(CONFIG_ENV) or None
+    props: dict[str, str] = {}
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise KafkaConfigError(
+                f"cannot read the Kafka client configuration {path}: {e.strerror or e}"
+            ) from None
+        props = parse_properties(text, source=path)
+    for key in KNOWN:
+        value = environ.get(env_name(key))
+        if value is not None:
+            props[key] = value
+    return from_properties(props, source=path, environ=environ)
+
+
+def from_properties(
+    props: Mapping[str, str],
+    source: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> KafkaConfig:
+    environ = os.environ if environ is None else environ
+    where = f"{source}: " if source else ""
+    for key in props:
+        if key not in KNOWN:
+            close = difflib.get_close_matches(key, KNOWN, n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise KafkaConfigError(f"{where}unknown Kafka client property {key!r}{hint}")
+    resolved = {k: _resolve(k, v, environ, where) for k, v in props.items()}
+    _validate(resolved, where)
+    return KafkaConfig(
+        written=tuple(sorted(props.items())),
+        resolved=tuple(sorted(resolved.items())),
+        source=source,
+    )
+
+
+def _resolve(key: str, value: str, environ: Mapping[str, str], where: str) -> str:
+    def one(m: re.Match) -> str:
+        kind, name = m.group(1), m.group(2).strip()
+        if kind == "env":
+            if name not in environ:
+                raise KafkaConfigError(
+                    f"{where}{key} names the environment variable {name}, which is not set"
+                )
+            return environ[name]
+        try:
+            with open(name, encoding="utf-8") as f:
+                return f.read().rstrip("\r\n")
+        except OSError as e:
+            raise KafkaConfigError(
+                f"{where}{key} names the file {name}, which cannot be read "
+                f"({e.strerror or type(e).__name__})"
+            ) from None
+
+    return _REF.sub(one, value)
+
+
+def _readable(key: str, path: str, where: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+    except OSError as e:
+        raise KafkaConfigError(
+            f"{where}{key}: cannot read {path} ({e.strerror or type(e).__name__})"
+        ) from None
+    return head.decode("latin-1")
+
+
+def _validate(props: dict[str, str], where: str) -> None:
+    protocol = props.get("security.protocol", "PLAINTEXT").upper()
+    if protocol not in PROTOCOLS:
+        raise KafkaConfigError(
+            f"{where}security.protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}"
+        )
+    tls = protocol in ("SSL", "SASL_SSL")
+    ssl_keys = sorted(k for k in props if k.startswith("ssl."))
+    if ssl_keys and not tls:
+        raise KafkaConfigError(
+            f"{where}{ssl_keys[0]} is set but security.protocol is {protocol} (no TLS): "
+            f"use SSL or SASL_SSL"
+        )
+    for kind in ("truststore", "keystore"):
+        location = props.get(f"ssl.{kind}.location")
+        type_ = props.get(f"ssl.{kind}.type", "").upper()
+        if type_ and type_ != "PEM":
+            raise KafkaConfigError(
+                f"{where}ssl.{kind}.type {type_} cannot be read by the Python clients: use PEM "
+                f"files (openssl pkcs12 -in store.p12 -nodes, or keytool -exportcert -rfc)"
+            )
+        if location:
+            head = _readable(f"ssl.{kind}.location", location, where)
+            if "-----BEGIN" not in head:
+                raise KafkaConfigError(
+                    f"{where}ssl.{kind}.location {location} is not a PEM file (JKS and PKCS12 "
+                    f"stores cannot be read by the Python clients; convert them to PEM)"
+                )
+            if kind == "keystore" and "PRIVATE KEY-----" not in head:
+                raise KafkaConfigError(
+                    f"{where}ssl.keystore.location {location} holds no private key (it needs the "
+                    f"client's private key and certificate chain, for mutual TLS)"
+                )
+        elif props.get(f"ssl.{kind}.type"):
+            raise KafkaConfigError(f"{where}ssl.{kind}.type is set without ssl.{kind}.location")
+    algorithm = props.get("ssl.endpoint.identification.algorithm")
+    if algorithm not in (None, "", "https", "HTTPS"):
+        raise KafkaConfigError(
+            f"{where}ssl.endpoint.identification.algorithm must be https or empty, not "
+            f"{algorithm!r}"
+        )
+
+    sasl = protocol.startswith("SASL_")
+    mechanism = props.get("sasl.mechanism")
+    sasl_keys = sorted(k for k in props if k.startswith("sasl."))
+    if sasl_keys and not sasl:
+        raise KafkaConfigError(
+            f"{where}{sasl_keys[0]} is set but security.protocol is {protocol}: "
+            f"use SASL_SSL (or SASL_PLAINTEXT)"
+        )
+    if not sasl:
+        return
+    if not mechanism:
+        raise KafkaConfigError(
+            f"{where}security.protocol {protocol} needs sasl.mechanism "
+            f"({', '.join(MECHANISMS)}; Kafka's default GSSAPI/Kerberos is not supported)"
+        )
+    if mechanism not in MECHANISMS:
+        raise KafkaConfigError(
+            f"{where}sasl.mechanism {mechanism!r} is not supported: use one of "
+            f"{', '.join(MECHANISMS)}"
+        )
+    jaas = props.get("sasl.jaas.config")
+    if not jaas:
+        raise KafkaConfigError(f"{where}sasl.mechanism {mechanism} needs sasl.jaas.config")
+    module, options = parse_jaas(jaas)
+    expected = {
+        "PLAIN": "PlainLoginModule",
+        "SCRAM-SHA-256": "ScramLoginModule",
+        "SCRAM-SHA-512": "ScramLoginModule",
+        "OAUTHBEARER": "OAuthBearerLoginModule",
+    }[mechanism]
+    if module.rsplit(".", 1)[-1] != expected:
+        raise KafkaConfigError(
+            f"{where}sasl.mechanism {mechanism} needs {expected} in sasl.jaas.config, not "
+            f"{module.rsplit('.', 1)[-1]}"
+        )
+    needed = (
+        ("clientId", "clientSecret") if mechanism == "OAUTHBEARER" else ("username", "password")
+    )
+    for option in needed:
+        if not options.get(option):
+            raise KafkaConfigError(
+                f'{where}sasl.mechanism {mechanism} needs {option}="..." in sasl.jaas.config'
+            )
+    if mechanism == "OAUTHBEARER":
+        url = props.get("sasl.oauthbearer.token.endpoint.url", "")
+        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+            raise KafkaConfigError(
+                f"{where}sasl.mechanism OAUTHBEARER needs sasl.oauthbearer.token.endpoint.url "
+                f"(an http(s) URL)"
+            )
+
+
+# -- OAUTHBEARER client credentials -------------------------------------------------------------
+_providers: dict[tuple, Any] = {}
+_providers_lock = threading.Lock()
+
+
+def _token_provider(url: str, client_id: str, secret: str, scope: str | None) -> Any:
+    key = (url, client_id, secret, scope)
+    with _providers_lock:
+        if key not in _providers:
+            _providers[key] = ClientCredentialsTokenProvider(url, client_id, secret, scope)
+        return _providers[key]
+
+
+class ClientCredentialsTokenProvider:
+    """kafka-python's token provider for OAUTHBEARER: the OAuth 2 client-credentials grant
+    against the token endpoint, the token reused until 30 s before it expires."""
+
+    def __init__(self, url: str, client_id: str, secret: str, scope: str | None = None):
+        self.url, self.client_id, self._secret, self.scope = url, client_id, secret, scope
+        self._token: str | None = None
+        self._expires = 0.0
+        self._lock = threading.Lock()
+
+    def token(self) -> str:
+        with self._lock:
+            if self._token is None or time.monotonic() > self._expires - 30:
+                form = {"grant_type": "client_credentials"}
+                if self.scope:
+                    form["scope"] = self.scope
+                request = urllib.request.Request(
+                    self.url,
+                    data=urllib.parse.urlencode(form).encode(),
+                    headers={"Content-Type": "application/x-www-form-urlencoded"},
+                )
+                basic = f"{urllib.parse.quote(self.client_id)}:{urllib.parse.quote(self._secret)}"
+                request.add_header(
+                    "Authorization", "Basic " + base64.b64encode(basic.encode()).decode()
+                )
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    body = json.load(response)
+                self._token = body["access_token"]
+                self._expires = time.monotonic() + float(body.get("expires_in", 3600))
+            return self._token
+
+    def extensions(self) -> dict:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"ClientCredentialsTokenProvider({self.url}, {self.client_id})"
