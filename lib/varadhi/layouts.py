@@ -9,14 +9,38 @@ shards' positions over that way).
 
 The layout of shard `i` of `S` is recorded in the catalog under `reader/<sub>/s<S>/<i>`; a new
 generation (offset reset) starts layouts afresh.
+
+Crossing a storage-topic boundary. Moving from T_i to T_i+1 keeps every group on its shard when
+both share a routing run and the shard count splits it along the run's base partitions
+(`keeps_groups`). A storage topic added with K = 1 (a partition change) starts a new run: a
+group's T_i+1 messages may belong to another shard than its T_i messages, which may still wait
+in its old shard's RQ or DLQ (DESIGN hazard 3 across shards). A shard of a grouped subscription
+that drained T_i then waits at the boundary (its reader document says so: `waiting`) and moves
+on only when `may_cross`: every shard of the count has drained T_i and none has a pending group
+(nothing of T_i or before waits anywhere), or after a shard-count change, which moves the
+pending groups to the shards that read their next messages and starts the new shards past the
+boundary (`varadhi.resharding`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from math import gcd
+from typing import Any, Protocol
+
+from . import routing
 
 READER_KIND = "reader"
+
+
+class _Storage(Protocol):
+    partitions: int
+    k: int
+
+
+class _Named(_Storage, Protocol):
+    name: str
 
 
 @dataclass(frozen=True)
@@ -94,3 +118,99 @@ def next_layout(
     known = layout.starting_offsets.get(next_topic, {})
     starting[next_topic] = {str(p): int(known.get(str(p), -2)) for p in partitions}
     return Layout(layout.generation, layout.seq + 1, layout.mq_index + 1, starting)
+
+
+# -- crossing a storage-topic boundary ----------------------------------------------------
+
+
+def _block_shards(st: _Storage, shard_count: int) -> list[int | None]:
+    """Per base residue b (a group's `h % (P/K)`), the one shard that reads every partition a
+    group with that residue may be routed to on `st` (K*b .. K*b+K-1), or None when they belong
+    to several shards (pure)."""
+    owner = [0] * st.partitions
+    for s in range(shard_count):
+        for p in routing.shard_partitions(s, shard_count, st.partitions):
+            owner[p] = s
+    k = st.k if st.k > 0 and st.partitions % st.k == 0 else 1
+    out: list[int | None] = []
+    for b in range(st.partitions // k):
+        shards = set(owner[k * b : k * b + k])
+        out.append(shards.pop() if len(shards) == 1 else None)
+    return out
+
+
+def keeps_groups(prev: _Storage, nxt: _Storage, shard_count: int) -> bool:
+    """Whether every group is read by the same shard on storage topic `nxt` as on `prev`, the
+    one before it, with `shard_count` shards (pure).
+
+    The router puts a group with hash h on partition K*(h % B) + (h // P) % K of a storage topic
+    with P partitions, factor K and base B = P/K. So a shard reads all of a group's possible
+    partitions on a topic when it owns the whole block of its residue h % B, and the pairs of
+    residues (h % B1, h % B2) that occur are exactly those equal modulo gcd(B1, B2) (Chinese
+    remainder theorem). It holds for one shard, for topics of one run whose base the shard
+    count divides, and rarely otherwise (a K=1 topic starts a new run)."""
+    if shard_count == 1:
+        return True
+    first, second = _block_shards(prev, shard_count), _block_shards(nxt, shard_count)
+    g = gcd(len(first), len(second))
+    for c in range(g):
+        seen = set(first[c::g]) | set(second[c::g])
+        if len(seen) != 1 or None in seen:
+            return False
+    return True
+
+
+def waiting(doc: Mapping[str, Any] | None, layout: Layout) -> dict[str, Any] | None:
+    """The boundary marker of a reader document, if it belongs to `layout` (pure)."""
+    if not doc or "waiting" not in doc:
+        return None
+    if int(doc.get("generation", -1)) != layout.generation or int(doc.get("seq", -1)) != layout.seq:
+        return None
+    return doc["waiting"]
+
+
+def may_cross(
+    docs: Mapping[int, Mapping[str, Any] | None], shard_count: int, generation: int, index: int
+) -> bool:
+    """Whether the shards of a count may move past main-topic storage topic `index` to one that
+    does not keep groups on their shards (pure). `docs` are the reader documents of shards
+    0..shard_count-1 (missing: never started). Each must have moved past `index` already, or
+    wait at its end with nothing pending (`quiet`): then every message of `index` and before
+    is done, and no group's later message can overtake one of them on another shard."""
+    for shard in range(shard_count):
+        doc = docs.get(shard)
+        if not doc or int(doc.get("generation", -1)) != generation:
+            return False
+        if int(doc["mq_index"]) > index:
+            continue
+        mark = doc.get("waiting") or {}
+        if int(doc["mq_index"]) != index or mark.get("index") != index or not mark.get("quiet"):
+            return False
+    return True
+
+
+def shard_counts_for(partitions: int, limit: int = 12) -> list[int]:
+    """Shard counts that read a storage topic of `partitions` evenly: its divisors (the first
+    `limit` and the largest), for hints (pure)."""
+    divisors = [d for d in range(1, partitions + 1) if partitions % d == 0]
+    return divisors if len(divisors) <= limit else divisors[: limit - 1] + divisors[-1:]
+
+
+def boundary_wait(
+    name: str, at: _Named, nxt: _Named, shard_count: int, pending_groups: int
+) -> dict[str, Any]:
+    """What a shard's progress document says while it waits at the end of storage topic `at`
+    (pure): the topics, its own pending groups, and `text` for `varadhi status`."""
+    counts = [c for c in shard_counts_for(nxt.partitions) if c != shard_count]
+    own = f"this shard has {pending_groups}" if pending_groups else "this shard has none"
+    return {
+        "at": at.name,
+        "next": nxt.name,
+        "pending_groups": pending_groups,
+        "text": (
+            f"waits at the end of {at.name}: {nxt.name} ({nxt.partitions} partitions, K={nxt.k}) "
+            f"would give groups other shards; the shards move on together once none of them "
+            f"has a pending group ({own}), or after `varadhi subscription change-shards {name} "
+            f"--to N` (N: {', '.join(map(str, counts))})"
+        ),
+    }

@@ -18,9 +18,10 @@ crash resumes at the recorded step (every step is idempotent):
                crashed between its commit and its send never sent them), in one Kafka
                transaction, skipped when the new queues already hold a committed record;
 4. `layouts`:  the new shards' reader layouts: the lowest main-topic storage topic any old shard
-               still reads, starting where the old shards stopped (`checkpoints.shard_position`,
-               per partition from its old owner; -2 = earliest where unknown), the new RQ
-               storage topic from its beginning;
+               still reads, or past it when they consumed it and it is sealed (`first_unread`:
+               old shards waiting at a K=1 boundary), starting where the old shards stopped
+               (`checkpoints.shard_position`, per partition from its old owner; -2 = earliest
+               where unknown), the new RQ storage topic from its beginning;
 5. `activate`: the subscription's record, in place: `shard_count` = S, `rq_from`/`dlq_from` = the
                new storage topics (the shards read and browse those on), and the spec's
                `shards`/`rq_partitions`/`dlq_partitions` to match (`activated`);
@@ -45,11 +46,15 @@ is dropped as a stale duplicate. So order holds without a barrier, and a feeder 
 record twice (two feeders of one source at once) does no harm.
 
 Routing: a group's new shard is the one owning `routing.route(group_hash(group_key), P, K)` of
-the main topic's last storage topic (recorded in the operation as `route_by`, so the state step
-and the feeders agree even if a storage topic is added meanwhile). The new shards read every
-main-topic storage topic from the lowest one an old shard still reads; S must divide each of
-their partition counts and they must share one base count (no K=1 boundary between them), or a
-group would be read by two shards; `--allow-uneven` accepts that with a warning.
+the first main-topic storage topic the new shards read, where the group's next messages are
+(recorded in the operation as `route_by`, so the state step and the feeders agree even if a
+storage topic is added meanwhile). S must divide the partition counts of the storage topics the
+new shards read, and, for a grouped subscription, cross each boundary between them keeping
+groups on their shards (`layouts.keeps_groups`); `--allow-uneven` accepts that with a warning,
+and the new shards then stop at such a boundary as any shards do (`varadhi.layouts`). Old shards
+waiting at the end of a storage topic before a K=1 one (seed 000 case 2: 7 partitions and
+shards, then 10 partitions) are what a change to 10 expects: the new shards start on the new
+storage topic and every pending group moves to the shard that reads its next messages.
 """
 
 from __future__ import annotations
@@ -253,24 +258,40 @@ def check_stopped(
         raise ShardsRunning(sub.name, running)
 
 
-def check_target(mq: CompositeTopic, mq_index: int, to: int, allow_uneven: bool) -> list[str]:
+def check_target(
+    mq: CompositeTopic, mq_index: int, to: int, allow_uneven: bool, grouped: bool = True
+) -> list[str]:
     """Why `to` shards cannot own main-topic storage topics `mq_index..` evenly and
-    consistently. Refuses (`InvalidArgument`) unless `allow_uneven`; returns the warnings."""
+    consistently. Refuses (`InvalidArgument`) unless `allow_uneven`; returns the warnings.
+
+    A boundary the new shards cannot cross keeping groups on their shards (`layouts.keeps_groups`:
+    a K=1 storage topic, for a grouped subscription) is a problem too: they would stop at it
+    until none of them has a pending group (`layouts.may_cross`)."""
     problems = []
     read = mq.storage_topics[mq_index:]
     for st in read:
         if st.partitions % to:
             problems.append(f"{to} does not divide the {st.partitions} partitions of {st.name}")
-    bases = [(st.name, st.partitions / st.k) for st in read]
-    for (prev, base_prev), (name, base) in zip(bases, bases[1:], strict=False):
-        if base != base_prev:
-            problems.append(
-                f"{name} starts a new routing run (K=1 after {prev}): a group's messages in "
-                f"{prev} and {name} belong to different shards"
-            )
+    stops = []
+    for prev, nxt in zip(read, read[1:], strict=False):
+        if not grouped or layouts.keeps_groups(prev, nxt, to):
+            continue
+        stops.append(prev)
+        if prev.partitions / prev.k != nxt.partitions / nxt.k:
+            why = f"{nxt.name} starts a new routing run (K=1 after {prev.name})"
+        else:
+            why = f"{to} shards do not split {prev.name} and {nxt.name} along their base partitions"
+        problems.append(
+            f"{why}: a group's messages in {prev.name} and {nxt.name} belong to different "
+            f"shards, so the new shards would stop at the end of {prev.name} until none of "
+            "them has a pending group"
+        )
     if problems and not allow_uneven:
-        if len({b for _, b in bases}) > 1:
-            hint = "let the shards read past the older storage topics first"
+        if stops:
+            hint = (
+                f"let the shards drain {stops[0].name} first (they stop at its end; `varadhi "
+                "status` says so), then stop or pause them and change"
+            )
         else:
             common = [
                 d
@@ -285,6 +306,30 @@ def check_target(mq: CompositeTopic, mq_index: int, to: int, allow_uneven: bool)
             field="to",
         )
     return problems
+
+
+def first_unread(
+    mq: CompositeTopic,
+    from_shards: int,
+    positions: Mapping[int, tuple[Layout, Offsets]],
+    ends: Mapping[str, Sequence[int]],
+    now_ms: int,
+    grace_ms: int,
+) -> int:
+    """The lowest main-topic storage topic the new shards must read (pure): the lowest one an
+    old shard reads, past every one that is sealed (`topics.sealed`) and that the old shards
+    consumed to its end (`ends`: log-end offsets per storage topic). Shards waiting at the end
+    of a storage topic (a boundary they may not cross) have not moved on, but the new shards
+    start after it."""
+    index = min((lay.mq_index for lay, _ in positions.values()), default=0)
+    last = len(mq.storage_topics) - 1
+    while index < last and topics.sealed(mq, index, now_ms, grace_ms):
+        st = mq.storage(index)
+        at = merge_positions(mq, from_shards, index, {s: o for s, (_, o) in positions.items()})
+        if any(max(at[st.name][str(p)], 0) < ends[st.name][p] for p in range(st.partitions)):
+            break
+        index += 1
+    return index
 
 
 def merge_positions(
@@ -324,11 +369,16 @@ def plan_change(
     rq_target_index: int | None = None,
     dlq_target_index: int | None = None,
     route_by: StorageTopic | None = None,
+    mq_index: int | None = None,
 ) -> Plan:
     """The plan for changing `sub` (still at its old shard count) to `to` shards (pure).
 
-    `positions` is every old shard's reader layout and consumed offsets. A fresh plan puts the
-    new queues after the current storage topics; a resumed one passes the recorded indexes.
+    `positions` is every old shard's reader layout and consumed offsets. The new shards read
+    the main topic from storage topic `mq_index` (`first_unread`; by default the lowest one an
+    old shard reads), and a group's new shard is the one owning its partition of that storage
+    topic (`route_by`), where its next messages are: its pending entries wait there, ahead of
+    them. A fresh plan puts the new queues after the current storage topics; a resumed one
+    passes the recorded indexes, `mq_index` and `route_by`.
     """
     if not isinstance(to, int) or isinstance(to, bool) or to < 1:
         raise InvalidArgument(f"must be a positive integer, got {to!r}", field="to")
@@ -337,9 +387,10 @@ def plan_change(
     old = sub.shard_count
     if to == old:
         raise InvalidArgument(f"subscription {sub.name} already has {old} shards", field="to")
-    mq_index = min((lay.mq_index for lay, _ in positions.values()), default=0)
-    warnings = check_target(mq, mq_index, to, allow_uneven)
-    route_by = route_by or mq.storage_topics[-1]
+    if mq_index is None:
+        mq_index = min((lay.mq_index for lay, _ in positions.values()), default=0)
+    warnings = check_target(mq, mq_index, to, allow_uneven, sub.spec.grouped)
+    route_by = route_by or mq.storage(mq_index)
     rq_idx = len(rq.storage_topics) if rq_target_index is None else rq_target_index
     dlq_idx = len(dlq.storage_topics) if dlq_target_index is None else dlq_target_index
     rq_target = StorageTopic(topics.storage_name(rq.name, rq_idx), 2 * to, 1)
@@ -520,7 +571,13 @@ class ChangeShards:
         self._check_no_pending_feeders(op, name)
         check_stopped(sub, _progress(self.catalog, name), int(time.time() * 1000))
         seq = next_layout_seq(snap, name, to, sub.generation)
-        return plan_change(sub, mq, rq, dlq, self._positions(sub), to, allow_uneven, layout_seq=seq)
+        positions = self._positions(sub)
+        ends = topics.end_offsets(self.catalog, mq.storage_topics)
+        now = int(time.time() * 1000)
+        start = first_unread(mq, sub.shard_count, positions, ends, now, topics.SEAL_GRACE_MS)
+        return plan_change(
+            sub, mq, rq, dlq, positions, to, allow_uneven, layout_seq=seq, mq_index=start
+        )
 
     def execute(
         self, name: str, to: int, allow_uneven: bool = False, feeders: FeederMode = "in-process"
@@ -740,6 +797,7 @@ class ChangeShards:
             rq_target_index=int(op["rq_target_index"]),
             dlq_target_index=int(op["dlq_target_index"]),
             route_by=StorageTopic.from_dict(op["route_by"]),
+            mq_index=int(op["mq_index"]),
         )
 
     @staticmethod

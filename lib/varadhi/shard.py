@@ -630,7 +630,8 @@ class ShardJob:
         )
 
     def _maybe_next_layout(self, query, sub, layout: Layout) -> bool:
-        mq = topics.from_snapshot(self.catalog.snapshot(), sub.spec.topic)
+        snap = self.catalog.snapshot()
+        mq = topics.from_snapshot(snap, sub.spec.topic)
         now_ms = int(time.time() * 1000)
         if not topics.sealed(mq, layout.mq_index, now_ms, SEAL_GRACE_MS):
             return False
@@ -641,9 +642,15 @@ class ShardJob:
         mine = {int(p): o for p, o in consumed.get(current.name, {}).items()}
         if parts and not drained(mine, ends):
             return False
+        nxt = mq.storage(layout.mq_index + 1)
+        if (
+            sub.spec.grouped
+            and not layouts.keeps_groups(current, nxt, sub.shard_count)
+            and not self._may_cross(snap, sub, layout, current, nxt)
+        ):
+            return False
         self._stop_between_batches(query)
         consumed = layouts.merged(layout.starting_offsets, self._consumed(query) or {})
-        nxt = mq.storage(layout.mq_index + 1)
         new = next_layout(
             layout,
             consumed,
@@ -655,6 +662,48 @@ class ShardJob:
             "%s shard %d: %s drained; now reading %s", self.name, self.shard, current.name, nxt.name
         )
         return True
+
+    def _may_cross(self, snap, sub, layout: Layout, current, nxt) -> bool:
+        """At the end of `current`, before `nxt` where groups would change shards (a K=1
+        storage topic): record in this shard's reader document that it waits there and whether
+        it has a pending group, and move on only when every shard of the count may
+        (`layouts.may_cross`: all of them drained `current` with no pending group, or went on
+        already). Until then the query keeps running (retries and re-drives go on) and status
+        says why the shard waits. A shard-count change ends the wait otherwise: it moves the
+        pending groups and starts the new shards after the boundary (`varadhi.resharding`)."""
+        pending = int(self._summary.get("blocked_groups", 0))
+        mark = {"index": layout.mq_index, "next": nxt.name, "quiet": pending == 0}
+        owner = self._owner(sub)
+        if layouts.waiting(snap.get(READER_KIND, owner), layout) != mark:
+
+            def change(now):
+                recorded = layouts.current(
+                    now, self.name, sub.shard_count, self.shard, sub.generation
+                )
+                if recorded != layout:
+                    return {}  # replaced meanwhile (a shard-count change or offset reset)
+                return {key(READER_KIND, owner): dict(layout.to_dict(), waiting=mark)}
+
+            self.catalog.mutate(change)
+            snap = self.catalog.snapshot()
+            log.info(
+                "%s shard %d: at the end of %s, waiting before %s (pending groups: %d)",
+                self.name,
+                self.shard,
+                current.name,
+                nxt.name,
+                pending,
+            )
+        docs = {
+            i: snap.get(READER_KIND, layouts.owner(self.name, sub.shard_count, i))
+            for i in range(sub.shard_count)
+        }
+        if layouts.may_cross(docs, sub.shard_count, sub.generation, layout.mq_index):
+            return True
+        self._where["waiting"] = layouts.boundary_wait(
+            self.name, current, nxt, sub.shard_count, pending
+        )
+        return False
 
     def _maybe_tick(self, rq: topics.CompositeTopic, sub) -> None:
         """Wake the query when a parked retry falls due, or a re-drive waits, and no input

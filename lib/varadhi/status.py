@@ -304,6 +304,8 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
                 },
                 "blocked_groups": doc.get("blocked_groups", 0),
                 "blocked": doc.get("blocked", []),
+                # at the end of a storage topic, before one that gives groups other shards
+                "waiting": doc.get("waiting"),
                 "held": doc.get("held", 0),
                 "circuit": doc.get("circuit"),
                 "rates": doc.get("rates", {}),

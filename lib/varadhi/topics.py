@@ -10,6 +10,7 @@ so they never collide with storage topics or with a subscription's internal queu
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Sequence
@@ -149,7 +150,10 @@ class AddStorageReport:
         return (
             f"added {self.storage.name} with {self.storage.partitions} partitions, K=1: the partition "
             "count is not a multiple of the previous base count, so this is a partition change; "
-            "subscriptions whose shard count does not divide it need `subscription change-shards`"
+            "groups move to other partitions, so the shards of a grouped subscription stop at the "
+            "end of the previous storage topic until none of them has a pending group or until "
+            "`subscription change-shards` (see `varadhi status`); subscriptions whose shard count "
+            "does not divide it need `subscription change-shards`"
         )
 
 
@@ -176,6 +180,11 @@ def switch_produce(topic: CompositeTopic, now_ms: int) -> CompositeTopic:
     switched = list(topic.switched_at_ms)
     switched[topic.produce_pointer] = now_ms
     return replace(topic, produce_pointer=topic.produce_pointer + 1, switched_at_ms=tuple(switched))
+
+
+# Producers learn of a switch within a second and give up on a record after 30 s
+# (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
+SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
 
 
 def sealed(topic: CompositeTopic, index: int, now_ms: int, grace_ms: int) -> bool:

@@ -14,7 +14,7 @@ from varadhi.catalog import Snapshot
 from varadhi.errors import InvalidArgument
 from varadhi.layouts import Layout
 from varadhi.subscriptions import Subscription, changed_fields, parse_spec
-from varadhi.topics import StorageTopic, add_storage, new_topic
+from varadhi.topics import StorageTopic, add_storage, new_topic, switch_produce
 
 KEYS = [f"group-{i}" for i in range(400)] + [f"~msg-{i}" for i in range(100)]
 
@@ -120,14 +120,75 @@ def test_seven_to_ten_after_k1_growth_once_shards_read_the_new_storage_topic():
     text = str(e.value)
     assert "10 does not divide the 7 partitions of orders.0" in text
     assert "orders.1 starts a new routing run (K=1 after orders.0)" in text
-    assert "--allow-uneven" in text and "read past the older storage topics" in text
+    assert "--allow-uneven" in text and "let the shards drain orders.0 first" in text
 
     uneven = rs.plan_change(sub, mq, rq, dlq, pos, 10, allow_uneven=True)
     assert uneven.mq_index == 0 and len(uneven.warnings) == 2
+    assert "would stop at the end of orders.0" in uneven.warnings[1]
+    # Groups go to the shard that reads their next messages, on orders.0.
+    assert uneven.route_by == mq.storage(0)
     # Partition 3 of orders.0 goes to new shard 5, from where its old owner (3) stopped.
     assert uneven.layouts[5].starting_offsets["orders.0"] == {"3": 50}
     # Partitions of orders.1 whose old owners had not reached it start at their beginning.
     assert all(v >= 100 or v == -2 for v in uneven.layouts[4].starting_offsets["orders.1"].values())
+
+
+def test_seven_to_ten_when_the_old_shards_wait_at_the_end_of_the_old_storage_topic():
+    """Seed 000 case 2: 7 shards on 7 partitions, then a 10-partition storage topic (K=1). The
+    old shards drain orders.0 and stop at its end; the new shards start on orders.1 and the
+    groups' pending entries go to the shards that read their orders.1 partitions."""
+    mq = new_topic("orders", 7, allow_uneven=True)
+    mq, _ = add_storage(mq, 10, allow_uneven=True)
+    mq = switch_produce(mq, 1_000)
+    sub = subscription(7)
+    rq, dlq = queues(7)
+    ends = {"orders.0": [100 + p for p in range(7)], "orders.1": [5] * 10}
+    # Every old shard at the end of its orders.0 partitions; none has read orders.1.
+    waiting = {
+        i: (Layout(0, 0, 0, {}), {"orders.0": {str(i): 100 + i}}) for i in range(sub.shard_count)
+    }
+    later = 1_000 + 35_000
+
+    start = rs.first_unread(mq, 7, waiting, ends, later, 35_000)
+    assert start == 1
+    plan = rs.plan_change(sub, mq, rq, dlq, waiting, 10, mq_index=start)
+    assert (plan.mq_index, plan.route_by, plan.warnings) == (1, mq.storage(1), ())
+    assert [a["orders.1"] for a in plan.after] == [[j] for j in range(10)]
+    assert plan.layouts[9].starting_offsets == {
+        "orders.1": {"9": -2},
+        "orders-http.rq.1": {
+            "18": -2,
+            "19": -2,
+        },
+    }
+    group = "group-7"
+    partition = routing.route_group(group, 10, 1)
+    assert plan.new_shard_of(group) == partition  # one partition per new shard
+
+    # Not before produce moved off orders.0 the grace period ago, nor before it is drained.
+    assert rs.first_unread(mq, 7, waiting, ends, later - 1, 35_000) == 0
+    short = dict(waiting)
+    short[3] = (Layout(0, 0, 0, {}), {"orders.0": {"3": 102}})
+    assert rs.first_unread(mq, 7, short, ends, later, 35_000) == 0
+    # An empty partition never read (-2) counts as drained.
+    empty = dict(ends, **{"orders.0": [100 + p for p in range(6)] + [0]})
+    unread = dict(waiting)
+    unread[6] = (Layout(0, 0, 0, {}), {"orders.0": {"6": -2}})
+    assert rs.first_unread(mq, 7, unread, empty, later, 35_000) == 1
+    # The last storage topic is never skipped.
+    assert rs.first_unread(mq, 7, positions(sub, mq, mq_index=1, base=5), ends, later, 35_000) == 1
+
+
+def test_an_ungrouped_subscription_crosses_any_boundary():
+    mq = new_topic("orders", 6)
+    mq, _ = add_storage(mq, 12)  # K=2: one run, 2 shards keep every group
+    mq, _ = add_storage(mq, 4)  # K=1: a new run
+    rq, dlq = queues(3)
+    with pytest.raises(InvalidArgument, match="orders.2 starts a new routing run"):
+        rs.plan_change(subscription(3), mq, rq, dlq, positions(subscription(3), mq), 2)
+    ungrouped = subscription(3, grouped=False)
+    plan = rs.plan_change(ungrouped, mq, rq, dlq, positions(ungrouped, mq), 2)
+    assert plan.warnings == ()
 
 
 @pytest.mark.parametrize(

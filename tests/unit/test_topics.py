@@ -54,6 +54,7 @@ def test_a_non_multiple_gives_k_1_and_is_reported_as_a_partition_change(counts):
     assert topic.storage_topics[-1].k == 1
     assert not reports[-1].compatible
     assert "partition change" in reports[-1].describe()
+    assert "stop at the end of the previous storage topic" in reports[-1].describe()
 
 
 def test_k_after_a_partition_change_starts_from_the_new_base():

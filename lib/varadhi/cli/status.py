@@ -66,6 +66,9 @@ def _status(args: argparse.Namespace) -> int:
         for sb in s.get("standbys") or []:
             print(f"shard {s['shard']} {standby_text(sb)}")
     for s in doc["shards"]:
+        if s.get("waiting"):
+            print(f"shard {s['shard']} {s['waiting']['text']}")
+    for s in doc["shards"]:
         blocked = s.get("blocked") or []
         if blocked:
             print(f"shard {s['shard']} blocked groups ({s['blocked_groups']}):")
