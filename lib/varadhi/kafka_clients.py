@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import socket
 import ssl
 from collections.abc import Iterator
@@ -160,3 +161,18 @@ def _speaks_tls(sock: socket.socket, host: str, timeout: float) -> str | None:
             return "the listener speaks TLS: set security.protocol=SSL or SASL_SSL"
     except (ssl.SSLError, OSError):
         return None
+
+
+def not_authorized(error: BaseException) -> str:
+    """One line for a Kafka authorization failure (a missing ACL): which kind, which request
+    and resource, without the request's dump."""
+    text = str(error)
+    request = re.search(r"Request '(\w+?)Request", text)
+    resource = re.search(r"name='([^']*)'", text)
+    what = type(error).__name__.replace("AuthorizationFailedError", "").lower() or "resource"
+    parts = [f"not authorized by the cluster's ACLs ({type(error).__name__})"]
+    if request:
+        parts.append(f"for {request.group(1)}")
+    if resource:
+        parts.append(f"on {what} {resource.group(1)}")
+    return " ".join(parts)

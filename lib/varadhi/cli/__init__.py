@@ -8,7 +8,10 @@ import argparse
 import logging
 import sys
 
+from kafka.errors import AuthorizationError
+
 from ..errors import VaradhiError
+from ..kafka_clients import not_authorized
 from . import dlq, jobs, offsets, outbox, produce, replay, status, subscription, topic
 
 COMMAND_GROUPS = [topic, produce, subscription, status, dlq, offsets, replay, outbox, jobs]
@@ -44,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     except VaradhiError as e:
         print(f"varadhi: {e}", file=sys.stderr)
         return e.exit_code
+    except AuthorizationError as e:  # a missing ACL, whichever client met it
+        print(f"varadhi: {not_authorized(e)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

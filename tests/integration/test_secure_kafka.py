@@ -1,0 +1,257 @@
+"""Against a secured broker: SASL_SSL only (SCRAM-SHA-512 over TLS with a throw-away CA, ACLs on),
+started by `VARADHI_KAFKA_SECURE=1 scripts/kafka start` on its own port and folder for this
+module and wiped afterwards. Every client here (CLI, catalog, producer, Spark source, RQ/DLQ
+writer, status, DLQ re-drive) goes through `--command-config` / `Settings.kafka`; no plaintext
+listener exists on that broker. Bad credentials, an unknown CA, an unreachable cluster and a
+missing ACL each end in one clear line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from varadhi import dlq, kafka_config
+from varadhi.cli import main as cli_main
+from varadhi.settings import Settings
+from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.harness import delivered, read_queue, run_until_idle
+
+pytestmark = [pytest.mark.kafka]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_pair() -> int:
+    for _ in range(50):
+        port = 30000 + int.from_bytes(os.urandom(2), "big") % 20000
+        ok = True
+        for p in (port, port + 1):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", p))
+                except OSError:
+                    ok = False
+        if ok:
+            return port
+    raise RuntimeError("no two free ports")
+
+
+@pytest.fixture(scope="module")
+def secure_broker(tmp_path_factory):
+    """(bootstrap, data folder) of a SASL_SSL broker started for this module."""
+    folder = tmp_path_factory.mktemp("secure-kafka") / "broker"
+    env = {
+        **os.environ,
+        "VARADHI_KAFKA_PORT": str(_free_pair()),
+        "VARADHI_KAFKA_DIR": str(folder),
+        "VARADHI_KAFKA_SECURE": "1",
+        "VARADHI_KAFKA_HEAP": "-Xmx512m -Xms128m",
+    }
+    script = str(ROOT / "scripts" / "kafka")
+    started = subprocess.run([script, "start"], env=env, capture_output=True, text=True)
+    assert started.returncode == 0, started.stderr
+    try:
+        yield started.stdout.strip(), folder
+    finally:
+        subprocess.run([script, "wipe"], env=env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def alice(secure_broker) -> str:
+    return str(secure_broker[1] / "alice.properties")
+
+
+@pytest.fixture(scope="module")
+def secure_settings(secure_broker, alice, tmp_path_factory) -> Settings:
+    return Settings(
+        bootstrap=secure_broker[0],
+        catalog_topic=f"__varadhi_catalog_secure_{uuid.uuid4().hex[:8]}",
+        warehouse=str(tmp_path_factory.mktemp("secure-warehouse")),
+        kafka=kafka_config.load(alice),
+    )
+
+
+@pytest.fixture
+def cli(secure_settings, capsys, monkeypatch):
+    """varadhi --command-config CONFIG ... on the secure broker -> (exit code, stdout, stderr)."""
+    monkeypatch.setenv("VARADHI_CATALOG_TOPIC", secure_settings.catalog_topic)
+    monkeypatch.setenv("VARADHI_WAREHOUSE", secure_settings.warehouse)
+
+    def run(*args: str, config: str | None = None) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = cli_main(
+            [
+                "--bootstrap",
+                secure_settings.bootstrap,
+                "--command-config",
+                config or secure_settings.kafka.source,
+                *args,
+            ]
+        )
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_the_broker_has_no_plaintext_path(secure_broker):
+    server = (secure_broker[1] / "server.properties").read_text()
+    assert f"listeners=SASL_SSL://{secure_broker[0]}," in server
+    assert "PLAINTEXT://" not in server.replace("CONTROLLER:PLAINTEXT", "")
+
+
+@pytest.mark.spark
+def test_topic_produce_grouped_shard_retry_dead_letter_status_redrive(
+    cli, secure_settings, spark, tmp_path
+):
+    suffix = uuid.uuid4().hex[:6]
+    topic, name = f"sec-{suffix}", f"sec-sub-{suffix}"
+    assert cli("topic", "create", topic, "--partitions", "2")[0] == 0
+    code, out, _ = cli("topic", "describe", topic, "--output", "json")
+    assert code == 0 and json.loads(out)["storage_topics"][0]["partitions"] == 2
+
+    with TestEndpoint(script={"g1-1": [503], "g2-1": [503, 404]}) as endpoint:
+        spec = tmp_path / "sub.yaml"
+        spec.write_text(
+            json.dumps(
+                {
+                    "name": name,
+                    "topic": topic,
+                    "endpoint": {"url": endpoint.url},
+                    "shards": 1,
+                    "retry": {
+                        "max_attempts": 3,
+                        "min_backoff": "100ms",
+                        "max_backoff": "200ms",
+                        "jitter": 0,
+                        "in_place_window": 0,
+                    },
+                    "consumption": {"trigger_interval": "100ms", "journal_interval": 0},
+                    "circuit_breaker": {"enabled": False},
+                }
+            )
+        )
+        assert cli("subscription", "apply", "-f", str(spec))[0] == 0
+        lines = tmp_path / "messages.jsonl"
+        lines.write_text(
+            "".join(
+                json.dumps({"value": f"body {g}-{i}", "group_id": g, "message_id": f"{g}-{i}"})
+                + "\n"
+                for i in range(3)
+                for g in ("g1", "g2")
+            )
+        )
+        code, out, err = cli("produce", topic, "--file", str(lines))
+        assert code == 0, err
+        assert out.count("offset") == 6
+
+        run_until_idle(secure_settings, spark, name)
+        # g1-1 failed once (503), went through the RQ and was delivered, in order; g2-1 was
+        # retried (503) then dead-lettered (404), and g2's later messages wait behind it.
+        assert delivered(endpoint, "g1") == ["g1-0", "g1-1", "g1-2"]
+        assert delivered(endpoint, "g2") == ["g2-0"]
+        rq = read_queue(secure_settings, f"{name}.rq.0")
+        assert [r["headers"].get("varadhi-msg-id") for r in rq if r["value"]].count("g1-1") >= 1
+
+        code, out, err = cli("dlq", "list", name, "--output", "json")
+        assert code == 0, err
+        parked = json.loads(out)
+        assert [(p["msg_id"], p["status"]) for p in parked] == [("g2-1", 404)]
+        code, out, err = cli("status", name, "--output", "json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert doc["shards"][0]["blocked_groups"] == 1
+
+        assert cli("dlq", "unsideline", name, "--group-ids", "g2")[0] == 0
+        run_until_idle(secure_settings, spark, name)
+        assert delivered(endpoint, "g2") == ["g2-0", "g2-1", "g2-2"]
+        assert [p["state"] for p in dlq_list(secure_settings, name)] == ["redriven"]
+
+        code, out, _ = cli("subscription", "describe", name, "--output", "json")
+        assert code == 0
+        password = Path(secure_settings.kafka.source).parent / "secrets/alice.password"
+        assert password.read_text().strip() not in out
+
+
+def dlq_list(settings: Settings, name: str) -> list[dict]:
+    from varadhi.catalog import Catalog
+
+    catalog = Catalog(settings)
+    try:
+        return dlq.list_parked(catalog, name)
+    finally:
+        catalog.close()
+
+
+def _config(tmp_path, alice: str, **replace: str) -> str:
+    text = Path(alice).read_text()
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    path = tmp_path / f"client-{uuid.uuid4().hex[:6]}.properties"
+    path.write_text(text)
+    return str(path)
+
+
+def _one_clear_line(result, *expected: str, within: float, started: float) -> None:
+    code, out, err = result
+    assert code != 0
+    assert time.monotonic() - started < within
+    assert err.count("\n") == 1, err
+    for text in expected:
+        assert text in err, err
+
+
+def test_wrong_password(cli, alice, tmp_path, monkeypatch):
+    monkeypatch.setenv("NOT_ALICES_PASSWORD", "wrong-password-123")
+    secret = "${file:" + str(Path(alice).parent / "secrets" / "alice.password") + "}"
+    config = _config(tmp_path, alice, **{secret: "${env:NOT_ALICES_PASSWORD}"})
+    started = time.monotonic()
+    result = cli("topic", "list", config=config)
+    _one_clear_line(result, "authentication failed", "as alice", within=25, started=started)
+    assert "wrong-password-123" not in result[2]
+
+
+def test_unknown_ca(cli, alice, tmp_path):
+    other_ca = tmp_path / "other-ca.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+         "/CN=someone-else", "-keyout", str(tmp_path / "k.pem"), "-out", str(other_ca)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    ca = str(Path(alice).parent / "tls" / "ca.pem")
+    started = time.monotonic()
+    result = cli("topic", "list", config=_config(tmp_path, alice, **{ca: str(other_ca)}))
+    _one_clear_line(result, "certificate is not trusted", within=25, started=started)
+
+
+def test_unreachable_cluster(alice, capsys):
+    port = _free_pair()
+    started = time.monotonic()
+    code = cli_main(
+        ["--bootstrap", f"127.0.0.1:{port}", "--command-config", alice, "topic", "list"]
+    )
+    _one_clear_line(
+        (code, "", capsys.readouterr().err), "nothing answers", within=25, started=started
+    )
+
+
+def test_missing_acl(cli, secure_broker, tmp_path):
+    started = time.monotonic()
+    result = cli("topic", "create", f"sec-bob-{uuid.uuid4().hex[:6]}", "--partitions", "1",
+                 config=str(secure_broker[1] / "bob.properties"))  # fmt: skip
+    _one_clear_line(result, "not authorized", within=40, started=started)
+
+
+def test_bad_configuration_is_refused_before_anything_starts(cli, alice, tmp_path):
+    config = _config(tmp_path, alice, **{"sasl.mechanism=": "sasl.mechanisms="})
+    started = time.monotonic()
+    result = cli("topic", "list", config=config)
+    _one_clear_line(result, "did you mean sasl.mechanism?", within=2, started=started)
+    assert result[0] == 2
