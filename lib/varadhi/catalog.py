@@ -36,7 +36,7 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, Ne
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from . import kafka_clients
-from .errors import ConcurrentModification, KafkaUnavailable, VaradhiError
+from .errors import ConcurrentModification, InvalidArgument, KafkaUnavailable, VaradhiError
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -101,34 +101,60 @@ class Catalog:
         self._consumer: KafkaConsumer | None = None
         self._producer: KafkaProducer | None = None
         self._tp = TopicPartition(self.topic, 0)
+        self._checked = False  # a pre-existing catalog topic was found fit
 
     # -- set-up ---------------------------------------------------------------------------
     def ensure_topic(self) -> None:
-        """Create the catalog topic (compacted, one partition) if it does not exist."""
+        """Create the catalog topic (compacted, one partition) if it does not exist, with the
+        cluster configuration's `varadhi.topic.[catalog.]*` settings (replication factor: the
+        cluster's default unless set). A pre-created one is accepted when it is compacted and
+        has one partition; otherwise `InvalidArgument` says what is wrong."""
+        ts = kafka_clients.config_of(self.settings).topics("catalog")
+        configs = ts.config(
+            {
+                "cleanup.policy": "compact",
+                "min.compaction.lag.ms": "60000",
+                # lease renewals add a record every few seconds per shard: roll
+                # segments so compaction keeps the catalog small to read
+                "segment.ms": str(SEGMENT_MS),
+            }
+        )
         admin = self._admin()
         try:
-            if self.topic in admin.list_topics():
-                return
-            admin.create_topics(
-                [
-                    NewTopic(
-                        self.topic,
-                        1,
-                        1,
-                        topic_configs={
-                            "cleanup.policy": "compact",
-                            "min.compaction.lag.ms": "60000",
-                            # lease renewals add a record every few seconds per shard: roll
-                            # segments so compaction keeps the catalog small to read
-                            "segment.ms": str(SEGMENT_MS),
-                        },
+            if self.topic not in admin.list_topics():
+                try:
+                    admin.create_topics(
+                        [NewTopic(self.topic, 1, ts.replication_factor, topic_configs=configs)]
                     )
-                ]
-            )
-        except TopicAlreadyExistsError:
-            pass
+                    return
+                except TopicAlreadyExistsError:
+                    pass
+            self._check_existing(admin)
         finally:
             admin.close()
+
+    def _check_existing(self, admin: KafkaAdminClient) -> None:
+        """A catalog topic that already exists (made by an earlier run or by an operator)."""
+        if self._checked:
+            return
+        count = len(admin.describe_topics([self.topic])[0]["partitions"])
+        policy = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, self.topic, configs=["cleanup.policy"])],
+            config_filter="all",
+        )["topic"][self.topic]["cleanup.policy"]["value"]
+        if "compact" not in policy.split(","):
+            raise InvalidArgument(
+                f"the catalog topic {self.topic} has cleanup.policy={policy}: it must be "
+                f"compacted, or deleting old segments would lose topics and subscriptions (set "
+                f"cleanup.policy=compact with kafka-configs, or choose another "
+                f"VARADHI_CATALOG_TOPIC)"
+            )
+        if count != 1:
+            raise InvalidArgument(
+                f"the catalog topic {self.topic} has {count} partitions: it must have one "
+                f"(choose another VARADHI_CATALOG_TOPIC, or re-create it)"
+            )
+        self._checked = True
 
     def ensure_segment_roll(self) -> None:
         """Give a catalog topic created before `segment.ms` was set (Kafka's default is 7 days)

@@ -486,8 +486,10 @@ class DeltaOutbox:
             raise KafkaUnavailable(f"cannot reach Kafka at {self.settings.bootstrap}: {e}") from e
         try:
             if MARKER_TOPIC not in admin.list_topics():
+                ts = kafka_clients.config_of(self.settings).topics("catalog")
+                configs = ts.config({"cleanup.policy": "compact"})
                 admin.create_topics(
-                    [NewTopic(MARKER_TOPIC, 1, 1, topic_configs={"cleanup.policy": "compact"})]
+                    [NewTopic(MARKER_TOPIC, 1, ts.replication_factor, topic_configs=configs)]
                 )
         except TopicAlreadyExistsError:
             pass

@@ -72,6 +72,147 @@ KNOWN: dict[str, str] = {
     "sasl.oauthbearer.scope.claim.name": "Java clients: OAUTHBEARER scope claim name",
     "sasl.oauthbearer.sub.claim.name": "Java clients: OAUTHBEARER subject claim name",
 }
+#: The topics this product creates, and the properties that shape them (not client properties:
+#: never passed to a client). `varadhi.topic.replication.factor` and
+#: `varadhi.topic.config.<topic config>` apply to every kind; `varadhi.topic.<kind>.<...>` to
+#: one kind and win over the general ones. Unset, a topic gets the cluster's defaults
+#: (`default.replication.factor`, `min.insync.replicas`, ...): replication factor -1 (KIP-464).
+TOPIC_PREFIX = "varadhi.topic."
+TOPIC_KINDS = ("storage", "rq", "dlq", "catalog", "progress")
+#: Kafka's topic-level configs (Kafka 4.1), for did-you-mean on a misspelt one.
+TOPIC_CONFIGS = frozenset(
+    [
+        "cleanup.policy",
+        "compression.type",
+        "compression.gzip.level",
+        "compression.lz4.level",
+        "compression.zstd.level",
+        "delete.retention.ms",
+        "file.delete.delay.ms",
+        "flush.messages",
+        "flush.ms",
+        "follower.replication.throttled.replicas",
+        "index.interval.bytes",
+        "leader.replication.throttled.replicas",
+        "local.retention.bytes",
+        "local.retention.ms",
+        "max.compaction.lag.ms",
+        "max.message.bytes",
+        "message.timestamp.after.max.ms",
+        "message.timestamp.before.max.ms",
+        "message.timestamp.type",
+        "min.cleanable.dirty.ratio",
+        "min.compaction.lag.ms",
+        "min.insync.replicas",
+        "preallocate",
+        "remote.log.copy.disable",
+        "remote.log.delete.on.disable",
+        "remote.storage.enable",
+        "retention.bytes",
+        "retention.ms",
+        "segment.bytes",
+        "segment.index.bytes",
+        "segment.jitter.ms",
+        "segment.ms",
+        "unclean.leader.election.enable",
+    ]
+)
+_TOPIC_KEY = re.compile(
+    r"varadhi\.topic\.(?:(" + "|".join(TOPIC_KINDS) + r")\.)?(replication\.factor|config\.(.+))"
+)
+
+
+@dataclass(frozen=True)
+class TopicSettings:
+    """How to create one kind of topic: the replication factor (-1: the cluster's default) and
+    topic configs (only those set; the cluster's defaults for the rest)."""
+
+    replication_factor: int = -1
+    configs: tuple[tuple[str, str], ...] = ()
+
+    def config(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The configs, with `extra` (the product's own, e.g. `cleanup.policy=compact` for the
+        catalog) under them: a configured value wins."""
+        return {**(extra or {}), **dict(self.configs)}
+
+    def with_defaults(self, extra: Mapping[str, str]) -> TopicSettings:
+        """These settings with `extra` configs where none is configured."""
+        return TopicSettings(self.replication_factor, tuple(sorted(self.config(extra).items())))
+
+
+def _topic_property(key: str, value: str, where: str) -> None:
+    """Refuse a bad `varadhi.topic.*` property."""
+    m = _TOPIC_KEY.fullmatch(key)
+    if not m:
+        forms = [
+            f"{TOPIC_PREFIX}{k}replication.factor" for k in ("", *[f"{k}." for k in TOPIC_KINDS])
+        ]
+        close = difflib.get_close_matches(key, forms, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise KafkaConfigError(
+            f"{where}unknown property {key!r}{hint}: use {TOPIC_PREFIX}[<kind>.]replication.factor "
+            f"or {TOPIC_PREFIX}[<kind>.]config.<topic config>, kind one of {', '.join(TOPIC_KINDS)}"
+        )
+    kind, what, config = m.groups()
+    if config is None:
+        if not re.fullmatch(r"-1|[1-9]\d{0,4}", value.strip()):
+            raise KafkaConfigError(
+                f"{where}{key} must be a positive integer or -1 (the cluster's "
+                f"default.replication.factor), not {value!r}"
+            )
+        return
+    if config not in TOPIC_CONFIGS:
+        close = difflib.get_close_matches(config, TOPIC_CONFIGS, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise KafkaConfigError(f"{where}{key}: {config!r} is not a Kafka topic config{hint}")
+    if kind == "catalog" and config == "cleanup.policy" and "compact" not in value:
+        raise KafkaConfigError(
+            f"{where}{key}={value}: the catalog topic must be compacted (cleanup.policy=compact)"
+        )
+
+
+def topic_settings(props: Mapping[str, str], kind: str) -> TopicSettings:
+    """The `TopicSettings` of `kind` from resolved properties (validated by `load`)."""
+    if kind not in TOPIC_KINDS:
+        raise ValueError(kind)
+    factor = -1
+    general: dict[str, str] = {}
+    specific: dict[str, str] = {}
+    specific_factor = None
+    for key, value in props.items():
+        m = _TOPIC_KEY.fullmatch(key)
+        if not m or m.group(1) not in (None, kind):
+            continue
+        if m.group(3) is None:
+            if m.group(1) is None:
+                factor = int(value)
+            else:
+                specific_factor = int(value)
+        else:
+            (general if m.group(1) is None else specific)[m.group(3)] = value.strip()
+    configs = {**general, **specific}
+    if kind == "catalog" and "compact" not in configs.get("cleanup.policy", "compact"):
+        configs.pop("cleanup.policy")  # a general delete policy never applies to the catalog
+    return TopicSettings(
+        specific_factor if specific_factor is not None else factor, tuple(sorted(configs.items()))
+    )
+
+
+def _check_topics(props: Mapping[str, str], where: str) -> None:
+    for kind in TOPIC_KINDS:
+        ts = topic_settings(props, kind)
+        isr = dict(ts.configs).get("min.insync.replicas")
+        if isr is not None and not re.fullmatch(r"[1-9]\d{0,4}", isr):
+            raise KafkaConfigError(
+                f"{where}min.insync.replicas must be a positive integer, not {isr!r}"
+            )
+        if isr is not None and ts.replication_factor != -1 and int(isr) > ts.replication_factor:
+            raise KafkaConfigError(
+                f"{where}{kind} topics: min.insync.replicas {isr} is more than their replication "
+                f"factor {ts.replication_factor}: no write could ever succeed"
+            )
+
+
 #: Keys whose value is secret as a whole; sasl.jaas.config has secret options inside.
 SECRET_KEYS = {"ssl.truststore.password", "ssl.keystore.password", "ssl.key.password"}
 SECRET_OPTIONS = {"password", "clientSecret", "client_secret", "token"}
@@ -265,7 +406,11 @@ class KafkaConfig:
     def spark_options(self) -> dict[str, str]:
         """The Spark Kafka source/sink's options (`kafka.` + the Java client property), without
         bootstrap.servers (the caller sets `kafka.bootstrap.servers`)."""
-        props = {k: v for k, v in self.resolved if k != "bootstrap.servers"}
+        props = {
+            k: v
+            for k, v in self.resolved
+            if k != "bootstrap.servers" and not k.startswith(TOPIC_PREFIX)
+        }
         if props.get("ssl.truststore.location") and "ssl.truststore.type" not in props:
             props["ssl.truststore.type"] = "PEM"
         if props.get("ssl.keystore.location") and "ssl.keystore.type" not in props:
@@ -273,6 +418,10 @@ class KafkaConfig:
         if self.mechanism == "OAUTHBEARER":
             props.setdefault("sasl.login.callback.handler.class", OAUTH_HANDLER)
         return {f"kafka.{k}": v for k, v in props.items()}
+
+    def topics(self, kind: str) -> TopicSettings:
+        """How to create the product's topics of `kind` (one of `TOPIC_KINDS`)."""
+        return topic_settings(dict(self.resolved), kind)
 
     def describe(self) -> dict[str, str]:
         """The properties as written, inline secrets hidden (safe to print and log)."""
@@ -351,12 +500,15 @@ def from_properties(
     environ = os.environ if environ is None else environ
     where = f"{source}: " if source else ""
     for key in props:
-        if key not in KNOWN:
+        if key.startswith("varadhi."):
+            _topic_property(key, props[key], where)
+        elif key not in KNOWN:
             close = difflib.get_close_matches(key, KNOWN, n=1, cutoff=0.75)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise KafkaConfigError(f"{where}unknown Kafka client property {key!r}{hint}")
     resolved = {k: _resolve(k, v, environ, where) for k, v in props.items()}
     _validate(resolved, where)
+    _check_topics(resolved, where)
     return KafkaConfig(
         written=tuple(sorted(props.items())),
         resolved=tuple(sorted(resolved.items())),

@@ -28,6 +28,12 @@ MAX_REQUEST_BYTES = 16 * 1024 * 1024
 # bound, so that a record that passes `fits` is accepted.
 RECORD_OVERHEAD_BYTES = 128
 HEADER_OVERHEAD_BYTES = 10
+# What an RQ/DLQ record may hold beyond its main-topic record: the headers a shard adds (origin,
+# attempts, due and failure times, status, reason: `group_state.OUT_HEADERS_RESERVE_BYTES`), the
+# endpoint's answer (`delivery.RESPONSE_SNIPPET_BYTES`, up to 3 bytes per byte once decoded) and
+# the framing. A subscription's RQ and DLQ storage topics get the main topic's
+# `max.message.bytes` plus this (`topics.queue_configs`), so they take every record it takes.
+QUEUE_HEADROOM_BYTES = 8192
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,6 @@ import time
 from typing import Any
 
 from kafka import TopicPartition
-from kafka.admin import NewTopic
-from kafka.errors import TopicAlreadyExistsError
 
 from . import kafka_clients, layouts, subscriptions, topics
 from .catalog import Catalog, decode_record
@@ -36,21 +34,18 @@ def progress_topic(settings: Settings) -> str:
 
 
 def ensure_progress_topic(settings: Settings) -> None:
+    """Create the progress topic (one partition; `varadhi.topic.[progress.]*` settings of the
+    cluster configuration), or check a pre-created one has one partition."""
+    ts = kafka_clients.config_of(settings).topics("progress")
     admin = kafka_clients.admin(settings, client_id="varadhi-status")
     try:
-        if progress_topic(settings) not in admin.list_topics():
-            admin.create_topics(
-                [
-                    NewTopic(
-                        progress_topic(settings),
-                        1,
-                        1,
-                        topic_configs={"retention.ms": str(RETENTION_MS)},
-                    )
-                ]
-            )
-    except TopicAlreadyExistsError:
-        pass
+        topics.ensure_kafka_topic(
+            admin,
+            progress_topic(settings),
+            1,
+            ts.with_defaults({"retention.ms": str(RETENTION_MS)}),
+            what="the progress topic",
+        )
     finally:
         admin.close()
 

@@ -912,9 +912,18 @@ class SubscriptionService:
         spec = _normalise(spec, "create")
         missing = check_create(self.catalog.snapshot(), spec)
         topic_service = topics.TopicService(self.catalog)
+        configs = (
+            topics.queue_configs(
+                self.catalog, topics.from_snapshot(self.catalog.snapshot(), spec.topic)
+            )
+            if missing
+            else None
+        )
         for name, partitions in missing:
             try:
-                topic_service.create(name, partitions, allow_uneven=True, internal=True)
+                topic_service.create(
+                    name, partitions, allow_uneven=True, internal=True, configs=configs
+                )
             except AlreadyExists:
                 pass  # a concurrent create of the same subscription; the record step re-checks
         sub = Subscription(spec, shard_count=spec.shards, created_ms=int(time.time() * 1000))

@@ -24,6 +24,8 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from . import kafka_clients, routing
 from .catalog import Catalog, Snapshot, key
 from .errors import AlreadyExists, InvalidArgument, KafkaUnavailable, NotFound
+from .kafka_config import TOPIC_CONFIGS, TopicSettings
+from .queue_records import QUEUE_HEADROOM_BYTES
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,199}$")
 INTERNAL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,199}\.(rq|dlq)$")
@@ -83,6 +85,10 @@ class CompositeTopic:
     produce_pointer: int = 0
     switched_at_ms: tuple[int | None, ...] = field(default=())
     internal: bool = False
+    # Topic configs of its storage topics set by the product or at create (an RQ/DLQ's
+    # `max.message.bytes`, `topic create --config`): every storage topic added later gets them.
+    configs: tuple[tuple[str, str], ...] = ()
+    replication_factor: int | None = None  # None: the cluster configuration's (varadhi.topic.*)
 
     @property
     def produce_topic(self) -> StorageTopic:
@@ -109,6 +115,12 @@ class CompositeTopic:
             "produce_pointer": self.produce_pointer,
             "switched_at_ms": list(self.switched_at_ms),
             "internal": self.internal,
+            **({"configs": dict(self.configs)} if self.configs else {}),
+            **(
+                {"replication_factor": self.replication_factor}
+                if self.replication_factor is not None
+                else {}
+            ),
         }
 
     @classmethod
@@ -121,7 +133,16 @@ class CompositeTopic:
             produce_pointer=int(d["produce_pointer"]),
             switched_at_ms=switched,
             internal=bool(d.get("internal", False)),
+            configs=tuple(sorted((d.get("configs") or {}).items())),
+            replication_factor=d.get("replication_factor"),
         )
+
+    @property
+    def kind(self) -> str:
+        """The kind of topic settings (`kafka_config.TOPIC_KINDS`) its storage topics use."""
+        if self.internal and self.name.rsplit(".", 1)[-1] in ("rq", "dlq"):
+            return self.name.rsplit(".", 1)[-1]
+        return "storage"
 
 
 def storage_name(composite: str, index: int) -> str:
@@ -129,12 +150,35 @@ def storage_name(composite: str, index: int) -> str:
 
 
 def new_topic(
-    name: str, partitions: int, allow_uneven: bool = False, internal: bool = False
+    name: str,
+    partitions: int,
+    allow_uneven: bool = False,
+    internal: bool = False,
+    configs: dict[str, str] | None = None,
+    replication_factor: int | None = None,
 ) -> CompositeTopic:
     validate_name(name, internal=internal)
     validate_partitions(partitions, allow_uneven)
+    for config in configs or {}:
+        if config not in TOPIC_CONFIGS:
+            raise InvalidArgument(f"{config!r} is not a Kafka topic config", field="config")
+    if replication_factor is not None and not (
+        replication_factor == -1 or 1 <= replication_factor <= 32767
+    ):
+        raise InvalidArgument(
+            f"must be a positive integer or -1 (the cluster's default), got {replication_factor}",
+            field="replication_factor",
+        )
     st = StorageTopic(storage_name(name, 0), partitions, 1)
-    return CompositeTopic(name, (st,), 0, (None,), internal)
+    return CompositeTopic(
+        name,
+        (st,),
+        0,
+        (None,),
+        internal,
+        tuple(sorted((configs or {}).items())),
+        replication_factor,
+    )
 
 
 @dataclass(frozen=True)
@@ -210,27 +254,107 @@ def from_snapshot(snapshot: Snapshot, name: str) -> CompositeTopic:
 # -- I/O ----------------------------------------------------------------------------------
 
 
-def create_kafka_topics(catalog: Catalog, storages: Sequence[StorageTopic]) -> None:
-    """Create the Kafka topics (idempotent: an existing topic with the same count is accepted)."""
+def settings_for(
+    settings: kafka_clients.HasKafka,
+    kind: str,
+    configs: dict[str, str] | None = None,
+    replication_factor: int | None = None,
+) -> TopicSettings:
+    """How to create a topic of `kind`: the cluster configuration's `varadhi.topic.*` settings
+    with the topic's own on top (`configs`, `replication_factor`). A `max.message.bytes` the
+    product needs (an RQ/DLQ's) is a minimum: a larger configured one stays."""
+    base = kafka_clients.config_of(settings).topics(kind)
+    merged = dict(base.configs)
+    for name, value in (configs or {}).items():
+        if name == "max.message.bytes" and name in merged:
+            value = str(max(int(merged[name]), int(value)))
+        merged[name] = value
+    factor = base.replication_factor if replication_factor is None else replication_factor
+    return TopicSettings(factor, tuple(sorted(merged.items())))
+
+
+def ensure_kafka_topic(
+    admin: Any, name: str, partitions: int, ts: TopicSettings, what: str = "Kafka topic"
+) -> bool:
+    """Create one Kafka topic with `ts`, or accept an existing (pre-created) one that fits:
+    its partition count is `partitions`, its replication factor at least a configured one, and
+    its `max.message.bytes` at least a required one (an RQ/DLQ's); otherwise `InvalidArgument`
+    saying what differs. True when this call created it."""
+    configs = dict(ts.configs)
+    try:
+        admin.create_topics(
+            [NewTopic(name, partitions, ts.replication_factor, topic_configs=configs)]
+        )
+        return True
+    except TopicAlreadyExistsError:
+        pass
+    existing = admin.describe_topics([name])[0]
+    count = len(existing["partitions"])
+    if count != partitions:
+        raise InvalidArgument(
+            f"{what} {name} already exists with {count} partitions, not {partitions}; "
+            "delete it or choose another name",
+            field="name",
+        ) from None
+    replicas = min(
+        (len(p.get("replica_nodes") or p.get("replicas") or ()) for p in existing["partitions"]),
+        default=0,
+    )
+    if ts.replication_factor != -1 and replicas < ts.replication_factor:
+        raise InvalidArgument(
+            f"{what} {name} already exists with replication factor {replicas}, less than the "
+            f"configured {ts.replication_factor}; add replicas (kafka-reassign-partitions) or "
+            "delete it",
+            field="name",
+        )
+    needed = int(configs.get("max.message.bytes", 0))
+    if needed:
+        found = _configs(admin, name, ["max.message.bytes"])["max.message.bytes"]
+        if int(found) < needed:
+            raise InvalidArgument(
+                f"{what} {name} already exists with max.message.bytes {found}, less than the "
+                f"{needed} it needs; raise it (kafka-configs --alter --entity-type topics "
+                f"--entity-name {name} --add-config max.message.bytes={needed}) or delete it",
+                field="name",
+            )
+    return False
+
+
+def _configs(admin: Any, name: str, keys: Sequence[str]) -> dict[str, str]:
+    found = admin.describe_configs(
+        [ConfigResource(ConfigResourceType.TOPIC, name, configs=list(keys))], config_filter="all"
+    )["topic"][name]
+    return {k: found[k]["value"] for k in keys}
+
+
+def create_kafka_topics(
+    catalog: Catalog, storages: Sequence[StorageTopic], topic: CompositeTopic | None = None
+) -> None:
+    """Create the Kafka topics of `topic` (its kind, configs and replication factor; a plain
+    storage topic without it). Idempotent: an existing topic that fits is accepted."""
+    ts = settings_for(
+        catalog.settings,
+        topic.kind if topic else "storage",
+        dict(topic.configs) if topic else None,
+        topic.replication_factor if topic else None,
+    )
     try:
         admin = kafka_clients.admin(catalog.settings, client_id="varadhi-admin")
     except KafkaError as e:
         raise KafkaUnavailable(f"cannot reach Kafka at {catalog.settings.bootstrap}: {e}") from e
     try:
         for st in storages:
-            try:
-                admin.create_topics([NewTopic(st.name, st.partitions, 1)])
-            except TopicAlreadyExistsError:
-                existing = admin.describe_topics([st.name])[0]
-                count = len(existing["partitions"])
-                if count != st.partitions:
-                    raise InvalidArgument(
-                        f"Kafka topic {st.name} already exists with {count} partitions, not "
-                        f"{st.partitions}; delete it or choose another name",
-                        field="name",
-                    ) from None
+            ensure_kafka_topic(admin, st.name, st.partitions, ts)
     finally:
         admin.close()
+
+
+def queue_configs(catalog: Catalog, main: CompositeTopic) -> dict[str, str]:
+    """The topic configs of a subscription's RQ and DLQ storage topics: a `max.message.bytes`
+    that takes every record of `main` (the largest of its storage topics' effective limits)
+    plus the headers a shard adds (`queue_records.QUEUE_HEADROOM_BYTES`)."""
+    limits = max_message_bytes(catalog, [st.name for st in main.storage_topics])
+    return {"max.message.bytes": str(max(limits.values()) + QUEUE_HEADROOM_BYTES)}
 
 
 def max_message_bytes(catalog: Catalog, names: Sequence[str]) -> dict[str, int]:
@@ -287,12 +411,18 @@ class TopicService:
         return [CompositeTopic.from_dict(d) for d in self.catalog.snapshot().items(KIND).values()]
 
     def create(
-        self, name: str, partitions: int, allow_uneven: bool = False, internal: bool = False
+        self,
+        name: str,
+        partitions: int,
+        allow_uneven: bool = False,
+        internal: bool = False,
+        configs: dict[str, str] | None = None,
+        replication_factor: int | None = None,
     ) -> CompositeTopic:
-        topic = new_topic(name, partitions, allow_uneven, internal)
+        topic = new_topic(name, partitions, allow_uneven, internal, configs, replication_factor)
         if self.catalog.snapshot().get(KIND, name) is not None:
             raise AlreadyExists("topic", name)
-        create_kafka_topics(self.catalog, topic.storage_topics)
+        create_kafka_topics(self.catalog, topic.storage_topics, topic)
 
         def change(snap: Snapshot):
             if snap.get(KIND, name) is not None:
@@ -307,7 +437,7 @@ class TopicService:
     ) -> AddStorageReport:
         current = self.get(name)
         planned, report = add_storage(current, partitions, allow_uneven)
-        create_kafka_topics(self.catalog, [report.storage])
+        create_kafka_topics(self.catalog, [report.storage], current)
 
         def change(snap: Snapshot):
             now = from_snapshot(snap, name)
