@@ -66,7 +66,7 @@ from typing import Any, Literal
 
 import pandas as pd
 
-from . import kafka_clients, layouts, routing, subscriptions, topics
+from . import kafka_clients, layouts, routing, status, subscriptions, topics
 from .catalog import Catalog, Snapshot, key
 from .checkpoints import Offsets, shard_position
 from .errors import InvalidArgument, NotFound, VaradhiError
@@ -429,18 +429,24 @@ def plan_change(
     )
 
 
-def activated(doc: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+def activated(
+    doc: Mapping[str, Any], plan: Plan, carried_totals: Mapping[str, int] | None = None
+) -> dict[str, Any]:
     """The subscription record after the `activate` step (pure), changed in place: the state's
     `shard_count`, `rq_from` and `dlq_from`, and the spec's `shards`, `rq_partitions` and
     `dlq_partitions` with them (the new storage topics' counts), so the spec still describes
     the subscription as it runs. A spec left at the old count made every later edit of the
-    record, `pause` and `resume` included, fail as a shard-count change by `apply`."""
+    record, `pause` and `resume` included, fail as a shard-count change by `apply`.
+    `carried_totals` (`status.carry_totals`: the retired shards' counters) replaces the
+    state's, when given."""
     state = dict(
         doc["state"],
         shard_count=plan.to_shards,
         rq_from=plan.rq_target_index,
         dlq_from=plan.dlq_target_index,
     )
+    if carried_totals is not None:
+        state["carried_totals"] = dict(carried_totals)
     spec = dict(
         doc["spec"],
         shards=plan.to_shards,
@@ -746,13 +752,17 @@ class ChangeShards:
 
     def _step_activate(self, plan: Plan) -> None:
         name = plan.name
+        # The retired shards are stopped: their last progress holds their final counts.
+        progress = status.latest_progress(self.catalog.settings, name)
 
         def change(snap: Snapshot):
             doc = snap.get(subscriptions.KIND, name)
             if doc is None:
                 raise NotFound("subscription", name)
+            before = doc["state"].get("carried_totals", {})
+            carried = status.carry_totals(before, progress, plan.from_shards)
             return {
-                key(subscriptions.KIND, name): activated(doc, plan),
+                key(subscriptions.KIND, name): activated(doc, plan, carried),
                 key(OPERATION, operation_name(name)): _touch(_require_op(snap, name), step="feed"),
             }
 

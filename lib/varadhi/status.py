@@ -13,6 +13,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from kafka import TopicPartition
@@ -199,6 +200,23 @@ def shard_state(
 STAT_NAMES = ("inserted", "routed", "emitted", "acknowledged")
 
 
+def carry_totals(
+    carried: Mapping[str, int], progress: Mapping[int, Mapping[str, Any]], shard_count: int
+) -> dict[str, int]:
+    """`carried` plus the counters (`totals`) of shards 0..shard_count-1 from their latest
+    progress documents of that shard count (pure). A shard-count change records this for the
+    shards it retires, so the subscription's counts go on across the change."""
+    out = {k: int(v) for k, v in carried.items()}
+    for shard in range(shard_count):
+        doc = progress.get(shard) or {}
+        if doc.get("shard_count", shard_count) != shard_count:
+            continue
+        for k, v in (doc.get("totals") or {}).items():
+            if isinstance(v, int):
+                out[k] = out.get(k, 0) + v
+    return out
+
+
 def stats_of(inserted: int, totals: dict[str, int]) -> dict[str, int]:
     """Seed 002's counters for one shard: messages produced to its partitions (inserted), read by
     it from the main topic (routed), delivery attempts (emitted) and successes (acknowledged)."""
@@ -221,7 +239,9 @@ def topic_statistics(catalog: Catalog, topic: str) -> dict[str, Any]:
         if doc["spec"]["topic"] != topic:
             continue
         progress = latest_progress(catalog.settings, name)
+        carried = doc.get("state", {}).get("carried_totals", {})
         per_shard = [stats_of(0, p.get("totals", {})) for p in progress.values()]
+        per_shard.append(stats_of(0, carried))
         subs[name] = {k: sum(s[k] for s in per_shard) for k in STAT_NAMES if k != "inserted"}
     return {"inserted": sum(sum(v) for v in ends.values()), "subscriptions": subs}
 
@@ -311,8 +331,11 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
     operations = {
         k: v for k, v in snap.items("operation").items() if k == name or k.startswith(f"{name}/")
     }
+    # Counts of the shards a shard-count change retired (`carry_totals`) go on in the totals.
+    carried = (snap.get(subscriptions.KIND, name) or {}).get("state", {}).get("carried_totals", {})
+    before = stats_of(0, carried)
     return {
-        "stats": {k: sum(s["stats"][k] for s in shards) for k in STAT_NAMES},
+        "stats": {k: before[k] + sum(s["stats"][k] for s in shards) for k in STAT_NAMES},
         "subscription": name,
         "paused": sub.paused,
         "generation": sub.generation,

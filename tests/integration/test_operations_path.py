@@ -201,6 +201,9 @@ def test_pause_change_shards_feed_resume_delivers_everything_in_order(
         assert (doc["shard_count"], doc["paused"], len(doc["shards"])) == (3, False, 3)
         assert all(s["queues"]["dlq"]["depth"] == 0 for s in doc["shards"])
         assert all(s["blocked_groups"] == 0 for s in doc["shards"])
+        # The counts of the two retired shards go on in the subscription's (carried over).
+        assert doc["stats"]["acknowledged"] >= len(wanted)
+        assert doc["stats"]["routed"] >= len(produced)
 
         # after the change: pause and resume still work, and the new shards report paused
         assert varadhi_cli("subscription", "pause", name)[0] == 0

@@ -62,3 +62,15 @@ def test_a_restarted_query_reports_what_the_last_one_consumed_on_the_same_layout
     assert where["consumed"] == {"t.0": {"0": 40}} and where["reading"] == {"t.0": [0]}
     assert "consumed" not in where_reading(dict(before, layout=1), 2, layout, {"t.0": [0]})
     assert "consumed" not in where_reading(before, 3, layout, {"t.0": [0]})
+
+
+def test_a_shard_count_change_carries_the_retired_shards_counts():
+    from varadhi.status import carry_totals
+
+    progress = {
+        0: {"shard_count": 2, "totals": {"delivered": 5, "routed": 6}},
+        1: {"shard_count": 2, "totals": {"delivered": 7, "routed": 7, "last": "x"}},
+        2: {"shard_count": 3, "totals": {"delivered": 100}},  # not one of the two retired
+    }
+    assert carry_totals({"delivered": 1}, progress, 2) == {"delivered": 13, "routed": 13}
+    assert carry_totals({}, {}, 2) == {}
