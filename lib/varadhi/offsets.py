@@ -43,7 +43,6 @@ from .layouts import READER_KIND, Layout
 Queue = Literal["main", "rq", "dlq"]
 Mode = Literal["to-earliest", "to-latest", "to-datetime", "shift-by", "to-storage-topic"]
 OPERATION = "operation"
-STOPPED_STATES = ("stopped", "fenced", "paused", "never started", "silent")
 
 
 @dataclass(frozen=True)
@@ -382,15 +381,15 @@ def skipped_records(catalog: Catalog, moves: tuple[Move, ...]) -> list[tuple[int
 
 
 def ensure_stopped(catalog: Catalog, name: str) -> None:
-    running = [
-        (shard, doc.get("state"))
-        for shard, doc in status.latest_progress(catalog.settings, name).items()
-        if doc.get("state") not in STOPPED_STATES
-        and int(time.time() * 1000) - int(doc.get("updated_ms", 0)) < 60_000
-    ]
+    """Refuse while any shard of `name` may still be running (`status.running_shards`)."""
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    now = int(time.time() * 1000)
+    progress = status.latest_progress(catalog.settings, name)
+    running = status.running_shards(sub, progress, status.leases_of(snap, sub, now), now)
     if running:
         raise InvalidArgument(
-            f"shards {[s for s, _ in running]} of {name} are running; stop them (SIGTERM) or "
+            f"shards {sorted(running)} of {name} are running; stop them (SIGTERM) or "
             f"`varadhi subscription pause {name}` first",
             field="subscription",
         )

@@ -78,7 +78,6 @@ from .topics import CompositeTopic, StorageTopic
 OPERATION = "operation"
 KIND = "change-shards"
 STEPS = ("fence", "queues", "state", "layouts", "activate", "feed", "done")
-STALE_MS = 60_000  # running shards publish progress every 5 s; silent this long means dead
 FeederMode = Literal["in-process", "external"]
 Queue = Literal["rq", "dlq"]
 
@@ -238,22 +237,15 @@ def finished(op: Mapping[str, Any] | None, sub: Subscription, to: int) -> bool:
 
 
 def check_stopped(
-    sub: Subscription, progress: Mapping[int, Mapping[str, Any]], now_ms: int
+    sub: Subscription,
+    progress: Mapping[int, Mapping[str, Any]],
+    now_ms: int,
+    leases: Mapping[int, dict[str, Any] | None] | None = None,
 ) -> None:
-    """Refuse (`ShardsRunning`) unless every shard is stopped, fenced, never started or silent
-    for `STALE_MS` (a killed process cannot say it stopped), or the subscription is paused and
-    the shard says it is paused."""
-    running = {}
-    for shard in range(sub.shard_count):
-        doc = progress.get(shard)
-        if not doc:
-            continue
-        state = str(doc.get("state", ""))
-        if state in ("stopped", "fenced") or (state == "paused" and sub.paused):
-            continue
-        if now_ms - int(doc.get("updated_ms") or 0) >= STALE_MS:
-            continue
-        running[shard] = state
+    """Refuse (`ShardsRunning`) while any shard may still be running (`status.running_shards`:
+    shards that stopped, were fenced, never started, are dead by their lease or silent, or are
+    paused while the subscription is paused, do not count)."""
+    running = status.running_shards(sub, progress, leases or {}, now_ms)
     if running:
         raise ShardsRunning(sub.name, running)
 
@@ -575,7 +567,8 @@ class ChangeShards:
                 )
             return self._resumed_plan(snap, name, op)
         self._check_no_pending_feeders(op, name)
-        check_stopped(sub, _progress(self.catalog, name), int(time.time() * 1000))
+        now = int(time.time() * 1000)
+        check_stopped(sub, _progress(self.catalog, name), now, status.leases_of(snap, sub, now))
         seq = next_layout_seq(snap, name, to, sub.generation)
         positions = self._positions(sub)
         ends = topics.end_offsets(self.catalog, mq.storage_topics)
@@ -610,10 +603,13 @@ class ChangeShards:
             snap = self.catalog.snapshot()
             plan = self._resumed_plan(snap, name, op)
             if step != "fence":  # fenced old shards report "fenced"; anything else is new
+                now = int(time.time() * 1000)
+                current = subscriptions.from_snapshot(snap, name)
                 check_stopped(
-                    subscriptions.from_snapshot(snap, name),
+                    current,
                     _progress(self.catalog, name),
-                    int(time.time() * 1000),
+                    now,
+                    status.leases_of(snap, current, now),
                 )
             for s in STEPS[STEPS.index(step) : STEPS.index("feed")]:
                 report = getattr(self, f"_step_{s}")(plan)

@@ -175,11 +175,17 @@ def circuit_text(circuit: dict[str, Any] | None, now_ms: int) -> str:
     return "half-open" if state == "half_open" else str(state)
 
 
+# A running shard publishes progress at least every 5 s: silent this long, it is taken for dead.
+SILENT_MS = 60_000
+# States in which a shard does nothing (`paused` too, while the subscription is paused).
+IDLE_STATES = ("stopped", "fenced", "never started", "silent", "dead")
+
+
 def shard_state(
     doc: dict[str, Any],
     age_ms: int | None,
     lease: dict[str, Any] | None,
-    silent_ms: int = 60_000,
+    silent_ms: int = SILENT_MS,
 ) -> tuple[str, int | None]:
     """A shard's state for status (pure) and, when `dead`, ms since its lease was last renewed.
 
@@ -195,6 +201,39 @@ def shard_state(
     if age_ms is not None and age_ms >= silent_ms:
         return "silent", None
     return said, None
+
+
+def running_shards(
+    sub: subscriptions.Subscription,
+    progress: Mapping[int, Mapping[str, Any]],
+    leases: Mapping[int, dict[str, Any] | None],
+    now_ms: int,
+) -> dict[int, str]:
+    """The shards of `sub` that may still be running, with their state (pure): not those that
+    said they stopped or were fenced, never started, are dead by their lease or silent
+    (`shard_state`: a killed process cannot say it stopped), nor those paused while the
+    subscription is paused. Operations that need the shards stopped refuse while any is."""
+    running = {}
+    for shard in range(sub.shard_count):
+        doc = progress.get(shard)
+        if not doc:
+            continue
+        age = now_ms - int(doc["updated_ms"]) if doc.get("updated_ms") else None
+        state, _ = shard_state(dict(doc), age, leases.get(shard))
+        if state in IDLE_STATES or (state == "paused" and sub.paused):
+            continue
+        running[shard] = state
+    return running
+
+
+def leases_of(snap, sub: subscriptions.Subscription, now_ms: int) -> dict[int, Any]:
+    """Each shard's lease as `lease_view` shows it (None: no lease document)."""
+    return {
+        shard: lease_view(
+            snap.get(LEASE_KIND, layouts.owner(sub.name, sub.shard_count, shard)), now_ms
+        )
+        for shard in range(sub.shard_count)
+    }
 
 
 STAT_NAMES = ("inserted", "routed", "emitted", "acknowledged")
@@ -259,6 +298,7 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
     progress = shard_documents(found)
     now = int(time.time() * 1000)
     standbys = standbys_of(found, now)
+    leases = leases_of(snap, sub, now)
     shards = []
     for shard in range(sub.shard_count):
         doc = progress.get(shard, {})
@@ -289,7 +329,7 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
             for i, st in enumerate(mq.storage_topics)
             for p in subscriptions.owned_partitions(sub, mq, i, shard)
         )
-        held = lease_view(snap.get(LEASE_KIND, layouts.owner(name, sub.shard_count, shard)), now)
+        held = leases[shard]
         state, dead_ms = shard_state(doc, age, held)
         shards.append(
             {

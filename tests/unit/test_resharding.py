@@ -13,6 +13,7 @@ from varadhi import routing
 from varadhi.catalog import Snapshot
 from varadhi.errors import InvalidArgument
 from varadhi.layouts import Layout
+from varadhi.status import SILENT_MS
 from varadhi.subscriptions import Subscription, changed_fields, parse_spec
 from varadhi.topics import StorageTopic, add_storage, new_topic, switch_produce
 
@@ -288,7 +289,7 @@ def test_check_stopped():
         {0: {"state": "stopped", "updated_ms": fresh}, 1: {"state": "fenced", "updated_ms": fresh}},
         now,
     )
-    rs.check_stopped(sub, {0: {"state": "running", "updated_ms": now - rs.STALE_MS}}, now)
+    rs.check_stopped(sub, {0: {"state": "running", "updated_ms": now - SILENT_MS}}, now)
     with pytest.raises(rs.ShardsRunning) as e:
         rs.check_stopped(
             sub,
@@ -304,6 +305,16 @@ def test_check_stopped():
     rs.check_stopped(paused, {2: {"state": "paused", "updated_ms": fresh}}, now)
     with pytest.raises(rs.ShardsRunning):
         rs.check_stopped(paused, {1: {"state": "running", "updated_ms": fresh}}, now)
+
+
+def test_a_shard_dead_by_its_lease_does_not_hold_an_operation_back():
+    now = 1_000_000
+    sub = subscription(3)
+    quiet = {"state": "running", "updated_ms": now - 20_000}  # not yet silent (60 s)
+    expired = {"expired": True, "ttl_ms": 15_000, "renewed_age_ms": 20_000}
+    rs.check_stopped(sub, {0: quiet}, now, {0: expired})
+    with pytest.raises(rs.ShardsRunning):
+        rs.check_stopped(sub, {0: quiet}, now, {0: dict(expired, expired=False)})
 
 
 def test_next_layout_seq_skips_a_previous_era_at_the_same_count():
