@@ -5,7 +5,7 @@ Targets, all on 127.0.0.1:
 - `test-endpoint`: `python -m varadhi.testing.endpoint` in its own process (a threaded Python
   server: this row measures the server more than the engine);
 - `nginx-204`: Debian's nginx (one worker) answering `return 204;`, with a config written to a
-  temporary directory: the engine's own ceiling, as in DESIGN.md section 6;
+  temporary directory: the engine's own ceiling;
 - `wrk` against each, one thread, the same connection count: the endpoint's ceiling.
 
 The engine delivers `--groups` streams (pulled lazily, like a shard's groups) with

@@ -3,7 +3,7 @@ connections, driven by one libcurl multi handle (pycurl `CurlMulti`).
 
 It runs on Spark executors inside `mapInPandas`, one `HttpDeliverer` per task: it imports
 nothing from Spark and keeps no module-level state, so a reused Python worker starts clean.
-libcurl was chosen by measurement (DESIGN.md section 6): one Python process posted 46.5k req/s
+libcurl was chosen by measurement (docs/benchmarks.md): one Python process posted 46.5k req/s
 through a `CurlMulti` where aiohttp managed 10.3k, and the HTTP client is the dominant cost of
 delivery. The loop below therefore does as little Python per request as it can: easy handles are
 created once and reused, per-request work is two `setopt` calls and one `add_handle`.

@@ -1,7 +1,7 @@
 """Typed, immutable configuration of a subscription: endpoint, retry, consumption and circuit
 breaker policies.
 
-These are plain frozen dataclasses with defaults that match DESIGN.md section 2. Parsing YAML or
+These are plain frozen dataclasses with defaults that match the README's guarantees. Parsing YAML or
 CLI options into them, and validating them with messages that name the field, lives in
 `varadhi.subscriptions`; deciding what a response means lives in `varadhi.retry`, and when to
 stop sending to a failing endpoint in `varadhi.circuit`.
