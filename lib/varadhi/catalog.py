@@ -77,6 +77,10 @@ class Snapshot:
     def get(self, kind: str, name: str) -> Document | None:
         return self._entries.get(key(kind, name))
 
+    def all_keys(self) -> list[str]:
+        """Every key, sorted (`<kind>/<name>`)."""
+        return sorted(self._entries)
+
     def items(self, kind: str) -> dict[str, Document]:
         prefix = f"{kind}/"
         return {

@@ -141,7 +141,11 @@ def progress_documents(settings: Settings, subscription: str) -> dict[str, dict[
                         log.warning("progress topic: skipped a record another program wrote")
                         continue
                     name, doc = entry
-                    if name.startswith(prefix) and doc is not None:
+                    if not name.startswith(prefix):
+                        continue
+                    if doc is None:  # a tombstone (`subscription delete`): forget the key
+                        found.pop(name[len(prefix) :], None)
+                    else:
                         found[name[len(prefix) :]] = doc
         return found
     finally:

@@ -17,6 +17,19 @@ from . import dlq, jobs, offsets, outbox, produce, replay, status, subscription,
 COMMAND_GROUPS = [topic, produce, subscription, status, dlq, offsets, replay, outbox, jobs]
 
 
+def version() -> str:
+    """The installed package's version, or `varadhi.__version__` when it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("varadhi-spark")
+    except PackageNotFoundError:
+        from .. import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="varadhi",
@@ -30,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
         "them (default: $VARADHI_KAFKA_CONFIG)",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    parser.add_argument("--version", action="version", version=f"varadhi-spark {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for group in COMMAND_GROUPS:
         group.register(sub)

@@ -117,6 +117,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     common.add_output(cs)
     cs.set_defaults(func=_change_shards)
 
+    dl = ssub.add_parser(
+        "delete",
+        help="delete a subscription (shards stopped)",
+        description="Delete a subscription whose shards are stopped (or paused and reported "
+        "paused) and which has no operation in progress: every catalog record of it (the "
+        "subscription, its RQ/DLQ composite topics, leases, reader layouts, operations) in one "
+        "catalog transaction, and unless --keep-data its RQ/DLQ Kafka topics and its warehouse "
+        "folder (GroupState, checkpoints, dedup). After a crash, run it again to finish.",
+    )
+    dl.add_argument("name", help="subscription name")
+    dl.add_argument(
+        "--dry-run", action="store_true", help="print what would be removed; change nothing"
+    )
+    dl.add_argument(
+        "--keep-data",
+        action="store_true",
+        help="keep the RQ/DLQ Kafka topics and the warehouse folder (only the catalog records go)",
+    )
+    common.add_output(dl)
+    dl.set_defaults(func=_delete)
+
 
 @contextmanager
 def _service(args: argparse.Namespace) -> Iterator[SubscriptionService]:
@@ -294,4 +315,26 @@ def _change_shards(args: argparse.Namespace) -> int:
             f"subscription {args.name} is paused: its new shards wait until "
             f"`varadhi subscription resume {args.name}`"
         )
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    from ..lifecycle import SubscriptionDeleter, text_subscription_plan
+
+    text = args.output == "text"
+    catalog = common.catalog(args)
+    try:
+        deleter = SubscriptionDeleter(
+            catalog, print if text and not args.dry_run else lambda _l: None
+        )
+        if args.dry_run:
+            plan = deleter.plan(args.name, args.keep_data)
+        else:
+            plan = deleter.execute(args.name, args.keep_data)
+    finally:
+        catalog.close()
+    if text:
+        print("\n".join(text_subscription_plan(plan, done=not args.dry_run)))
+    else:
+        common.emit_json({**plan.to_dict(), "dry_run": args.dry_run})
     return 0

@@ -76,6 +76,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     common.add_output(d)
     d.set_defaults(func=_describe)
 
+    dl = tsub.add_parser(
+        "delete",
+        help="delete a composite topic no subscription uses",
+        description="Delete a composite topic: refused while a subscription uses it (they are "
+        "named). Removes its catalog record and, unless --keep-data, its Kafka storage topics. "
+        "After a crash, run it again to finish.",
+    )
+    dl.add_argument("name", metavar="NAME")
+    dl.add_argument(
+        "--dry-run", action="store_true", help="print what would be removed; change nothing"
+    )
+    dl.add_argument(
+        "--keep-data",
+        action="store_true",
+        help="keep the Kafka storage topics (only the record goes)",
+    )
+    common.add_output(dl)
+    dl.set_defaults(func=_delete)
+
     ls = tsub.add_parser(
         "list",
         help="list composite topics",
@@ -155,6 +174,26 @@ def _list(args: argparse.Namespace) -> int:
         if i:
             print()
         print("\n".join(describe_lines(doc)))
+    return 0
+
+
+def _delete(args: argparse.Namespace) -> int:
+    from ..lifecycle import TopicDeleter, text_topic_plan
+
+    text = args.output == "text"
+    catalog = common.catalog(args)
+    try:
+        deleter = TopicDeleter(catalog, print if text and not args.dry_run else lambda _l: None)
+        if args.dry_run:
+            plan = deleter.plan(args.name, args.keep_data)
+        else:
+            plan = deleter.execute(args.name, args.keep_data)
+    finally:
+        catalog.close()
+    if text:
+        print("\n".join(text_topic_plan(plan, done=not args.dry_run)))
+    else:
+        common.emit_json({**plan.to_dict(), "dry_run": args.dry_run})
     return 0
 
 
