@@ -37,22 +37,24 @@ def write_junk(bootstrap: str, topic: str) -> None:
 
 
 def test_junk_on_the_catalog_and_progress_topics_is_skipped(settings, caplog):
-    own = replace(settings, catalog_topic=f"__varadhi_catalog_junk_{uuid.uuid4().hex[:8]}")
+    run = uuid.uuid4().hex[:8]
+    own = replace(settings, catalog_topic=f"__varadhi_catalog_junk_{run}")
+    topic, name = f"junk-{run}", f"junk-http-{run}"  # Kafka topic names are the broker's
     catalog = Catalog(own)
     try:
-        TopicService(catalog).create("orders", 2)
+        TopicService(catalog).create(topic, 2)
         write_junk(own.bootstrap, own.catalog_topic)
         spec = parse_spec(
-            {"name": "orders-http", "topic": "orders", "endpoint": {"url": "http://127.0.0.1:1/"}}
+            {"name": name, "topic": topic, "endpoint": {"url": "http://127.0.0.1:1/"}}
         )
         with caplog.at_level(logging.WARNING, logger="varadhi.catalog"):
             SubscriptionService(catalog).create(spec)  # reads past the junk, then writes
             fresh = Catalog(own)  # a new reader from the start
             try:
                 snapshot = fresh.snapshot()
-                assert "orders" in snapshot.items("topic")
-                assert "orders-http" in snapshot.items("subscription")
-                lease = Lease(fresh, "orders-http/s1/0")
+                assert topic in snapshot.items("topic")
+                assert name in snapshot.items("subscription")
+                lease = Lease(fresh, f"{name}/s1/0")
                 lease.acquire()
                 write_junk(own.bootstrap, own.catalog_topic)
                 lease.check()  # the lease check reads through the junk as well
@@ -60,8 +62,8 @@ def test_junk_on_the_catalog_and_progress_topics_is_skipped(settings, caplog):
                 fresh.close()
         assert "another program wrote" in caplog.text
 
-        ProgressPublisher(own, "orders-http", 0).publish({"state": "running"}, force=True)
+        ProgressPublisher(own, name, 0).publish({"state": "running"}, force=True, flush=True)
         write_junk(own.bootstrap, progress_topic(own))
-        assert latest_progress(own, "orders-http")[0]["state"] == "running"
+        assert latest_progress(own, name)[0]["state"] == "running"
     finally:
         catalog.close()
