@@ -13,8 +13,10 @@ A micro-batch runs in one or two Spark jobs (their bodies are the `mapInPandas` 
    groups' pending state (`varadhi.group_state.merge`). The driver builds its input from what
    phase 1 returned, so it knows which parked bodies to send without a pass over the batch.
 
-A batch that starts with no pending group is phase 1 alone. Both phases yield rows of the state
-table's schema (`STATE_SCHEMA`):
+A batch that starts with no pending group is phase 1 alone. In both phases a task journals the
+origins of the messages its endpoint accepted (`BatchContext.journal`, `varadhi.journal`), and
+in a batch run again after a crash it sends none of those the crashed run journaled
+(`BatchContext.replayed`). Both phases yield rows of the state table's schema (`STATE_SCHEMA`):
 
 - `pending` rows: the new state of every group touched;
 - `touched` rows: one per touched group that had state, so the driver drops its old rows;
@@ -42,6 +44,7 @@ import pandas as pd
 from . import messages as m
 from .delivery import HttpDeliverer
 from .group_state import Entry, GroupRun, RunCounts, merge
+from .journal import Accepted, JournalTarget, JournalWriter
 from .policies import SubscriptionSpec
 
 STATE_COLUMNS = [
@@ -85,6 +88,10 @@ class BatchContext:
     seed: int
     dedup: bool = False  # report delivered ids (kind `done`) for the de-duplication window
     max_out_bytes: int | None = None  # the largest record the RQ takes (GroupRun.max_out_bytes)
+    # Where the tasks journal accepted messages (`varadhi.journal`); None: not journaled.
+    journal: JournalTarget | None = None
+    # A replayed batch: origins a crashed run of it already delivered (sent no more).
+    replayed: Accepted | None = None
 
 
 def entry_from_record(row: dict, ctx: BatchContext) -> Entry:
@@ -266,17 +273,32 @@ def _deliver(
     """Merge each group's candidates with its pending state, deliver all groups concurrently
     (in order within each), and append the result rows to `rows`. Returns how many groups ran."""
     rng = random.Random(ctx.seed)
+    journal = JournalWriter(ctx.journal) if ctx.journal is not None and candidates else None
     runs: list[tuple[str, GroupRun]] = []
     for key, found in candidates.items():
         old = [entry_from_state(r) for r in pending.get(key, ())]
         queue = merge(old, found, counts)
         run = GroupRun(
-            queue, ctx.spec.retry, ctx.spec.on_dead_letter, _now_ms, rng, counts, ctx.max_out_bytes
+            queue,
+            ctx.spec.retry,
+            ctx.spec.on_dead_letter,
+            _now_ms,
+            rng,
+            counts,
+            ctx.max_out_bytes,
+            replayed=ctx.replayed,
+            journal=journal,
         )
         runs.append((key, run))
-    if runs:
-        with HttpDeliverer(ctx.spec.endpoint, ctx.spec.consumption.max_in_flight) as http:
-            http.run((run for _, run in runs), linger_s=ctx.spec.retry.in_place_window_ms / 1000)
+    try:
+        if runs:
+            with HttpDeliverer(ctx.spec.endpoint, ctx.spec.consumption.max_in_flight) as http:
+                http.run(
+                    (run for _, run in runs), linger_s=ctx.spec.retry.in_place_window_ms / 1000
+                )
+    finally:
+        if journal is not None:  # the last accepted messages, waiting for the broker
+            journal.close()
 
     for key, run in runs:
         if key in pending:

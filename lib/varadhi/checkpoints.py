@@ -51,6 +51,27 @@ def shard_position(
     return layout, layouts.merged(layout.starting_offsets, committed_offsets(path) or {})
 
 
+def uncommitted_batch(checkpoint: str) -> tuple[int, int] | None:
+    """(batch id, planning time in ms since the epoch) of the newest batch planned in the
+    checkpoint and never committed, or None. A query started on the checkpoint runs that batch
+    first, again: an earlier run started it and may have delivered part of it
+    (`varadhi.journal`). The time is Spark's `batchTimestampMs`, kept when the batch re-runs;
+    0 when the plan does not say."""
+    offsets = os.path.join(checkpoint, "offsets")
+    if not os.path.isdir(offsets):
+        return None
+    planned = max((int(n) for n in os.listdir(offsets) if n.isdigit()), default=-1)
+    if planned < 0 or os.path.exists(os.path.join(checkpoint, "commits", str(planned))):
+        return None
+    try:
+        with open(os.path.join(offsets, str(planned)), encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        planned_ms = int(json.loads(lines[1]).get("batchTimestampMs", 0))
+    except (OSError, IndexError, ValueError, AttributeError):
+        planned_ms = 0
+    return planned, planned_ms
+
+
 def forget_planned_batch(checkpoint: str, batch_id: int) -> bool:
     """Delete the plan of batch `batch_id` (`offsets/<id>`) if it is the newest plan and was
     never committed, so that the next query on the checkpoint plans that batch again under its

@@ -37,9 +37,9 @@ a run of their own each (no order, full parallelism).
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 from . import messages as m
 from .delivery import Outcome, Request, Wait
@@ -85,6 +85,15 @@ class RunCounts:
     duplicates: int = 0
     attempts: int = 0
     failures: int = 0
+    # Delivered without a request: accepted by the endpoint in a crashed run of this same
+    # micro-batch (`varadhi.journal`); also counted in `delivered`.
+    skipped_replayed: int = 0
+
+
+class Journal(Protocol):
+    """Where a run reports each message its endpoint accepted (`varadhi.journal.JournalWriter`)."""
+
+    def accepted(self, origin: m.Origin) -> None: ...
 
 
 def merge(pending: Iterable[Entry], candidates: Iterable[Entry], counts: RunCounts) -> list[Entry]:
@@ -130,6 +139,12 @@ class GroupRun:
     (`out_bytes`) is dead-lettered instead (the DLQ takes a truncated copy; see
     `varadhi.shard.fit_record`), so a record at the main topic's size limit never fails after
     the state commit.
+
+    `replayed` (a replayed micro-batch only): origins the endpoint accepted in a crashed run of
+    this same batch (`varadhi.journal`). A head found there is taken as delivered without a
+    request (`skipped_replayed`); only the head is ever considered, so a later message is
+    skipped only if it is journaled too, and the group keeps its order. `journal` is told the
+    origin of every message the endpoint accepts.
     """
 
     def __init__(
@@ -141,8 +156,12 @@ class GroupRun:
         rng: random.Random,
         counts: RunCounts,
         max_out_bytes: int | None = None,
+        replayed: Container[m.Origin] | None = None,
+        journal: Journal | None = None,
     ):
         self.entries = entries
+        self.replayed = replayed
+        self.journal = journal
         self.max_out_bytes = max_out_bytes
         self.policy = policy
         self.on_dead_letter = on_dead_letter
@@ -167,6 +186,12 @@ class GroupRun:
                 continue
             if head.location == "dlq" or head.value is None:
                 return None
+            if self.replayed is not None and head.origin in self.replayed:
+                self.entries.pop(0)  # accepted before the crash: delivered, not sent again
+                self.delivered.append(head)
+                self.counts.delivered += 1
+                self.counts.skipped_replayed += 1
+                continue
             wait_ms = head.due_ms - self.clock()
             if wait_ms > 0:  # a retry in place waits here; one read from the RQ early is parked
                 return Wait(wait_ms / 1000, while_busy=True) if self._in_place else None
@@ -199,6 +224,8 @@ class GroupRun:
             self.entries.pop(0)
             self.delivered.append(head)
             self.counts.delivered += 1
+            if self.journal is not None:
+                self.journal.accepted(head.origin)
             return
         self.counts.failures += 1
         head.first_failure_ms = head.first_failure_ms or now

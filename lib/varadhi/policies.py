@@ -84,12 +84,15 @@ class ConsumptionPolicy:
     into this many Spark tasks, or spread over them by group when there are fewer);
     `max_in_flight`: concurrent HTTP requests per task; `max_messages_per_batch` bounds a
     micro-batch (the Kafka source's maxOffsetsPerTrigger). A failing endpoint is the circuit
-    breaker's (`CircuitPolicy`)."""
+    breaker's (`CircuitPolicy`). `journal_interval_ms`: how often each delivery task records
+    the messages its endpoint accepted (`varadhi.journal`), so that a micro-batch run again
+    after a crash re-sends only what was accepted in that last interval; 0 turns it off."""
 
     concurrency: int = 2
     max_in_flight: int = 64
     max_messages_per_batch: int = 100_000
     trigger_interval_ms: int = 500
+    journal_interval_ms: int = 250
 
 
 @dataclass(frozen=True)

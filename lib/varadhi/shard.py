@@ -15,9 +15,12 @@ retry-queue (RQ) partitions it owns, and delivering with `foreachBatch`:
 5. send those records in one Kafka transaction (transactional id per shard, the inner fence);
 6. return, and Spark commits the batch's offsets.
 
-A crash between any two steps replays the batch: before step 4 nothing was recorded (deliveries
-repeat: at-least-once); after it, step 2 re-sends the recorded records, and duplicates in the RQ
-are recognised by GroupState (`varadhi.group_state.merge`). Healthy batches write nothing.
+A crash between any two steps replays the batch: before step 4 nothing was recorded but the
+delivery journal (`varadhi.journal`: the messages the endpoint accepted, recorded every
+`journal_interval` while the tasks deliver), so only deliveries made since a task's last journal
+record repeat (at-least-once); after it, step 2 re-sends the recorded records, and duplicates in
+the RQ are recognised by GroupState (`varadhi.group_state.merge`). Healthy batches write nothing
+but the journal.
 
 Reader layouts (DESIGN hazard 3). A shard reads one main-topic storage topic at a time: it moves
 from T_i to T_i+1 only when produce has moved off T_i more than a grace period ago (producers poll
@@ -44,7 +47,7 @@ from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from . import checkpoints, kafka_clients, layouts, leases, routing, subscriptions, topics
+from . import checkpoints, journal, kafka_clients, layouts, leases, routing, subscriptions, topics
 from . import dlq as dlq_ops
 from .batch import (
     STATE_SCHEMA,
@@ -97,6 +100,7 @@ class ShardStats:
     attempts: int = 0
     failures: int = 0
     replays: int = 0
+    skipped_replayed: int = 0
     last_batch: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -162,6 +166,10 @@ class ShardJob:
         self._where: dict[str, Any] = {}
         self._offsets_consumer: KafkaConsumer | None = None
         self._partitions_read = 0  # main-topic partitions of the running query
+        # The delivery journal (`varadhi.journal`): its partition count once the topic exists,
+        # and the batch a crashed run left uncommitted, which the running query runs first.
+        self._journal_partitions: int | None = None
+        self._replay: tuple[str, int, int] | None = None  # (checkpoint, batch id, planned ms)
 
     # -- set-up ---------------------------------------------------------------------------
     def _load(
@@ -480,6 +488,9 @@ class ShardJob:
         aborted, self._aborted, self._query_checkpoint = self._aborted, None, checkpoint
         if aborted and aborted[0] == checkpoint and checkpoints.forget_planned_batch(*aborted):
             log.info("%s shard %d: batch %d planned again", self.name, self.shard, aborted[1])
+        replay = checkpoints.uncommitted_batch(checkpoint)
+        self._replay = (checkpoint, *replay) if replay else None
+        self._ensure_journal(sub)
         source = (
             self.spark.readStream.format("kafka")
             .options(**kafka_clients.spark_options(self.settings))
@@ -794,6 +805,8 @@ class ShardJob:
             seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
             dedup=bool(sub.spec.dedup_window_ms),
             max_out_bytes=self._out_limit(rq.produce_topic.name),
+            journal=self._journal_target(sub, app_id, batch_id),
+            replayed=self._replayed(sub, app_id, batch_id),
         )
         result = self._deliver(records, ctx, store, pending, due_groups)
 
@@ -878,6 +891,71 @@ class ShardJob:
         )
         return pd.concat([first[~is_fwd], second], ignore_index=True)
 
+    # -- the delivery journal (`varadhi.journal`) --------------------------------------------
+    def _ensure_journal(self, sub: subscriptions.Subscription) -> None:
+        """Create the subscription's journal topic once per process when the journal is on.
+        Kafka failing here leaves the journal off for this query: deliveries go on."""
+        if sub.spec.consumption.journal_interval_ms <= 0 or self._journal_partitions:
+            return
+        try:
+            self._journal_partitions = journal.ensure_topic(
+                self.settings, journal.topic_name(self.name), sub.shard_count
+            )
+        except (KafkaError, VaradhiError) as e:
+            log.warning("%s shard %d: no delivery journal: %s", self.name, self.shard, e)
+
+    def _journal_target(self, sub, app_id: str, batch_id: int) -> journal.JournalTarget | None:
+        interval = sub.spec.consumption.journal_interval_ms
+        if interval <= 0 or not self._journal_partitions:
+            return None
+        return journal.JournalTarget(
+            bootstrap=self.settings.bootstrap,
+            topic=journal.topic_name(self.name),
+            partition=journal.partition_of(self.shard, self._journal_partitions),
+            key=journal.batch_key(app_id, batch_id, sub.created_ms),
+            interval_ms=interval,
+            kafka=kafka_clients.config_of(self.settings),
+        )
+
+    def _replayed(self, sub, app_id: str, batch_id: int) -> journal.Accepted | None:
+        """For the query's first batch when an earlier run planned it and never committed it:
+        the origins that run journaled as accepted (None for every other batch)."""
+        replay, self._replay = self._replay, None  # only the first batch can be a replay
+        if replay is None or replay[:2] != (self._query_checkpoint, batch_id):
+            return None
+        target = self._journal_target(sub, app_id, batch_id)
+        if target is None:
+            return None
+        started = time.monotonic()
+        try:
+            accepted = journal.read(
+                self.settings,
+                target.topic,
+                target.partition,
+                target.key,
+                since_ms=replay[2] - journal.LOOKBACK_MS,
+            )
+        except (KafkaError, VaradhiError) as e:
+            log.warning(
+                "%s shard %d: batch %d re-runs; its journal cannot be read (%s): it is "
+                "delivered again whole",
+                self.name,
+                self.shard,
+                batch_id,
+                e,
+            )
+            return None
+        log.info(
+            "%s shard %d: batch %d re-runs a batch an earlier run started; %d of its messages "
+            "were accepted then and are not sent again (journal read in %.2f s)",
+            self.name,
+            self.shard,
+            batch_id,
+            len(accepted),
+            time.monotonic() - started,
+        )
+        return accepted or None
+
     def _dedup_window(self, spark, sub) -> DedupWindow:
         if self._dedup is None:
             path = (
@@ -950,6 +1028,7 @@ class ShardJob:
             "deduplicated",
             "attempts",
             "failures",
+            "skipped_replayed",
         ):
             setattr(s, k, getattr(s, k) + int(counts.get(k, 0)))
         s.last_batch = {

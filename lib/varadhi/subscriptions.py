@@ -260,6 +260,7 @@ _CONSUMPTION_KEYS = (
     "max_in_flight",
     "max_messages_per_batch",
     "trigger_interval",
+    "journal_interval",
     *_LEGACY_CONSUMPTION_KEYS,
 )
 _CIRCUIT_KEYS = (
@@ -442,6 +443,9 @@ def _parse_consumption(s: _Section) -> ConsumptionPolicy:
             "max_messages_per_batch", _CONSUMPTION.max_messages_per_batch
         ),
         trigger_interval_ms=trigger,
+        journal_interval_ms=s.duration(
+            "journal_interval", _CONSUMPTION.journal_interval_ms, minimum=0
+        ),
     )
 
 
@@ -549,6 +553,7 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             "max_in_flight": c.max_in_flight,
             "max_messages_per_batch": c.max_messages_per_batch,
             "trigger_interval": c.trigger_interval_ms,
+            "journal_interval": c.journal_interval_ms,
         },
         "circuit_breaker": {
             "enabled": b.enabled,

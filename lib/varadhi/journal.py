@@ -1,0 +1,407 @@
+"""The delivery journal: which messages of a micro-batch the endpoint has already accepted, so
+that a batch run again after a crash sends only what was not.
+
+Why. Spark runs a micro-batch again when the process that started it died before committing it
+(`offsets/<N>` in the checkpoint, no `commits/<N>`). Without more, every delivery of that batch
+is made twice, and a shard's first batch after a restart can be its whole backlog
+(`max_messages_per_batch`).
+
+What. While a batch is delivered, every delivery task (`varadhi.batch._deliver`) hands the
+origin (`messages.Origin`, the main-topic position) of each message its endpoint accepted to a
+`JournalWriter`. A thread of the writer sends them to the subscription's journal topic
+(`<subscription>.journal`, plain Kafka, not transactional, acks=1) every `interval_ms`
+(`consumption.journal_interval`, default 250 ms) or every `FLUSH_MESSAGES` accepted messages,
+whichever comes first, and once more, waiting for the broker, when the task's deliveries are
+done. Records are keyed by `<app_id>/<batch_id>@<created_ms>` (the shard's idempotency id:
+subscription, generation, shard count, shard, reader layout; the subscription's creation time)
+and carry the origins as runs of offsets per storage topic and partition (a healthy batch's
+accepted offsets are nearly contiguous, so a record stays small whatever the rate).
+
+Only the first batch of a query can be one a crashed run had started (`checkpoints.
+uncommitted_batch`). For that batch only, the driver reads the journal records of its key
+(`read`: from the journal partition of its shard, starting at the batch's planning time minus
+`LOOKBACK_MS`, Kafka's time index) and passes the set of accepted origins (`Accepted`) to the
+tasks; a group run treats a message found there as delivered without sending it
+(`GroupRun`, counted `skipped_replayed`). Journal entries are successes in the order each group
+made them, so a group's order of first successes is unchanged.
+
+What is still delivered twice after a crash: the messages accepted within the last
+`interval_ms` (or `FLUSH_MESSAGES`) of each task before it died, and the requests in flight
+then (the endpoint may or may not have processed them). A crash after the deliveries (before
+the state commit or Spark's commit) re-delivers nothing: each task waited for its last record.
+
+The journal is best-effort by design: a record that fails to reach Kafka is logged and
+dropped (its messages may then be delivered twice, as without a journal); it never fails a
+batch. `interval_ms` 0 turns it off (no thread, no records, no read).
+
+The topic is created like the product's other topics (`varadhi.topic.[journal.]*` settings of the
+cluster configuration, `kafka_config`), and the tasks reach Kafka with the cluster's client
+configuration, carried in `JournalTarget` as the Spark Kafka source's options carry it.
+
+Hazards. `read` finds a batch's records by time: records of a batch whose crashed run started
+longer ago than the topic's retention (`RETENTION_MS`) are gone, and the batch is delivered
+again whole. The checkpoint is read through the local file system (`varadhi.checkpoints`); where
+the driver cannot read it the journal is written but never read. Producers are cached per
+Python worker process (`_producer`), since a Spark worker runs many tasks one after another.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kafka import KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
+
+from . import kafka_clients
+from . import messages as m
+from .kafka_config import PLAINTEXT, KafkaConfig
+
+log = logging.getLogger(__name__)
+
+# A task's writer sends as soon as this many accepted messages wait, even within the interval.
+FLUSH_MESSAGES = 1_000
+# Offsets (run starts and ends) per journal record, well under Kafka's default 1 MB per record.
+MAX_NUMBERS_PER_RECORD = 40_000
+# `read` starts this long before the batch's planning time: clocks of driver, executors and
+# broker may differ (records carry the broker's append time).
+LOOKBACK_MS = 10 * 60 * 1000
+RETENTION_MS = 3 * 24 * 3600 * 1000
+# How long a task waits for its last journal records, and `read` for the topic, at most.
+CLOSE_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 30.0
+
+
+def topic_name(subscription: str) -> str:
+    """The journal topic of a subscription (user names hold no dot: no clash with any topic)."""
+    return f"{subscription}.journal"
+
+
+def batch_key(app_id: str, batch_id: int, created_ms: int) -> str:
+    """The journal key of a batch: the shard's idempotency id, the batch id, and the
+    subscription's creation time, so that a subscription deleted and created again under its
+    name (same app ids, batch ids from 0) never reads the records of the one before."""
+    return f"{app_id}/{batch_id}@{created_ms}"
+
+
+@dataclass(frozen=True)
+class JournalTarget:
+    """Where a batch's tasks write (pickled into the tasks' closure with `BatchContext`). It
+    carries the cluster's client configuration (`kafka_clients.HasKafka`), as the Spark Kafka
+    source's options carry it to the same executors."""
+
+    bootstrap: str
+    topic: str
+    partition: int
+    key: str  # batch_key(app_id, batch_id, created_ms)
+    interval_ms: int
+    kafka: KafkaConfig = PLAINTEXT
+
+
+# -- the set of accepted origins ------------------------------------------------------------
+
+
+@dataclass
+class Accepted:
+    """A set of origins kept as sorted, disjoint, inclusive offset runs per (storage topic
+    index, partition): small to pickle into tasks, `in` by binary search (pure)."""
+
+    _starts: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+    _ends: dict[tuple[int, int], list[int]] = field(default_factory=dict)
+
+    @classmethod
+    def of_runs(cls, runs: Iterable[tuple[int, int, int, int]]) -> Accepted:
+        """From (index, partition, first offset, last offset) runs, in any order, overlapping
+        or not."""
+        by_part: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
+        for index, partition, start, end in runs:
+            if start <= end:
+                by_part[(index, partition)].append((start, end))
+        out = cls()
+        for part, spans in by_part.items():
+            spans.sort()
+            starts, ends = [spans[0][0]], [spans[0][1]]
+            for start, end in spans[1:]:
+                if start <= ends[-1] + 1:
+                    ends[-1] = max(ends[-1], end)
+                else:
+                    starts.append(start)
+                    ends.append(end)
+            out._starts[part], out._ends[part] = starts, ends
+        return out
+
+    @classmethod
+    def of(cls, origins: Iterable[m.Origin]) -> Accepted:
+        return cls.of_runs(runs_of(origins))
+
+    def __contains__(self, origin: object) -> bool:
+        if not isinstance(origin, m.Origin):
+            return False
+        starts = self._starts.get((origin.index, origin.partition))
+        if not starts:
+            return False
+        i = bisect.bisect_right(starts, origin.offset) - 1
+        return i >= 0 and origin.offset <= self._ends[(origin.index, origin.partition)][i]
+
+    def __len__(self) -> int:
+        return sum(
+            e - s + 1
+            for part, starts in self._starts.items()
+            for s, e in zip(starts, self._ends[part], strict=True)
+        )
+
+    def __bool__(self) -> bool:
+        return bool(self._starts)
+
+
+def runs_of(origins: Iterable[m.Origin]) -> list[tuple[int, int, int, int]]:
+    """Origins as (index, partition, first, last) runs of consecutive offsets (pure)."""
+    by_part: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for o in origins:
+        by_part[(o.index, o.partition)].append(o.offset)
+    runs = []
+    for (index, partition), offsets in sorted(by_part.items()):
+        offsets.sort()
+        start = prev = offsets[0]
+        for offset in offsets[1:]:
+            if offset > prev + 1:
+                runs.append((index, partition, start, prev))
+                start = offset
+            prev = offset
+        runs.append((index, partition, start, prev))
+    return runs
+
+
+def encode(origins: Iterable[m.Origin]) -> list[bytes]:
+    """Journal record values for `origins` (pure): JSON `{"v": 1, "runs": [[index, partition,
+    first, last, first, last, ...], ...]}`, split so that no record holds more than
+    `MAX_NUMBERS_PER_RECORD` offsets."""
+    values: list[bytes] = []
+    current: dict[tuple[int, int], list[int]] = {}
+    numbers = 0
+    for index, partition, start, end in runs_of(origins):
+        if numbers + 2 > MAX_NUMBERS_PER_RECORD:
+            values.append(_value(current))
+            current, numbers = {}, 0
+        current.setdefault((index, partition), []).extend((start, end))
+        numbers += 2
+    if current:
+        values.append(_value(current))
+    return values
+
+
+def _value(current: dict[tuple[int, int], list[int]]) -> bytes:
+    runs = [[index, partition, *offsets] for (index, partition), offsets in current.items()]
+    return json.dumps({"v": 1, "runs": runs}, separators=(",", ":")).encode()
+
+
+def decode(value: bytes | None) -> list[tuple[int, int, int, int]]:
+    """The runs of one journal record value; [] (with a warning) for anything else (pure)."""
+    try:
+        doc = json.loads(value or b"")
+        runs = []
+        for item in doc["runs"]:
+            index, partition, *offsets = (int(x) for x in item)
+            if len(offsets) % 2:
+                raise ValueError("odd number of offsets")
+            runs.extend(
+                (index, partition, offsets[i], offsets[i + 1]) for i in range(0, len(offsets), 2)
+            )
+        return runs
+    except (ValueError, TypeError, KeyError) as e:
+        log.warning("skipping a journal record that is not one: %s", e)
+        return []
+
+
+# -- writing (executors) --------------------------------------------------------------------
+
+_producers: dict[tuple[int, str, KafkaConfig], KafkaProducer] = {}
+_producers_lock = threading.Lock()
+
+
+def _producer(target: JournalTarget) -> KafkaProducer:
+    """One producer per Python worker process and cluster: a Spark worker runs many tasks in a
+    row, and a new producer costs a connection and a metadata round trip. Keyed by pid, so a
+    forked worker never uses its parent's."""
+    with _producers_lock:
+        key = (os.getpid(), target.bootstrap, target.kafka)
+        producer = _producers.get(key)
+        if producer is None:
+            producer = kafka_clients.producer(
+                target,
+                acks=1,
+                linger_ms=0,
+                max_block_ms=int(CLOSE_TIMEOUT_S * 1000),
+                client_id="varadhi-journal",
+            )
+            _producers[key] = producer
+        return producer
+
+
+class JournalWriter:
+    """Records a task's accepted origins under `target.key` (see the module docstring).
+
+    `accepted` is the hot path (one deque append); a daemon thread sends every `interval_ms`,
+    or sooner when `FLUSH_MESSAGES` wait. `close` sends what is left and waits for the broker
+    (at most `CLOSE_TIMEOUT_S`). Never raises for Kafka's sake. `producer_factory` (target
+    -> producer) is for tests."""
+
+    def __init__(
+        self,
+        target: JournalTarget,
+        producer_factory: Callable[[JournalTarget], KafkaProducer] | None = None,
+    ):
+        self.target = target
+        self._factory = producer_factory or _producer
+        self._producer: KafkaProducer | None = None
+        self._queue: deque[m.Origin] = deque()
+        self._wake = threading.Event()
+        self._closing = False
+        self._failed = False
+        self.sent_records = 0
+        self.sent_origins = 0
+        self._thread = threading.Thread(target=self._loop, name="varadhi-journal", daemon=True)
+        self._thread.start()
+
+    def accepted(self, origin: m.Origin) -> None:
+        self._queue.append(origin)
+        if len(self._queue) >= FLUSH_MESSAGES:
+            self._wake.set()
+
+    def close(self) -> None:
+        self._closing = True
+        self._wake.set()
+        self._thread.join(CLOSE_TIMEOUT_S)
+        if self._producer is not None and not self._failed:
+            try:
+                self._producer.flush(timeout=CLOSE_TIMEOUT_S)
+            except KafkaError as e:
+                self._fail(e)
+
+    def __enter__(self) -> JournalWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _loop(self) -> None:
+        interval_s = self.target.interval_ms / 1000
+        while True:
+            self._wake.wait(interval_s)
+            self._wake.clear()
+            closing = self._closing  # read before the flush: what came before close is sent
+            self._flush()
+            if closing:
+                return
+
+    def _flush(self) -> None:
+        n = len(self._queue)
+        if not n:
+            return
+        origins = [self._queue.popleft() for _ in range(n)]
+        if self._failed:
+            return
+        try:
+            if self._producer is None:
+                self._producer = self._factory(self.target)
+            key = self.target.key.encode()
+            for value in encode(origins):
+                self._producer.send(
+                    self.target.topic, key=key, value=value, partition=self.target.partition
+                )
+                self.sent_records += 1
+            self.sent_origins += n
+        except Exception as e:  # noqa: BLE001 - best-effort: never fail a delivery task
+            self._fail(e)
+
+    def _fail(self, error: Exception) -> None:
+        if not self._failed:
+            log.warning(
+                "delivery journal %s: %s; this task's deliveries are no longer journaled",
+                self.target.topic,
+                error,
+            )
+        self._failed = True
+
+
+# -- topic and reading (driver) -------------------------------------------------------------
+
+
+def ensure_topic(settings: kafka_clients.HasKafka, topic: str, partitions: int) -> int:
+    """The journal topic's partition count; the topic is created with `partitions` if it does
+    not exist (retention `RETENTION_MS`, broker append times, and the cluster configuration's
+    `varadhi.topic.[journal.]*` settings). An existing topic is used with whatever partition
+    count it has (it was created under an earlier shard count). Raises `KafkaUnavailable`,
+    `KafkaError` or `InvalidArgument` (a pre-created topic that does not fit)."""
+    from . import topics  # driver only: keeps the executors' imports light
+
+    ts = kafka_clients.config_of(settings).topics("journal")
+    admin = kafka_clients.admin(settings, client_id="varadhi-journal-admin")
+    try:
+        if topic not in admin.list_topics():
+            topics.ensure_kafka_topic(
+                admin,
+                topic,
+                partitions,
+                ts.with_defaults(
+                    {
+                        "retention.ms": str(RETENTION_MS),
+                        "segment.ms": str(RETENTION_MS // 6),
+                        "message.timestamp.type": "LogAppendTime",
+                    }
+                ),
+                what="the delivery journal topic",
+            )
+        found = admin.describe_topics([topic])[0]
+        return len(found["partitions"]) or partitions
+    finally:
+        admin.close()
+
+
+def partition_of(shard: int, partitions: int) -> int:
+    return shard % max(partitions, 1)
+
+
+def read(
+    settings: kafka_clients.HasKafka,
+    topic: str,
+    partition: int,
+    key: str,
+    since_ms: int,
+    timeout_s: float = READ_TIMEOUT_S,
+) -> Accepted:
+    """The origins journaled under `key` in records appended to `topic`/`partition` at or after
+    `since_ms` (broker time). What was read by `timeout_s` if the partition cannot be read to
+    its end by then (a partial set is still correct: every entry is a success)."""
+    want = key.encode()
+    runs: list[tuple[int, int, int, int]] = []
+    consumer = kafka_clients.consumer(
+        settings, enable_auto_commit=False, client_id="varadhi-journal-read"
+    )
+    try:
+        tp = TopicPartition(topic, partition)
+        consumer.assign([tp])
+        start = consumer.offsets_for_times({tp: max(since_ms, 0)}).get(tp)
+        if start is None:  # nothing appended since then
+            return Accepted()
+        end = consumer.end_offsets([tp])[tp]
+        consumer.seek(tp, start.offset)
+        deadline = time.monotonic() + timeout_s
+        while consumer.position(tp) < end:
+            if time.monotonic() > deadline:
+                log.warning("journal %s/%d: read timed out; using what was read", topic, partition)
+                break
+            for batch in consumer.poll(timeout_ms=500).values():
+                for record in batch:
+                    if record.key == want:
+                        runs.extend(decode(record.value))
+    finally:
+        consumer.close()
+    return Accepted.of_runs(runs)
