@@ -187,7 +187,11 @@ def test_topic_delete_plan():
     assert lc.plan_topic_delete(snap, "s").kafka_topics == ("s.0",)
 
 
-def test_local_files_delete_a_folder_but_keep_foreign_children(tmp_path):
+def test_local_files_delete_a_folder_but_keep_foreign_children(tmp_path, monkeypatch):
+    from pyspark.sql import SparkSession
+
+    # No Spark session in this process (earlier tiers of a full run leave one active).
+    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: None))
     folder = tmp_path / "checkpoints"
     for child in ("state/s2/shard-0", "checkpoints/g0", "delta_outbox/x"):
         (folder / child).mkdir(parents=True)
