@@ -21,10 +21,14 @@ What runs, in this order (`--only` picks some):
 |              | grouped (10,000 groups) and ungrouped, 0% and 10% failures, draining a backlog  |
 | `latency`    | 1 shard, trigger 100 ms, concurrency 1, warmed up, then a producer pacing       |
 |              | 1,000 msg/s for 10 s (not measured) + 60 s (measured)                           |
+| `crash`      | 1 shard, grouped, drains the backlog while SIGKILLed `--kills` times at random  |
+|              | moments (one run per `--crash-seeds` value) and restarted: duplicate deliveries |
 
 The backlog (`--messages` values of 1 KiB, over `--groups` group ids) is produced once with the
 varadhi producer and read by every run: each is a fresh subscription on the same main topic
-(ungrouped = `grouped: false`, which ignores the group id). A different `--fail-messages` gives
+(ungrouped = `grouped: false`, which ignores the group id). `--journal-intervals` runs the shard
+and crash runs once per `consumption.journal_interval` (0: no delivery journal), `--repeat`
+the shard runs several times, interleaved. A different `--fail-messages` gives
 the runs with failures a backlog of their own. The nginx endpoint answers 204; for the 10% runs, `split_clients` on (message id,
 attempt) answers 500 for 5% and 503 (no Retry-After) for 5% of requests, so every attempt fails
 independently with 10% probability and the same messages fail in every run. Retries use the
@@ -58,6 +62,7 @@ import argparse
 import ast
 import itertools
 import os
+import random
 import re
 import shutil
 import signal
@@ -82,7 +87,7 @@ from http_engine import _free_port, _stop, _wait_listening, run_wrk
 from varadhi import messages as m
 from varadhi.catalog import Catalog
 from varadhi.delivery import HttpDeliverer, Outcome, Request
-from varadhi.policies import Endpoint, RetryPolicy
+from varadhi.policies import ConsumptionPolicy, Endpoint, RetryPolicy
 from varadhi.producer import Producer
 from varadhi.settings import Settings
 from varadhi.subscriptions import SubscriptionService, parse_spec
@@ -90,8 +95,9 @@ from varadhi.topics import TopicService, end_offsets
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "delivery.json"
-RUNS = ("ceiling", "baseline", "shard", "latency")
+RUNS = ("ceiling", "baseline", "shard", "latency", "crash")
 DEFAULT_IN_PLACE_MS = RetryPolicy().in_place_window_ms
+DEFAULT_JOURNAL_MS = ConsumptionPolicy().journal_interval_ms
 
 # -- the endpoint ------------------------------------------------------------------------------
 
@@ -500,11 +506,11 @@ class ShardProcesses:
     """`./spark-submit.sh SUB i --stop-when-idle S` for every shard, each in its own process
     group (so that a timeout can stop it and its JVM and Python workers)."""
 
-    def __init__(self, env: Env, sub: str, shards: int, idle_s: float, logdir: Path):
+    def __init__(self, env: Env, sub: str, shards: int, idle_s: float, logdir: Path, tag: str = ""):
         self.procs: list[subprocess.Popen] = []
         self.logs: list[Path] = []
         for shard in range(shards):
-            log = logdir / f"{sub}-{shard}.log"
+            log = logdir / f"{sub}-{shard}{tag}.log"
             self.logs.append(log)
             with open(log, "w") as f:
                 self.procs.append(
@@ -533,6 +539,17 @@ class ShardProcesses:
             except subprocess.TimeoutExpired:
                 codes.append(None)
         return codes
+
+    def kill(self) -> None:
+        """SIGKILL every shard's process group (driver JVM, Python driver and workers): a
+        crash."""
+        for proc in self.procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in self.procs:
+            proc.wait(30)
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -624,6 +641,8 @@ def run_shards(
     in_place_ms: int,
     args,
     logdir: Path,
+    journal_ms: int = DEFAULT_JOURNAL_MS,
+    repeat: int = 0,
 ) -> dict:
     label = (
         f"{shards} shard{'s' if shards > 1 else ''}, {'grouped' if grouped else 'ungrouped'}, "
@@ -633,10 +652,24 @@ def run_shards(
     if fail_rate and in_place_ms != DEFAULT_IN_PLACE_MS:
         label += f", in place {in_place_ms / 1000:g} s"
         sub += f"-w{in_place_ms}"
+    if journal_ms != DEFAULT_JOURNAL_MS:
+        label += f", journal {journal_ms} ms" if journal_ms else ", no journal"
+        sub += f"-j{journal_ms}"
+    if repeat:
+        label += f" #{repeat + 1}"
+        sub += f"-r{repeat}"
     retry = {"max_attempts": 10, "in_place_window": f"{in_place_ms}ms"}
     with nginx(nginx_bin, fail_rate) as endpoint:
         create_subscription(
-            env, sub, topic, endpoint.url, args, shards=shards, grouped=grouped, retry=retry
+            env,
+            sub,
+            topic,
+            endpoint.url,
+            args,
+            shards=shards,
+            grouped=grouped,
+            retry=retry,
+            consumption={"journal_interval": f"{journal_ms}ms"},
         )
         load = os.getloadavg()[0]
         started = time.time() * 1000
@@ -664,6 +697,7 @@ def run_shards(
         "grouped": grouped,
         "fail_rate": fail_rate,
         "in_place_window_ms": in_place_ms,
+        "journal_interval_ms": journal_ms,
         "exit_codes": codes,
         "wall_s": round((ended - started) / 1000, 1),
         **summary,
@@ -680,6 +714,119 @@ def run_shards(
             f"{label}: exit codes {codes}, complete={result['complete']}\n{procs.tail()}",
             file=sys.stderr,
         )
+    return result
+
+
+# -- duplicates after crashes -------------------------------------------------------------------
+
+SKIPPED_LINE = re.compile(r"; (\d+) of its messages were accepted then")
+
+
+def run_crash(
+    env: Env,
+    nginx_bin: str,
+    topic: str,
+    messages: int,
+    journal_ms: int,
+    seed: int,
+    args,
+    logdir: Path,
+) -> dict:
+    """A chaos run: one shard (grouped, no failures) drains the backlog while it is SIGKILLed
+    `--kills` times, each at a moment drawn (from `seed`) in `--kill-window` seconds after that
+    run's first delivery (nginx's access log grew), and restarted; the last run goes on until
+    idle. Duplicates are successful requests beyond the first per message id (nginx's log):
+    what a crash re-delivers."""
+    rng = random.Random(seed)
+    delays = [round(rng.uniform(*args.kill_window), 2) for _ in range(args.kills)]
+    label = (
+        f"crash: 1 shard, grouped, {args.kills} kills, "
+        + (f"journal {journal_ms} ms" if journal_ms else "no journal")
+        + f", seed {seed}"
+    )
+    sub = f"bench-{env.tag}-crash-j{journal_ms}-k{seed}"
+    started_runs: list[ShardProcesses] = []
+    kills = []
+    with nginx(nginx_bin) as endpoint:
+        create_subscription(
+            env,
+            sub,
+            topic,
+            endpoint.url,
+            args,
+            retry={"max_attempts": 10},
+            consumption={
+                "journal_interval": f"{journal_ms}ms",
+                "max_messages_per_batch": args.crash_batch,
+            },
+        )
+        load = os.getloadavg()[0]
+        started = time.time() * 1000
+        try:
+            for i, delay in enumerate(delays):
+                procs = ShardProcesses(env, sub, 1, 3600, logdir, tag=f"-kill{i}")
+                started_runs.append(procs)
+                if not procs.wait_for_line(": reading ", 300):
+                    raise RuntimeError(f"the shard did not start:\n{procs.tail()}")
+                reading_ms = time.time() * 1000
+                size = endpoint.log.stat().st_size if endpoint.log.exists() else 0
+                deadline = time.monotonic() + 300
+                while procs.procs[0].poll() is None and time.monotonic() < deadline:
+                    if endpoint.log.exists() and endpoint.log.stat().st_size > size:
+                        break  # this run delivers (nginx flushes its log every second)
+                    time.sleep(0.05)
+                time.sleep(delay)
+                alive = procs.procs[0].poll() is None
+                procs.kill()
+                kills.append(
+                    {
+                        "after_s": delay,
+                        "killed": alive,
+                        "from_ms": reading_ms,
+                        "at_ms": time.time() * 1000,
+                    }
+                )
+            final = ShardProcesses(env, sub, 1, args.idle_s, logdir, tag="-final")
+            started_runs.append(final)
+            codes = final.wait(args.run_timeout_s)
+        finally:
+            for procs in started_runs:
+                procs.stop()
+        hits = endpoint.hits(logdir if args.keep or args.keep_logs else None, sub)
+    ok = sorted((h for h in hits if 200 <= h.status < 300), key=lambda h: h.ms)
+    by_id: dict[str, list[float]] = {}
+    for h in ok:
+        by_id.setdefault(h.msg_id, []).append(h.ms)
+    for k in kills:  # what each killed run had delivered, and how much of it was sent again
+        mine = {i for i, times in by_id.items() if k["from_ms"] <= times[0] <= k["at_ms"]}
+        k["delivered"] = len(mine)
+        k["sent_again"] = sum(1 for i in mine if len(by_id[i]) > 1)
+    skipped = [
+        int(m.group(1))
+        for procs in started_runs
+        for log in procs.logs
+        for m in SKIPPED_LINE.finditer(log.read_text(errors="replace"))
+    ]
+    duplicates = len(ok) - len(by_id)
+    result = {
+        "run": label,
+        "journal_interval_ms": journal_ms,
+        "seed": seed,
+        "messages": messages,
+        "max_messages_per_batch": args.crash_batch,
+        "kills": kills,
+        "final_exit_codes": codes,
+        "delivered": len(ok),
+        "delivered_unique": len(by_id),
+        "complete": len(by_id) == messages,
+        "duplicates": duplicates,
+        "duplicate_pct": round(100 * duplicates / max(len(ok), 1), 2),
+        "skipped_replayed_per_restart": skipped,
+        "wall_s": round((time.time() * 1000 - started) / 1000, 1),
+        "load_1m_at_start": round(load, 2),
+    }
+    if any(c != 0 for c in codes) or not result["complete"]:
+        print(f"{label}: exit codes {codes}, complete={result['complete']}", file=sys.stderr)
     return result
 
 
@@ -938,7 +1085,14 @@ def targets(rows: list[dict]) -> dict:
     out = {}
     base = [r for r in rows if r["run"].startswith("baseline") and r.get("steady_msg_s")]
     shard1 = next(
-        (r for r in rows if r.get("shards") == 1 and r.get("grouped") and not r.get("fail_rate")),
+        (
+            r
+            for r in rows
+            if r.get("shards") == 1
+            and r.get("grouped")
+            and not r.get("fail_rate")
+            and r.get("journal_interval_ms", DEFAULT_JOURNAL_MS) == DEFAULT_JOURNAL_MS
+        ),
         None,
     )
     if base and shard1 and shard1.get("steady_msg_s"):
@@ -967,6 +1121,7 @@ def targets(rows: list[dict]) -> dict:
             if x.get("shards") == r["shards"]
             and x.get("grouped") == r["grouped"]
             and x.get("fail_rate") == 0
+            and x.get("journal_interval_ms") == r.get("journal_interval_ms")
             and x.get("steady_msg_s")
         ]
         if same:
@@ -1020,6 +1175,37 @@ def main(argv: list[str] | None = None) -> int:
         metavar="MS",
         help="retry.in_place_window of the runs with failures, one set of runs per value "
         f"(default: the policy's {DEFAULT_IN_PLACE_MS} ms; 0 sends every retry through the RQ)",
+    )
+    parser.add_argument(
+        "--journal-intervals",
+        nargs="+",
+        type=int,
+        default=[DEFAULT_JOURNAL_MS],
+        metavar="MS",
+        help="consumption.journal_interval of the shard and crash runs, one set of runs per "
+        f"value (default: the policy's {DEFAULT_JOURNAL_MS} ms; 0: no delivery journal)",
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="run the shard runs this many times, interleaved"
+    )
+    parser.add_argument("--kills", type=int, default=3, help="SIGKILLs per crash run")
+    parser.add_argument(
+        "--kill-window",
+        nargs=2,
+        type=float,
+        default=[0.0, 5.0],
+        metavar=("FROM", "TO"),
+        help="a crash run kills its shard at a moment drawn in this many seconds after the "
+        "run's first delivery",
+    )
+    parser.add_argument(
+        "--crash-seeds", nargs="+", type=int, default=[1, 2], help="one crash run per seed"
+    )
+    parser.add_argument(
+        "--crash-batch",
+        type=int,
+        default=ConsumptionPolicy().max_messages_per_batch,
+        help="consumption.max_messages_per_batch of the crash runs (default: the policy's)",
     )
     parser.add_argument("--concurrency", type=int, default=2, help="consumption.concurrency")
     parser.add_argument("--max-in-flight", type=int, default=64, help="consumption.max_in_flight")
@@ -1088,12 +1274,18 @@ def main(argv: list[str] | None = None) -> int:
                 "rate",
                 "idle_s",
                 "in_place_windows",
+                "journal_intervals",
+                "repeat",
+                "kills",
+                "kill_window",
+                "crash_seeds",
+                "crash_batch",
             )
         },
         "rows": rows,
     }
     try:
-        needs_backlog = {"baseline", "shard"} & set(args.only)
+        needs_backlog = {"baseline", "shard", "crash"} & set(args.only)
         if needs_backlog:
             topic = f"bench-{env.tag}-backlog"
             TopicService(env.catalog).create(topic, args.partitions)
@@ -1135,7 +1327,9 @@ def main(argv: list[str] | None = None) -> int:
                         doc["fail_backlog"] = produce_backlog(env, fail_topic, size, args.groups)
                     source = fail_topic
                 windows = args.in_place_windows if fail_rate > 0 else [DEFAULT_IN_PLACE_MS]
-                for window, shards, mode in itertools.product(windows, args.shards, args.modes):
+                for repeat, window, shards, mode, journal_ms in itertools.product(
+                    range(args.repeat), windows, args.shards, args.modes, args.journal_intervals
+                ):
                     row = run_shards(
                         env,
                         nginx_bin,
@@ -1147,6 +1341,8 @@ def main(argv: list[str] | None = None) -> int:
                         window,
                         args,
                         logdir,
+                        journal_ms=journal_ms,
+                        repeat=repeat if args.repeat > 1 else 0,
                     )
                     rows.append(row)
                     print(
@@ -1154,6 +1350,18 @@ def main(argv: list[str] | None = None) -> int:
                         f"{row.get('steady_msg_s')} steady; {row['shard_batches']}",
                         flush=True,
                     )
+        if "crash" in args.only:
+            for seed, journal_ms in itertools.product(args.crash_seeds, args.journal_intervals):
+                row = run_crash(
+                    env, nginx_bin, topic, args.messages, journal_ms, seed, args, logdir
+                )
+                rows.append(row)
+                print(
+                    f"{row['run']}: {row['duplicates']:,} duplicates of {row['delivered']:,} "
+                    f"deliveries ({row['duplicate_pct']}%); kills {row['kills']}; skipped "
+                    f"{row['skipped_replayed_per_restart']}",
+                    flush=True,
+                )
         if "latency" in args.only:
             row = run_latency(env, nginx_bin, args, logdir)
             rows.append(row)

@@ -1,0 +1,208 @@
+"""What the delivery journal costs a delivery task, and how much a crash re-delivers with it.
+
+Runs the body of a shard's phase-1 task (`varadhi.batch.deliver_records`, what a Spark task runs
+on its Kafka records; no Spark) over `--messages` 1 KiB messages of `--groups` groups against
+nginx answering 204 on loopback (the endpoint of bench/delivery.py), alternately with the
+journal off and at each `--intervals` value, `--repeat` times. The journal writes to the local
+broker, as in a shard (a topic of its own, deleted at the end). Per run: CPU time of this
+process per message (the task's thread, the journal's thread and its Kafka producer's; the
+endpoint is another process), wall time, journal records written, and the largest number of
+accepted messages that were not yet journaled at any moment (`unjournaled_max`): what a crash
+at the worst moment would have re-delivered of this task's work (plus its requests in flight).
+
+    scripts/kafka start
+    .venv/bin/python bench/journal.py [--messages 50000] [--intervals 250 100] [--repeat 5]
+
+Needs Debian's nginx (`apt-get install nginx-light`). Writes bench/results/journal.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pandas as pd
+
+from common import machine, nginx_binary, write_results
+from delivery import nginx
+from varadhi import batch as batch_module
+from varadhi import journal, kafka_clients
+from varadhi import messages as m
+from varadhi.batch import BatchContext, ForwardRule, deliver_records
+from varadhi.policies import ConsumptionPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.settings import Settings
+
+RESULTS = Path(__file__).resolve().parent / "results" / "journal.json"
+TOPIC = "bench.0"
+
+
+def records(messages: int, groups: int) -> pd.DataFrame:
+    """Kafka source rows of one partition, groups interleaved in produce order."""
+    body = os.urandom(512).hex().encode()
+    rows = []
+    for offset in range(messages):
+        g = f"g{offset % groups}"
+        headers = [
+            {"key": m.H_MSG_ID, "value": f"{g}.{offset}".encode()},
+            {"key": m.H_GROUP_ID, "value": g.encode()},
+        ]
+        rows.append(
+            {
+                "kind": "mq",
+                "group_key": g,
+                "group_id": g,
+                "msg_id": f"{g}.{offset}",
+                "topic": TOPIC,
+                "partition": 0,
+                "offset": offset,
+                "key": g.encode(),
+                "value": body,
+                "kheaders": headers,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+class Watch:
+    """Wraps `JournalWriter` to sample, every 5 ms, how many accepted messages wait unsent."""
+
+    def __init__(self):
+        self.max_waiting = 0
+        self.writers: list[journal.JournalWriter] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.005):
+            for w in self.writers:
+                self.max_waiting = max(self.max_waiting, len(w._queue))
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run(frame: pd.DataFrame, url: str, interval_ms: int, args, topic: str, settings) -> dict:
+    spec = SubscriptionSpec(
+        name="bench",
+        topic="bench",
+        endpoint=Endpoint(url=url),
+        retry=RetryPolicy(),
+        consumption=ConsumptionPolicy(max_in_flight=args.max_in_flight),
+    )
+    target = (
+        journal.JournalTarget(
+            settings.bootstrap,
+            topic,
+            0,
+            f"bench/{uuid.uuid4().hex[:6]}",
+            interval_ms,
+            kafka_clients.config_of(settings),
+        )
+        if interval_ms
+        else None
+    )
+    ctx = BatchContext(spec, {TOPIC: 0}, int(time.time() * 1000), seed=1, journal=target)
+    original = journal.JournalWriter
+    watch = Watch()
+
+    class Counted(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            watch.writers.append(self)
+
+    batch_module.JournalWriter = Counted  # the writer the task creates, to count and watch it
+    try:
+        with watch:
+            cpu0, wall0 = time.process_time(), time.perf_counter()
+            out = pd.concat(list(deliver_records(iter([frame]), ctx, ForwardRule())))
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    finally:
+        batch_module.JournalWriter = original
+    stat = out[out["kind"] == "stat"].iloc[0]["reason"]
+    return {
+        "interval_ms": interval_ms,
+        "messages": len(frame),
+        "cpu_us_per_msg": round(cpu / len(frame) * 1e6, 2),
+        "wall_s": round(wall, 3),
+        "msg_s": round(len(frame) / wall),
+        "journal_records": sum(w.sent_records for w in watch.writers),
+        "journaled": sum(w.sent_origins for w in watch.writers),
+        "unjournaled_max": watch.max_waiting if interval_ms else None,
+        "task": stat,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--messages", type=int, default=50_000)
+    parser.add_argument("--groups", type=int, default=10_000)
+    parser.add_argument("--max-in-flight", type=int, default=64)
+    parser.add_argument("--intervals", nargs="+", type=int, default=[250])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    binary = nginx_binary()
+    if not binary:
+        print("no nginx (apt-get install nginx-light)", file=sys.stderr)
+        return 2
+    settings = Settings.from_env()
+    topic = f"bench-journal-{uuid.uuid4().hex[:8]}.journal"
+    journal.ensure_topic(settings, topic, 1)
+    load = os.getloadavg()
+    frame = records(args.messages, args.groups)
+    rows = []
+    try:
+        with nginx(binary) as endpoint:
+            run(frame.head(2_000), endpoint.url, args.intervals[0], args, topic, settings)
+            for i in range(args.repeat):
+                for interval in [0, *args.intervals]:
+                    row = run(frame, endpoint.url, interval, args, topic, settings)
+                    row["repeat"] = i
+                    rows.append(row)
+                    print(
+                        f"journal {interval or 'off':>4} ms: {row['cpu_us_per_msg']:6.2f} CPU "
+                        f"us/msg, {row['msg_s']:6,} msg/s, {row['journal_records']} records, "
+                        f"at most {row['unjournaled_max']} waiting",
+                        flush=True,
+                    )
+    finally:
+        admin = kafka_clients.admin(settings)
+        admin.delete_topics([topic])
+        admin.close()
+    summary = {}
+    for interval in [0, *args.intervals]:
+        mine = [r for r in rows if r["interval_ms"] == interval]
+        summary[str(interval)] = {
+            "cpu_us_per_msg_median": statistics.median(r["cpu_us_per_msg"] for r in mine),
+            "msg_s_median": statistics.median(r["msg_s"] for r in mine),
+            "unjournaled_max": max((r["unjournaled_max"] or 0) for r in mine),
+        }
+    print(summary)
+    write_results(
+        args.out,
+        {
+            "benchmark": "journal",
+            "command": "python bench/journal.py " + " ".join(argv or sys.argv[1:]),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "machine": machine(load),
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "summary": summary,
+            "rows": rows,
+        },
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
