@@ -60,3 +60,12 @@ class Fenced(VaradhiError):
 
 class KafkaUnavailable(VaradhiError):
     """The Kafka cluster could not be reached within the configured time."""
+
+
+class UnsupportedSparkVersion(InvalidArgument):
+    """The running (or asked for) Spark version is outside the supported lines
+    (`varadhi.spark_lines`). Raised before any side effect."""
+
+    def __init__(self, version: str, supported: str):
+        super().__init__(f"Spark {version} is not supported (supported lines: {supported})")
+        self.version = version

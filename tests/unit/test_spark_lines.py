@@ -1,0 +1,104 @@
+"""The supported Spark lines and their jars (`varadhi.spark_lines`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from varadhi.errors import InvalidArgument, UnsupportedSparkVersion
+from varadhi.spark_lines import CURRENT, LINES, by_line, line_for, packages
+
+
+def test_the_supported_lines_current_first():
+    assert [line.line for line in LINES] == ["4.1", "4.0", "3.5"]
+    assert CURRENT.line == "4.1"
+
+
+def test_each_entry_is_its_own_line_with_a_release_of_it():
+    for line in LINES:
+        assert line.spark_version.startswith(line.line + ".")
+        assert line.pyspark_pin.startswith(line.line + ".")
+        assert line.delta_artifact.endswith("_" + line.scala)
+
+
+def test_line_for_keeps_the_running_release_in_the_kafka_coordinate():
+    line = line_for("3.5.1")
+    assert line.line == "3.5"
+    assert line.scala == "2.12"
+    assert line.kafka_coordinate == "org.apache.spark:spark-sql-kafka-0-10_2.12:3.5.1"
+    assert line.delta_coordinate == "io.delta:delta-spark_2.12:3.3.2"
+    assert line.hadoop_aws_coordinate == "org.apache.hadoop:hadoop-aws:3.3.4"
+
+
+def test_line_for_drops_a_vendor_suffix():
+    assert line_for("3.5.1-amzn-0").spark_version == "3.5.1"
+    assert line_for(" 4.0.0 ").kafka_coordinate == (
+        "org.apache.spark:spark-sql-kafka-0-10_2.13:4.0.0"
+    )
+
+
+def test_line_for_the_current_line():
+    line = line_for("4.1.1")
+    assert line == CURRENT
+    assert line.delta_coordinate == "io.delta:delta-spark_4.1_2.13:4.1.0"
+    assert line_for("4.0.2").delta_coordinate == "io.delta:delta-spark_2.13:4.0.1"
+
+
+@pytest.mark.parametrize("version", ["3.4.1", "3.3.0", "4.2.0", "5.0.0", "2.4.8", "3.5", "", "x"])
+def test_unsupported_versions_are_refused_with_one_line(version):
+    with pytest.raises(UnsupportedSparkVersion) as caught:
+        line_for(version)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"Spark {version} is not supported" in message
+    assert "4.1, 4.0, 3.5" in message
+    assert isinstance(caught.value, InvalidArgument)
+    assert caught.value.exit_code == 2
+
+
+def test_by_line():
+    assert by_line("4.0").spark_version == "4.0.1"
+    with pytest.raises(UnsupportedSparkVersion):
+        by_line("3.4")
+
+
+def test_packages_kafka_and_delta_then_extras():
+    line = by_line("3.5")
+    assert packages(line) == (
+        "org.apache.spark:spark-sql-kafka-0-10_2.12:3.5.7",
+        "io.delta:delta-spark_2.12:3.3.2",
+    )
+    assert packages(line, ["s3"])[-1] == "org.apache.hadoop:hadoop-aws:3.3.4"
+    assert packages(CURRENT, ("s3", "s3")) == (
+        "org.apache.spark:spark-sql-kafka-0-10_2.13:4.1.1",
+        "io.delta:delta-spark_4.1_2.13:4.1.0",
+        "org.apache.hadoop:hadoop-aws:3.4.2",
+    )
+
+
+def test_packages_refuses_an_unknown_extra():
+    with pytest.raises(InvalidArgument, match="unknown extra 'gcs'"):
+        packages(CURRENT, ["gcs"])
+
+
+def test_lines_are_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        CURRENT.scala = "2.12"  # type: ignore[misc]
+
+
+def test_the_current_line_is_what_pyproject_and_the_jars_pin():
+    root = Path(__file__).resolve().parents[2]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert f"pyspark=={CURRENT.pyspark_pin}" in extra["spark"]
+    assert f"delta-spark=={CURRENT.delta_pip_pin}" in extra["spark"]
+    ns = {"m": "http://maven.apache.org/POM/4.0.0"}
+    pom = ET.parse(root / "scripts" / "jars" / "spark-pom.xml").getroot()
+    assert pom.findtext("m:properties/m:spark.version", namespaces=ns) == CURRENT.spark_version
+    assert pom.findtext("m:properties/m:delta.version", namespaces=ns) == CURRENT.delta_version
+    artifacts = [d.findtext("m:artifactId", namespaces=ns) for d in pom.iterfind(".//m:dependency", ns)]
+    assert CURRENT.delta_artifact in artifacts
+    assert f"spark-sql-kafka-0-10_{CURRENT.scala}" in artifacts
