@@ -72,13 +72,13 @@ LINES: tuple[SparkLine, ...] = (
     ),
     SparkLine(
         line="4.0",
-        spark_version="4.0.1",
+        spark_version="4.0.0",
         scala="2.13",
         delta_artifact="delta-spark_2.13",
-        delta_version="4.0.1",
+        delta_version="4.0.0",
         hadoop_version="3.4.1",
-        pyspark_pin="4.0.1",
-        delta_pip_pin="4.0.1",
+        pyspark_pin="4.0.0",
+        delta_pip_pin="4.0.0",
     ),
     SparkLine(
         line="3.5",

@@ -45,7 +45,7 @@ def test_line_for_the_current_line():
     line = line_for("4.1.1")
     assert line == CURRENT
     assert line.delta_coordinate == "io.delta:delta-spark_4.1_2.13:4.1.0"
-    assert line_for("4.0.2").delta_coordinate == "io.delta:delta-spark_2.13:4.0.1"
+    assert line_for("4.0.2").delta_coordinate == "io.delta:delta-spark_2.13:4.0.0"
 
 
 @pytest.mark.parametrize("version", ["3.4.1", "3.3.0", "4.2.0", "5.0.0", "2.4.8", "3.5", "", "x"])
@@ -61,7 +61,7 @@ def test_unsupported_versions_are_refused_with_one_line(version):
 
 
 def test_by_line():
-    assert by_line("4.0").spark_version == "4.0.1"
+    assert by_line("4.0").spark_version == "4.0.0"
     with pytest.raises(UnsupportedSparkVersion):
         by_line("3.4")
 
