@@ -1,0 +1,181 @@
+"""Relay transactional outbox tables to Kafka until stopped (no Spark needed).
+
+    varadhi-job outbox_relay --sqlite app.db [--shards 2] [--partitions 1] [--once]
+    python -m varadhi.jobs.outbox_relay --dsn postgresql://app@db/app
+    spark-submit jobs/outbox_relay.py --dsn ...       (runs on the driver; starts no Spark session)
+
+The options are those of `varadhi outbox relay` (plus --bootstrap); the PostgreSQL DSN may also
+come from $VARADHI_OUTBOX_DSN. Exit codes: 0 stopped (SIGTERM/SIGINT, or done with --once), 2
+refused (bad options), 1 failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+
+from varadhi.errors import InvalidArgument, VaradhiError
+from varadhi.jobs.runner import LOG_FORMAT, refuse
+from varadhi.outbox import DEFAULT_PARTITIONS, DEFAULT_SHARDS, DEFAULT_TABLE_PREFIX, Outbox, Relay
+from varadhi.outbox import connector as make_connector
+from varadhi.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def add_database_arguments(parser: argparse.ArgumentParser) -> None:
+    db = parser.add_mutually_exclusive_group()
+    db.add_argument("--dsn", help="PostgreSQL connection string (default: $VARADHI_OUTBOX_DSN)")
+    db.add_argument("--sqlite", metavar="PATH", help="SQLite database file")
+    parser.add_argument(
+        "--shards",
+        type=int,
+        default=DEFAULT_SHARDS,
+        help=f"outbox shards (default {DEFAULT_SHARDS}: shard 1 is a spare)",
+    )
+    parser.add_argument(
+        "--partitions",
+        type=int,
+        default=DEFAULT_PARTITIONS,
+        help=f"tables per shard (default {DEFAULT_PARTITIONS})",
+    )
+    parser.add_argument(
+        "--table-prefix",
+        default=DEFAULT_TABLE_PREFIX,
+        help=f"table names are PREFIX_<shard>_<partition> (default {DEFAULT_TABLE_PREFIX})",
+    )
+
+
+def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--once", action="store_true", help="relay until the claimed tables are empty, then exit"
+    )
+    parser.add_argument(
+        "--only-shard",
+        type=int,
+        action="append",
+        metavar="SHARD",
+        help="relay only this shard (repeatable; default: every shard)",
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=1000, help="rows read per table per round (1000)"
+    )
+    parser.add_argument(
+        "--poll-interval",
+        type=float,
+        default=0.05,
+        help="seconds between polls of an empty table (0.05)",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=10.0,
+        help="SQLite: seconds after which a dead relay's tables are taken over (10)",
+    )
+
+
+def outbox_from(args: argparse.Namespace) -> Outbox:
+    return Outbox(args.shards, args.partitions, table_prefix=args.table_prefix)
+
+
+def connector_from(args: argparse.Namespace):
+    dsn = args.dsn or (None if args.sqlite else os.environ.get("VARADHI_OUTBOX_DSN"))
+    if not dsn and not args.sqlite:
+        raise InvalidArgument(
+            "give --dsn (or set $VARADHI_OUTBOX_DSN) for PostgreSQL, or --sqlite PATH",
+            field="database",
+        )
+    if args.sqlite:
+        return make_connector(sqlite=args.sqlite)
+    return make_connector(dsn=dsn)
+
+
+def require_tables(outbox: Outbox, connect) -> None:
+    """Refuse, with the remedy, a database without the outbox tables (before any relay work)."""
+    conn = connect()
+    try:
+        missing = outbox.missing_tables(conn)
+    finally:
+        conn.close()
+    if missing:
+        raise InvalidArgument(
+            f"outbox tables {', '.join(missing)} do not exist: run `varadhi outbox init` with the "
+            "same --shards/--partitions/--table-prefix first",
+            field="tables",
+        )
+
+
+def run_relay(args: argparse.Namespace) -> int:
+    """Run a relay from parsed arguments (shared with `varadhi outbox relay`)."""
+    outbox = outbox_from(args)
+    require_tables(outbox, connector_from(args))
+    if args.batch_size < 1:
+        raise InvalidArgument(f"must be positive, got {args.batch_size}", field="--batch-size")
+    relay = Relay(
+        connector_from(args),
+        outbox,
+        settings=Settings.from_env(
+            command_config=getattr(args, "command_config", None),
+            bootstrap=getattr(args, "bootstrap", None),
+        ),
+        shards=args.only_shard,
+        batch_size=args.batch_size,
+        poll_interval_s=args.poll_interval,
+        lease_ttl_s=args.lease_ttl,
+    )
+    try:
+        if args.once:
+            relay.claim()
+            n = relay.run_once()
+            print(f"relayed {n} messages from {', '.join(relay.owned) or 'no table'}")
+            return 0
+        stop = threading.Event()
+
+        def on_signal(signum, _frame):
+            log.info("outbox relay: signal %d, stopping", signum)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        log.info("outbox relay %s: polling %s", relay.owner, ", ".join(relay.tables))
+        relay.run_forever(stop)
+        return 0
+    finally:
+        relay.close()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="varadhi-job outbox_relay",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--bootstrap",
+        default=os.environ.get("VARADHI_BOOTSTRAP"),
+        help="Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP)",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    add_database_arguments(parser)
+    add_relay_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=LOG_FORMAT)
+    try:
+        return run_relay(args)
+    except VaradhiError as e:
+        return refuse(e, prog="outbox_relay")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

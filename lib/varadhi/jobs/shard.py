@@ -1,0 +1,93 @@
+"""Run one shard of a subscription until stopped, fenced or failed.
+
+    varadhi-job shard --subscription NAME --shard N [--standby]        (installed package)
+    python -m varadhi.jobs.shard --subscription NAME --shard N
+    ./spark-submit.sh SUBSCRIPTION SHARD [--standby]     (a checkout: its jars and venv)
+    spark-submit .../varadhi/jobs/shard.py --subscription NAME --shard N --cluster   (a cluster)
+
+Without --cluster the job builds a local Spark session (varadhi.spark: jars from
+$VARADHI_SPARK_JARS or $VARADHI_SPARK_PACKAGES); with it, the session spark-submit or the cluster
+configured. A shard holds a lease that it renews every TTL/3 (--lease-ttl, default 15 s or
+$VARADHI_LEASE_TTL_MS). A normal start takes the lease at once (the instance running before is
+fenced). With --standby the instance starts Spark and waits; once the active instance's lease
+has not been renewed for its TTL (the process died or hangs) it takes the lease and runs the
+shard. A shard stopped with SIGINT/SIGTERM is not taken over.
+
+Exit codes: 0 stopped (SIGINT or SIGTERM, after the micro-batch in flight; or idle with
+--stop-when-idle; a standby stopped while waiting), 3 fenced by a newer instance of the same
+shard (or its lease expired), 1 failed, 2 refused (unknown subscription or shard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from varadhi.errors import VaradhiError
+from varadhi.jobs.runner import refuse, setup_logging
+from varadhi.leases import ttl_from_env
+from varadhi.settings import Settings
+from varadhi.shard import ShardJob
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="varadhi-job shard",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--subscription", required=True)
+    parser.add_argument("--shard", type=int, required=True)
+    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP)")
+    parser.add_argument(
+        "--warehouse", help="Delta tables and checkpoints (default: $VARADHI_WAREHOUSE)"
+    )
+    parser.add_argument(
+        "--stop-when-idle",
+        type=float,
+        metavar="SECONDS",
+        help="stop once everything readable is delivered and nothing is parked for this long",
+    )
+    parser.add_argument(
+        "--cluster", action="store_true", help="use the cluster's Spark (no local jars)"
+    )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="wait, Spark started, until the active instance's lease expires, then take over",
+    )
+    parser.add_argument(
+        "--lease-ttl",
+        type=float,
+        metavar="SECONDS",
+        help="lease TTL: renewed every third of it; a standby takes over a lease not renewed "
+        "for it (default: $VARADHI_LEASE_TTL_MS ms, or 15)",
+    )
+    args = parser.parse_args(argv)
+    setup_logging()
+    try:  # a bad Kafka client configuration ($VARADHI_KAFKA_CONFIG) is one line
+        settings = Settings.from_env(bootstrap=args.bootstrap, warehouse=args.warehouse)
+    except VaradhiError as e:
+        return refuse(e)
+    spark = None
+    if args.cluster:
+        from varadhi.spark import get_spark
+
+        spark = get_spark(f"varadhi-{args.subscription}-{args.shard}", local=False)
+    try:
+        job = ShardJob(
+            args.subscription,
+            args.shard,
+            settings,
+            spark=spark,
+            stop_when_idle_s=args.stop_when_idle,
+            standby=args.standby,
+            lease_ttl_ms=ttl_from_env(args.lease_ttl),
+        )
+        return job.run()
+    except VaradhiError as e:
+        return refuse(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
