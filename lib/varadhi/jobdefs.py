@@ -1,40 +1,48 @@
-"""Job definitions for a subscription: spark-submit commands, a Databricks job, EMR steps.
+"""Job definitions for a subscription: spark-submit commands, a Databricks job (Jobs API 2.2 and
+an Asset Bundle), EMR on EC2 steps and EMR Serverless job runs.
 
 Pure functions from catalog documents to deployable definitions. `plan` reads the
 subscription's record (`subscription/<name>`) and its shard-count change, if any
-(`operation/<name>/change-shards`); the renderers turn that plan and a `DeployConfig` into:
+(`operation/<name>/change-shards`); `check_config` refuses a configuration that could only
+render a job that fails later; the renderers turn the plan and a `DeployConfig` into:
 
 - `spark_submit_script`: one `./spark-submit.sh SUB SHARD` line per shard for this checkout, and
-  the same jobs as plain `spark-submit` commands for a cluster;
-- `databricks_job`: the body of a Jobs API 2.2 `POST /api/2.2/jobs/create` request;
-- `emr_steps`: the `Steps` of EMR's AddJobFlowSteps (`HadoopJarStep` with `command-runner.jar`),
-  and `emr_cli_steps` the same steps in the shape `aws emr add-steps --steps file://...` reads.
+  the same jobs as plain `spark-submit` commands for a YARN or Kubernetes cluster;
+- `databricks_job`: the body of a Jobs API 2.2 `POST /api/2.2/jobs/create` request, and
+  `databricks_bundle` the same job as a `databricks.yml` Asset Bundle;
+- `emr_add_steps`: an EMR `AddJobFlowSteps` request (`emr_steps` its `Steps`, `emr_cli_steps`
+  the shape `aws emr add-steps --steps file://...` reads);
+- `emr_serverless_runs`: one EMR Serverless `StartJobRun` request (`mode: STREAMING`) per job.
 
 Every definition runs one job per shard of the *current* shard count, plus one feeder per entry
-of the change-shards operation's `feeders` while that operation is not done (feeders drain old
-RQ/DLQ storage topics into the new shards, DESIGN section 1). Definitions are snapshots: after a
-shard-count change, when its feeders are no longer needed, or after pause/resume, render again
-and replace the deployed definition (Databricks: `POST /api/2.2/jobs/reset` with the rendered
-body as `new_settings`).
+of the change-shards operation's `feeders` while that operation is in its feed step (feeders
+drain old RQ/DLQ storage topics into the new shards). Definitions are snapshots: after a
+shard-count change, and once its feeders are done, render again and replace the deployed
+definition (Databricks: `POST /api/2.2/jobs/reset` with the rendered body as `new_settings`).
+
+Every cluster job runs the installed wheel's `varadhi-job NAME [options]` (`varadhi.jobs.NAME`):
+Databricks as a `python_wheel_task`, spark-submit and EMR through `LAUNCHER` (spark-submit needs
+a file; `varadhi jobs launcher` prints it), which calls the same console script.
 
 Cluster hazards the definitions take care of:
 
 - Jobs on a cluster must read the same catalog the definition was rendered from: the bootstrap
-  servers are passed as `--bootstrap`, and the catalog topic as the `VARADHI_CATALOG_TOPIC`
-  environment variable (the job scripts have no flag for it).
+  servers are passed as `--bootstrap`, the catalog topic as `VARADHI_CATALOG_TOPIC`.
 - The warehouse (Delta GroupState and Spark checkpoints) must be storage every node and every
-  restart sees (`dbfs:/`, `s3://`, `hdfs://`); a driver-local path would lose a shard's
-  checkpoint and state when its driver moves. So cluster definitions always pass `--warehouse`.
-- The endpoint's credential (`endpoint.auth_env`) is read from the environment by the delivery
-  code on every executor. Databricks gets it from a secret (`spark_env_vars` with a
-  `{{secrets/<scope>/<key>}}` reference, never the value); for spark-submit and EMR the variable
-  must already be in the executors' environment, which the definitions say but cannot do without
-  writing the secret into a command line.
-- The Python package and its native dependencies (pycurl, mmh3) must be importable on every
-  node. Databricks installs them as task libraries; on EMR and other clusters a bootstrap
-  action must `pip install` them (docs/operations.md). The wheel declares pyspark and
-  delta-spark as dependencies for local runs; a cluster that brings its own Spark should
-  install it with `--no-deps` plus the runtime dependencies (`RUNTIME_PYPI`).
+  restart sees; a driver-local path would lose a shard's checkpoint and state when its driver
+  moves. `check_config` refuses a local path (`check_warehouse`).
+- Secrets are passed by reference only, never as values: the Kafka client configuration is a
+  properties file named by `VARADHI_KAFKA_CONFIG` whose secret values are `${env:NAME}` (or
+  `${file:...}`) references; on Databricks each such variable, and the endpoint's credential
+  (`endpoint.auth_env`), is a `{{secrets/<scope>/<key>}}` reference in `spark_env_vars`. On EMR
+  and spark-submit the variables must already be in the driver's and executors' environment;
+  the definitions name them (`secret_env_names`) but cannot set them without writing the secret
+  into a command line.
+- The Kafka connector and Delta jars must match the cluster's Spark: EMR takes them from the
+  Spark line of the chosen EMR release (`emr_line`, `varadhi.spark_lines`); Databricks runtimes
+  bring their own.
+- EMR's default Python is older than the 3.11 the package needs: EMR jobs run in a virtualenv
+  archive (`spark.archives` + `PYSPARK_PYTHON`, `python_conf`) built with the wheel installed.
 """
 
 from __future__ import annotations
@@ -45,38 +53,74 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import yaml
+
+from . import spark_lines
 from .errors import InvalidArgument
 from .subscriptions import Subscription
 
-Target = Literal["spark-submit", "databricks", "emr"]
-TARGETS: tuple[Target, ...] = ("spark-submit", "databricks", "emr")
+Target = Literal["spark-submit", "databricks", "databricks-bundle", "emr", "emr-serverless"]
+TARGETS: tuple[Target, ...] = (
+    "spark-submit",
+    "databricks",
+    "databricks-bundle",
+    "emr",
+    "emr-serverless",
+)
 
-SHARD_JOB = "subscription_shard.py"
-FEEDER_JOB = "feeder.py"
+DISTRIBUTION = "varadhi-spark"  # the wheel's distribution name
+ENTRY_POINT = "varadhi-job"  # its console script: `varadhi-job NAME [job options]`
+SHARD_JOB = "shard"
+FEEDER_JOB = "feeder"
+LAUNCHER = "varadhi_job.py"  # the file spark-submit runs (`varadhi jobs launcher` prints it)
+LAUNCHER_SOURCE = '''\
+"""varadhi-job for spark-submit, which runs a file: `varadhi_job.py NAME [job options]`.
+
+Runs the installed varadhi-spark wheel's `varadhi-job` console script (varadhi.jobs.NAME);
+generated by `varadhi jobs launcher`."""
+
+import sys
+from importlib.metadata import entry_points
+
+(script,) = entry_points(group="console_scripts", name="varadhi-job")
+sys.exit(script.load()())
+'''
 OPERATION_KIND = "operation"
 CHANGE_SHARDS = "change-shards"
 FEED_STEP = "feed"  # varadhi.resharding.STEPS: fence, queues, state, layouts, activate, feed, done
 
-# The Kafka source/sink and Delta for a Spark 4.1 / Scala 2.13 cluster, the versions the project
-# pins (pyproject.toml: pyspark 4.1.1, delta-spark 4.1.0; scripts/jars/spark-pom.xml).
-SPARK_PACKAGES: tuple[str, ...] = (
-    "org.apache.spark:spark-sql-kafka-0-10_2.13:4.1.1",
-    "io.delta:delta-spark_4.1_2.13:4.1.0",
-)
+# The Kafka source/sink and Delta for the current Spark line (spark-submit's default).
+SPARK_PACKAGES: tuple[str, ...] = spark_lines.packages(spark_lines.CURRENT)
 DELTA_CONF: dict[str, str] = {
     "spark.sql.extensions": "io.delta.sql.DeltaSparkSessionExtension",
     "spark.sql.catalog.spark_catalog": "org.apache.spark.sql.delta.catalog.DeltaCatalog",
 }
-# What the jobs import beyond what a Spark runtime ships (pyproject.toml pins these versions).
-RUNTIME_PYPI: tuple[str, ...] = (
-    "kafka-python==3.0.12",
-    "mmh3==5.3.1",
-    "pycurl==7.49.0",
-    "crc32c==2.9",
-)
+STREAMING_CONF: dict[str, str] = {"spark.sql.streaming.stopGracefullyOnShutdown": "true"}
+
+# EMR major release -> the Spark line every release of it runs (EMR 7.x: Spark 3.5.x, Scala
+# 2.12). EMR 6 runs Spark 3.1-3.4, outside the supported lines.
+EMR_LINES: dict[int, str] = {7: "3.5"}
+_EMR_RELEASE_RE = re.compile(r"emr-(\d+)\.(\d+)\.(\d+)")
+# Databricks Runtime major version -> its Spark line (14.x-16.x: Spark 3.5, 17.x: Spark 4.0,
+# 18.x: Spark 4.1). Older runtimes run Spark lines this product does not support.
+DATABRICKS_LINES: dict[int, str] = {14: "3.5", 15: "3.5", 16: "3.5", 17: "4.0", 18: "4.1"}
+_DBR_RE = re.compile(r"(\d+)\.(\d+)\.x-(?:[a-z0-9-]+-)?scala(2\.1[23])")
+# Where the virtualenv archive is unpacked in each container (`spark.archives` ...#environment).
+VENV_DIR = "environment"
+VENV_PYTHON = f"./{VENV_DIR}/bin/python"
+
+# A Databricks task is retried without limit, at most once a minute; a retry of one task leaves
+# the job's other tasks running (see `databricks_job`).
+RETRY_INTERVAL_MS = 60_000
 
 # Kafka topic names (the feeders' sources): Kafka's own rule.
 _KAFKA_TOPIC_RE = re.compile(r"[A-Za-z0-9._-]{1,249}")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SECRET_PART_RE = re.compile(r"[\w.-]{1,128}")  # Databricks secret scope and key names
+_SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+_CLUSTER_ID_RE = re.compile(r"j-[0-9A-Z]{1,255}")
+_APPLICATION_ID_RE = re.compile(r"[0-9a-z]{1,64}")
+_ROLE_ARN_RE = re.compile(r"arn:aws[a-zA-Z0-9-]*:iam::\d{12}:role/[\w+=,.@/-]+")
 JOB_CLUSTER_KEY = "varadhi"
 
 
@@ -106,33 +150,79 @@ class JobPlan:
 
 
 @dataclass(frozen=True)
-class DeployConfig:
-    """Where the code and data live on the cluster and what cluster to ask for.
+class Secret:
+    """An environment variable a job needs whose value is a secret: on Databricks the reference
+    `{{secrets/<scope>/<key>}}`, elsewhere a variable the cluster's environment must provide."""
 
-    `code_path` is the folder holding `subscription_shard.py` and `feeder.py` (the repository's
-    `jobs/` copied there); `warehouse` is None only for local `./spark-submit.sh` runs, which use
-    `$VARADHI_WAREHOUSE`. The defaults per target are `DEFAULTS`.
+    env: str
+    scope: str
+    key: str
+
+    @property
+    def reference(self) -> str:
+        return f"{{{{secrets/{self.scope}/{self.key}}}}}"
+
+
+def parse_secret(text: str, default_scope: str) -> Secret:
+    """`NAME` (the secret `<default_scope>/NAME`) or `NAME=SCOPE/KEY`; anything else raises
+    `InvalidArgument`. Names are references, never values: a value would not parse."""
+    env, sep, ref = text.partition("=")
+    scope, slash, key = ref.partition("/") if sep else (default_scope, "/", env)
+    if not _ENV_NAME_RE.fullmatch(env) or not slash:
+        raise InvalidArgument(
+            f"{text!r}: expected NAME or NAME=SCOPE/KEY (NAME an environment variable)",
+            field="secret",
+        )
+    for part in (scope, key):
+        if not _SECRET_PART_RE.fullmatch(part):
+            raise InvalidArgument(
+                f"{text!r}: scope and key are letters, digits, '_', '-' and '.'", field="secret"
+            )
+    return Secret(env, scope, key)
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """Where the code, data and configuration live on the cluster and what cluster to ask for.
+
+    - `warehouse`: storage every node sees (`check_warehouse`);
+    - `kafka_config`: the Kafka client properties file as the jobs see it ("" none: plaintext
+      Kafka); on Databricks an absolute path (`/Volumes/...`, `/Workspace/...`), on EMR an
+      `s3://` object (shipped with `--files`, the jobs read the container's copy) or a path a
+      bootstrap action put on every node;
+    - `secrets`: environment variables holding secrets (`${env:NAME}` in the properties file);
+    - `code_path`: spark-submit and EMR: the folder holding `LAUNCHER`;
+    - `wheel`: Databricks: the wheel (a Unity Catalog volume or workspace file);
+    - `python_archive`: EMR: a virtualenv archive (`.tar.gz`) with Python 3.11+ and the wheel;
+    - `emr_release`, `cluster_id` (EMR on EC2), `application_id` and `execution_role_arn`
+      (EMR Serverless).
     """
 
     bootstrap_servers: str
     catalog_topic: str
-    code_path: str
     warehouse: str
+    code_path: str = "."
     wheel: str = ""
+    kafka_config: str = ""
+    secrets: tuple[Secret, ...] = ()
     node_type: str = "i3.xlarge"
     workers: int = 2
     spark_version: str = "17.3.x-scala2.13"
     secret_scope: str = "varadhi"
     packages: tuple[str, ...] = SPARK_PACKAGES
+    python_archive: str = ""
+    emr_release: str = "emr-7.12.0"
+    cluster_id: str = ""
+    application_id: str = ""
+    execution_role_arn: str = ""
 
 
 # Documented defaults (the CLI's flags fall back to these). Paths are examples of where a
 # deployment usually puts things; replace them with your workspace's or bucket's.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "spark-submit": {"code_path": "jobs", "warehouse": "hdfs:///varadhi/warehouse"},
+    "spark-submit": {"code_path": ".", "warehouse": "hdfs:///varadhi/warehouse"},
     "databricks": {
-        "code_path": "/Workspace/Shared/varadhi/jobs",
-        "warehouse": "dbfs:/varadhi/warehouse",
+        "warehouse": "/Volumes/main/varadhi/warehouse",
         "wheel": "/Volumes/main/varadhi/artifacts/varadhi_spark-{version}-py3-none-any.whl",
         "node_type": "i3.xlarge",
         "workers": 2,
@@ -142,8 +232,12 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "emr": {
         "code_path": "s3://varadhi-artifacts/jobs",
         "warehouse": "s3://varadhi-artifacts/warehouse",
+        "python_archive": "s3://varadhi-artifacts/varadhi-venv.tar.gz",
+        "emr_release": "emr-7.12.0",
     },
 }
+DEFAULTS["databricks-bundle"] = DEFAULTS["databricks"]
+DEFAULTS["emr-serverless"] = DEFAULTS["emr"]
 
 
 # -- the plan --------------------------------------------------------------------------------
@@ -211,7 +305,143 @@ def plan(
     )
 
 
-# -- job arguments ---------------------------------------------------------------------------
+# -- refusing what could only fail later ------------------------------------------------------
+
+# Storage a target's jobs can use for the warehouse (URI schemes; Databricks also UC volumes).
+WAREHOUSE_SCHEMES: dict[str, tuple[str, ...]] = {
+    "databricks": ("dbfs", "s3", "s3a", "abfss", "abfs", "gs", "wasbs"),
+    "emr": ("s3", "s3a", "hdfs"),
+    "emr-serverless": ("s3", "s3a"),
+}
+WAREHOUSE_SCHEMES["databricks-bundle"] = WAREHOUSE_SCHEMES["databricks"]
+UC_VOLUMES = "/Volumes/"
+
+
+def scheme(path: str) -> str | None:
+    """The URI scheme of `path` in lower case (`s3`, `dbfs`), None for a plain file path."""
+    m = _SCHEME_RE.match(path)
+    return m.group(1).lower() if m and len(m.group(1)) > 1 else None
+
+
+def check_warehouse(target: str, path: str) -> None:
+    """Refuse (`InvalidArgument`, field `warehouse`) a warehouse the target's jobs cannot share.
+
+    A local path (no scheme, or `file:`) is on one machine: a shard whose driver moves, or a
+    feeder on another node, would not see its checkpoint and GroupState. Databricks takes Unity
+    Catalog volume paths (`/Volumes/<catalog>/<schema>/<volume>/...`), which every node mounts.
+    spark-submit takes any other scheme (`hdfs://`, `s3a://`, `abfss://`, `gs://`, ...)."""
+    s = scheme(path)
+    allowed = WAREHOUSE_SCHEMES.get(target)
+    examples = ", ".join(f"{x}://..." for x in allowed) if allowed else "hdfs://..., s3a://..."
+    if target.startswith("databricks"):
+        examples += f", {UC_VOLUMES}<catalog>/<schema>/<volume>/..."
+        if s is None and path.startswith(UC_VOLUMES) and len(path) > len(UC_VOLUMES):
+            return
+    if s is None or s == "file":
+        raise InvalidArgument(
+            f"{path} is a local path; jobs on a cluster need storage every node and every "
+            f"restart sees ({examples})",
+            field="warehouse",
+        )
+    if allowed is not None and s not in allowed:
+        raise InvalidArgument(
+            f"{target} jobs cannot use {s}: storage (use {examples})", field="warehouse"
+        )
+
+
+def databricks_line(spark_version: str) -> spark_lines.SparkLine:
+    """The Spark line of a Databricks Runtime (`17.3.x-scala2.13` -> 4.0); an unknown form or a
+    runtime outside the supported lines raises `InvalidArgument` (field `spark_version`)."""
+    m = _DBR_RE.fullmatch(spark_version)
+    if m is None:
+        raise InvalidArgument(
+            f"{spark_version!r} is not a Databricks Runtime version such as 17.3.x-scala2.13",
+            field="spark_version",
+        )
+    line = DATABRICKS_LINES.get(int(m.group(1)))
+    if line is None:
+        raise InvalidArgument(
+            f"Databricks Runtime {m.group(1)}.{m.group(2)} runs a Spark line this product does "
+            f"not support (supported: {_runtimes()})",
+            field="spark_version",
+        )
+    return spark_lines.by_line(line)
+
+
+def _runtimes() -> str:
+    by_line: dict[str, list[int]] = {}
+    for major, line in DATABRICKS_LINES.items():
+        by_line.setdefault(line, []).append(major)
+    return "; ".join(
+        f"{min(m)}.x-{max(m)}.x: Spark {line}" if len(m) > 1 else f"{m[0]}.x: Spark {line}"
+        for line, m in by_line.items()
+    )
+
+
+def emr_line(release: str) -> spark_lines.SparkLine:
+    """The Spark line of an EMR release label (`emr-7.12.0` -> 3.5, Scala 2.12, Delta 3.x); an
+    unknown label raises `InvalidArgument` (field `emr_release`)."""
+    m = _EMR_RELEASE_RE.fullmatch(release)
+    line = EMR_LINES.get(int(m.group(1))) if m else None
+    if line is None:
+        known = ", ".join(f"emr-{major}.x.y (Spark {line})" for major, line in EMR_LINES.items())
+        raise InvalidArgument(
+            f"unknown EMR release {release!r} (supported: {known})", field="emr_release"
+        )
+    return spark_lines.by_line(line)
+
+
+def check_config(target: str, cfg: DeployConfig) -> None:
+    """Refuse, with one line naming the setting, a configuration whose jobs could only fail.
+
+    Checked per target: the warehouse (`check_warehouse`); Databricks: the runtime's Spark line,
+    a `.whl` wheel and an absolute Kafka properties path (the jobs open it as a file); EMR: the
+    release, an `s3://` launcher folder and virtualenv archive, an `s3://` or absolute Kafka
+    properties file, the cluster id (EC2) or application id and execution role (Serverless)."""
+    check_warehouse(target, cfg.warehouse)
+    if target.startswith("databricks"):
+        databricks_line(cfg.spark_version)
+        if not cfg.wheel.endswith(".whl"):
+            raise InvalidArgument(f"{cfg.wheel!r} is not a .whl file", field="wheel")
+        if cfg.kafka_config and not cfg.kafka_config.startswith("/"):
+            raise InvalidArgument(
+                f"{cfg.kafka_config!r}: the jobs open it as a file; give an absolute path "
+                "(/Volumes/..., /Workspace/...)",
+                field="kafka_config",
+            )
+    if target.startswith("emr"):
+        emr_line(cfg.emr_release)
+        for field, value, suffixes in (
+            ("code_path", cfg.code_path, ("",)),
+            ("python_archive", cfg.python_archive, (".tar.gz", ".tgz", ".zip")),
+        ):
+            if scheme(value) not in ("s3", "s3a") or not value.endswith(suffixes):
+                raise InvalidArgument(
+                    f"{value!r}: expected an s3:// "
+                    + ("folder" if field == "code_path" else "virtualenv archive (.tar.gz)"),
+                    field=field,
+                )
+        kafka = cfg.kafka_config
+        if kafka and scheme(kafka) not in ("s3", "s3a") and not kafka.startswith("/"):
+            raise InvalidArgument(
+                f"{kafka!r}: expected an s3:// object or an absolute path on every node",
+                field="kafka_config",
+            )
+    if target == "emr" and cfg.cluster_id and not _CLUSTER_ID_RE.fullmatch(cfg.cluster_id):
+        raise InvalidArgument(f"{cfg.cluster_id!r} is not an EMR cluster id (j-...)", "cluster_id")
+    if target == "emr-serverless":
+        if not _APPLICATION_ID_RE.fullmatch(cfg.application_id):
+            raise InvalidArgument(
+                f"{cfg.application_id!r} is not an EMR Serverless application id",
+                field="application_id",
+            )
+        if not _ROLE_ARN_RE.fullmatch(cfg.execution_role_arn):
+            raise InvalidArgument(
+                f"{cfg.execution_role_arn!r} is not an IAM role ARN", field="execution_role_arn"
+            )
+
+
+# -- job arguments and environment ------------------------------------------------------------
 
 
 def shard_args(p: JobPlan, shard: int) -> list[str]:
@@ -229,26 +459,53 @@ def cluster_args(cfg: DeployConfig, warehouse: bool = True) -> list[str]:
     return args + ["--warehouse", cfg.warehouse] if warehouse else args
 
 
-def job_env(cfg: DeployConfig) -> dict[str, str]:
-    """Environment the jobs need on the cluster (the catalog topic has no command-line flag)."""
-    return {"VARADHI_CATALOG_TOPIC": cfg.catalog_topic}
-
-
-def _jobs(p: JobPlan, cfg: DeployConfig) -> list[tuple[str, str, list[str]]]:
-    """(key, python file, arguments) of every job: shards first, then feeders."""
+def _jobs(p: JobPlan, cfg: DeployConfig) -> list[tuple[str, list[str]]]:
+    """(key, `varadhi-job` arguments) of every job: shards first, then feeders."""
     jobs = [
-        (f"shard-{s}", f"{cfg.code_path}/{SHARD_JOB}", shard_args(p, s) + cluster_args(cfg))
-        for s in p.shards
+        (f"shard-{s}", [SHARD_JOB, *shard_args(p, s), *cluster_args(cfg)]) for s in p.shards
     ]
     jobs += [
-        (
-            f"feeder-{i}",
-            f"{cfg.code_path}/{FEEDER_JOB}",
-            feeder_args(p, f) + cluster_args(cfg, warehouse=False),
-        )
+        (f"feeder-{i}", [FEEDER_JOB, *feeder_args(p, f), *cluster_args(cfg, warehouse=False)])
         for i, f in enumerate(p.feeders)
     ]
     return jobs
+
+
+def _description(p: JobPlan, key: str) -> str:
+    if key.startswith("feeder-"):
+        feeder = p.feeders[int(key.split("-", 1)[1])]
+        return f"drain {feeder.source} ({feeder.queue}) into the current shards"
+    return f"shard {key.split('-', 1)[1]} of {p.subscription}"
+
+
+def kafka_config_path(cfg: DeployConfig) -> str:
+    """`VARADHI_KAFKA_CONFIG` as the jobs see it: an `s3://` object is shipped with `--files`
+    into each container's working directory, so the jobs read it by its file name."""
+    if scheme(cfg.kafka_config) in ("s3", "s3a"):
+        return cfg.kafka_config.rsplit("/", 1)[-1]
+    return cfg.kafka_config
+
+
+def job_env(cfg: DeployConfig) -> dict[str, str]:
+    """Environment the jobs need on the cluster (no secret values): the catalog topic and the
+    Kafka client configuration file."""
+    env = {"VARADHI_CATALOG_TOPIC": cfg.catalog_topic}
+    if cfg.kafka_config:
+        env["VARADHI_KAFKA_CONFIG"] = kafka_config_path(cfg)
+    return env
+
+
+def secrets(p: JobPlan, cfg: DeployConfig) -> tuple[Secret, ...]:
+    """The secrets the jobs read from their environment: the configured ones, and the endpoint's
+    credential (`<secret_scope>/<auth_env>` unless configured otherwise)."""
+    found = {s.env: s for s in cfg.secrets}
+    if p.auth_env and p.auth_env not in found:
+        found[p.auth_env] = Secret(p.auth_env, cfg.secret_scope, p.auth_env)
+    return tuple(found.values())
+
+
+def secret_env_names(p: JobPlan, cfg: DeployConfig) -> list[str]:
+    return [s.env for s in secrets(p, cfg)]
 
 
 def operation_note(p: JobPlan) -> str | None:
@@ -266,6 +523,13 @@ def operation_note(p: JobPlan) -> str | None:
     )
 
 
+def _submit_conf(conf: Mapping[str, str]) -> list[str]:
+    args: list[str] = []
+    for k, v in conf.items():
+        args += ["--conf", f"{k}={v}"]
+    return args
+
+
 # -- spark-submit ----------------------------------------------------------------------------
 
 
@@ -275,9 +539,9 @@ def spark_submit_commands(p: JobPlan, cfg: DeployConfig) -> tuple[list[list[str]
     local = [["./spark-submit.sh", p.subscription, str(s)] for s in p.shards]
     local += [["./spark-submit.sh", "--job", "feeder", *feeder_args(p, f)] for f in p.feeders]
     submit = ["spark-submit", "--packages", ",".join(cfg.packages)]
-    for k, v in DELTA_CONF.items():
-        submit += ["--conf", f"{k}={v}"]
-    cluster = [[*submit, path, *args] for _key, path, args in _jobs(p, cfg)]
+    submit += _submit_conf({**DELTA_CONF, **STREAMING_CONF})
+    launcher = f"{cfg.code_path.rstrip('/')}/{LAUNCHER}"
+    cluster = [[*submit, launcher, *args] for _key, args in _jobs(p, cfg)]
     return local, cluster
 
 
@@ -286,8 +550,8 @@ def spark_submit_script(p: JobPlan, cfg: DeployConfig) -> str:
 
     Every job runs until stopped, so each line is meant for its own terminal or service unit.
     The cluster commands run the driver in client mode on the submitting host (so the exported
-    environment reaches it) with the cluster's default master; the wheel and `RUNTIME_PYPI` must
-    be installed on every node.
+    environment reaches it) with the cluster's default master; the wheel must be installed on
+    every node (docs/deployment.md for YARN and Kubernetes).
     """
     local, cluster = spark_submit_commands(p, cfg)
     env = {"VARADHI_BOOTSTRAP": cfg.bootstrap_servers, **job_env(cfg)}
@@ -303,10 +567,12 @@ def spark_submit_script(p: JobPlan, cfg: DeployConfig) -> str:
     note = operation_note(p)
     if note:
         lines.append(f"# {note}")
-    if p.auth_env:
+    names = secret_env_names(p, cfg)
+    if names:
         lines.append(
-            f"# the endpoint's credential is read from ${p.auth_env} on every executor: "
-            "export it (locally) or set it in the cluster's executor environment"
+            f"# secrets read from the environment on the driver and every executor: "
+            f"{', '.join('$' + n for n in names)}; export them (locally) or set them in the "
+            "cluster's driver and executor environment"
         )
     lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
     lines += ["", "# this checkout (local Spark, the project's jars and venv), one per terminal:"]
@@ -318,8 +584,9 @@ def spark_submit_script(p: JobPlan, cfg: DeployConfig) -> str:
     lines += [f"# {shlex.join([*c, '--standby'])}" for c in local if c[1] != "--job"]
     lines += [
         "",
-        "# a cluster (its spark-submit and master; wheel and "
-        f"{', '.join(RUNTIME_PYPI)} on every node):",
+        f"# a cluster (its spark-submit and master; the {DISTRIBUTION} wheel installed for the "
+        f"cluster's Python 3.11+, {LAUNCHER} from `varadhi jobs launcher` in "
+        f"{cfg.code_path}):",
     ]
     lines += [shlex.join(c) for c in cluster]
     return "\n".join(lines) + "\n"
@@ -328,55 +595,56 @@ def spark_submit_script(p: JobPlan, cfg: DeployConfig) -> str:
 # -- Databricks ------------------------------------------------------------------------------
 
 
-def databricks_libraries(cfg: DeployConfig) -> list[dict[str, Any]]:
-    libraries: list[dict[str, Any]] = [{"whl": cfg.wheel}] if cfg.wheel else []
-    return libraries + [{"pypi": {"package": pkg}} for pkg in RUNTIME_PYPI]
-
-
 def databricks_env(p: JobPlan, cfg: DeployConfig) -> dict[str, str]:
-    """`spark_env_vars`: the catalog topic, and the endpoint's credential as a reference to the
-    secret `<secret_scope>/<auth_env>` (Databricks resolves it when the cluster starts)."""
-    env = job_env(cfg)
-    if p.auth_env:
-        env[p.auth_env] = f"{{{{secrets/{cfg.secret_scope}/{p.auth_env}}}}}"
-    return env
+    """`spark_env_vars`: the catalog topic, the Kafka client configuration file, and every
+    secret as a `{{secrets/<scope>/<key>}}` reference (Databricks resolves it when the cluster
+    starts; the value is never in the job's settings)."""
+    return {**job_env(cfg), **{s.env: s.reference for s in secrets(p, cfg)}}
 
 
 def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
-    """A Jobs API 2.2 create request: one continuous job, one `spark_python_task` per shard and
-    feeder, all on one job cluster.
+    """A Jobs API 2.2 create request: one job, one `python_wheel_task` per shard and feeder
+    (`varadhi-job NAME ...` from the wheel), all on one job cluster in dedicated access mode.
 
-    Why one job with a task per shard: continuous jobs were limited to a single task when the
-    trigger was introduced, but Jobs API 2.1/2.2 continuous jobs take several tasks as long as
-    they have no `depends_on` (Databricks, "Run jobs continuously"), which these never have.
-    One job keeps pause/resume a single switch (`continuous.pause_status` mirrors the
-    subscription's `paused` flag) and the shards on one cluster.
+    Restart policy (why not a continuous job): a continuous job's `task_retry_mode: ON_FAILURE`
+    retries a failed task only "if at least one other task in the job is still running its
+    first attempt"; once every shard has failed once (one broker outage is enough), the next
+    failure of any shard cancels the run and restarts all of them, and retry policies
+    (`max_retries`) are not allowed in continuous jobs. So the job is a triggered one (start it
+    once with `jobs run-now`) whose tasks have no `depends_on`: they run side by side, a failed
+    task only affects tasks that depend on it (none), and each task retries itself without
+    limit (`max_retries: -1`), at most once a minute (`min_retry_interval_millis`), while the
+    others keep running. Streaming tasks never time out (no `timeout_seconds`, so
+    `retry_on_timeout` does not apply). The run ends only when every task has ended (a feeder
+    ends when it has drained its source) or someone cancels it; `max_concurrent_runs: 1` and no
+    queue keep a second run from starting shards that already run (the shards' leases would
+    fence each other).
 
-    - `task_retry_mode: ON_FAILURE` retries a failed shard while the others keep running; with
-      the default (`NEVER`) one failed shard would stay down until every other task ended,
-      which for streaming shards is never. When retries run out Databricks cancels the run and
-      starts a new one; shards resume from their checkpoints (at-least-once).
-    - Task `max_retries` and `depends_on` are not allowed in continuous jobs and are not set.
-    - Serverless compute does not run continuous jobs, so tasks use a job cluster
-      (`job_cluster_key`), not an `environment_key`.
-    - A feeder task exits when its source is drained; it does not end the run (the shards keep
-      it going), and a restarted run starts it again, which must find nothing left to feed.
-      Re-render without it once the operation is done.
+    Serverless job compute does not run Structured Streaming with processing-time triggers, so
+    the tasks use a job cluster; `data_security_mode: SINGLE_USER` (the API's name for the
+    dedicated access mode; the single user is the job's run-as identity) gives the shards Unity
+    Catalog volumes and the full Spark API. Databricks runtimes bring Delta and the Kafka
+    connector, so no packages are installed besides the wheel (whose dependencies are resolved
+    from PyPI when the library is installed). Pausing the subscription
+    (`varadhi subscription pause`) makes the running shards wait; the job keeps running.
     """
-    tasks = []
-    for key, path, args in _jobs(p, cfg):
-        task: dict[str, Any] = {
+    tasks = [
+        {
             "task_key": key,
+            "description": _description(p, key),
             "job_cluster_key": JOB_CLUSTER_KEY,
-            "spark_python_task": {"python_file": path, "parameters": args},
-            "libraries": databricks_libraries(cfg),
+            "python_wheel_task": {
+                "package_name": DISTRIBUTION,
+                "entry_point": ENTRY_POINT,
+                "parameters": args,
+            },
+            "libraries": [{"whl": cfg.wheel}],
+            "max_retries": -1,
+            "min_retry_interval_millis": RETRY_INTERVAL_MS,
+            "retry_on_timeout": False,
         }
-        if key.startswith("feeder-"):
-            feeder = p.feeders[int(key.split("-", 1)[1])]
-            task["description"] = f"drain {feeder.source} ({feeder.queue}) into the current shards"
-        else:
-            task["description"] = f"shard {key.split('-', 1)[1]} of {p.subscription}"
-        tasks.append(task)
+        for key, args in _jobs(p, cfg)
+    ]
     return {
         "name": f"varadhi-{p.subscription}",
         "description": (
@@ -388,11 +656,8 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
             "varadhi-subscription": p.subscription,
             "varadhi-shard-count": str(p.shard_count),
         },
-        "continuous": {
-            "pause_status": "PAUSED" if p.paused else "UNPAUSED",
-            "task_retry_mode": "ON_FAILURE",
-        },
         "max_concurrent_runs": 1,
+        "queue": {"enabled": False},
         "job_clusters": [
             {
                 "job_cluster_key": JOB_CLUSTER_KEY,
@@ -400,10 +665,8 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
                     "spark_version": cfg.spark_version,
                     "node_type_id": cfg.node_type,
                     "num_workers": cfg.workers,
-                    "spark_conf": {
-                        **DELTA_CONF,
-                        "spark.sql.streaming.stopGracefullyOnShutdown": "true",
-                    },
+                    "data_security_mode": "SINGLE_USER",
+                    "spark_conf": dict(STREAMING_CONF),
                     "spark_env_vars": databricks_env(p, cfg),
                 },
             }
@@ -412,7 +675,72 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
     }
 
 
+def bundle_resource_key(subscription: str) -> str:
+    """The job's key under `resources.jobs` (letters, digits and '_' only)."""
+    return "varadhi_" + re.sub(r"[^A-Za-z0-9_]", "_", subscription)
+
+
+def databricks_bundle(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
+    """A `databricks.yml` Asset Bundle holding `databricks_job`'s job as `resources.jobs.<key>`.
+
+    `databricks bundle deploy` creates or updates the job (re-render and deploy again after a
+    shard-count change); `databricks bundle run <key>` starts it. The workspace comes from the
+    CLI's profile or `DATABRICKS_HOST`."""
+    return {
+        "bundle": {"name": f"varadhi-{re.sub(r'[^A-Za-z0-9_-]', '-', p.subscription)}"},
+        "resources": {"jobs": {bundle_resource_key(p.subscription): databricks_job(p, cfg)}},
+    }
+
+
+def bundle_yaml(p: JobPlan, cfg: DeployConfig) -> str:
+    key = bundle_resource_key(p.subscription)
+    head = (
+        f"# Databricks Asset Bundle for varadhi subscription {p.subscription}, generated by "
+        "`varadhi jobs render --target databricks-bundle`.\n"
+        f"# databricks bundle deploy && databricks bundle run {key}\n"
+    )
+    return head + yaml.safe_dump(databricks_bundle(p, cfg), sort_keys=False, width=100)
+
+
 # -- EMR -------------------------------------------------------------------------------------
+
+
+def python_conf(driver_env_prefix: str) -> dict[str, str]:
+    """Spark settings that run the driver and executors with the virtualenv archive's Python
+    (`spark.archives` unpacks it as `./environment` in every container)."""
+    return {
+        f"{driver_env_prefix}PYSPARK_PYTHON": VENV_PYTHON,
+        f"{driver_env_prefix}PYSPARK_DRIVER_PYTHON": VENV_PYTHON,
+        "spark.executorEnv.PYSPARK_PYTHON": VENV_PYTHON,
+    }
+
+
+def _emr_submit(p: JobPlan, cfg: DeployConfig, serverless: bool) -> list[str]:
+    """The spark-submit options of an EMR job: the release's packages, Delta, the Python of the
+    virtualenv archive, the jobs' environment on driver and executors, the Kafka properties."""
+    line = emr_line(cfg.emr_release)
+    driver = "spark.emr-serverless.driverEnv." if serverless else "spark.yarn.appMasterEnv."
+    conf = {
+        **DELTA_CONF,
+        **STREAMING_CONF,
+        "spark.archives": f"{cfg.python_archive}#{VENV_DIR}",
+        **python_conf(driver),
+    }
+    if not serverless:
+        conf.update(
+            {
+                "spark.yarn.submit.waitAppCompletion": "false",
+                "spark.yarn.maxAppAttempts": "4",
+                "spark.yarn.am.attemptFailuresValidityInterval": "1h",
+            }
+        )
+    for k, v in job_env(cfg).items():
+        conf[f"{driver}{k}"] = v
+        conf[f"spark.executorEnv.{k}"] = v
+    args = ["--packages", ",".join(spark_lines.packages(line))]
+    if scheme(cfg.kafka_config) in ("s3", "s3a"):
+        args += ["--files", cfg.kafka_config]
+    return args + _submit_conf(conf)
 
 
 def emr_steps(p: JobPlan, cfg: DeployConfig) -> list[dict[str, Any]]:
@@ -423,32 +751,28 @@ def emr_steps(p: JobPlan, cfg: DeployConfig) -> list[dict[str, Any]]:
     cluster mode without waiting (`spark.yarn.submit.waitAppCompletion=false`): the step ends
     once YARN accepted the application, and the next shard's step can start. YARN, not EMR,
     restarts a failed driver: `spark.yarn.maxAppAttempts` (at most the cluster's
-    `yarn.resourcemanager.am.max-attempts`) attempts, counted per hour.
+    `yarn.resourcemanager.am.max-attempts`) attempts, counted per hour; one shard's restart does
+    not touch the others (each is its own application).
     `ActionOnFailure: CONTINUE` keeps the cluster and the other steps when one submission fails.
-    The endpoint's credential (`JobPlan.auth_env`) is not passed: it would be visible in the
-    step's arguments; set it in the cluster's executor environment (docs/operations.md).
+    Secrets (`secret_env_names`) are not passed: they would be visible in the step's arguments;
+    the cluster's configuration must put them in the driver's and executors' environment.
     """
-    conf = {
-        **DELTA_CONF,
-        "spark.yarn.submit.waitAppCompletion": "false",
-        "spark.yarn.maxAppAttempts": "4",
-        "spark.yarn.am.attemptFailuresValidityInterval": "1h",
-        "spark.sql.streaming.stopGracefullyOnShutdown": "true",
-    }
-    for k, v in job_env(cfg).items():
-        conf[f"spark.yarn.appMasterEnv.{k}"] = v
-        conf[f"spark.executorEnv.{k}"] = v
-    submit = ["spark-submit", "--deploy-mode", "cluster", "--packages", ",".join(cfg.packages)]
-    for k, v in conf.items():
-        submit += ["--conf", f"{k}={v}"]
+    submit = ["spark-submit", "--deploy-mode", "cluster", *_emr_submit(p, cfg, serverless=False)]
+    launcher = f"{cfg.code_path.rstrip('/')}/{LAUNCHER}"
     return [
         {
             "Name": f"varadhi-{p.subscription}-{key}",
             "ActionOnFailure": "CONTINUE",
-            "HadoopJarStep": {"Jar": "command-runner.jar", "Args": [*submit, path, *args]},
+            "HadoopJarStep": {"Jar": "command-runner.jar", "Args": [*submit, launcher, *args]},
         }
-        for key, path, args in _jobs(p, cfg)
+        for key, args in _jobs(p, cfg)
     ]
+
+
+def emr_add_steps(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
+    """The AddJobFlowSteps request (`aws emr add-steps --cli-input-json`, boto3
+    `add_job_flow_steps(**request)`)."""
+    return {"JobFlowId": cfg.cluster_id, "Steps": emr_steps(p, cfg)}
 
 
 def emr_cli_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -464,3 +788,53 @@ def emr_cli_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         }
         for s in steps
     ]
+
+
+def emr_serverless_runs(p: JobPlan, cfg: DeployConfig) -> list[dict[str, Any]]:
+    """One EMR Serverless StartJobRun request per shard and feeder, each a streaming job run.
+
+    `mode: STREAMING` runs the job until cancelled, with no execution timeout, and restarts a
+    failed one by `retryPolicy.maxFailedAttemptsPerHour` (streaming runs take no `maxAttempts`);
+    each job is its own run, so one shard's restart leaves the others running. The application
+    must run an EMR release of the supported lines (`cfg.emr_release`; its `--packages` come
+    from that line) and reach Maven Central for them (or replace `--packages` with `--jars` on
+    S3). `clientToken` is derived from the subscription, job and generation, so submitting the
+    same rendered request twice starts one run; a run started again after it ended needs a new
+    token (`aws emr-serverless start-job-run` makes one when the field is left out).
+    EMR Serverless splits `sparkSubmitParameters` at spaces without shell quoting, so a value
+    with a space or quote is refused (`InvalidArgument`).
+    """
+    options = _emr_submit(p, cfg, serverless=True)
+    if any(re.search(r"[\s'\"\\]", a) for a in options):
+        raise InvalidArgument(  # EMR Serverless splits sparkSubmitParameters at spaces
+            "a path or setting with a space, quote or backslash cannot go into "
+            "sparkSubmitParameters",
+            field="emr-serverless",
+        )
+    submit = " ".join(options)
+    launcher = f"{cfg.code_path.rstrip('/')}/{LAUNCHER}"
+    runs = []
+    for key, args in _jobs(p, cfg):
+        name = f"varadhi-{p.subscription}-{key}"
+        runs.append(
+            {
+                "applicationId": cfg.application_id,
+                "executionRoleArn": cfg.execution_role_arn,
+                "clientToken": re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-g{p.generation}")[-64:],
+                "name": name,
+                "mode": "STREAMING",
+                "retryPolicy": {"maxFailedAttemptsPerHour": 5},
+                "jobDriver": {
+                    "sparkSubmit": {
+                        "entryPoint": launcher,
+                        "entryPointArguments": args,
+                        "sparkSubmitParameters": submit,
+                    }
+                },
+                "tags": {
+                    "varadhi-subscription": p.subscription,
+                    "varadhi-job": key,
+                },
+            }
+        )
+    return runs

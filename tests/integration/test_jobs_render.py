@@ -1,5 +1,7 @@
 """`varadhi jobs render` against the real broker: definitions follow the catalog's current state
-(shard count, paused flag, a change-shards operation's feeders); refusals exit 2."""
+(shard count, a change-shards operation's feeders) for every target; bad input (an unknown
+target or option, a flag of another target, a local warehouse, an unknown EMR release, a missing
+subscription) is one line on stderr, exit 2, and nothing written."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import json
 import shlex
 
 import pytest
+import yaml
 
 from varadhi import jobdefs
 from varadhi.catalog import key
@@ -14,6 +17,14 @@ from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.topics import TopicService
 
 pytestmark = pytest.mark.kafka
+
+EMR = ["--cluster-id", "j-1ABCDEFGHIJK"]
+SERVERLESS = [
+    "--application-id",
+    "00fabcdefgh12345",
+    "--execution-role-arn",
+    "arn:aws:iam::123456789012:role/varadhi-jobs",
+]
 
 
 @pytest.fixture
@@ -35,22 +46,32 @@ def render(varadhi_cli, name, target, *flags):
     return out
 
 
-def test_databricks_job_follows_shards_and_pause(varadhi_cli, catalog, settings, subscription):
-    body = json.loads(render(varadhi_cli, subscription, "databricks", "--workers", "3"))
+def test_databricks_job_and_bundle_follow_the_catalog(varadhi_cli, settings, subscription):
+    flags = [
+        "--workers",
+        "3",
+        "--kafka-config",
+        "/Volumes/main/varadhi/conf/kafka.properties",
+        "--secret",
+        "KAFKA_PASSWORD",
+    ]
+    body = json.loads(render(varadhi_cli, subscription, "databricks", *flags))
     assert body["name"] == f"varadhi-{subscription}"
     assert [t["task_key"] for t in body["tasks"]] == ["shard-0", "shard-1"]
-    assert body["continuous"]["pause_status"] == "UNPAUSED"
-    assert body["job_clusters"][0]["new_cluster"]["num_workers"] == 3
-    params = body["tasks"][1]["spark_python_task"]["parameters"]
-    assert params[:4] == ["--subscription", subscription, "--shard", "1"]
+    cluster = body["job_clusters"][0]["new_cluster"]
+    assert cluster["num_workers"] == 3 and cluster["data_security_mode"] == "SINGLE_USER"
+    params = body["tasks"][1]["python_wheel_task"]["parameters"]
+    assert params[:5] == ["shard", "--subscription", subscription, "--shard", "1"]
     # The jobs use the Kafka and the catalog this command read (unless told otherwise).
     assert params[params.index("--bootstrap") + 1] == settings.bootstrap
-    env = body["job_clusters"][0]["new_cluster"]["spark_env_vars"]
-    assert env["VARADHI_CATALOG_TOPIC"] == settings.catalog_topic
-
-    SubscriptionService(catalog).set_paused(subscription, True)
-    paused = json.loads(render(varadhi_cli, subscription, "databricks"))
-    assert paused["continuous"]["pause_status"] == "PAUSED"
+    assert cluster["spark_env_vars"] == {
+        "VARADHI_CATALOG_TOPIC": settings.catalog_topic,
+        "VARADHI_KAFKA_CONFIG": "/Volumes/main/varadhi/conf/kafka.properties",
+        "KAFKA_PASSWORD": "{{secrets/varadhi/KAFKA_PASSWORD}}",
+    }
+    bundle = yaml.safe_load(render(varadhi_cli, subscription, "databricks-bundle", *flags))
+    (job,) = bundle["resources"]["jobs"].values()
+    assert job == body
 
 
 def test_feeders_appear_while_a_change_shards_operation_needs_them(
@@ -68,13 +89,32 @@ def test_feeders_appear_while_a_change_shards_operation_needs_them(
         ],
     }
     catalog.mutate(lambda _snap: {op_key: op})
-    steps = json.loads(render(varadhi_cli, subscription, "emr", "--code-path", "s3://b/jobs"))
+    request = json.loads(
+        render(varadhi_cli, subscription, "emr", *EMR, "--code-path", "s3://b/jobs")
+    )
+    assert request["JobFlowId"] == "j-1ABCDEFGHIJK"
+    steps = request["Steps"]
     assert [s["Name"] for s in steps] == [
         f"varadhi-{subscription}-shard-0",
         f"varadhi-{subscription}-shard-1",
         f"varadhi-{subscription}-feeder-0",
     ]
-    assert "s3://b/jobs/feeder.py" in steps[2]["HadoopJarStep"]["Args"]
+    args = steps[2]["HadoopJarStep"]["Args"]
+    launcher = args.index("s3://b/jobs/varadhi_job.py")
+    assert args[launcher + 1 : launcher + 6] == [
+        "feeder",
+        "--subscription",
+        subscription,
+        "--source",
+        f"{subscription}.rq.0",
+    ]
+    runs = json.loads(render(varadhi_cli, subscription, "emr-serverless", *SERVERLESS))
+    assert [r["jobDriver"]["sparkSubmit"]["entryPointArguments"][0] for r in runs] == [
+        "shard",
+        "shard",
+        "feeder",
+    ]
+    assert {r["mode"] for r in runs} == {"STREAMING"}
     script = render(varadhi_cli, subscription, "spark-submit")
     local_feeder = ["./spark-submit.sh", "--job", "feeder", "--subscription", subscription]
     assert local_feeder + ["--source", f"{subscription}.rq.0"] in [
@@ -98,7 +138,7 @@ def test_output_file_and_cli_shaped_emr_steps(varadhi_cli, subscription, tmp_pat
 
 
 def test_spark_submit_lines_per_shard(varadhi_cli, subscription):
-    script = render(varadhi_cli, subscription, "spark-submit")
+    script = render(varadhi_cli, subscription, "spark-submit", "--spark-line", "3.5")
     lines = [shlex.split(x) for x in script.splitlines() if x.startswith("./spark-submit.sh")]
     assert lines == [
         ["./spark-submit.sh", subscription, "0"],
@@ -106,10 +146,47 @@ def test_spark_submit_lines_per_shard(varadhi_cli, subscription):
     ]
     cluster = [x for x in script.splitlines() if x.startswith("spark-submit ")]
     assert len(cluster) == 2 and all("--cluster" in x for x in cluster)
-    assert all(",".join(jobdefs.SPARK_PACKAGES) in x for x in cluster)
+    assert all("spark-sql-kafka-0-10_2.12:3.5." in x for x in cluster)
 
 
-def test_refusals_exit_2_and_write_nothing(varadhi_cli, subscription, unique_name, tmp_path):
+def test_launcher_prints_the_file_spark_submit_runs(varadhi_cli, tmp_path):
+    code, out, _ = varadhi_cli("jobs", "launcher")
+    assert (code, out) == (0, jobdefs.LAUNCHER_SOURCE)
+    compile(out, jobdefs.LAUNCHER, "exec")
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--target", "kubernetes"], "argument --target: invalid choice: 'kubernetes'"),
+        (["--target", "databricks", "--workres", "3"], "unrecognized arguments: --workres 3"),
+        (["--target", "emr", *EMR, "--node-type", "m5.xlarge"], "--node-type applies to"),
+        (["--target", "databricks", "--workers", "0"], "workers: must be at least 1"),
+        (["--target", "databricks", "--warehouse", "/tmp/wh"], "/tmp/wh is a local path"),
+        (["--target", "emr", *EMR, "--emr-release", "emr-6.15.0"], "unknown EMR release"),
+        (["--target", "emr"], "cluster_id: required for --target emr"),
+        (["--target", "emr-serverless"], "application_id: required"),
+        (["--target", "databricks", "--secret", "PASSWORD=hunter2"], "expected NAME or NAME="),
+        (["--target", "databricks", "--spark-version", "13.3.x-scala2.12"], "Runtime 13.3"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(
+    varadhi_cli, capsys, unique_name, tmp_path, flags, says
+):
+    """Refused before the catalog is read: the subscription need not exist."""
+    out_file = tmp_path / "job.json"
+    name = unique_name("never-read")
+    try:
+        code, out, err = varadhi_cli("jobs", "render", name, *flags, "-o", str(out_file))
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+        out, err = capsys.readouterr()
+    assert code == 2
+    assert not out_file.exists()
+    assert says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_unknown_subscription_exits_2_and_writes_nothing(varadhi_cli, unique_name, tmp_path):
     out_file = tmp_path / "job.json"
     code, out, err = varadhi_cli(
         "jobs", "render", unique_name("missing"), "--target", "databricks", "-o", str(out_file)
@@ -117,11 +194,3 @@ def test_refusals_exit_2_and_write_nothing(varadhi_cli, subscription, unique_nam
     assert (code, out) == (2, "")
     assert "does not exist" in err
     assert not out_file.exists()
-    code, _, err = varadhi_cli(
-        "jobs", "render", subscription, "--target", "emr", "--node-type", "m5.xlarge"
-    )
-    assert code == 2 and "--node-type applies to --target databricks only" in err
-    code, _, err = varadhi_cli(
-        "jobs", "render", subscription, "--target", "databricks", "--workers", "0"
-    )
-    assert code == 2 and "workers" in err

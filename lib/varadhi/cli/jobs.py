@@ -1,5 +1,9 @@
-"""`varadhi jobs render NAME --target spark-submit|databricks|emr`: deployable job definitions
-for a subscription's current state (see `varadhi.jobdefs`)."""
+"""`varadhi jobs render NAME --target TARGET`: deployable job definitions for a subscription's
+current state (see `varadhi.jobdefs`); `varadhi jobs launcher`: the file spark-submit runs.
+
+Bad input (an unknown target or option, a flag of another target, a local warehouse, an
+unsupported runtime or EMR release) is refused with one line and exit code 2 before the catalog
+is read or anything is written."""
 
 from __future__ import annotations
 
@@ -8,33 +12,64 @@ import json
 import sys
 from importlib import metadata
 
-from .. import jobdefs
+from .. import jobdefs, spark_lines
 from ..catalog import Catalog
 from ..errors import InvalidArgument, NotFound
 from ..subscriptions import KIND as SUBSCRIPTION
 from . import common
 
 _D = jobdefs.DEFAULTS
-_ONLY = {  # flag -> the one target it applies to
-    "wheel": "databricks",
-    "node_type": "databricks",
-    "workers": "databricks",
-    "spark_version": "databricks",
-    "secret_scope": "databricks",
-    "emr_format": "emr",
+_DATABRICKS = ("databricks", "databricks-bundle")
+_EMR = ("emr", "emr-serverless")
+_ONLY: dict[str, tuple[str, ...]] = {  # flag -> the targets it applies to
+    "code_path": ("spark-submit", *_EMR),
+    "wheel": _DATABRICKS,
+    "node_type": _DATABRICKS,
+    "workers": _DATABRICKS,
+    "spark_version": _DATABRICKS,
+    "secret_scope": _DATABRICKS,
+    "spark_line": ("spark-submit",),
+    "emr_release": _EMR,
+    "python_archive": _EMR,
+    "cluster_id": ("emr",),
+    "emr_format": ("emr",),
+    "application_id": ("emr-serverless",),
+    "execution_role_arn": ("emr-serverless",),
 }
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A sub-command parser whose errors, unknown options included, are one line (exit 2).
+
+    argparse hands options a sub-command does not know up to the top-level parser, which prints
+    its whole usage; this parser refuses them itself."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
+def _defaults(key: str) -> str:
+    return "; ".join(f"{t}: {_D[t][key]}" for t in jobdefs.TARGETS if key in _D[t])
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("jobs", help="job definitions that run a subscription's shards")
-    jsub = p.add_subparsers(dest="jobs_command", metavar="ACTION", required=True)
+    jsub = p.add_subparsers(
+        dest="jobs_command", metavar="ACTION", required=True, parser_class=_OneLineParser
+    )
     r = jsub.add_parser(
         "render",
-        help="spark-submit commands, a Databricks job or EMR steps for a subscription",
+        help="spark-submit commands, a Databricks job or bundle, EMR steps or job runs",
         description="Render the jobs that run subscription NAME as it is now: one per shard, "
         "plus one feeder per old RQ/DLQ storage topic while a shard-count change needs them. "
-        "Render again (and replace the deployed definition) after change-shards, once its "
-        "feeders are done, and after pause/resume (Databricks mirrors the paused flag).",
+        "Render again (and replace the deployed definition) after change-shards and once its "
+        "feeders are done. docs/deployment.md explains each target.",
     )
     r.add_argument("name", help="subscription name")
     r.add_argument("--target", required=True, choices=jobdefs.TARGETS)
@@ -42,16 +77,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         "-o", "--output", metavar="FILE", help="write the definition to FILE instead of stdout"
     )
     r.add_argument(
-        "--code-path",
-        help="folder on the cluster holding the repository's jobs/ scripts (default: "
-        + "; ".join(f"{t}: {_D[t]['code_path']}" for t in jobdefs.TARGETS)
-        + "; local ./spark-submit.sh lines always use this checkout)",
-    )
-    r.add_argument(
         "--warehouse",
-        help="shared storage for GroupState and checkpoints on the cluster (default: "
-        + "; ".join(f"{t}: {_D[t]['warehouse']}" for t in jobdefs.TARGETS)
-        + ")",
+        help="storage every node sees for GroupState and checkpoints (default: "
+        + _defaults("warehouse")
+        + "); a local path is refused",
     )
     r.add_argument(
         "--bootstrap-servers",
@@ -60,8 +89,32 @@ def register(sub: argparse._SubParsersAction) -> None:
         "catalog from, --bootstrap or $VARADHI_BOOTSTRAP)",
     )
     r.add_argument(
+        "--kafka-config",
+        metavar="PATH",
+        help="the Kafka client properties file as the jobs see it, set as $VARADHI_KAFKA_CONFIG "
+        "(databricks: an absolute path such as /Volumes/main/varadhi/conf/kafka.properties; "
+        "emr: an s3:// object, shipped with --files, or a path on every node). Its secrets are "
+        "${env:NAME} references: name each with --secret",
+    )
+    r.add_argument(
+        "--secret",
+        action="append",
+        default=[],
+        metavar="NAME[=SCOPE/KEY]",
+        help="an environment variable the jobs read a secret from (repeatable). databricks: set "
+        "to the reference {{secrets/SCOPE/KEY}} (default SCOPE: --secret-scope, KEY: NAME); "
+        "other targets: listed as a variable the cluster must provide. The endpoint's auth_env "
+        "is always one",
+    )
+    r.add_argument(
+        "--code-path",
+        help=f"spark-submit, emr: folder holding {jobdefs.LAUNCHER} (`varadhi jobs launcher`) "
+        f"(default: {_defaults('code_path')})",
+    )
+    r.add_argument(
         "--wheel",
-        help="databricks: path of the varadhi-spark wheel to install (default: "
+        help="databricks: the varadhi-spark wheel, a Unity Catalog volume or workspace file "
+        "(default: "
         + _D["databricks"]["wheel"].format(version="VERSION")
         + " with this package's version)",
     )
@@ -76,70 +129,119 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.add_argument(
         "--spark-version",
-        help=f"databricks: runtime, a Spark 4 one (default: {_D['databricks']['spark_version']})",
+        help="databricks: runtime, one of a supported Spark line "
+        f"(default: {_D['databricks']['spark_version']})",
     )
     r.add_argument(
         "--secret-scope",
-        help="databricks: secret scope holding the endpoint's credential, if the subscription "
-        "has endpoint.auth_env (key: that variable's name; default: "
-        f"{_D['databricks']['secret_scope']})",
+        help="databricks: the secret scope of --secret NAME and of the endpoint's auth_env "
+        f"(default: {_D['databricks']['secret_scope']})",
+    )
+    r.add_argument(
+        "--spark-line",
+        choices=[line.line for line in spark_lines.LINES],
+        help=f"spark-submit: the cluster's Spark line, for --packages (default: "
+        f"{spark_lines.CURRENT.line})",
+    )
+    r.add_argument(
+        "--emr-release",
+        help="emr: the cluster's or application's release label, which sets the Spark line "
+        f"and --packages (default: {_D['emr']['emr_release']})",
+    )
+    r.add_argument(
+        "--python-archive",
+        help="emr: s3:// virtualenv archive with Python 3.11+ and the wheel "
+        f"(default: {_D['emr']['python_archive']})",
+    )
+    r.add_argument(
+        "--cluster-id", help="emr: the cluster (j-...), the request's JobFlowId (api format)"
     )
     r.add_argument(
         "--emr-format",
         choices=["api", "cli"],
-        help="emr: `api` = AddJobFlowSteps Steps (HadoopJarStep; boto3, SDKs, CloudFormation), "
-        "`cli` = what `aws emr add-steps --steps file://FILE` reads (default: api)",
+        help="emr: `api` = the AddJobFlowSteps request (aws emr add-steps --cli-input-json, "
+        "boto3), `cli` = the steps that `aws emr add-steps --steps file://FILE` reads "
+        "(default: api)",
+    )
+    r.add_argument("--application-id", help="emr-serverless: the application's id")
+    r.add_argument(
+        "--execution-role-arn", help="emr-serverless: the IAM role the job runs with"
     )
     r.set_defaults(func=_render)
+    launcher = jsub.add_parser(
+        "launcher",
+        help=f"print {jobdefs.LAUNCHER}, the file spark-submit and EMR run",
+        description=f"Print {jobdefs.LAUNCHER}: it runs the installed wheel's "
+        "`varadhi-job NAME [options]`. Copy it to --code-path (for example "
+        f"`aws s3 cp {jobdefs.LAUNCHER} s3://.../jobs/`).",
+    )
+    launcher.add_argument("-o", "--output", metavar="FILE", help="write it to FILE")
+    launcher.set_defaults(func=_launcher)
 
 
 def _version() -> str:
     try:
-        return metadata.version("varadhi-spark")
+        return metadata.version(jobdefs.DISTRIBUTION)
     except metadata.PackageNotFoundError:
         return "0.1.0"
 
 
 def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobdefs.DeployConfig:
-    """The deployment configuration from the flags and the target's documented defaults;
-    flags that do not apply to the target are refused (they would be silently ignored)."""
+    """The deployment configuration from the flags and the target's documented defaults,
+    checked by `jobdefs.check_config`; flags that do not apply to the target are refused
+    (they would be silently ignored)."""
     for flag, only in _ONLY.items():
-        if getattr(args, flag, None) is not None and args.target != only:
+        if getattr(args, flag, None) is not None and args.target not in only:
             raise InvalidArgument(
-                f"--{flag.replace('_', '-')} applies to --target {only} only", field=flag
+                f"--{flag.replace('_', '-')} applies to --target {' or '.join(only)} only",
+                field=flag,
             )
     defaults = _D[args.target]
-    workers = args.workers if args.workers is not None else _D["databricks"]["workers"]
+    db, emr = _D["databricks"], _D["emr"]
+    workers = args.workers if args.workers is not None else db["workers"]
     if workers < 1:
         raise InvalidArgument(f"must be at least 1, got {workers}", field="workers")
-    for flag in (
-        "code_path",
-        "warehouse",
-        "bootstrap_servers",
-        "wheel",
-        "node_type",
-        "spark_version",
-        "secret_scope",
-    ):
+    for flag in (*_ONLY, "warehouse", "bootstrap_servers", "kafka_config"):
         value = getattr(args, flag, None)
-        if value is not None and not value.strip():
+        if isinstance(value, str) and not value.strip():
             raise InvalidArgument("must not be empty", field=flag)
-    return jobdefs.DeployConfig(
+    if args.target == "emr" and args.emr_format != "cli" and not args.cluster_id:
+        raise InvalidArgument(
+            "required for --target emr (the request's JobFlowId), or use --emr-format cli "
+            "for the steps alone",
+            field="cluster_id",
+        )
+    if args.target == "emr-serverless":
+        for flag in ("application_id", "execution_role_arn"):
+            if not getattr(args, flag):
+                raise InvalidArgument("required for --target emr-serverless", field=flag)
+    scope = args.secret_scope or db["secret_scope"]
+    line = spark_lines.by_line(args.spark_line) if args.spark_line else spark_lines.CURRENT
+    cfg = jobdefs.DeployConfig(
         bootstrap_servers=args.bootstrap_servers or bootstrap,
         catalog_topic=catalog_topic,
-        code_path=(args.code_path or defaults["code_path"]).rstrip("/"),
         warehouse=args.warehouse or defaults["warehouse"],
-        wheel=args.wheel or _D["databricks"]["wheel"].format(version=_version()),
-        node_type=args.node_type or _D["databricks"]["node_type"],
+        code_path=(args.code_path or defaults.get("code_path", ".")).rstrip("/") or "/",
+        wheel=args.wheel or db["wheel"].format(version=_version()),
+        kafka_config=args.kafka_config or "",
+        secrets=tuple(jobdefs.parse_secret(s, scope) for s in args.secret),
+        node_type=args.node_type or db["node_type"],
         workers=workers,
-        spark_version=args.spark_version or _D["databricks"]["spark_version"],
-        secret_scope=args.secret_scope or _D["databricks"]["secret_scope"],
+        spark_version=args.spark_version or db["spark_version"],
+        secret_scope=scope,
+        packages=spark_lines.packages(line),
+        python_archive=args.python_archive or emr["python_archive"],
+        emr_release=args.emr_release or emr["emr_release"],
+        cluster_id=args.cluster_id or "",
+        application_id=args.application_id or "",
+        execution_role_arn=args.execution_role_arn or "",
     )
+    jobdefs.check_config(args.target, cfg)
+    return cfg
 
 
-def render(args: argparse.Namespace, catalog: Catalog) -> str:
+def render(args: argparse.Namespace, cfg: jobdefs.DeployConfig, catalog: Catalog) -> str:
     """The definition's text for the subscription's current catalog state."""
-    cfg = config(args, catalog.settings.bootstrap, catalog.settings.catalog_topic)
     snap = catalog.snapshot()
     sub_doc = snap.get(SUBSCRIPTION, args.name)
     if sub_doc is None:
@@ -152,18 +254,23 @@ def render(args: argparse.Namespace, catalog: Catalog) -> str:
     if note:
         _note(note)
     if args.target == "databricks":
-        data = jobdefs.databricks_job(p, cfg)
+        return json.dumps(jobdefs.databricks_job(p, cfg), indent=2) + "\n"
+    if args.target == "databricks-bundle":
+        return jobdefs.bundle_yaml(p, cfg)
+    if p.paused:
+        _note(f"{args.name} is paused; its shards will wait until resumed")
+    names = jobdefs.secret_env_names(p, cfg)
+    if names:
+        _note(
+            f"the jobs read {', '.join('$' + n for n in names)} from their environment; set "
+            "them in the driver's and executors' environment (they are not in the definition)"
+        )
+    if args.target == "emr-serverless":
+        data: object = jobdefs.emr_serverless_runs(p, cfg)
+    elif args.emr_format == "cli":
+        data = jobdefs.emr_cli_steps(jobdefs.emr_steps(p, cfg))
     else:
-        data = jobdefs.emr_steps(p, cfg)
-        if args.emr_format == "cli":
-            data = jobdefs.emr_cli_steps(data)
-        if p.paused:
-            _note(f"{args.name} is paused; its shards will wait until resumed")
-        if p.auth_env:
-            _note(
-                f"the endpoint's credential is read from ${p.auth_env} on every executor; "
-                "set it in the cluster's executor environment (it is not in the steps)"
-            )
+        data = jobdefs.emr_add_steps(p, cfg)
     return json.dumps(data, indent=2) + "\n"
 
 
@@ -171,16 +278,27 @@ def _note(text: str) -> None:
     print(f"varadhi: note: {text}", file=sys.stderr)
 
 
-def _render(args: argparse.Namespace) -> int:
-    catalog = common.catalog(args)
-    try:
-        text = render(args, catalog)
-    finally:
-        catalog.close()
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
+def _write(text: str, output: str | None, what: str) -> None:
+    if output:
+        with open(output, "w", encoding="utf-8") as f:
             f.write(text)
-        print(f"wrote {args.target} definition of {args.name} to {args.output}", file=sys.stderr)
+        print(f"wrote {what} to {output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
+
+
+def _render(args: argparse.Namespace) -> int:
+    settings = common.settings(args)
+    cfg = config(args, settings.bootstrap, settings.catalog_topic)  # refusals before any I/O
+    catalog = Catalog(settings)
+    try:
+        text = render(args, cfg, catalog)
+    finally:
+        catalog.close()
+    _write(text, args.output, f"{args.target} definition of {args.name}")
+    return 0
+
+
+def _launcher(args: argparse.Namespace) -> int:
+    _write(jobdefs.LAUNCHER_SOURCE, args.output, jobdefs.LAUNCHER)
     return 0
