@@ -101,3 +101,38 @@ def test_the_current_line_is_what_pyproject_and_the_jars_pin():
     artifacts = [d.findtext("m:artifactId", namespaces=ns) for d in pom.iterfind(".//m:dependency", ns)]
     assert CURRENT.delta_artifact in artifacts
     assert f"spark-sql-kafka-0-10_{CURRENT.scala}" in artifacts
+
+
+def test_get_spark_refuses_an_unsupported_pyspark_before_starting_a_jvm(monkeypatch):
+    import pyspark
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    from varadhi import spark
+
+    if SparkSession.getActiveSession() is not None:
+        pytest.skip("a Spark session of this run is active; the refusal is for a new one")
+    monkeypatch.setattr(pyspark, "__version__", "3.4.1")
+    with pytest.raises(UnsupportedSparkVersion, match="Spark 3.4.1 is not supported"):
+        spark.get_spark("varadhi-unsupported")
+    assert SparkContext._active_spark_context is None
+
+
+@pytest.mark.parametrize("line", [line for line in LINES if line != CURRENT], ids=lambda x: x.line)
+def test_each_older_lines_jars_are_pinned_as_the_table_says(line):
+    root = Path(__file__).resolve().parents[2]
+    line_id = line.line.replace(".", "")
+    ns = {"m": "http://maven.apache.org/POM/4.0.0"}
+    pom = ET.parse(root / "scripts" / "jars" / f"spark{line_id}-pom.xml").getroot()
+    assert pom.findtext("m:properties/m:spark.version", namespaces=ns) == line.spark_version
+    assert pom.findtext("m:properties/m:delta.version", namespaces=ns) == line.delta_version
+    artifacts = [d.findtext("m:artifactId", namespaces=ns) for d in pom.iterfind(".//m:dependency", ns)]
+    assert artifacts == [
+        f"spark-sql_{line.scala}",
+        f"spark-sql-kafka-0-10_{line.scala}",
+        line.delta_artifact,
+    ]
+    sums = (root / "scripts" / "jars" / f"spark{line_id}.sha256").read_text()
+    assert f"  {line.delta_artifact}-{line.delta_version}.jar" in sums
+    assert f"  spark-sql-kafka-0-10_{line.scala}-{line.spark_version}.jar" in sums
+    assert f"  hadoop-client-api-{line.hadoop_version}.jar" in sums  # hadoop-aws must match it
