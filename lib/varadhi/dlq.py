@@ -44,7 +44,7 @@ from kafka import TopicPartition
 from . import kafka_clients, subscriptions, topics
 from . import messages as m
 from .catalog import Catalog, Snapshot, key
-from .errors import InvalidArgument
+from .errors import InvalidArgument, VaradhiError
 from .record_ids import header_value, text_id
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,19 @@ RETRY_HEADERS = (
     m.H_STATUS,
     m.H_RESPONSE,
 )
+
+
+class RedriveNotApplied(VaradhiError):
+    """Not every shard applied a re-drive within the time waited (exit 1: it stays recorded and
+    running shards still apply it)."""
+
+    def __init__(self, op_id: str, seconds: float):
+        super().__init__(
+            f"re-drive {op_id} not applied by every shard within {seconds:g} s "
+            "(are the shards running?)"
+        )
+        self.op_id = op_id
+        self.seconds = seconds
 
 
 @dataclass(frozen=True)

@@ -382,11 +382,7 @@ def skipped_records(catalog: Catalog, moves: tuple[Move, ...]) -> list[tuple[int
 
 def ensure_stopped(catalog: Catalog, name: str) -> None:
     """Refuse while any shard of `name` may still be running (`status.running_shards`)."""
-    snap = catalog.snapshot()
-    sub = subscriptions.from_snapshot(snap, name)
-    now = int(time.time() * 1000)
-    progress = status.latest_progress(catalog.settings, name)
-    running = status.running_shards(sub, progress, status.leases_of(snap, sub, now), now)
+    running = status.shards_running(catalog, name)
     if running:
         raise InvalidArgument(
             f"shards {sorted(running)} of {name} are running; stop them (SIGTERM) or "

@@ -230,6 +230,15 @@ def running_shards(
     return running
 
 
+def shards_running(catalog: Catalog, name: str) -> dict[int, str]:
+    """`running_shards` of subscription `name` now, from the catalog, progress and leases."""
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    now = int(time.time() * 1000)
+    progress = latest_progress(catalog.settings, name)
+    return running_shards(sub, progress, leases_of(snap, sub, now), now)
+
+
 def leases_of(snap, sub: subscriptions.Subscription, now_ms: int) -> dict[int, Any]:
     """Each shard's lease as `lease_view` shows it (None: no lease document)."""
     return {
@@ -387,3 +396,24 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
         "shards": shards,
         "operations": operations,
     }
+
+
+def shard_rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per shard of a `collect` document (pure): the columns `varadhi status` shows
+    as text, for a table (a DataFrame in the notebooks)."""
+    return [
+        {
+            "shard": s["shard"],
+            "state": s["state"],
+            "generation": s["generation"],
+            "main_lag": s["queues"]["main"]["lag"],
+            "rq_lag": s["queues"]["rq"]["lag"],
+            "rq_pending": s["queues"]["rq"]["pending"],
+            "dlq_parked": s["queues"]["dlq"]["parked"],
+            "dlq_depth": s["queues"]["dlq"]["depth"],
+            "blocked_groups": s["blocked_groups"],
+            "delivered_per_s": s["rates"].get("delivered_per_s", 0),
+            "failures_per_s": s["rates"].get("failures_per_s", 0),
+        }
+        for s in doc["shards"]
+    ]

@@ -1,4 +1,4 @@
-"""Helpers shared by the command modules: settings from flags, JSON or table output."""
+"""Helpers shared by the command modules: settings and the `Client` from flags, JSON output."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from ..catalog import Catalog
+from ..client import Client
 from ..settings import Settings
 
 
@@ -19,6 +20,15 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def catalog(args: argparse.Namespace) -> Catalog:
     return Catalog(settings(args))
+
+
+def client(args: argparse.Namespace) -> Client:
+    """The `Client` every command goes through (settings from --bootstrap, --command-config)."""
+    return Client(settings(args))
+
+
+def silent(_line: str) -> None:
+    """The step log of a command whose output is JSON, or of a dry run: nothing."""
 
 
 def add_output(parser: argparse.ArgumentParser) -> None:
