@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from .. import status
-from ..topics import TopicService
 from . import common
 
 UNEVEN_HELP = "accept a partition count that cannot be sharded evenly (not 1, 2, 3, 4k or 6k)"
@@ -105,18 +101,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=_list)
 
 
-@contextmanager
-def _service(args: argparse.Namespace) -> Iterator[TopicService]:
-    catalog = common.catalog(args)
-    try:
-        yield TopicService(catalog)
-    finally:
-        catalog.close()
-
-
 def _create(args: argparse.Namespace) -> int:
-    with _service(args) as service:
-        topic = service.create(args.name, args.partitions, args.allow_uneven)
+    with common.client(args) as client:
+        topic = client.create_topic(args.name, args.partitions, args.allow_uneven)
     if args.output == "json":
         common.emit_json(topic.to_dict())
     else:
@@ -126,8 +113,8 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _add_storage(args: argparse.Namespace) -> int:
-    with _service(args) as service:
-        report = service.add_storage(args.name, args.partitions, args.allow_uneven)
+    with common.client(args) as client:
+        report = client.add_storage(args.name, args.partitions, args.allow_uneven)
     if args.output == "json":
         common.emit_json({**report.storage.to_dict(), "partition_change": not report.compatible})
     else:
@@ -140,8 +127,8 @@ def _add_storage(args: argparse.Namespace) -> int:
 
 
 def _switch_produce(args: argparse.Namespace) -> int:
-    with _service(args) as service:
-        topic = service.switch_produce(args.name)
+    with common.client(args) as client:
+        topic = client.switch_produce(args.name)
     if args.output == "json":
         common.emit_json(topic.to_dict())
     else:
@@ -153,8 +140,8 @@ def _switch_produce(args: argparse.Namespace) -> int:
 
 
 def _describe(args: argparse.Namespace) -> int:
-    with _service(args) as service:
-        doc = _document(service, args.name)
+    with common.client(args) as client:
+        doc = client.describe_topic(args.name)
     if args.output == "json":
         common.emit_json(doc)
     else:
@@ -163,8 +150,8 @@ def _describe(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with _service(args) as service:
-        docs = [_document(service, t.name) for t in service.list()]
+    with common.client(args) as client:
+        docs = [client.describe_topic(t.name) for t in client.topics()]
     if args.output == "json":
         common.emit_json(docs)
         return 0
@@ -178,30 +165,21 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from ..lifecycle import TopicDeleter, text_topic_plan
+    from ..lifecycle import text_topic_plan
 
     text = args.output == "text"
-    catalog = common.catalog(args)
-    try:
-        deleter = TopicDeleter(catalog, print if text and not args.dry_run else lambda _l: None)
-        if args.dry_run:
-            plan = deleter.plan(args.name, args.keep_data)
-        else:
-            plan = deleter.execute(args.name, args.keep_data)
-    finally:
-        catalog.close()
+    with common.client(args) as client:
+        plan = client.delete_topic(
+            args.name,
+            args.keep_data,
+            dry_run=args.dry_run,
+            log=print if text and not args.dry_run else common.silent,
+        )
     if text:
         print("\n".join(text_topic_plan(plan, done=not args.dry_run)))
     else:
         common.emit_json({**plan.to_dict(), "dry_run": args.dry_run})
     return 0
-
-
-def _document(service: TopicService, name: str) -> dict[str, Any]:
-    """What `describe` and `list` show of one topic: `TopicService.describe` and statistics."""
-    doc = service.describe(name)
-    doc["statistics"] = status.topic_statistics(service.catalog, name)
-    return doc
 
 
 def describe_lines(doc: dict[str, Any]) -> list[str]:
