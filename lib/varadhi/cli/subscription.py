@@ -7,16 +7,13 @@ before the catalog or Kafka is touched, so a refused command changes nothing.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import yaml
 
-from ..catalog import Catalog
 from ..errors import InvalidArgument
 from ..policies import SubscriptionSpec
-from ..subscriptions import Subscription, SubscriptionService, parse_spec
+from ..subscriptions import Subscription, parse_spec
 from . import common
 
 
@@ -139,15 +136,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     dl.set_defaults(func=_delete)
 
 
-@contextmanager
-def _service(args: argparse.Namespace) -> Iterator[SubscriptionService]:
-    catalog: Catalog = common.catalog(args)
-    try:
-        yield SubscriptionService(catalog)
-    finally:
-        catalog.close()
-
-
 def _create(args: argparse.Namespace) -> int:
     doc: dict[str, Any] = {
         "name": args.name,
@@ -167,8 +155,8 @@ def _create(args: argparse.Namespace) -> int:
         "allow_uneven": args.allow_uneven,
     }
     spec = parse_spec(doc, source="command line")
-    with _service(args) as service:
-        sub = service.create(spec)
+    with common.client(args) as client:
+        sub = client.create_subscription(spec)
     print(_summary("created", sub))
     return 0
 
@@ -199,8 +187,8 @@ def load_specs(path: str) -> list[SubscriptionSpec]:
 
 def _apply(args: argparse.Namespace) -> int:
     specs = load_specs(args.file)
-    with _service(args) as service:
-        results = service.apply_all(specs)
+    with common.client(args) as client:
+        results = client.apply(specs)
     for action, sub in results:
         print(_summary(action, sub))
     return 0
@@ -216,8 +204,8 @@ def _summary(action: str, sub: Subscription) -> str:
 
 
 def _describe(args: argparse.Namespace) -> int:
-    with _service(args) as service:
-        info = service.describe(args.name)
+    with common.client(args) as client:
+        info = client.describe_subscription(args.name)
     if args.output == "json":
         common.emit_json(info)
         return 0
@@ -248,8 +236,8 @@ def _describe(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with _service(args) as service:
-        subs = service.list()
+    with common.client(args) as client:
+        subs = client.subscriptions()
     if args.output == "json":
         common.emit_json([sub.to_dict() for sub in subs])
         return 0
@@ -272,30 +260,28 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _set_paused(args: argparse.Namespace) -> int:
-    with _service(args) as service:
-        sub = service.set_paused(args.name, args.paused)
+    with common.client(args) as client:
+        sub = client.pause(args.name) if args.paused else client.resume(args.name)
     print(f"{'paused' if sub.paused else 'resumed'} subscription {sub.name}")
     return 0
 
 
 def _change_shards(args: argparse.Namespace) -> int:
-    from ..resharding import ChangeShards, text_plan
+    from ..resharding import text_plan
 
     text = args.output == "text"
-    catalog = common.catalog(args)
-    try:
-        service = ChangeShards(catalog, log=print if text and not args.dry_run else lambda _l: None)
+    with common.client(args) as client:
         if args.dry_run:
-            plan = service.plan(args.name, args.to, args.allow_uneven)
+            plan = client.plan_change_shards(args.name, args.to, args.allow_uneven)
             if text:
                 print(text_plan(plan))
             else:
                 common.emit_json(plan.to_dict())
             return 0
-        op = service.execute(args.name, args.to, args.allow_uneven, args.feeders)
-        paused = SubscriptionService(catalog).get(args.name).paused
-    finally:
-        catalog.close()
+        op = client.change_shards(
+            args.name, args.to, args.allow_uneven, args.feeders, log=print if text else common.silent
+        )
+        paused = client.subscription(args.name).paused
     if not text:
         common.emit_json(op)
     elif op["step"] == "done":
@@ -319,20 +305,16 @@ def _change_shards(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from ..lifecycle import SubscriptionDeleter, text_subscription_plan
+    from ..lifecycle import text_subscription_plan
 
     text = args.output == "text"
-    catalog = common.catalog(args)
-    try:
-        deleter = SubscriptionDeleter(
-            catalog, print if text and not args.dry_run else lambda _l: None
+    with common.client(args) as client:
+        plan = client.delete_subscription(
+            args.name,
+            args.keep_data,
+            dry_run=args.dry_run,
+            log=print if text and not args.dry_run else common.silent,
         )
-        if args.dry_run:
-            plan = deleter.plan(args.name, args.keep_data)
-        else:
-            plan = deleter.execute(args.name, args.keep_data)
-    finally:
-        catalog.close()
     if text:
         print("\n".join(text_subscription_plan(plan, done=not args.dry_run)))
     else:
