@@ -194,6 +194,7 @@ class DeployConfig:
     - `code_path`: spark-submit and EMR: the folder holding `LAUNCHER`;
     - `wheel`: Databricks: the wheel (a Unity Catalog volume or workspace file);
     - `python_archive`: EMR: a virtualenv archive (`.tar.gz`) with Python 3.11+ and the wheel;
+      "" when the nodes' or the custom image's own Python (`PYSPARK_PYTHON`) has them;
     - `emr_release`, `cluster_id` (EMR on EC2), `application_id` and `execution_role_arn`
       (EMR Serverless).
     """
@@ -411,10 +412,10 @@ def check_config(target: str, cfg: DeployConfig) -> None:
             )
     if target.startswith("emr"):
         emr_line(cfg.emr_release)
-        for field, value, suffixes in (
-            ("code_path", cfg.code_path, ("",)),
-            ("python_archive", cfg.python_archive, (".tar.gz", ".tgz", ".zip")),
-        ):
+        checks = [("code_path", cfg.code_path, ("",))]
+        if cfg.python_archive:
+            checks.append(("python_archive", cfg.python_archive, (".tar.gz", ".tgz", ".zip")))
+        for field, value, suffixes in checks:
             if scheme(value) not in ("s3", "s3a") or not value.endswith(suffixes):
                 raise InvalidArgument(
                     f"{value!r}: expected an s3:// "
@@ -720,12 +721,9 @@ def _emr_submit(p: JobPlan, cfg: DeployConfig, serverless: bool) -> list[str]:
     virtualenv archive, the jobs' environment on driver and executors, the Kafka properties."""
     line = emr_line(cfg.emr_release)
     driver = "spark.emr-serverless.driverEnv." if serverless else "spark.yarn.appMasterEnv."
-    conf = {
-        **DELTA_CONF,
-        **STREAMING_CONF,
-        "spark.archives": f"{cfg.python_archive}#{VENV_DIR}",
-        **python_conf(driver),
-    }
+    conf = {**DELTA_CONF, **STREAMING_CONF}
+    if cfg.python_archive:
+        conf.update({"spark.archives": f"{cfg.python_archive}#{VENV_DIR}", **python_conf(driver)})
     if not serverless:
         conf.update(
             {
@@ -770,8 +768,7 @@ def emr_steps(p: JobPlan, cfg: DeployConfig) -> list[dict[str, Any]]:
 
 
 def emr_add_steps(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
-    """The AddJobFlowSteps request (`aws emr add-steps --cli-input-json`, boto3
-    `add_job_flow_steps(**request)`)."""
+    """The AddJobFlowSteps request (boto3 `add_job_flow_steps(**request)`, the SDKs)."""
     return {"JobFlowId": cfg.cluster_id, "Steps": emr_steps(p, cfg)}
 
 

@@ -567,6 +567,17 @@ def test_emr_serverless_runs_are_valid_streaming_start_job_run_requests():
         assert "io.delta:delta-spark_2.12:3." in args[args.index("--packages") + 1]
 
 
+def test_emr_without_an_archive_uses_the_nodes_or_images_python():
+    cfg = replace(EMR_CFG, python_archive="")
+    jobdefs.check_config("emr-serverless", cfg)
+    (run,) = jobdefs.emr_serverless_runs(jobdefs.plan(sub_doc(shards=1)), cfg)
+    check_request("emr-serverless", "StartJobRun", run)
+    params = run["jobDriver"]["sparkSubmit"]["sparkSubmitParameters"]
+    assert "spark.archives" not in params and "PYSPARK_PYTHON" not in params
+    (step,) = jobdefs.emr_steps(jobdefs.plan(sub_doc(shards=1)), cfg)
+    assert not any("PYSPARK_PYTHON" in a for a in emr_args(step))
+
+
 def test_emr_serverless_refuses_values_it_would_split():
     cfg = replace(EMR_CFG, catalog_topic="my catalog")
     with pytest.raises(InvalidArgument):

@@ -150,7 +150,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     r.add_argument(
         "--python-archive",
-        help="emr: s3:// virtualenv archive with Python 3.11+ and the wheel "
+        help="emr: s3:// virtualenv archive with Python 3.11+ and the wheel, or `none` for the "
+        "Python of the nodes or of a custom image (PYSPARK_PYTHON set there) "
         f"(default: {_D['emr']['python_archive']})",
     )
     r.add_argument(
@@ -159,8 +160,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument(
         "--emr-format",
         choices=["api", "cli"],
-        help="emr: `api` = the AddJobFlowSteps request (aws emr add-steps --cli-input-json, "
-        "boto3), `cli` = the steps that `aws emr add-steps --steps file://FILE` reads "
+        help="emr: `api` = the AddJobFlowSteps request (boto3 add_job_flow_steps(**request), "
+        "SDKs), `cli` = the steps that `aws emr add-steps --steps file://FILE` reads "
         "(default: api)",
     )
     r.add_argument("--application-id", help="emr-serverless: the application's id")
@@ -230,7 +231,8 @@ def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobd
         spark_version=args.spark_version or db["spark_version"],
         secret_scope=scope,
         packages=spark_lines.packages(line),
-        python_archive=args.python_archive or emr["python_archive"],
+        python_archive="" if args.python_archive == "none" else args.python_archive
+        or emr["python_archive"],
         emr_release=args.emr_release or emr["emr_release"],
         cluster_id=args.cluster_id or "",
         application_id=args.application_id or "",
