@@ -2,14 +2,15 @@
 # Run one job of the suite with spark-submit, the project's jars and its Python environment.
 #
 #   ./spark-submit.sh SUBSCRIPTION SHARD [job options]     a subscription shard
-#   ./spark-submit.sh --job NAME [job options]             any job in jobs/ (e.g. smoke_count)
+#   ./spark-submit.sh --job NAME [job options]             any job in jobs/ (e.g. smoke_count;
+#                                                          each calls varadhi.jobs.NAME)
 #
 # Environment: VARADHI_BOOTSTRAP (Kafka), VARADHI_WAREHOUSE (Delta tables, checkpoints),
 # VARADHI_SPARK_MASTER (default local[2]), VARADHI_DRIVER_MEMORY (default 2g).
 # PYSPARK_PYTHON is set to the project's venv: executors must import pycurl, mmh3 and pyarrow.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in -h|--help|"") usage; exit 0 ;; esac
 
 if [[ ! -x "$ROOT/.venv/bin/python" || ! -d "$ROOT/.jars/spark" ]]; then

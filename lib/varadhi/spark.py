@@ -83,12 +83,27 @@ def jar_settings(
 
     `env`: the environment (`VARADHI_SPARK_JARS` entries already expanded to jar files by the
     caller); `launch`: `spark.jars` and `spark.jars.packages` the launch already set; `dev_jars`:
-    the checkout's jars (empty when installed); `packages`: the coordinates `auto` stands for
-    and that a refusal names. A configured setting is added to what the launch names, never
-    instead of it. Raises `InvalidArgument` when nothing provides the jars."""
+    the checkout's jars (empty when installed); `packages`: the coordinates `auto` stands for and
+    that a refusal names; `jvm_running`: spark-submit started the JVM, which only the launch's
+    jars reach (settings made now would miss the driver's class path). A configured setting is
+    added to what the launch names, never instead of it. Raises `InvalidArgument` when nothing
+    provides the jars."""
+    if jvm_running:
+        if launch.get("spark.jars") or launch.get("spark.jars.packages"):
+            return {}
+        raise InvalidArgument(
+            "spark-submit started Spark without the Kafka connector and Delta: pass --jars "
+            f"(e.g. the files of {JARS_ENV}) or --packages {','.join(packages)}, or --cluster "
+            "when the cluster's Spark has them",
+            field="spark jars",
+        )
     out: dict[str, str] = {}
     jars = _split(env.get(JARS_ENV))
-    coords = [c for p in _split(env.get(PACKAGES_ENV)) for c in (packages if p == AUTO_PACKAGES else [p])]
+    coords = [
+        c
+        for p in _split(env.get(PACKAGES_ENV))
+        for c in (packages if p == AUTO_PACKAGES else [p])
+    ]
     if jars:
         out["spark.jars"] = ",".join(dict.fromkeys([*_split(launch.get("spark.jars")), *jars]))
     if coords:
@@ -131,8 +146,9 @@ def launch_settings(env: Mapping[str, str]) -> dict[str, str]:
     `$PYSPARK_SUBMIT_ARGS`."""
     keys = ("spark.jars", "spark.jars.packages")
     if env.get("PYSPARK_GATEWAY_PORT"):  # spark-submit started this process: ask its JVM
-        from pyspark import SparkConf
+        from pyspark import SparkConf, SparkContext
 
+        SparkContext._ensure_initialized()  # connects to spark-submit's JVM, starts none
         conf = SparkConf()
         return {k: v for k in keys if (v := conf.get(k, None))}
     found: dict[str, str] = {}

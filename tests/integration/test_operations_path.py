@@ -2,17 +2,15 @@
 to end and in order, with the real CLI, broker, Spark, Delta and an HTTP endpoint: create,
 deliver with two shards running, pause (they report paused), change to three shards with
 retries pending in the RQ and messages waiting in the main topic, run the feeders
-(`jobs/feeder.py`), start the new shards, resume, deliver more. Pause and resume must work
+(`varadhi.jobs.feeder`), start the new shards, resume, deliver more. Pause and resume must work
 before, during (feeders still to run) and after the change, and describe/status must agree.
 Shards run in threads of this process on the session's SparkSession."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import threading
-from pathlib import Path
 
 import pytest
 
@@ -23,17 +21,15 @@ from varadhi.testing.harness import produce, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
-ROOT = Path(__file__).resolve().parents[2]
 GROUPS = [f"g{i}" for i in range(6)]
 FAILING = ["A-g1-0", "A-g4-1"]  # two 500s each; a 3 s backoff sends each retry to the RQ
 
 
 def feeder_main(argv: list[str]) -> int:
-    """`./spark-submit.sh --job feeder ...` without a new JVM: jobs/feeder.py's main()."""
-    spec = importlib.util.spec_from_file_location("varadhi_feeder_job", ROOT / "jobs/feeder.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    """`varadhi-job feeder ...` without a new JVM: varadhi.jobs.feeder's main()."""
+    from varadhi.jobs.feeder import main
+
+    return main(argv)
 
 
 class Shards:
