@@ -255,3 +255,126 @@ def test_bad_configuration_is_refused_before_anything_starts(cli, alice, tmp_pat
     result = cli("topic", "list", config=config)
     _one_clear_line(result, "did you mean sasl.mechanism?", within=2, started=started)
     assert result[0] == 2
+
+
+# -- least privilege: carol holds exactly the ACLs of docs/kafka-acls.md ----------------------
+
+
+@pytest.fixture(scope="module")
+def carol_settings(secure_broker, tmp_path_factory) -> Settings:
+    """carol's deployment: the default catalog topic, names starting with `carol-`."""
+    return Settings(
+        bootstrap=secure_broker[0],
+        catalog_topic="__varadhi_catalog",
+        warehouse=str(tmp_path_factory.mktemp("carol-warehouse")),
+        kafka=kafka_config.load(str(secure_broker[1] / "carol.properties")),
+    )
+
+
+@pytest.fixture
+def as_user(carol_settings, secure_broker, capsys, monkeypatch):
+    """as_user(user, *args) -> (exit code, stdout, stderr) of `varadhi --command-config
+    <user>.properties ARGS` in carol's deployment (admin's properties for admin)."""
+    monkeypatch.setenv("VARADHI_CATALOG_TOPIC", carol_settings.catalog_topic)
+    monkeypatch.setenv("VARADHI_WAREHOUSE", carol_settings.warehouse)
+
+    def run(user: str, *args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        config = str(secure_broker[1] / f"{user}.properties")
+        code = cli_main(["--bootstrap", carol_settings.bootstrap, "--command-config", config, *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def run_shards(settings: Settings, spark, name: str, count: int) -> None:
+    """Every shard of `name` in threads of this process until idle; each must exit 0."""
+    import threading
+
+    from varadhi.shard import ShardJob
+
+    codes: dict[int, int] = {}
+    jobs = [ShardJob(name, i, settings, spark=spark, stop_when_idle_s=3) for i in range(count)]
+    threads = [
+        threading.Thread(target=lambda i=i, j=j: codes.__setitem__(i, j.run()), daemon=True)
+        for i, j in enumerate(jobs)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert codes == {i: 0 for i in range(count)}
+
+
+@pytest.mark.spark
+def test_carol_with_least_privilege_runs_the_whole_flow(as_user, carol_settings, spark, tmp_path):
+    suffix = uuid.uuid4().hex[:6]
+    topic, name = f"carol-t-{suffix}", f"carol-s-{suffix}"
+    assert as_user("admin", "topic", "create", topic, "--partitions", "2")[0] == 0
+    with TestEndpoint(script={"g1-1": [503], "g2-1": [503, 404]}) as endpoint:
+        spec = tmp_path / "sub.yaml"
+        spec.write_text(json.dumps(_spec(name, topic, endpoint.url)))
+        code, _, err = as_user("carol", "subscription", "apply", "-f", str(spec))
+        assert code == 0, err
+        lines = tmp_path / "messages.jsonl"
+        lines.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
+        code, _, err = as_user("carol", "produce", topic, "--file", str(lines))
+        assert code == 0, err
+        started_ms = int(time.time() * 1000) - 60_000
+
+        run_until_idle(carol_settings, spark, name)
+        assert delivered(endpoint, "g1") == ["g1-0", "g1-1", "g1-2"]
+        assert delivered(endpoint, "g2") == ["g2-0"]
+
+        # change-shards 1 -> 2: the feeders carry the dead letter (and g2's block) to the new
+        # DLQ; the re-drive then finds it there.
+        code, out, err = as_user("carol", "subscription", "change-shards", name, "--to", "2",
+                                 "--output", "json")  # fmt: skip
+        assert code == 0, err
+        op = json.loads(out)
+        assert op["step"] == "done" and [f["records"] for f in op["feeders"]][1] == 1
+        code, _, err = as_user("carol", "dlq", "unsideline", name, "--group-ids", "g2")
+        assert code == 0, err
+        run_shards(carol_settings, spark, name, 2)
+        assert delivered(endpoint, "g2") == ["g2-0", "g2-1", "g2-2"]
+
+        # offset reset of each queue; main back to the earliest: everything again, in order
+        for queue, to in (("rq", "--to-latest"), ("dlq", "--to-latest"), ("main", "--to-earliest")):
+            code, _, err = as_user("carol", "offsets", "reset", name, "--queue", queue, to,
+                                   "--execute")  # fmt: skip
+            assert code == 0, (queue, err)
+        run_shards(carol_settings, spark, name, 2)
+        for g in ("g1", "g2"):
+            assert delivered(endpoint, g) == [f"{g}-{i}" for i in range(3)] * 2
+
+        code, out, err = as_user("carol", "replay", name, "--from", str(started_ms),
+                                 "--output", "json")  # fmt: skip
+        assert code == 0, err
+        for g in ("g1", "g2"):
+            assert delivered(endpoint, g) == [f"{g}-{i}" for i in range(3)] * 3
+
+        code, out, err = as_user("carol", "status", name, "--output", "json")
+        assert code == 0, err
+        assert [s["shard"] for s in json.loads(out)["shards"]] == [0, 1]
+
+
+def _spec(name: str, topic: str, url: str, shards: int = 1) -> dict:
+    return {
+        "name": name,
+        "topic": topic,
+        "endpoint": {"url": url},
+        "shards": shards,
+        "retry": {"max_attempts": 3, "min_backoff": "100ms", "max_backoff": "200ms",
+                  "jitter": 0, "in_place_window": 0},  # fmt: skip
+        "consumption": {"trigger_interval": "100ms", "journal_interval": "250ms"},
+        "circuit_breaker": {"enabled": False},
+    }
+
+
+def _messages() -> list[dict]:
+    return [
+        {"value": f"body {g}-{i}", "group_id": g, "message_id": f"{g}-{i}"}
+        for i in range(3)
+        for g in ("g1", "g2")
+    ]
