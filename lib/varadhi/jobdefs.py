@@ -196,7 +196,10 @@ class DeployConfig:
     - `python_archive`: EMR: a virtualenv archive (`.tar.gz`) with Python 3.11+ and the wheel;
       "" when the nodes' or the custom image's own Python (`PYSPARK_PYTHON`) has them;
     - `emr_release`, `cluster_id` (EMR on EC2), `application_id` and `execution_role_arn`
-      (EMR Serverless).
+      (EMR Serverless);
+    - `extras`: jars beyond the Kafka connector and Delta, as `spark_lines.packages` extras
+      (`msk-iam`: Amazon MSK IAM's login handler; `s3`: hadoop-aws for an `s3a://` warehouse
+      with spark-submit). `packages` (spark-submit) already holds them.
     """
 
     bootstrap_servers: str
@@ -216,6 +219,7 @@ class DeployConfig:
     cluster_id: str = ""
     application_id: str = ""
     execution_role_arn: str = ""
+    extras: tuple[str, ...] = ()
 
 
 # Documented defaults (the CLI's flags fall back to these). Paths are examples of where a
@@ -400,6 +404,11 @@ def check_config(target: str, cfg: DeployConfig) -> None:
     release, an `s3://` launcher folder and virtualenv archive, an `s3://` or absolute Kafka
     properties file, the cluster id (EC2) or application id and execution role (Serverless)."""
     check_warehouse(target, cfg.warehouse)
+    if "s3" in cfg.extras and target != "spark-submit":
+        raise InvalidArgument(
+            f"{target} reads s3:// itself; the s3 extra (hadoop-aws) is for spark-submit",
+            field="spark_extra",
+        )
     if target.startswith("databricks"):
         databricks_line(cfg.spark_version)
         if not cfg.wheel.endswith(".whl"):
@@ -603,6 +612,19 @@ def databricks_env(p: JobPlan, cfg: DeployConfig) -> dict[str, str]:
     return {**job_env(cfg), **{s.env: s.reference for s in secrets(p, cfg)}}
 
 
+def extra_packages(line: spark_lines.SparkLine, extras: Sequence[str]) -> list[str]:
+    """The coordinates `extras` add to the line's Kafka connector and Delta."""
+    base = spark_lines.packages(line)
+    return [c for c in spark_lines.packages(line, extras) if c not in base]
+
+
+def databricks_libraries(cfg: DeployConfig) -> list[dict[str, Any]]:
+    """The wheel, and a Maven library per extra jar (the runtime has Kafka and Delta)."""
+    line = databricks_line(cfg.spark_version)
+    maven = [{"maven": {"coordinates": c}} for c in extra_packages(line, cfg.extras)]
+    return [{"whl": cfg.wheel}, *maven]
+
+
 def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
     """A Jobs API 2.2 create request: one job, one `python_wheel_task` per shard and feeder
     (`varadhi-job NAME ...` from the wheel), all on one job cluster in dedicated access mode.
@@ -626,7 +648,7 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
     dedicated access mode; the single user is the job's run-as identity) gives the shards Unity
     Catalog volumes and the full Spark API. Databricks runtimes bring Delta and the Kafka
     connector, so no packages are installed besides the wheel (whose dependencies are resolved
-    from PyPI when the library is installed). Pausing the subscription
+    from PyPI when the library is installed) and the jars of `cfg.extras`, as Maven libraries. Pausing the subscription
     (`varadhi subscription pause`) makes the running shards wait; the job keeps running.
     """
     tasks = [
@@ -639,7 +661,7 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
                 "entry_point": ENTRY_POINT,
                 "parameters": args,
             },
-            "libraries": [{"whl": cfg.wheel}],
+            "libraries": databricks_libraries(cfg),
             "max_retries": -1,
             "min_retry_interval_millis": RETRY_INTERVAL_MS,
             "retry_on_timeout": False,
@@ -735,7 +757,7 @@ def _emr_submit(p: JobPlan, cfg: DeployConfig, serverless: bool) -> list[str]:
     for k, v in job_env(cfg).items():
         conf[f"{driver}{k}"] = v
         conf[f"spark.executorEnv.{k}"] = v
-    args = ["--packages", ",".join(spark_lines.packages(line))]
+    args = ["--packages", ",".join(spark_lines.packages(line, cfg.extras))]
     if scheme(cfg.kafka_config) in ("s3", "s3a"):
         args += ["--files", cfg.kafka_config]
     return args + _submit_conf(conf)

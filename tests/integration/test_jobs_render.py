@@ -138,7 +138,9 @@ def test_output_file_and_cli_shaped_emr_steps(varadhi_cli, subscription, tmp_pat
 
 
 def test_spark_submit_lines_per_shard(varadhi_cli, subscription):
-    script = render(varadhi_cli, subscription, "spark-submit", "--spark-line", "3.5")
+    script = render(
+        varadhi_cli, subscription, "spark-submit", "--spark-line", "3.5", "--spark-extra", "s3"
+    )
     lines = [shlex.split(x) for x in script.splitlines() if x.startswith("./spark-submit.sh")]
     assert lines == [
         ["./spark-submit.sh", subscription, "0"],
@@ -147,6 +149,7 @@ def test_spark_submit_lines_per_shard(varadhi_cli, subscription):
     cluster = [x for x in script.splitlines() if x.startswith("spark-submit ")]
     assert len(cluster) == 2 and all("--cluster" in x for x in cluster)
     assert all("spark-sql-kafka-0-10_2.12:3.5." in x for x in cluster)
+    assert all("org.apache.hadoop:hadoop-aws:3.3." in x for x in cluster)  # the line's Hadoop
 
 
 def test_launcher_prints_the_file_spark_submit_runs(varadhi_cli, tmp_path):
@@ -165,6 +168,7 @@ def test_launcher_prints_the_file_spark_submit_runs(varadhi_cli, tmp_path):
         (["--target", "databricks", "--warehouse", "/tmp/wh"], "/tmp/wh is a local path"),
         (["--target", "emr", *EMR, "--emr-release", "emr-6.15.0"], "unknown EMR release"),
         (["--target", "emr"], "cluster_id: required for --target emr"),
+        (["--target", "emr", *EMR, "--spark-extra", "s3"], "emr reads s3:// itself"),
         (["--target", "emr-serverless"], "application_id: required"),
         (["--target", "databricks", "--secret", "PASSWORD=hunter2"], "expected NAME or NAME="),
         (["--target", "databricks", "--spark-version", "13.3.x-scala2.12"], "Runtime 13.3"),

@@ -584,6 +584,28 @@ def test_emr_serverless_refuses_values_it_would_split():
         jobdefs.emr_serverless_runs(jobdefs.plan(sub_doc()), cfg)
 
 
+MSK = pytest.mark.skipif("msk-iam" not in spark_lines.EXTRAS, reason="no msk-iam extra yet")
+
+
+@MSK
+def test_msk_iam_jar_comes_with_the_clusters_spark_line():
+    cfg = replace(CFG, extras=("msk-iam",))
+    body = jobdefs.databricks_job(jobdefs.plan(sub_doc()), cfg)
+    check_job_settings(body)
+    (msk,) = spark_lines.packages(spark_lines.CURRENT, ["msk-iam"])[2:]
+    assert body["tasks"][0]["libraries"] == [{"whl": CFG.wheel}, {"maven": {"coordinates": msk}}]
+    steps = jobdefs.emr_steps(jobdefs.plan(sub_doc()), replace(EMR_CFG, extras=("msk-iam",)))
+    args = emr_args(steps[0])
+    assert args[args.index("--packages") + 1].split(",")[2:] == [msk]
+
+
+def test_the_s3_extra_is_for_spark_submit_only():
+    for target, cfg in (("databricks", CFG), ("emr", EMR_CFG), ("emr-serverless", EMR_CFG)):
+        with pytest.raises(InvalidArgument) as e:
+            jobdefs.check_config(target, replace(cfg, extras=("s3",)))
+        assert e.value.field == "spark_extra"
+
+
 # -- spark-submit ------------------------------------------------------------------------------
 
 

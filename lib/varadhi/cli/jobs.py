@@ -107,6 +107,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "is always one",
     )
     r.add_argument(
+        "--spark-extra",
+        action="append",
+        choices=spark_lines.EXTRAS,
+        metavar="EXTRA",
+        help="jars beyond the Kafka connector and Delta, for the cluster's Spark line "
+        f"(repeatable; {', '.join(spark_lines.EXTRAS)}): msk-iam for Amazon MSK IAM "
+        "(databricks: a Maven library), s3 for an s3a:// warehouse with spark-submit",
+    )
+    r.add_argument(
         "--code-path",
         help=f"spark-submit, emr: folder holding {jobdefs.LAUNCHER} (`varadhi jobs launcher`) "
         f"(default: {_defaults('code_path')})",
@@ -218,6 +227,7 @@ def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobd
                 raise InvalidArgument("required for --target emr-serverless", field=flag)
     scope = args.secret_scope or db["secret_scope"]
     line = spark_lines.by_line(args.spark_line) if args.spark_line else spark_lines.CURRENT
+    extras = tuple(dict.fromkeys(args.spark_extra or ()))
     cfg = jobdefs.DeployConfig(
         bootstrap_servers=args.bootstrap_servers or bootstrap,
         catalog_topic=catalog_topic,
@@ -230,13 +240,14 @@ def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobd
         workers=workers,
         spark_version=args.spark_version or db["spark_version"],
         secret_scope=scope,
-        packages=spark_lines.packages(line),
+        packages=spark_lines.packages(line, extras),
         python_archive="" if args.python_archive == "none" else args.python_archive
         or emr["python_archive"],
         emr_release=args.emr_release or emr["emr_release"],
         cluster_id=args.cluster_id or "",
         application_id=args.application_id or "",
         execution_role_arn=args.execution_role_arn or "",
+        extras=extras,
     )
     jobdefs.check_config(args.target, cfg)
     return cfg
