@@ -25,6 +25,10 @@ from .kafka_config import PLAINTEXT, KafkaConfig
 
 #: How long a client waits for the cluster's first answer (its bootstrap).
 CONNECT_TIMEOUT_MS = 10_000
+#: TLS alerts of a broker refusing the client's certificate (or its absence): mutual TLS.
+_CERT_REFUSED = re.compile(
+    r"ALERT_(BAD_CERTIFICATE|CERTIFICATE_REQUIRED|CERTIFICATE_UNKNOWN|UNKNOWN_CA)"
+)
 
 
 class HasKafka(Protocol):
@@ -64,16 +68,23 @@ class _Failures(logging.Handler):
 @contextlib.contextmanager
 def _watching() -> Iterator[_Failures]:
     logger = logging.getLogger("kafka.net.manager")
-    handler = _Failures()
-    level = logger.level
+    network = logging.getLogger("kafka.net")
+    handler, quiet = _Failures(), logging.NullHandler()
+    level, propagate = logger.level, network.propagate
     logger.addHandler(handler)
-    if logger.getEffectiveLevel() > logging.WARNING:
+    if logger.getEffectiveLevel() >= logging.WARNING:  # not --verbose
         logger.setLevel(logging.WARNING)
+        # Collected, not logged: they end in the client's one-line error (KafkaUnavailable).
+        # Hazard: kafka.net records of other clients of this process are not logged meanwhile.
+        network.propagate = False
+        network.addHandler(quiet)
     try:
         yield handler
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
+        network.removeHandler(quiet)
+        network.propagate = propagate
 
 
 def _build(cls: type, settings: HasKafka, kwargs: dict[str, Any]) -> Any:
@@ -84,7 +95,9 @@ def _build(cls: type, settings: HasKafka, kwargs: dict[str, Any]) -> Any:
             return cls(**args)
         except KafkaError as e:
             auth = [f for f in failures.seen if "Authentication" in f or "Authorization" in f]
-            cause = (auth or failures.seen or [None])[-1]
+            # the last entry is often the bootstrap timeout itself: the failure before it says why
+            why = [f for f in failures.seen if not f.startswith("KafkaTimeoutError")]
+            cause = (auth or why or [None])[-1]
             raise KafkaUnavailable(explain(settings, cause or e)) from None
 
 
@@ -113,6 +126,14 @@ def explain(settings: HasKafka, error: BaseException | str) -> str:
                 "authentication failed (wrong user name, password or mechanism): "
                 + cause.rsplit("Error: ", 1)[-1]
             )
+        elif _CERT_REFUSED.search(text):
+            cause = (
+                "the broker requires a client certificate (mutual TLS) and none is configured: "
+                "set ssl.keystore.location to a PEM file with the client's key and certificate"
+                if not cfg.get("ssl.keystore.location")
+                else "the broker did not accept the client certificate in ssl.keystore.location "
+                "(not signed by a CA the broker trusts, or expired)"
+            ) + f" ({cause.rsplit('] ', 1)[-1]})"
     return f"cannot connect to {where}: {cause}"
 
 

@@ -14,9 +14,19 @@ Supported: security.protocol PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL; TLS with 
 (`ssl.truststore.type=PEM`, `ssl.truststore.location`), a PEM client key and certificate chain for
 mutual TLS (`ssl.keystore.type=PEM`, `ssl.keystore.location`, `ssl.key.password`), hostname
 verification on unless `ssl.endpoint.identification.algorithm=` (empty); sasl.mechanism PLAIN,
-SCRAM-SHA-256, SCRAM-SHA-512 (username and password from `sasl.jaas.config`) and OAUTHBEARER
-(client credentials: `clientId`, `clientSecret`, `scope` in `sasl.jaas.config` and
-`sasl.oauthbearer.token.endpoint.url`).
+SCRAM-SHA-256, SCRAM-SHA-512 (username and password from `sasl.jaas.config`) and OAUTHBEARER in
+three forms (`oauth_flavor`):
+
+- client credentials: `clientId`, `clientSecret`, `scope` in `sasl.jaas.config` and
+  `sasl.oauthbearer.token.endpoint.url` (an OAuth 2 identity provider);
+- unsecured JWT: `unsecuredLoginStringClaim_sub="<principal>"` in `sasl.jaas.config` (Kafka's
+  built-in development login; the broker must use its unsecured validator). The Python clients
+  build the same unsigned token (`alg: none`) as the Java login handler;
+- Amazon MSK IAM: `sasl.login.callback.handler.class` (and `sasl.client.callback.handler.class`)
+  `software.amazon.msk.auth.iam.IAMOAuthBearerLoginCallbackHandler`, the cluster's region in
+  `varadhi.aws.region`. The Python clients sign tokens with aws-msk-iam-sasl-signer-python (the
+  AWS credentials of the environment: variables, profile, instance role); the Java clients need
+  the `MSK_IAM_PACKAGE` jar (`spark_extras()`).
 
 Secrets by reference: a value may contain `${env:NAME}` (an environment variable) or
 `${file:/path}` (a file's content, without its trailing newline). The resolved values live only
@@ -43,6 +53,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kafka.net.sasl.oauth import AbstractTokenProvider
+
 from .errors import InvalidArgument
 
 CONFIG_ENV = "VARADHI_KAFKA_CONFIG"
@@ -51,6 +63,18 @@ ENV_PREFIX = "VARADHI_KAFKA_"
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
 OAUTH_HANDLER = "org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginCallbackHandler"
+UNSECURED_HANDLER = (
+    "org.apache.kafka.common.security.oauthbearer.OAuthBearerUnsecuredLoginCallbackHandler"
+)
+MSK_IAM_HANDLER = "software.amazon.msk.auth.iam.IAMOAuthBearerLoginCallbackHandler"
+#: The Java side of MSK IAM (Maven Central; the shaded `all` classifier bundles the AWS SDK).
+MSK_IAM_PACKAGE = "software.amazon.msk:aws-msk-iam-auth:2.3.9"
+#: The Python side of MSK IAM (PyPI; pyproject.toml's `msk` extra).
+MSK_IAM_PYPI = "aws-msk-iam-sasl-signer-python==1.0.2"
+#: The product's own keys of the file (never passed to a client), besides `varadhi.topic.*`.
+PRODUCT_KEYS: dict[str, str] = {
+    "varadhi.aws.region": "MSK IAM: the cluster's AWS region (us-east-1, ...) for the token signer",
+}
 
 #: Every property this product understands (Java client names), with what it is for.
 KNOWN: dict[str, str] = {
@@ -67,7 +91,8 @@ KNOWN: dict[str, str] = {
     "ssl.endpoint.identification.algorithm": "https (default: hostname verification) or empty",
     "sasl.mechanism": "PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER",
     "sasl.jaas.config": "the login module and its options (username/password, clientId/...)",
-    "sasl.login.callback.handler.class": "Java clients: the OAUTHBEARER login handler",
+    "sasl.login.callback.handler.class": "the OAUTHBEARER login handler (OAuth, MSK IAM)",
+    "sasl.client.callback.handler.class": "Java clients: MSK IAM's login callback handler",
     "sasl.oauthbearer.token.endpoint.url": "OAUTHBEARER: the OAuth token endpoint",
     "sasl.oauthbearer.scope.claim.name": "Java clients: OAUTHBEARER scope claim name",
     "sasl.oauthbearer.sub.claim.name": "Java clients: OAUTHBEARER subject claim name",
@@ -146,7 +171,7 @@ def _topic_property(key: str, value: str, where: str) -> None:
     if not m:
         forms = [
             f"{TOPIC_PREFIX}{k}replication.factor" for k in ("", *[f"{k}." for k in TOPIC_KINDS])
-        ]
+        ] + list(PRODUCT_KEYS)
         close = difflib.get_close_matches(key, forms, n=1, cutoff=0.75)
         hint = f" (did you mean {close[0]}?)" if close else ""
         raise KafkaConfigError(
@@ -368,7 +393,16 @@ class KafkaConfig:
     @property
     def username(self) -> str | None:
         options = self._jaas_options()
-        return options.get("username") or options.get("clientId")
+        return (
+            options.get("username")
+            or options.get("clientId")
+            or options.get("unsecuredLoginStringClaim_sub")
+        )
+
+    @property
+    def oauth_flavor(self) -> str | None:
+        """For OAUTHBEARER: 'msk-iam', 'unsecured' or 'client-credentials' (`oauth_flavor`)."""
+        return oauth_flavor(dict(self.resolved)) if self.mechanism == "OAUTHBEARER" else None
 
     # -- views
     def python_kwargs(self) -> dict[str, Any]:
@@ -391,7 +425,17 @@ class KafkaConfig:
         if mechanism:
             kw["sasl_mechanism"] = mechanism
             options = self._jaas_options()
-            if mechanism == "OAUTHBEARER":
+            flavor = self.oauth_flavor
+            if flavor == "msk-iam":
+                kw["sasl_oauth_token_provider"] = MskIamTokenProvider(
+                    self.get("varadhi.aws.region") or "",
+                    profile=options.get("awsProfileName"),
+                    role_arn=options.get("awsRoleArn"),
+                    session_name=options.get("awsRoleSessionName"),
+                )
+            elif flavor == "unsecured":
+                kw["sasl_oauth_token_provider"] = UnsecuredJwtProvider.from_jaas(options)
+            elif flavor == "client-credentials":
                 kw["sasl_oauth_token_provider"] = _token_provider(
                     self.get("sasl.oauthbearer.token.endpoint.url") or "",
                     options.get("clientId", ""),
@@ -409,15 +453,24 @@ class KafkaConfig:
         props = {
             k: v
             for k, v in self.resolved
-            if k != "bootstrap.servers" and not k.startswith(TOPIC_PREFIX)
+            if k != "bootstrap.servers" and not k.startswith("varadhi.")  # the product's keys
         }
         if props.get("ssl.truststore.location") and "ssl.truststore.type" not in props:
             props["ssl.truststore.type"] = "PEM"
         if props.get("ssl.keystore.location") and "ssl.keystore.type" not in props:
             props["ssl.keystore.type"] = "PEM"
-        if self.mechanism == "OAUTHBEARER":
+        flavor = self.oauth_flavor
+        if flavor == "client-credentials":
             props.setdefault("sasl.login.callback.handler.class", OAUTH_HANDLER)
+        elif flavor == "msk-iam":
+            props.setdefault("sasl.client.callback.handler.class", MSK_IAM_HANDLER)
         return {f"kafka.{k}": v for k, v in props.items()}
+
+    def spark_extras(self) -> tuple[str, ...]:
+        """What the Spark Kafka source/sink needs beyond the Kafka connector for this
+        configuration, as `spark_lines.packages` extras: ("msk-iam",) (the `MSK_IAM_PACKAGE`
+        jar) for MSK IAM, else none."""
+        return ("msk-iam",) if self.oauth_flavor == "msk-iam" else ()
 
     def topics(self, kind: str) -> TopicSettings:
         """How to create the product's topics of `kind` (one of `TOPIC_KINDS`)."""
@@ -438,9 +491,13 @@ class KafkaConfig:
     def summary(self) -> str:
         """A short description for messages: 'SASL_SSL, SCRAM-SHA-512 as alice'."""
         parts = [self.protocol]
-        if self.mechanism:
+        if self.oauth_flavor == "msk-iam":
+            parts.append(f"OAUTHBEARER (MSK IAM, {self.get('varadhi.aws.region')})")
+        elif self.mechanism:
             user = self.username
             parts.append(f"{self.mechanism} as {user}" if user else self.mechanism)
+        elif self.get("ssl.keystore.location"):
+            parts.append("client certificate")
         return ", ".join(parts)
 
     def secrets(self) -> list[str]:
@@ -500,6 +557,8 @@ def from_properties(
     environ = os.environ if environ is None else environ
     where = f"{source}: " if source else ""
     for key in props:
+        if key in PRODUCT_KEYS:
+            continue
         if key.startswith("varadhi."):
             _topic_property(key, props[key], where)
         elif key not in KNOWN:
@@ -576,10 +635,19 @@ def _validate(props: dict[str, str], where: str) -> None:
                     f"{where}ssl.{kind}.location {location} is not a PEM file (JKS and PKCS12 "
                     f"stores cannot be read by the Python clients; convert them to PEM)"
                 )
-            if kind == "keystore" and "PRIVATE KEY-----" not in head:
+            parts = (("PRIVATE KEY-----", "private key"), ("CERTIFICATE-----", "certificate"))
+            for part, what in parts:
+                if kind == "keystore" and part not in head:
+                    raise KafkaConfigError(
+                        f"{where}ssl.keystore.location {location} holds no {what} (it needs the "
+                        f"client's private key and certificate chain, for mutual TLS)"
+                    )
+            legacy = re.search(r"-----BEGIN (RSA|EC|DSA) PRIVATE KEY-----", head)
+            if kind == "keystore" and legacy:
                 raise KafkaConfigError(
-                    f"{where}ssl.keystore.location {location} holds no private key (it needs the "
-                    f"client's private key and certificate chain, for mutual TLS)"
+                    f"{where}ssl.keystore.location {location} holds a {legacy.group(1)} private "
+                    f"key in the old format, which the Java clients (Spark) cannot read: convert "
+                    f"it to PKCS#8 (openssl pkcs8 -topk8 -nocrypt -in key.pem -out key8.pem)"
                 )
         elif props.get(f"ssl.{kind}.type"):
             raise KafkaConfigError(f"{where}ssl.{kind}.type is set without ssl.{kind}.location")
@@ -625,21 +693,72 @@ def _validate(props: dict[str, str], where: str) -> None:
             f"{where}sasl.mechanism {mechanism} needs {expected} in sasl.jaas.config, not "
             f"{module.rsplit('.', 1)[-1]}"
         )
-    needed = (
-        ("clientId", "clientSecret") if mechanism == "OAUTHBEARER" else ("username", "password")
-    )
-    for option in needed:
+    if mechanism == "OAUTHBEARER":
+        _validate_oauth(props, options, protocol, where)
+        return
+    for option in ("username", "password"):
         if not options.get(option):
             raise KafkaConfigError(
                 f'{where}sasl.mechanism {mechanism} needs {option}="..." in sasl.jaas.config'
             )
-    if mechanism == "OAUTHBEARER":
-        url = props.get("sasl.oauthbearer.token.endpoint.url", "")
-        if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+
+
+def oauth_flavor(props: Mapping[str, str]) -> str:
+    """Which OAUTHBEARER login `props` configure: 'msk-iam' (the MSK IAM login handler),
+    'unsecured' (`unsecuredLogin*` options and no other handler) or 'client-credentials'."""
+    handlers = {
+        (props.get(k) or "").strip()
+        for k in ("sasl.login.callback.handler.class", "sasl.client.callback.handler.class")
+    }
+    if MSK_IAM_HANDLER in handlers:
+        return "msk-iam"
+    jaas = props.get("sasl.jaas.config")
+    options = parse_jaas(jaas)[1] if jaas else {}
+    login = (props.get("sasl.login.callback.handler.class") or "").strip()
+    if login in ("", UNSECURED_HANDLER) and any(o.startswith("unsecuredLogin") for o in options):
+        return "unsecured"
+    return "client-credentials"
+
+
+def _validate_oauth(
+    props: Mapping[str, str], options: Mapping[str, str], protocol: str, where: str
+) -> None:
+    flavor = oauth_flavor(props)
+    if flavor == "msk-iam":
+        if protocol != "SASL_SSL":
+            raise KafkaConfigError(f"{where}MSK IAM needs security.protocol SASL_SSL")
+        region = (props.get("varadhi.aws.region") or "").strip()
+        if not region:
             raise KafkaConfigError(
-                f"{where}sasl.mechanism OAUTHBEARER needs sasl.oauthbearer.token.endpoint.url "
-                f"(an http(s) URL)"
+                f"{where}MSK IAM ({MSK_IAM_HANDLER.rsplit('.', 1)[-1]}) needs "
+                f"varadhi.aws.region=<the cluster's AWS region, e.g. us-east-1>"
             )
+        if not re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d", region):
+            raise KafkaConfigError(
+                f"{where}varadhi.aws.region {region!r} is not an AWS region (e.g. us-east-1)"
+            )
+        return
+    if flavor == "unsecured":
+        if not options.get("unsecuredLoginStringClaim_sub"):
+            raise KafkaConfigError(
+                f"{where}the unsecured OAUTHBEARER login needs "
+                f'unsecuredLoginStringClaim_sub="<principal>" in sasl.jaas.config'
+            )
+        UnsecuredJwtProvider.from_jaas(options, where)  # refuses a bad lifetime or claim
+        return
+    for option in ("clientId", "clientSecret"):
+        if not options.get(option):
+            raise KafkaConfigError(
+                f'{where}sasl.mechanism OAUTHBEARER needs {option}="..." in sasl.jaas.config '
+                f'(or unsecuredLoginStringClaim_sub="..." for unsecured tokens, or MSK IAM\'s '
+                f"login handler)"
+            )
+    url = props.get("sasl.oauthbearer.token.endpoint.url", "")
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise KafkaConfigError(
+            f"{where}sasl.mechanism OAUTHBEARER needs sasl.oauthbearer.token.endpoint.url "
+            f"(an http(s) URL)"
+        )
 
 
 # -- OAUTHBEARER client credentials -------------------------------------------------------------
@@ -655,7 +774,7 @@ def _token_provider(url: str, client_id: str, secret: str, scope: str | None) ->
         return _providers[key]
 
 
-class ClientCredentialsTokenProvider:
+class ClientCredentialsTokenProvider(AbstractTokenProvider):
     """kafka-python's token provider for OAUTHBEARER: the OAuth 2 client-credentials grant
     against the token endpoint, the token reused until 30 s before it expires."""
 
@@ -691,3 +810,121 @@ class ClientCredentialsTokenProvider:
 
     def __repr__(self) -> str:
         return f"ClientCredentialsTokenProvider({self.url}, {self.client_id})"
+
+
+# -- OAUTHBEARER unsecured JWT (development, tests) ---------------------------------------------
+class UnsecuredJwtProvider(AbstractTokenProvider):
+    """kafka-python's token provider for Kafka's unsecured OAUTHBEARER login: what the Java
+    `OAuthBearerUnsecuredLoginCallbackHandler` makes from the same JAAS options, an unsigned JWT
+    (`{"alg":"none"}`) with `sub`, `iat`, `exp` (`unsecuredLoginLifetimeSeconds`, default 3600)
+    and every `unsecuredLoginStringClaim_<name>`, `unsecuredLoginNumberClaim_<name>` and
+    `unsecuredLoginListClaim_<name>` (its first character separates the items). A new token is
+    made when less than a tenth of the lifetime is left. Anyone can forge such a token: only for
+    brokers that run the unsecured validator (development and tests)."""
+
+    def __init__(self, claims: Mapping[str, Any], lifetime: float = 3600.0):
+        self.claims = dict(claims)
+        self.lifetime = lifetime
+        self._token: str | None = None
+        self._expires = 0.0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_jaas(cls, options: Mapping[str, str], where: str = "") -> UnsecuredJwtProvider:
+        claims: dict[str, Any] = {}
+        lifetime = 3600.0
+        for name, value in options.items():
+            kind, _, claim = name.partition("_")
+            if kind == "unsecuredLoginStringClaim":
+                claims[claim] = value
+            elif kind == "unsecuredLoginNumberClaim":
+                claims[claim] = _number(name, value, where)
+            elif kind == "unsecuredLoginListClaim":
+                items = value[1:].split(value[:1]) if value else []
+                claims[claim] = [item for item in items if item]
+            elif name == "unsecuredLoginLifetimeSeconds":
+                lifetime = _number(name, value, where)
+                if lifetime <= 0:
+                    raise KafkaConfigError(f"{where}{name} must be positive, not {value!r}")
+        if not claims.get("sub"):
+            raise KafkaConfigError(
+                f'{where}the unsecured OAUTHBEARER login needs unsecuredLoginStringClaim_sub="..."'
+            )
+        return cls(claims, lifetime)
+
+    def token(self) -> str:
+        with self._lock:
+            now = time.time()
+            if self._token is None or now > self._expires - self.lifetime / 10:
+                self._expires = now + self.lifetime
+                payload = {**self.claims, "iat": round(now, 3), "exp": round(self._expires, 3)}
+                self._token = ".".join(
+                    [_b64url({"alg": "none"}), _b64url(payload), ""]
+                )  # header.payload. (no signature)
+            return self._token
+
+    def __repr__(self) -> str:
+        return f"UnsecuredJwtProvider(sub={self.claims.get('sub')})"
+
+
+def _number(name: str, value: str, where: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise KafkaConfigError(f"{where}{name} must be a number, not {value!r}") from None
+
+
+def _b64url(doc: Mapping[str, Any]) -> str:
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+# -- OAUTHBEARER Amazon MSK IAM ------------------------------------------------------------------
+class MskIamTokenProvider(AbstractTokenProvider):
+    """kafka-python's token provider for Amazon MSK IAM: a SigV4-signed token from
+    aws-msk-iam-sasl-signer-python for `region`, with the AWS credentials of the environment
+    (or `profile`, or `role_arn` assumed through STS), reused until a minute before it expires.
+    Signing is local: no request leaves the machine except with `role_arn`. The token carries
+    the access key id and a signature, never the secret key; it is itself a credential, so
+    `repr` never shows it."""
+
+    def __init__(
+        self,
+        region: str,
+        profile: str | None = None,
+        role_arn: str | None = None,
+        session_name: str | None = None,
+    ):
+        try:
+            from aws_msk_iam_sasl_signer import MSKAuthTokenProvider
+        except ImportError:
+            raise KafkaConfigError(
+                f"MSK IAM needs the Python package aws-msk-iam-sasl-signer-python "
+                f"(pip install {MSK_IAM_PYPI}, or the msk extra: pip install 'varadhi-spark[msk]')"
+            ) from None
+        self._signer = MSKAuthTokenProvider
+        self.region, self.profile, self.role_arn = region, profile, role_arn
+        self.session_name = session_name
+        self._token: str | None = None
+        self._expires_ms = 0
+        self._lock = threading.Lock()
+
+    def token(self) -> str:
+        with self._lock:
+            if self._token is None or time.time() * 1000 > self._expires_ms - 60_000:
+                if self.role_arn:
+                    args = [self.region, self.role_arn]
+                    if self.session_name:
+                        args.append(self.session_name)
+                    token, expires_ms = self._signer.generate_auth_token_from_role_arn(*args)
+                elif self.profile:
+                    token, expires_ms = self._signer.generate_auth_token_from_profile(
+                        self.region, self.profile
+                    )
+                else:
+                    token, expires_ms = self._signer.generate_auth_token(self.region)
+                self._token, self._expires_ms = token, int(expires_ms)
+            return self._token
+
+    def __repr__(self) -> str:
+        return f"MskIamTokenProvider({self.region})"

@@ -12,7 +12,8 @@ Contracts:
   Anything outside the table raises `UnsupportedSparkVersion`, before any side effect.
 - `packages(line, extras)` gives `--packages` / `spark.jars.packages` coordinates: the Kafka
   connector and Delta always (every job reads Kafka and keeps state in Delta), plus the named
-  extras ("s3": hadoop-aws, matching the line's bundled Hadoop).
+  extras ("s3": hadoop-aws, matching the line's bundled Hadoop; "msk-iam": aws-msk-iam-auth,
+  Amazon MSK IAM's login handler for the Kafka source/sink, `kafka_config.MSK_IAM_PACKAGE`).
 
 Hazards:
 - hadoop-aws must be the very Hadoop version the Spark build bundles (hadoop-client-api's);
@@ -30,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from varadhi.errors import InvalidArgument, UnsupportedSparkVersion
+from varadhi.kafka_config import MSK_IAM_PACKAGE
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,7 @@ LINES: tuple[SparkLine, ...] = (
 )
 CURRENT = LINES[0]
 
-EXTRAS = ("s3",)
+EXTRAS = ("s3", "msk-iam")
 
 _VERSION = re.compile(r"(\d+)\.(\d+)\.(\d+)(?:[-+.][0-9A-Za-z.+-]*)?")
 
@@ -134,6 +136,8 @@ def packages(line: SparkLine, extras: Iterable[str] = ()) -> tuple[str, ...]:
     for extra in extras:
         if extra == "s3":
             coordinates.append(line.hadoop_aws_coordinate)
+        elif extra == "msk-iam":  # the JVM side of Amazon MSK IAM (any Spark line)
+            coordinates.append(MSK_IAM_PACKAGE)
         else:
             raise InvalidArgument(
                 f"unknown extra {extra!r} (known: {', '.join(EXTRAS)})", field="extras"

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from varadhi import kafka_config as kc
@@ -262,27 +260,3 @@ def test_cli_refuses_bad_config_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1
     assert "did you mean sasl.mechanism?" in err
 
-
-def test_example_files_parse(tmp_path, ca):
-    """conf/kafka/*.properties are valid (PEM paths pointed at a test file, secrets set)."""
-    from pathlib import Path
-
-    key = tmp_path / "client.pem"
-    key.write_text(KEY)
-    secret = tmp_path / "pw"
-    secret.write_text("x")
-    examples = sorted((Path(__file__).parents[2] / "conf" / "kafka").glob("*.properties"))
-    assert len(examples) >= 5
-    env = {
-        n: "x"
-        for n in ("KAFKA_PASSWORD", "MSK_PASSWORD", "CONFLUENT_API_KEY", "CONFLUENT_API_SECRET")
-    }
-    env["KAFKA_KEY_PASSWORD"] = "x"
-    for example in examples:
-        text = re.sub(r"/etc/varadhi/\S*ca\.pem", ca, example.read_text())
-        text = text.replace("/etc/varadhi/client.pem", str(key))
-        text = text.replace("/run/secrets/aiven-password", str(secret))
-        path = tmp_path / example.name
-        path.write_text(text)
-        cfg = kc.load(str(path), environ=env)
-        assert cfg.bootstrap and cfg.python_kwargs()["security_protocol"] in ("SSL", "SASL_SSL")

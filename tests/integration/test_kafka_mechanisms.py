@@ -1,0 +1,135 @@
+"""Every security mechanism the product supports, against one secured broker started for this
+module (`varadhi.testing.secure_kafka`, i.e. `VARADHI_KAFKA_SECURE=1 scripts/kafka start`) and
+wiped afterwards: mutual TLS (SSL listener requiring client certificates), PLAIN, SCRAM-SHA-256,
+SCRAM-SHA-512 (SASL_SSL listener) and OAUTHBEARER with unsecured JWTs (SASL_SSL listener with
+Kafka's unsecured validator). For each, with the client properties file `scripts/kafka` wrote for
+alice: `varadhi --command-config FILE topic create`, three messages through the producer library,
+and a Spark batch `kafka` source reading them back with the same file's Spark options. A client
+without a certificate on the mutual-TLS listener is refused in one clear line."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import uuid
+from pathlib import Path
+
+import pytest
+
+from varadhi import kafka_clients, kafka_config
+from varadhi.cli import main as cli_main
+from varadhi.producer import Producer
+from varadhi.settings import Settings
+from varadhi.testing.secure_kafka import secured_broker
+
+pytestmark = [pytest.mark.kafka]
+
+MECHANISMS = ["mtls", "plain", "scram-sha-256", "scram-sha-512", "oauthbearer"]
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    with secured_broker(tmp_path_factory.mktemp("mechanisms") / "broker") as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def places(tmp_path_factory):
+    """(catalog topic, warehouse) shared by the module's CLI calls and producers."""
+    return f"__varadhi_catalog_mech_{uuid.uuid4().hex[:8]}", str(tmp_path_factory.mktemp("wh"))
+
+
+@pytest.fixture
+def cli(places, capsys, monkeypatch):
+    """cli(config, *args) -> (exit code, stdout, stderr): varadhi --bootstrap <the file's>
+    --command-config config ARGS, in this process."""
+    monkeypatch.setenv("VARADHI_CATALOG_TOPIC", places[0])
+    monkeypatch.setenv("VARADHI_WAREHOUSE", places[1])
+
+    def run(config: str, *args: str) -> tuple[int, str, str]:
+        bootstrap = kafka_config.load(config, environ={}).bootstrap
+        capsys.readouterr()
+        code = cli_main(["--bootstrap", bootstrap, "--command-config", config, *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+def test_the_script_records_one_listener_per_kind(broker):
+    assert set(broker.listeners) == {"SASL_SSL", "MTLS", "OAUTH"}
+    assert broker.listeners["SASL_SSL"] == broker.bootstrap
+    assert len(set(broker.listeners.values())) == 3
+    assert all(a.startswith("127.0.0.1:") for a in broker.listeners.values())
+    mtls = kafka_config.load(broker.client_config("alice", "mtls"), environ={})
+    oauth = kafka_config.load(broker.client_config("alice", "oauthbearer"), environ={})
+    assert (mtls.bootstrap, mtls.protocol) == (broker.listeners["MTLS"], "SSL")
+    assert (oauth.bootstrap, oauth.oauth_flavor) == (broker.listeners["OAUTH"], "unsecured")
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_topic_create_produce_and_spark_read(broker, places, cli, spark, mechanism):
+    config = broker.client_config("alice", mechanism)
+    cfg = kafka_config.load(config, environ={})
+    assert cfg.summary() == {
+        "mtls": "SSL, client certificate",
+        "oauthbearer": "SASL_SSL, OAUTHBEARER as alice",
+    }.get(mechanism, f"SASL_SSL, {mechanism.upper()} as alice")
+    topic = f"mech-{mechanism}-{uuid.uuid4().hex[:6]}"
+    code, out, err = cli(config, "topic", "create", topic, "--partitions", "1")
+    assert code == 0, err
+
+    settings = Settings(
+        bootstrap=cfg.bootstrap, catalog_topic=places[0], warehouse=places[1], kafka=cfg
+    )
+    bodies = [f"{mechanism} {i}" for i in range(3)]
+    with Producer(topic, settings) as producer:
+        for body in bodies:
+            producer.send(body, group_id="g").get(timeout=60)
+        storage = producer.topic.produce_topic.name
+
+    options = kafka_clients.spark_options(settings)
+    assert options["kafka.bootstrap.servers"] == cfg.bootstrap
+    assert options.get("kafka.security.protocol") == cfg.protocol
+    rows = (
+        spark.read.format("kafka")
+        .options(**options)
+        .option("subscribe", storage)
+        .option("startingOffsets", "earliest")
+        .option("endingOffsets", "latest")
+        .load()
+        .selectExpr("CAST(value AS STRING) AS v")
+        .collect()
+    )
+    assert sorted(r.v for r in rows) == bodies
+
+
+def test_mutual_tls_without_a_client_certificate_is_refused(broker, cli, tmp_path):
+    with_cert = Path(broker.client_config("alice", "mtls")).read_text()
+    without = tmp_path / "no-cert.properties"
+    without.write_text(re.sub(r"(?m)^ssl\.keystore\..*\n", "", with_cert))
+    code, out, err = cli(str(without), "topic", "list")
+    assert code != 0
+    assert err.count("\n") == 1, err
+    assert f"cannot connect to Kafka at {broker.listeners['MTLS']} (SSL)" in err
+    assert "requires a client certificate (mutual TLS)" in err and "ssl.keystore.location" in err
+
+
+def test_a_certificate_the_broker_does_not_trust_is_refused(broker, cli, tmp_path):
+    key, crt = tmp_path / "k.pem", tmp_path / "c.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+         "/CN=alice", "-keyout", str(key), "-out", str(crt)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    own = tmp_path / "self-signed.pem"
+    own.write_text(key.read_text() + crt.read_text())
+    text = Path(broker.client_config("alice", "mtls")).read_text()
+    config = tmp_path / "self-signed.properties"
+    config.write_text(
+        re.sub(r"(?m)^ssl\.keystore\.location=.*$", f"ssl.keystore.location={own}", text)
+    )
+    code, out, err = cli(str(config), "topic", "list")
+    assert code != 0 and err.count("\n") == 1, err
+    assert "did not accept the client certificate" in err
