@@ -105,6 +105,8 @@ _EMR_RELEASE_RE = re.compile(r"emr-(\d+)\.(\d+)\.(\d+)")
 # 18.x: Spark 4.1). Older runtimes run Spark lines this product does not support.
 DATABRICKS_LINES: dict[int, str] = {14: "3.5", 15: "3.5", 16: "3.5", 17: "4.0", 18: "4.1"}
 _DBR_RE = re.compile(r"(\d+)\.(\d+)\.x-(?:[a-z0-9-]+-)?scala(2\.1[23])")
+# EMR Serverless retries job runs (`retryPolicy`, job resiliency) from this release on.
+SERVERLESS_RETRIES = (7, 1, 0)
 # Where the virtualenv archive is unpacked in each container (`spark.archives` ...#environment).
 VENV_DIR = "environment"
 VENV_PYTHON = f"./{VENV_DIR}/bin/python"
@@ -396,6 +398,12 @@ def emr_line(release: str) -> spark_lines.SparkLine:
     return spark_lines.by_line(line)
 
 
+def _emr_version(release: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a release label `emr_line` accepted; () for any other."""
+    m = _EMR_RELEASE_RE.fullmatch(release)
+    return tuple(int(x) for x in m.groups()) if m else ()
+
+
 def check_config(target: str, cfg: DeployConfig) -> None:
     """Refuse, with one line naming the setting, a configuration whose jobs could only fail.
 
@@ -421,6 +429,12 @@ def check_config(target: str, cfg: DeployConfig) -> None:
             )
     if target.startswith("emr"):
         emr_line(cfg.emr_release)
+        if target == "emr-serverless" and _emr_version(cfg.emr_release) < SERVERLESS_RETRIES:
+            raise InvalidArgument(
+                f"{cfg.emr_release}: EMR Serverless retries streaming job runs from emr-"
+                f"{'.'.join(map(str, SERVERLESS_RETRIES))} on",
+                field="emr_release",
+            )
         checks = [("code_path", cfg.code_path, ("",))]
         if cfg.python_archive:
             checks.append(("python_archive", cfg.python_archive, (".tar.gz", ".tgz", ".zip")))
@@ -648,8 +662,9 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
     dedicated access mode; the single user is the job's run-as identity) gives the shards Unity
     Catalog volumes and the full Spark API. Databricks runtimes bring Delta and the Kafka
     connector, so no packages are installed besides the wheel (whose dependencies are resolved
-    from PyPI when the library is installed) and the jars of `cfg.extras`, as Maven libraries. Pausing the subscription
-    (`varadhi subscription pause`) makes the running shards wait; the job keeps running.
+    from PyPI when the library is installed) and the jars of `cfg.extras`, as Maven libraries.
+    Pausing the subscription (`varadhi subscription pause`) makes the running shards wait; the
+    job keeps running.
     """
     tasks = [
         {
@@ -813,8 +828,11 @@ def emr_serverless_runs(p: JobPlan, cfg: DeployConfig) -> list[dict[str, Any]]:
     """One EMR Serverless StartJobRun request per shard and feeder, each a streaming job run.
 
     `mode: STREAMING` runs the job until cancelled, with no execution timeout, and restarts a
-    failed one by `retryPolicy.maxFailedAttemptsPerHour` (streaming runs take no `maxAttempts`);
-    each job is its own run, so one shard's restart leaves the others running. The application
+    failed one from its checkpoint, up to `retryPolicy.maxFailedAttemptsPerHour` (1-10, the
+    service's default 5; streaming runs take no `maxAttempts`); a run that keeps failing for an
+    hour is not retried any more (EMR's thrash prevention) and must be started again. Retries
+    need emr-7.1.0 or later (`check_config`). Each job is its own run, so one shard's restart
+    leaves the others running. The application
     must run an EMR release of the supported lines (`cfg.emr_release`; its `--packages` come
     from that line) and reach Maven Central for them (or replace `--packages` with `--jars` on
     S3). `clientToken` is derived from the subscription, job and generation, so submitting the

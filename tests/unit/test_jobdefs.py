@@ -423,6 +423,7 @@ def test_local_warehouses_are_refused_in_one_line(target, path, says):
         ("emr", {"kafka_config": "conf/kafka.properties"}, "kafka_config"),
         ("emr", {"cluster_id": "cluster-1"}, "cluster_id"),
         ("emr-serverless", {"application_id": "My-App"}, "application_id"),
+        ("emr-serverless", {"emr_release": "emr-7.0.0"}, "emr_release"),  # no retries yet
         ("emr-serverless", {"execution_role_arn": "varadhi-jobs"}, "execution_role_arn"),
     ],
 )
@@ -553,7 +554,9 @@ def test_emr_serverless_runs_are_valid_streaming_start_job_run_requests():
     for run in runs:
         check_request("emr-serverless", "StartJobRun", run)
         assert run["mode"] == "STREAMING"
-        assert set(run["retryPolicy"]) == {"maxFailedAttemptsPerHour"}  # streaming: no maxAttempts
+        # streaming: no maxAttempts; at most 10 failed attempts an hour
+        assert set(run["retryPolicy"]) == {"maxFailedAttemptsPerHour"}
+        assert 1 <= run["retryPolicy"]["maxFailedAttemptsPerHour"] <= 10
         driver = run["jobDriver"]["sparkSubmit"]
         assert driver["entryPoint"] == "s3://bucket/jobs/varadhi_job.py"
         assert driver["entryPointArguments"][0] in ("shard", "feeder")
