@@ -6,6 +6,7 @@ enums); spark-submit commands; feeders only while needed; refusals of what could
 
 from __future__ import annotations
 
+import importlib
 import json
 import re
 import shlex
@@ -689,23 +690,21 @@ def test_the_wheel_has_the_distribution_and_console_script_the_definitions_run()
     assert project["scripts"][jobdefs.ENTRY_POINT].startswith("varadhi.jobs.")
 
 
-def job_flags(job: str) -> set[str]:
-    """The long options a job's argparse accepts (from `python -m varadhi.jobs.<job> --help`)."""
-    out = subprocess.run(
-        [sys.executable, "-m", f"varadhi.jobs.{job}", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert out.returncode == 0, out.stderr
-    return set(re.findall(r"--[a-z][a-z-]*", out.stdout))
+def job_flags(job: str, capsys) -> set[str]:
+    """The long options a job's argparse accepts (its `--help`, in this process)."""
+    module = importlib.import_module(f"varadhi.jobs.{job}")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        module.main(["--help"])
+    assert e.value.code == 0
+    return set(re.findall(r"--[a-z][a-z-]*", capsys.readouterr().out))
 
 
-def test_rendered_arguments_are_flags_of_the_jobs():
+def test_rendered_arguments_are_flags_of_the_jobs(capsys):
     body = jobdefs.databricks_job(jobdefs.plan(sub_doc(), change_shards()), CFG)
     for task in (body["tasks"][0], body["tasks"][-1]):
         job, *args = task["python_wheel_task"]["parameters"]
-        assert {a for a in args if a.startswith("--")} <= job_flags(job), job
+        assert {a for a in args if a.startswith("--")} <= job_flags(job, capsys), job
 
 
 def test_launcher_runs_the_varadhi_job_console_script(tmp_path):
