@@ -465,6 +465,19 @@ def check_config(target: str, cfg: DeployConfig) -> None:
             )
 
 
+def check_no_secret_values(text: str, secrets: Sequence[str]) -> None:
+    """Refuse (`InvalidArgument`) a rendered definition that contains one of `secrets` (the
+    resolved secret values of the Kafka configuration this command runs with): a value typed
+    where a path, name or reference belongs would otherwise be written into a job definition.
+    The message names no value."""
+    if any(len(secret) >= 3 and secret in text for secret in secrets):
+        raise InvalidArgument(
+            "the definition would contain a secret value of the Kafka client configuration; "
+            "pass secrets by reference (--kafka-config with ${env:NAME}, --secret NAME)",
+            field="secret",
+        )
+
+
 # -- job arguments and environment ------------------------------------------------------------
 
 

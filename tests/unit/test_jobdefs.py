@@ -25,7 +25,7 @@ from databricks.bundles.jobs import Job as BundleJob
 from databricks.sdk.service.compute import DataSecurityMode
 from databricks.sdk.service.jobs import JobSettings
 
-from varadhi import jobdefs, spark_lines
+from varadhi import jobdefs, kafka_config, spark_lines
 from varadhi.errors import InvalidArgument
 from varadhi.subscriptions import Subscription, parse_spec
 
@@ -319,6 +319,26 @@ def test_secrets_parse_as_references(text, expected):
         assert e.value.field == "secret"
     else:
         assert jobdefs.parse_secret(text, "dflt") == expected
+
+
+def test_a_secret_value_of_the_kafka_configuration_is_never_written():
+    kafka = kafka_config.from_properties(
+        {
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.jaas.config": "org.apache.kafka.common.security.scram.ScramLoginModule "
+            'required username="alice" password="${env:KAFKA_PASSWORD}";',
+        },
+        environ={"KAFKA_PASSWORD": "s3cr3t-pw"},
+    )
+    p = jobdefs.plan(sub_doc())
+    ok = json.dumps(jobdefs.databricks_job(p, CFG))
+    jobdefs.check_no_secret_values(ok, kafka.secrets())
+    typed_in = replace(CFG, kafka_config="/Volumes/main/varadhi/conf/s3cr3t-pw")  # a slip
+    leaked = json.dumps(jobdefs.databricks_job(p, typed_in))
+    with pytest.raises(InvalidArgument) as e:
+        jobdefs.check_no_secret_values(leaked, kafka.secrets())
+    assert "s3cr3t-pw" not in str(e.value)
 
 
 def test_databricks_feeder_tasks_only_while_the_operation_needs_them():

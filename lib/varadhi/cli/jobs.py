@@ -308,6 +308,7 @@ def _render(args: argparse.Namespace) -> int:
         text = render(args, cfg, catalog)
     finally:
         catalog.close()
+    jobdefs.check_no_secret_values(text, settings.kafka.secrets())
     _write(text, args.output, f"{args.target} definition of {args.name}")
     return 0
 
