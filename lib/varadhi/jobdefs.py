@@ -123,6 +123,8 @@ _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 _CLUSTER_ID_RE = re.compile(r"j-[0-9A-Z]{1,255}")
 _APPLICATION_ID_RE = re.compile(r"[0-9a-z]{1,64}")
 _ROLE_ARN_RE = re.compile(r"arn:aws[a-zA-Z0-9-]*:iam::\d{12}:role/[\w+=,.@/-]+")
+_EMAIL_RE = re.compile(r"[^@\s]+@[^@\s]+")
+_UUID_RE = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
 JOB_CLUSTER_KEY = "varadhi"
 
 
@@ -222,6 +224,7 @@ class DeployConfig:
     application_id: str = ""
     execution_role_arn: str = ""
     extras: tuple[str, ...] = ()
+    run_as: str = ""  # Databricks: a user's e-mail or a service principal's application id
 
 
 # Documented defaults (the CLI's flags fall back to these). Paths are examples of where a
@@ -421,6 +424,11 @@ def check_config(target: str, cfg: DeployConfig) -> None:
         databricks_line(cfg.spark_version)
         if not cfg.wheel.endswith(".whl"):
             raise InvalidArgument(f"{cfg.wheel!r} is not a .whl file", field="wheel")
+        if cfg.run_as and not (_EMAIL_RE.fullmatch(cfg.run_as) or _UUID_RE.fullmatch(cfg.run_as)):
+            raise InvalidArgument(
+                f"{cfg.run_as!r}: expected a user's e-mail or a service principal's application id",
+                field="run_as",
+            )
         if cfg.kafka_config and not cfg.kafka_config.startswith("/"):
             raise InvalidArgument(
                 f"{cfg.kafka_config!r}: the jobs open it as a file; give an absolute path "
@@ -672,10 +680,12 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
 
     Serverless job compute does not run Structured Streaming with processing-time triggers, so
     the tasks use a job cluster; `data_security_mode: SINGLE_USER` (the API's name for the
-    dedicated access mode; the single user is the job's run-as identity) gives the shards Unity
-    Catalog volumes and the full Spark API. Databricks runtimes bring Delta and the Kafka
-    connector, so no packages are installed besides the wheel (whose dependencies are resolved
-    from PyPI when the library is installed) and the jars of `cfg.extras`, as Maven libraries.
+    dedicated access mode) gives the shards Unity Catalog volumes and the full Spark API. With
+    `cfg.run_as` the job runs as that user or service principal (`run_as`) and the cluster is
+    dedicated to it (`single_user_name`); without, Databricks uses the job's creator.
+    Databricks runtimes bring Delta and the Kafka connector, so no packages are installed besides
+    the wheel (whose dependencies are resolved from PyPI when the library is installed) and the
+    jars of `cfg.extras`, as Maven libraries.
     Pausing the subscription (`varadhi subscription pause`) makes the running shards wait; the
     job keeps running.
     """
@@ -696,7 +706,15 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
         }
         for key, args in _jobs(p, cfg)
     ]
-    return {
+    cluster: dict[str, Any] = {
+        "spark_version": cfg.spark_version,
+        "node_type_id": cfg.node_type,
+        "num_workers": cfg.workers,
+        "data_security_mode": "SINGLE_USER",
+        "spark_conf": dict(STREAMING_CONF),
+        "spark_env_vars": databricks_env(p, cfg),
+    }
+    job: dict[str, Any] = {
         "name": f"varadhi-{p.subscription}",
         "description": (
             f"varadhi subscription {p.subscription}: {p.shard_count} shard(s)"
@@ -709,21 +727,14 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
         },
         "max_concurrent_runs": 1,
         "queue": {"enabled": False},
-        "job_clusters": [
-            {
-                "job_cluster_key": JOB_CLUSTER_KEY,
-                "new_cluster": {
-                    "spark_version": cfg.spark_version,
-                    "node_type_id": cfg.node_type,
-                    "num_workers": cfg.workers,
-                    "data_security_mode": "SINGLE_USER",
-                    "spark_conf": dict(STREAMING_CONF),
-                    "spark_env_vars": databricks_env(p, cfg),
-                },
-            }
-        ],
+        "job_clusters": [{"job_cluster_key": JOB_CLUSTER_KEY, "new_cluster": cluster}],
         "tasks": tasks,
     }
+    if cfg.run_as:
+        who = "user_name" if _EMAIL_RE.fullmatch(cfg.run_as) else "service_principal_name"
+        job["run_as"] = {who: cfg.run_as}
+        cluster["single_user_name"] = cfg.run_as
+    return job
 
 
 def bundle_resource_key(subscription: str) -> str:

@@ -299,6 +299,23 @@ def test_databricks_kafka_config_and_secrets_are_references_never_values():
 
 
 @pytest.mark.parametrize(
+    ("who", "field"),
+    [
+        ("ops@example.com", "user_name"),
+        ("6e5b1c4a-1f0a-4c8e-9d3b-2f7a8c9e0b1d", "service_principal_name"),
+    ],
+)
+def test_databricks_run_as_dedicates_the_cluster_to_it(who, field):
+    cfg = replace(CFG, run_as=who)
+    jobdefs.check_config("databricks", cfg)
+    body = jobdefs.databricks_job(jobdefs.plan(sub_doc()), cfg)
+    check_job_settings(body)
+    assert body["run_as"] == {field: who}
+    assert body["job_clusters"][0]["new_cluster"]["single_user_name"] == who
+    assert "run_as" not in jobdefs.databricks_job(jobdefs.plan(sub_doc()), CFG)
+
+
+@pytest.mark.parametrize(
     ("text", "expected"),
     [
         ("KAFKA_PASSWORD", jobdefs.Secret("KAFKA_PASSWORD", "dflt", "KAFKA_PASSWORD")),
@@ -435,6 +452,7 @@ def test_local_warehouses_are_refused_in_one_line(target, path, says):
     [
         ("databricks", {"wheel": "/Volumes/main/varadhi/varadhi.zip"}, "wheel"),
         ("databricks", {"kafka_config": "dbfs:/conf/kafka.properties"}, "kafka_config"),
+        ("databricks", {"run_as": "ops team"}, "run_as"),
         ("emr", {"emr_release": "emr-6.15.0"}, "emr_release"),
         ("emr", {"emr_release": "emr-8.0.0"}, "emr_release"),
         ("emr", {"emr_release": "7.1.0"}, "emr_release"),

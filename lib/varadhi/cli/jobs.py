@@ -28,6 +28,7 @@ _ONLY: dict[str, tuple[str, ...]] = {  # flag -> the targets it applies to
     "workers": _DATABRICKS,
     "spark_version": _DATABRICKS,
     "secret_scope": _DATABRICKS,
+    "run_as": _DATABRICKS,
     "spark_line": ("spark-submit",),
     "emr_release": _EMR,
     "python_archive": _EMR,
@@ -147,6 +148,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"(default: {_D['databricks']['secret_scope']})",
     )
     r.add_argument(
+        "--run-as",
+        metavar="WHO",
+        help="databricks: a user's e-mail or a service principal's application id; the job "
+        "runs as it and its cluster is dedicated to it (default: the job's creator)",
+    )
+    r.add_argument(
         "--spark-line",
         choices=[line.line for line in spark_lines.LINES],
         help=f"spark-submit: the cluster's Spark line, for --packages (default: "
@@ -248,6 +255,7 @@ def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobd
         application_id=args.application_id or "",
         execution_role_arn=args.execution_role_arn or "",
         extras=extras,
+        run_as=args.run_as or "",
     )
     jobdefs.check_config(args.target, cfg)
     return cfg
