@@ -178,7 +178,10 @@ def local_jar_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
 def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> SparkSession:
     """The active session, or a new one. `local=True` builds `local[cores]` with the jars found
     by configuration (module docstring), the UI off and few shuffle partitions (small, fast
-    micro-batches); it raises `InvalidArgument` before starting anything when there are none."""
+    micro-batches); it raises `InvalidArgument` before starting anything when there are none.
+    A Spark outside the supported lines (`varadhi.spark_lines`) raises `UnsupportedSparkVersion`:
+    an active session's (a notebook's, spark-submit's) by its `version`, otherwise pyspark's
+    before a JVM starts."""
     active = SparkSession.getActiveSession()
     if active is not None:
         return active
@@ -197,7 +200,9 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (
+        spark_lines.line_for(active.version)
             builder.master(os.environ.get("VARADHI_SPARK_MASTER", f"local[{cores}]"))
+    spark_lines.line_for(running_spark_version())
             .config("spark.ui.enabled", "false")
             .config("spark.sql.shuffle.partitions", str(cores))
             .config("spark.default.parallelism", str(cores))

@@ -73,6 +73,7 @@ def test_refusals_change_nothing(settings, make_subscription, catalog, capsys):
     assert generation(catalog, spec.name) == 0
 
 
+@pytest.mark.compat  # also run on the older Spark lines (scripts/test --spark-line)
 def test_fast_forward_dlq_unblocks_groups_parked_on_skipped_messages(
     settings, spark, make_subscription, catalog
 ):

@@ -145,6 +145,7 @@ def untouched_state(catalog, settings, history: History) -> dict:
     }
 
 
+@pytest.mark.compat  # also run on the older Spark lines (scripts/test --spark-line)
 def test_replay_redelivers_exactly_the_range_in_group_order(
     history, catalog, settings, spark, monkeypatch, capsys
 ):

@@ -210,6 +210,7 @@ def endpoint():
 # -- 1. order and no loss under random failures ---------------------------------------------
 
 
+@pytest.mark.compat  # also run on the older Spark lines (scripts/test --spark-line)
 def test_per_group_order_and_no_loss_under_random_retryable_failures(
     settings, catalog, spark, endpoint
 ):

@@ -136,3 +136,31 @@ def test_each_older_lines_jars_are_pinned_as_the_table_says(line):
     assert f"  {line.delta_artifact}-{line.delta_version}.jar" in sums
     assert f"  spark-sql-kafka-0-10_{line.scala}-{line.spark_version}.jar" in sums
     assert f"  hadoop-client-api-{line.hadoop_version}.jar" in sums  # hadoop-aws must match it
+
+
+def test_get_spark_refuses_an_unsupported_cluster_spark_before_starting_a_jvm(monkeypatch):
+    import pyspark
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    from varadhi import spark
+
+    if SparkSession.getActiveSession() is not None:
+        pytest.skip("a Spark session of this run is active; the refusal is for a new one")
+    monkeypatch.setattr(pyspark, "__version__", "3.3.2")
+    with pytest.raises(UnsupportedSparkVersion, match="Spark 3.3.2 is not supported"):
+        spark.get_spark("varadhi-unsupported", local=False)
+    assert SparkContext._active_spark_context is None
+
+
+def test_get_spark_refuses_an_active_session_of_an_unsupported_spark(monkeypatch):
+    from pyspark.sql import SparkSession
+
+    from varadhi import spark
+
+    class Notebook:  # what a notebook's or spark-submit's session reports; only `version` is read
+        version = "3.4.1"
+
+    monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: Notebook()))
+    with pytest.raises(UnsupportedSparkVersion, match="Spark 3.4.1 is not supported"):
+        spark.get_spark("varadhi-unsupported")
