@@ -46,7 +46,9 @@ def render(varadhi_cli, name, target, *flags):
     return out
 
 
-def test_databricks_job_and_bundle_follow_the_catalog(varadhi_cli, settings, subscription):
+def test_databricks_job_and_bundle_follow_the_catalog(
+    varadhi_cli, catalog, settings, subscription
+):
     flags = [
         "--workers",
         "3",
@@ -72,6 +74,11 @@ def test_databricks_job_and_bundle_follow_the_catalog(varadhi_cli, settings, sub
     bundle = yaml.safe_load(render(varadhi_cli, subscription, "databricks-bundle", *flags))
     (job,) = bundle["resources"]["jobs"].values()
     assert job == body
+
+    SubscriptionService(catalog).set_paused(subscription, True)
+    code, out, err = varadhi_cli("jobs", "render", subscription, "--target", "databricks", *flags)
+    assert (code, json.loads(out)) == (0, body)  # the shards wait; the job stays as it is
+    assert f"{subscription} is paused; its shards will wait until resumed" in err
 
 
 def test_feeders_appear_while_a_change_shards_operation_needs_them(

@@ -274,12 +274,12 @@ def render(args: argparse.Namespace, cfg: jobdefs.DeployConfig, catalog: Catalog
     note = jobdefs.operation_note(p)
     if note:
         _note(note)
+    if p.paused:
+        _note(f"{args.name} is paused; its shards will wait until resumed")
     if args.target == "databricks":
         return json.dumps(jobdefs.databricks_job(p, cfg), indent=2) + "\n"
     if args.target == "databricks-bundle":
         return jobdefs.bundle_yaml(p, cfg)
-    if p.paused:
-        _note(f"{args.name} is paused; its shards will wait until resumed")
     names = jobdefs.secret_env_names(p, cfg)
     if names:
         _note(
