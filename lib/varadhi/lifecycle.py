@@ -29,19 +29,17 @@ leaves the record, and the same command finishes.
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
-from urllib.parse import urlsplit
+from typing import Any
 
 from kafka.errors import KafkaError
 
-from . import kafka_clients, status, subscriptions, topics
+from . import kafka_clients, status, subscriptions, topics, warehouse_fs
 from .catalog import Catalog, Snapshot, key
 from .errors import InvalidArgument, KafkaUnavailable, NotFound, VaradhiError
+from .warehouse_fs import WarehouseFS
 
 log = logging.getLogger(__name__)
 
@@ -309,107 +307,28 @@ def text_topic_plan(plan: TopicDeletePlan, done: bool = False) -> list[str]:
     return lines
 
 
-# -- files: Hadoop FileSystem through Spark, or the local file system --------------------------
+# -- files: `varadhi.warehouse_fs` (Hadoop FileSystem through Spark, or the local one) -------
 
 
-class Files(Protocol):
-    where: str
-
-    def exists(self, path: str) -> bool: ...
-
-    def children(self, path: str) -> list[str]: ...
-
-    def delete(self, path: str) -> None: ...
-
-
-class LocalFiles:
-    where = "local file system"
-
-    @staticmethod
-    def _local(path: str) -> str:
-        return urlsplit(path).path if path.startswith("file:") else path
-
-    def exists(self, path: str) -> bool:
-        return os.path.lexists(self._local(path))
-
-    def children(self, path: str) -> list[str]:
-        p = self._local(path)
-        return sorted(os.path.join(p, c) for c in os.listdir(p)) if os.path.isdir(p) else []
-
-    def delete(self, path: str) -> None:
-        p = self._local(path)
-        if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p)
-        elif os.path.lexists(p):
-            os.remove(p)
-
-
-class HadoopFiles:
-    """Hadoop's FileSystem API through a Spark session's JVM (any scheme Spark can read:
-    hdfs://, s3a://, abfss://, dbfs:/, file:)."""
-
-    where = "Hadoop FileSystem (Spark)"
-
-    def __init__(self, spark: Any):
-        self._jvm = spark.sparkContext._jvm
-        self._conf = spark.sparkContext._jsc.hadoopConfiguration()
-
-    def _fs(self, path: str) -> tuple[Any, Any]:
-        p = self._jvm.org.apache.hadoop.fs.Path(path)
-        return p.getFileSystem(self._conf), p
-
-    def exists(self, path: str) -> bool:
-        fs, p = self._fs(path)
-        return bool(fs.exists(p))
-
-    def children(self, path: str) -> list[str]:
-        fs, p = self._fs(path)
-        if not fs.exists(p):
-            return []
-        return sorted(str(s.getPath().toString()) for s in fs.listStatus(p))
-
-    def delete(self, path: str) -> None:
-        fs, p = self._fs(path)
-        fs.delete(p, True)
-
-
-def files_for(path: str, spark: Any = None) -> Files:
-    """How to delete under `path`: Hadoop's FileSystem through `spark` or the active Spark
-    session when there is one; else the local file system for a local path; else (a URI such
-    as hdfs:// or s3a:// and no session) a Spark session is started (`varadhi.spark.get_spark`),
-    whose Hadoop configuration must reach the warehouse."""
-    if spark is None:
-        try:
-            from pyspark.sql import SparkSession
-
-            spark = SparkSession.getActiveSession()
-        except ImportError:  # pragma: no cover - pyspark is a dependency
-            spark = None
-    if spark is not None:
-        return HadoopFiles(spark)
-    scheme = urlsplit(path).scheme
-    if scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt"):
-        return LocalFiles()
+def files_for(path: str, spark: Any = None) -> WarehouseFS:
+    """How to delete under `path` (`warehouse_fs.for_path`): a warehouse that is not local and
+    no Spark session that can be started is refused in one line, before anything is deleted."""
     try:
-        from .spark import get_spark
-
-        return HadoopFiles(get_spark("varadhi-delete"))
-    except Exception as e:  # noqa: BLE001 - any failure to start Spark is one line to the user
+        return warehouse_fs.for_path(path, spark, purpose="varadhi-delete")
+    except InvalidArgument as e:
         raise InvalidArgument(
-            f"the warehouse {path} is not a local path and Spark could not be started to reach "
-            f"it ({e}); run the delete where Spark is available, or pass --keep-data and remove "
-            "the folder yourself",
-            field="warehouse",
+            f"{e}; run the delete where Spark is available, or pass --keep-data and remove the "
+            "folder yourself"
         ) from None
 
 
-def delete_folder(files: Files, folder: WarehouseFolder) -> None:
+def delete_folder(files: WarehouseFS, folder: WarehouseFolder) -> None:
     if not folder.keep:
         files.delete(folder.path)
         return
-    for child in files.children(folder.path):
-        if child.rstrip("/").rsplit("/", 1)[-1] not in folder.keep:
-            files.delete(child)
+    for name in files.list(folder.path):
+        if name not in folder.keep:
+            files.delete(warehouse_fs.child(folder.path, name))
 
 
 # -- Kafka ------------------------------------------------------------------------------------

@@ -32,13 +32,14 @@ from typing import Any, Literal
 
 from kafka import TopicPartition
 
+from . import checkpoints, kafka_clients, layouts, status, subscriptions, topics
 from . import dlq as dlq_ops
-from . import kafka_clients, layouts, status, subscriptions, topics
 from . import messages as m
 from .catalog import Catalog, Snapshot, key
 from .checkpoints import shard_position
 from .errors import InvalidArgument, VaradhiError
 from .layouts import READER_KIND, Layout
+from .warehouse_fs import for_path
 
 Queue = Literal["main", "rq", "dlq"]
 Mode = Literal["to-earliest", "to-latest", "to-datetime", "shift-by", "to-storage-topic"]
@@ -403,7 +404,7 @@ class OffsetReset:
         at_ms = int(value) if mode == "to-datetime" else None
         if queue == "main":
             mq = topics.from_snapshot(snap, sub.spec.topic)
-            positions = {s: shard_position(self.catalog, sub, s) for s in range(sub.shard_count)}
+            positions = self._positions(sub)
             kafka = kafka_offsets(self.catalog, list(mq.storage_topics), at_ms)
             return plan_main(sub, mq, positions, kafka, mode, value)
         internal = topics.from_snapshot(
@@ -411,7 +412,7 @@ class OffsetReset:
         )
         kafka = kafka_offsets(self.catalog, list(internal.storage_topics), at_ms)
         if queue == "rq":
-            positions = {s: shard_position(self.catalog, sub, s) for s in range(sub.shard_count)}
+            positions = self._positions(sub)
             current = {s: consumed for s, (_, consumed) in positions.items()}
         else:
             start = dlq_ops.dlq_start(snap, name)
@@ -433,10 +434,16 @@ class OffsetReset:
             dlq_start = layouts.merged(dlq_start, per_shard)
         return Plan(queue, mode, value, moves, {}, dlq_start)
 
+    def _positions(
+        self, sub: subscriptions.Subscription
+    ) -> dict[int, tuple[Layout, checkpoints.Offsets]]:
+        """Every shard's layout and consumed offsets, from its checkpoint in the warehouse (a
+        warehouse on an object store is read through Spark: `warehouse_fs.for_path`)."""
+        fs = for_path(self.catalog.settings.warehouse, purpose=f"varadhi-offset-reset-{sub.name}")
+        return {s: shard_position(self.catalog, sub, s, fs) for s in range(sub.shard_count)}
+
     def positions(self, sub: subscriptions.Subscription) -> Positions:
-        return positions_doc(
-            {s: shard_position(self.catalog, sub, s) for s in range(sub.shard_count)}
-        )
+        return positions_doc(self._positions(sub))
 
     def prepare(self, name: str, queue: Queue, mode: Mode, value: Any = None) -> tuple[Plan, str]:
         """The plan `execute` would carry out for this request, and `decide`'s outcome."""

@@ -74,6 +74,7 @@ from .layouts import READER_KIND, Layout
 from .leases import Lease
 from .subscriptions import Subscription
 from .topics import CompositeTopic, StorageTopic
+from .warehouse_fs import for_path
 
 OPERATION = "operation"
 KIND = "change-shards"
@@ -780,7 +781,10 @@ class ChangeShards:
 
     # -- helpers --------------------------------------------------------------------------
     def _positions(self, sub: Subscription) -> dict[int, tuple[Layout, Offsets]]:
-        return {i: shard_position(self.catalog, sub, i) for i in range(sub.shard_count)}
+        """The old shards' positions from their checkpoints: through Spark's Hadoop FileSystem
+        when a session runs or the warehouse is not local (this starts one), else locally."""
+        fs = for_path(self.catalog.settings.warehouse, lambda: self.spark)
+        return {i: shard_position(self.catalog, sub, i, fs) for i in range(sub.shard_count)}
 
     def _resumed_plan(self, snap: Snapshot, name: str, op: Mapping[str, Any]) -> Plan:
         """The recorded operation's plan, recomputed from the old shards' positions (frozen:

@@ -47,7 +47,17 @@ from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from . import checkpoints, journal, kafka_clients, layouts, leases, routing, subscriptions, topics
+from . import (
+    checkpoints,
+    journal,
+    kafka_clients,
+    layouts,
+    leases,
+    routing,
+    subscriptions,
+    topics,
+    warehouse_fs,
+)
 from . import dlq as dlq_ops
 from .batch import (
     STATE_SCHEMA,
@@ -200,6 +210,11 @@ class ShardJob:
 
             self._spark = get_spark(f"varadhi-{self.name}-shard-{self.shard}")
         return self._spark
+
+    @property
+    def _fs(self) -> warehouse_fs.WarehouseFS:
+        """The checkpoint's file system, through this shard's Spark session (as Spark sees it)."""
+        return warehouse_fs.HadoopFS(self.spark)
 
     def _owner(self, sub: subscriptions.Subscription) -> str:
         return layouts.owner(self.name, sub.shard_count, self.shard)
@@ -486,9 +501,10 @@ class ShardJob:
         normal = sub.spec.consumption.max_messages_per_batch
         limit = self._circuit.read_limit(normal) or normal
         aborted, self._aborted, self._query_checkpoint = self._aborted, None, checkpoint
-        if aborted and aborted[0] == checkpoint and checkpoints.forget_planned_batch(*aborted):
+        forget = aborted and aborted[0] == checkpoint
+        if forget and checkpoints.forget_planned_batch(*aborted, self._fs):
             log.info("%s shard %d: batch %d planned again", self.name, self.shard, aborted[1])
-        replay = checkpoints.uncommitted_batch(checkpoint)
+        replay = checkpoints.uncommitted_batch(checkpoint, self._fs)
         self._replay = (checkpoint, *replay) if replay else None
         self._ensure_journal(sub)
         source = (
@@ -559,7 +575,7 @@ class ShardJob:
                 if self._circuit.state != self._query_circuit:  # opened, or a probe decided
                     # Right after the batch that moved it: let Spark commit that batch first,
                     # or the next query runs it again.
-                    checkpoints.await_commit(*self._completed, lambda: query.isActive)
+                    checkpoints.await_commit(*self._completed, lambda: query.isActive, self._fs)
                     self._stop_between_batches(query)
                     return "circuit"
                 current = subscriptions.from_snapshot(self.catalog.snapshot(), self.name)

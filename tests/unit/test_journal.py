@@ -20,6 +20,7 @@ from varadhi.group_state import Entry, GroupRun, RunCounts, merge
 from varadhi.journal import Accepted, JournalTarget, JournalWriter
 from varadhi.policies import RetryPolicy
 from varadhi.subscriptions import parse_spec, spec_to_dict
+from varadhi.warehouse_fs import LocalFS
 
 POLICY = RetryPolicy(max_attempts=3, jitter=0.0, in_place_window_ms=0)
 T0 = 1_800_000_000_000
@@ -253,16 +254,16 @@ def _plan(checkpoint, batch_id: int, planned_ms: int) -> None:
 
 def test_uncommitted_batch_is_the_newest_plan_without_a_commit(tmp_path):
     cp = tmp_path / "cp"
-    assert checkpoints.uncommitted_batch(str(cp)) is None  # no checkpoint yet
+    assert checkpoints.uncommitted_batch(str(cp), LocalFS()) is None  # no checkpoint yet
     _plan(cp, 0, 1_000)
-    assert checkpoints.uncommitted_batch(str(cp)) == (0, 1_000)
+    assert checkpoints.uncommitted_batch(str(cp), LocalFS()) == (0, 1_000)
     (cp / "commits").mkdir()
     (cp / "commits" / "0").write_text("v1\n{}\n")
-    assert checkpoints.uncommitted_batch(str(cp)) is None  # committed: the next batch is new
+    assert checkpoints.uncommitted_batch(str(cp), LocalFS()) is None  # committed: the next batch is new
     _plan(cp, 1, 2_000)
-    assert checkpoints.uncommitted_batch(str(cp)) == (1, 2_000)
+    assert checkpoints.uncommitted_batch(str(cp), LocalFS()) == (1, 2_000)
     (cp / "offsets" / "1").write_text("v1\n")  # a plan without its metadata line
-    assert checkpoints.uncommitted_batch(str(cp)) == (1, 0)
+    assert checkpoints.uncommitted_batch(str(cp), LocalFS()) == (1, 0)
 
 
 # -- the setting --------------------------------------------------------------------------------

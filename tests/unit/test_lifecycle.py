@@ -13,6 +13,7 @@ from varadhi.cli import build_parser, version
 from varadhi.errors import InvalidArgument, NotFound
 from varadhi.subscriptions import Subscription, parse_spec
 from varadhi.topics import add_storage, new_topic
+from varadhi.warehouse_fs import LocalFS
 
 WH = "/wh"
 
@@ -197,7 +198,7 @@ def test_local_files_delete_a_folder_but_keep_foreign_children(tmp_path, monkeyp
         (folder / child).mkdir(parents=True)
         (folder / child / "f").write_text("x")
     files = lc.files_for(str(tmp_path))
-    assert isinstance(files, lc.LocalFiles)
+    assert isinstance(files, LocalFS)
     lc.delete_folder(files, lc.WarehouseFolder(str(folder), ("delta_outbox",)))
     assert sorted(p.name for p in folder.iterdir()) == ["delta_outbox"]
     lc.delete_folder(files, lc.WarehouseFolder(f"file://{folder}"))

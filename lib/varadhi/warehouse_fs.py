@@ -1,0 +1,218 @@
+"""Files in the warehouse, wherever it is: the one way operations read and remove Spark
+checkpoints and warehouse folders outside Spark's own readers and writers.
+
+The warehouse (`VARADHI_WAREHOUSE`) may be a local path or any URI Spark can write: `s3a://`,
+`abfss://`, `gs://`, `hdfs://`, `dbfs:/`, a Unity Catalog volume (`/Volumes/...`). Delta tables
+and streaming checkpoints are written by Spark; what varadhi itself reads or removes there (a
+stopped shard's committed offsets, a batch plan to forget, a deleted subscription's folder) goes
+through a `WarehouseFS`:
+
+- `HadoopFS`: Hadoop's FileSystem API through a Spark session's JVM, with the session's Hadoop
+  configuration, so it resolves a path exactly as Spark does (scheme, `fs.defaultFS`,
+  credentials, the `fs.s3a.*` settings);
+- `LocalFS`: the local file system, for a local warehouse in a process without Spark (tests of
+  pure logic, and commands such as `offsets reset --dry-run` that need no Spark otherwise).
+
+`for_path` chooses: an active (or given) Spark session's `HadoopFS`; else `LocalFS` for a local
+path; else a Spark session is started (`varadhi.spark.get_spark`, or the caller's factory) and
+its `HadoopFS` is used. So a command that needs checkpoint state of a warehouse on an object
+store starts a local Spark session, whose Hadoop configuration must reach the store (see
+`hadoop_conf` and docs/object-storage.md); with a local warehouse it starts none.
+
+`hadoop_conf` turns `VARADHI_S3A_*` variables into the `fs.s3a.*` settings `get_spark` gives
+every session it builds (an S3-compatible store on a custom endpoint, static credentials).
+
+Hazard: a `HadoopFS` call is a JVM call, and on an object store a request (`exists` is a HEAD or a
+LIST). Callers poll with sleeps of tens of milliseconds at most while a query stops, never in a
+loop over records.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Mapping
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from .errors import InvalidArgument
+
+S3A_PROVIDER = "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider"
+
+
+class WarehouseFS(Protocol):
+    """What varadhi does to warehouse files. Paths are strings as Spark takes them."""
+
+    where: str  # for messages: which file system this is
+
+    def exists(self, path: str) -> bool: ...
+
+    def list(self, path: str) -> list[str]:
+        """Names (not paths) of the entries directly under `path`, sorted; [] when `path` does
+        not exist or is not a folder."""
+        ...
+
+    def read_text(self, path: str) -> str:
+        """The file's content as UTF-8; `FileNotFoundError` when it does not exist."""
+        ...
+
+    def delete(self, path: str) -> None:
+        """Remove `path`, a file or a folder with everything under it; nothing if absent."""
+        ...
+
+
+def is_local(path: str) -> bool:
+    """A path of this machine's file system: no scheme, `file:`, or a Windows drive letter."""
+    scheme = urlsplit(path).scheme
+    return scheme in ("", "file") or (len(scheme) == 1 and os.name == "nt")
+
+
+def child(path: str, name: str) -> str:
+    return f"{path.rstrip('/')}/{name}"
+
+
+class LocalFS:
+    where = "local file system"
+
+    @staticmethod
+    def _local(path: str) -> str:
+        return urlsplit(path).path if path.startswith("file:") else path
+
+    def exists(self, path: str) -> bool:
+        return os.path.lexists(self._local(path))
+
+    def list(self, path: str) -> list[str]:
+        p = self._local(path)
+        return sorted(os.listdir(p)) if os.path.isdir(p) else []
+
+    def read_text(self, path: str) -> str:
+        with open(self._local(path), encoding="utf-8") as f:
+            return f.read()
+
+    def delete(self, path: str) -> None:
+        p = self._local(path)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif os.path.lexists(p):
+            os.remove(p)
+
+
+class HadoopFS:
+    """Hadoop's FileSystem API through a Spark session's JVM (any scheme Spark can read:
+    s3a://, abfss://, gs://, hdfs://, dbfs:/, file:), with the session's Hadoop configuration
+    (`spark.hadoop.*` and the session's SQL settings, as Spark's own readers see them)."""
+
+    where = "Hadoop FileSystem (Spark)"
+
+    def __init__(self, spark: Any):
+        self._jvm = spark.sparkContext._jvm
+        self._conf = spark._jsparkSession.sessionState().newHadoopConf()
+
+    def _fs(self, path: str) -> tuple[Any, Any]:
+        p = self._jvm.org.apache.hadoop.fs.Path(path)
+        return p.getFileSystem(self._conf), p
+
+    def exists(self, path: str) -> bool:
+        fs, p = self._fs(path)
+        return bool(fs.exists(p))
+
+    def list(self, path: str) -> list[str]:
+        fs, p = self._fs(path)
+        if not fs.exists(p) or not fs.getFileStatus(p).isDirectory():
+            return []
+        return sorted(str(s.getPath().getName()) for s in fs.listStatus(p))
+
+    def read_text(self, path: str) -> str:
+        fs, p = self._fs(path)
+        if not fs.exists(p):
+            raise FileNotFoundError(path)
+        stream = fs.open(p)
+        try:
+            return str(self._jvm.org.apache.commons.io.IOUtils.toString(stream, "UTF-8"))
+        finally:
+            stream.close()
+
+    def delete(self, path: str) -> None:
+        fs, p = self._fs(path)
+        fs.delete(p, True)
+
+
+def for_path(path: str, spark: Any = None, purpose: str = "varadhi") -> WarehouseFS:
+    """How to reach `path`: a `HadoopFS` on `spark` (a session, or a factory called only when a
+    session is needed) or on the active session; else `LocalFS` for a local path; else a
+    `HadoopFS` on a session the factory (default `varadhi.spark.get_spark(purpose)`) starts.
+    Raises `InvalidArgument` (one line) when that session cannot be started."""
+    if spark is not None and not callable(spark):
+        return HadoopFS(spark)
+    active = _active_session()
+    if active is not None:
+        return HadoopFS(active)
+    if is_local(path):
+        return LocalFS()
+    try:
+        if spark is None:
+            from .spark import get_spark
+
+            return HadoopFS(get_spark(purpose))
+        return HadoopFS(spark())
+    except Exception as e:  # noqa: BLE001 - any failure to start Spark is one line to the user
+        raise InvalidArgument(
+            f"the warehouse {path} is not a local path and Spark could not be started to "
+            f"reach it ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+            field="warehouse",
+        ) from None
+
+
+def _active_session() -> Any:
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError:  # pragma: no cover - pyspark is a dependency of every command that gets here
+        return None
+    return SparkSession.getActiveSession()
+
+
+def hadoop_conf(env: Mapping[str, str]) -> dict[str, str]:
+    """`fs.s3a.*` Hadoop settings from `VARADHI_S3A_*` variables (pure), for an S3-compatible
+    store on its own endpoint (SeaweedFS, MinIO, Ceph) or S3 with static keys:
+
+    - `VARADHI_S3A_ENDPOINT` (`http://host:port` or `https://...`): `fs.s3a.endpoint`, path-style
+      access (`VARADHI_S3A_PATH_STYLE`, default true with an endpoint), SSL off for `http://`,
+      and the region `VARADHI_S3A_REGION` (default us-east-1; the AWS SDK needs one);
+    - `VARADHI_S3A_ACCESS_KEY` and `VARADHI_S3A_SECRET_KEY`: static credentials
+      (`SimpleAWSCredentialsProvider`). Without them the default AWS provider chain applies
+      (instance profile, environment, ~/.aws).
+
+    Nothing set: {} (Spark's and the cluster's own configuration rule)."""
+    out: dict[str, str] = {}
+    endpoint = env.get("VARADHI_S3A_ENDPOINT", "").strip()
+    if endpoint:
+        out["fs.s3a.endpoint"] = endpoint
+        out["fs.s3a.endpoint.region"] = env.get("VARADHI_S3A_REGION") or "us-east-1"
+        path_style = env.get("VARADHI_S3A_PATH_STYLE", "true").strip().lower()
+        out["fs.s3a.path.style.access"] = str(path_style not in ("0", "false", "no")).lower()
+        out["fs.s3a.connection.ssl.enabled"] = str(endpoint.startswith("https://")).lower()
+    elif env.get("VARADHI_S3A_REGION"):
+        out["fs.s3a.endpoint.region"] = env["VARADHI_S3A_REGION"]
+    access, secret = env.get("VARADHI_S3A_ACCESS_KEY"), env.get("VARADHI_S3A_SECRET_KEY")
+    if bool(access) != bool(secret):
+        raise InvalidArgument(
+            "set both VARADHI_S3A_ACCESS_KEY and VARADHI_S3A_SECRET_KEY, or neither",
+            field="VARADHI_S3A_ACCESS_KEY",
+        )
+    if access and secret:
+        out["fs.s3a.aws.credentials.provider"] = S3A_PROVIDER
+        out["fs.s3a.access.key"] = access
+        out["fs.s3a.secret.key"] = secret
+    return out
+
+
+def configure(spark: Any, conf: Mapping[str, str]) -> None:
+    """Set Hadoop settings on a running session (its SparkContext's Hadoop configuration and
+    its SQL settings), for a session started before they were known. File systems already
+    opened by Spark keep the settings they were opened with (Hadoop caches them per scheme and
+    bucket)."""
+    hadoop = spark.sparkContext._jsc.hadoopConfiguration()
+    for k, v in conf.items():
+        hadoop.set(k, v)
+        spark.conf.set(k, v)
+
