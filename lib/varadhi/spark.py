@@ -15,6 +15,11 @@ varadhi.jobs.*`) needs the Kafka connector and Delta jars, found by configuratio
 With none of them `get_spark` refuses in one line (`InvalidArgument`) naming the coordinates for
 the running Spark. `jar_settings` is that decision, pure; `get_spark` does the I/O around it.
 
+A warehouse on S3 or an S3-compatible store (`s3a://`): in a checkout, hadoop-aws and the AWS SDK
+bundle come from `.jars/s3a` (on the JVM class path, `s3a_classpath`); `VARADHI_S3A_*` variables
+give every session its `fs.s3a.*` settings (`varadhi.warehouse_fs.hadoop_conf`,
+docs/object-storage.md).
+
 On Databricks and EMR the cluster already has Delta and the Kafka connector (or the job definition
 adds them), so `get_spark(local=False)` only sets the Delta SQL extension and leaves the rest to
 the cluster. `spark_packages()` gives the `--packages` coordinates that match a Spark version
@@ -43,6 +48,7 @@ from pyspark.sql import SparkSession
 
 from . import spark_lines
 from .errors import InvalidArgument
+from .warehouse_fs import hadoop_conf
 
 JARS_ENV = "VARADHI_SPARK_JARS"
 PACKAGES_ENV = "VARADHI_SPARK_PACKAGES"
@@ -175,6 +181,16 @@ def local_jar_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return jar_settings(env, launch_settings(env), dev, spark_packages(), running)
 
 
+def s3a_classpath() -> str | None:
+    """hadoop-aws and the AWS SDK bundle of a source checkout (`.jars/s3a`, fetched by
+    scripts/setup) as a class path entry (a folder wildcard), or None when absent (an installed
+    package: pass hadoop-aws with `spark_packages(extras=["s3"])` or the cluster's own). They go
+    on the JVM's class path, not `spark.jars`: the SDK bundle is some 600 MB, which `spark.jars`
+    would copy for every session."""
+    folder = DEV_JARS.parent / "s3a"
+    return str(folder / "*") if (folder / ".complete").is_file() else None
+
+
 def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> SparkSession:
     """The active session, or a new one. `local=True` builds `local[cores]` with the jars found
     by configuration (module docstring), the UI off and few shuffle partitions (small, fast
@@ -196,6 +212,8 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
         .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
         .config("spark.databricks.delta.snapshotPartitions", "2")
     )
+    for key, value in hadoop_conf(os.environ).items():  # VARADHI_S3A_*: an s3a:// warehouse
+        builder = builder.config(f"spark.hadoop.{key}", value)
     if local:
         for key, value in local_jar_settings().items():
             builder = builder.config(key, value)
@@ -214,6 +232,11 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
             .config("spark.python.worker.reuse", "true")
             .config("spark.ui.showConsoleProgress", "false")
         )
+        s3a = s3a_classpath()
+        if s3a:
+            builder = builder.config("spark.driver.extraClassPath", s3a).config(
+                "spark.executor.extraClassPath", s3a
+            )
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("VARADHI_SPARK_LOG_LEVEL", "WARN"))
     return spark
