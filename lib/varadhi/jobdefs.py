@@ -101,9 +101,10 @@ STREAMING_CONF: dict[str, str] = {"spark.sql.streaming.stopGracefullyOnShutdown"
 # 2.12). EMR 6 runs Spark 3.1-3.4, outside the supported lines.
 EMR_LINES: dict[int, str] = {7: "3.5"}
 _EMR_RELEASE_RE = re.compile(r"emr-(\d+)\.(\d+)\.(\d+)")
-# Databricks Runtime major version -> its Spark line (14.x-16.x: Spark 3.5, 17.x: Spark 4.0,
-# 18.x: Spark 4.1). Older runtimes run Spark lines this product does not support.
-DATABRICKS_LINES: dict[int, str] = {14: "3.5", 15: "3.5", 16: "3.5", 17: "4.0", 18: "4.1"}
+# Databricks Runtime major version -> its Spark line (15.x-16.x: Spark 3.5, 17.x: Spark 4.0,
+# 18.x: Spark 4.1). 14.x runs Spark 3.5 on Python 3.10, older ones older Spark lines: the wheel
+# needs Python 3.11+ and a supported line.
+DATABRICKS_LINES: dict[int, str] = {15: "3.5", 16: "3.5", 17: "4.0", 18: "4.1"}
 _DBR_RE = re.compile(r"(\d+)\.(\d+)\.x-(?:[a-z0-9-]+-)?scala(2\.1[23])")
 # EMR Serverless retries job runs (`retryPolicy`, job resiliency) from this release on.
 SERVERLESS_RETRIES = (7, 1, 0)
@@ -371,8 +372,8 @@ def databricks_line(spark_version: str) -> spark_lines.SparkLine:
     line = DATABRICKS_LINES.get(int(m.group(1)))
     if line is None:
         raise InvalidArgument(
-            f"Databricks Runtime {m.group(1)}.{m.group(2)} runs a Spark line this product does "
-            f"not support (supported: {_runtimes()})",
+            f"Databricks Runtime {m.group(1)}.{m.group(2)} runs a Spark line or Python this "
+            f"product does not support (supported: {_runtimes()})",
             field="spark_version",
         )
     return spark_lines.by_line(line)

@@ -399,7 +399,16 @@ def test_databricks_runtime_maps_to_a_supported_spark_line(runtime, line):
     assert jobdefs.databricks_line(runtime).line == line
 
 
-@pytest.mark.parametrize("runtime", ["13.3.x-scala2.12", "12.2.x-scala2.12", "latest", "17.3"])
+@pytest.mark.parametrize(
+    "runtime",
+    [
+        "14.3.x-scala2.12",  # Spark 3.5, but Python 3.10
+        "13.3.x-scala2.12",
+        "12.2.x-scala2.12",
+        "latest",
+        "17.3",
+    ],
+)
 def test_databricks_runtime_outside_the_lines_is_refused(runtime):
     with pytest.raises(InvalidArgument) as e:
         jobdefs.check_config("databricks", replace(CFG, spark_version=runtime))
