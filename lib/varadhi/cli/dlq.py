@@ -3,12 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import time
 
-from .. import dlq
-from ..catalog import Catalog
-from ..errors import VaradhiError
-from ..subscriptions import from_snapshot
 from . import common
 
 
@@ -43,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _list(args: argparse.Namespace) -> int:
-    rows = dlq.list_parked(common.catalog(args), args.name, args.group_id, args.limit)
+    with common.client(args) as client:
+        rows = client.dlq_messages(args.name, args.group_id, args.limit)
     if args.output == "json":
         common.emit_json(rows)
         return 0
@@ -60,33 +56,12 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _unsideline(args: argparse.Namespace) -> int:
-    selector = dlq.Selector(
-        group_ids=tuple(args.group_ids),
-        message_ids=tuple(args.message_ids),
-        failed_since_ms=dlq.parse_time_ms(args.failed_since, "failed_since")
-        if args.failed_since
-        else None,
-        failed_until_ms=dlq.parse_time_ms(args.failed_until, "failed_until")
-        if args.failed_until
-        else None,
-    ).validate()
-    catalog = common.catalog(args)
-    op_id = dlq.request_unsideline(catalog, args.name, selector)
-    print(f"re-drive {op_id} recorded; running shards apply it at their next micro-batch")
-    if args.wait:
-        return _wait(catalog, args.name, op_id, args.wait)
-    return 0
-
-
-def _wait(catalog: Catalog, name: str, op_id: str, seconds: float) -> int:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        snap = catalog.snapshot()
-        doc = dlq.redrives(snap, name).get(op_id, {})
-        if len(doc.get("done", [])) >= from_snapshot(snap, name).shard_count:
+    with common.client(args) as client:
+        op_id = client.redrive(
+            args.name, args.group_ids, args.message_ids, args.failed_since, args.failed_until
+        )
+        print(f"re-drive {op_id} recorded; running shards apply it at their next micro-batch")
+        if args.wait:
+            client.wait_for_redrive(args.name, op_id, args.wait)
             print(f"re-drive {op_id} applied by every shard")
-            return 0
-        time.sleep(1)
-    raise VaradhiError(
-        f"re-drive {op_id} not applied by every shard within {seconds:g} s (are the shards running?)"
-    )
+    return 0

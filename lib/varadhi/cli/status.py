@@ -37,7 +37,8 @@ def standby_text(sb: dict) -> str:
 
 
 def _status(args: argparse.Namespace) -> int:
-    doc = status.collect(common.catalog(args), args.name)
+    with common.client(args) as client:
+        doc = client.status(args.name)
     if args.output == "json":
         common.emit_json(doc)
         return 0
