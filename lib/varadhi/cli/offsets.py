@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..dlq import parse_time_ms
-from ..offsets import OffsetReset
 from . import common
 
 
@@ -46,22 +44,16 @@ def _reset(args: argparse.Namespace) -> int:
     elif args.to_latest:
         mode, value = "to-latest", None
     elif args.to_datetime is not None:
-        mode, value = "to-datetime", parse_time_ms(args.to_datetime, "to_datetime")
+        mode, value = "to-datetime", args.to_datetime
     elif args.shift_by is not None:
         mode, value = "shift-by", args.shift_by
     else:
         mode, value = "to-storage-topic", args.to_storage_topic
-    if mode == "to-storage-topic" and args.queue != "main":
-        from ..errors import InvalidArgument
-
-        raise InvalidArgument("--to-storage-topic applies to the main queue only", field="queue")
-    reset = OffsetReset(common.catalog(args))
-    plan, outcome = reset.prepare(args.name, args.queue, mode, value)
-    if args.execute:
-        plan, outcome = reset.execute(args.name, plan)
-    summary = plan.summary()
+    with common.client(args) as client:
+        result = client.reset_offsets(args.name, args.queue, mode, value, execute=args.execute)
+    summary, outcome = result.summary, result.outcome
     if args.output == "json":
-        common.emit_json(summary | {"executed": bool(args.execute), "outcome": outcome})
+        common.emit_json(result.to_dict())
         return 0
     print(f"{'shard':>5} {'storage topic':<32} {'part':>4} {'current':>9} {'new':>9} {'change':>9}")
     for mv in summary["moves"]:
