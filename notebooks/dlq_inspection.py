@@ -24,8 +24,10 @@
 # MAGIC %md
 # MAGIC ## Set up
 # MAGIC
-# MAGIC Edit the wheel path to where your workspace keeps it. Locally (`python notebooks/dlq_inspection.py`)
-# MAGIC the `%pip` line is a comment and widgets read `VARADHI_NB_<WIDGET>` environment variables.
+# MAGIC Edit the wheel path to where your workspace keeps it. Locally
+# MAGIC (`python notebooks/dlq_inspection.py`, see docs/notebooks.md) the `%pip` line is a comment
+# MAGIC and each widget reads the environment variable `VARADHI_NB_<WIDGET>`, or takes its default.
+# MAGIC Everything goes through `varadhi.Client`, the API the `varadhi` command line uses.
 
 # COMMAND ----------
 
@@ -70,6 +72,11 @@ KAFKA_CONFIG = widget(
     os.environ.get("VARADHI_KAFKA_CONFIG", ""),
     "Kafka client properties file (security.protocol, sasl.*, ssl.*; secrets as ${env:...})",
 )
+WAREHOUSE = widget(
+    "warehouse",
+    os.environ.get("VARADHI_WAREHOUSE", ".varadhi/warehouse"),
+    "Warehouse (the shards' VARADHI_WAREHOUSE: dbfs:/, s3://, abfss://, a volume path)",
+)
 NAME = widget("subscription", "", "Subscription")
 GROUP_FILTER = widget("group_id", "", "Only this group (empty: all)")
 LIMIT = int(widget("limit", "1000", "Newest N parked messages (0: all)"))
@@ -82,25 +89,15 @@ WAIT_S = float(widget("wait_seconds", "300", "Seconds to wait for the shards"))
 if not NAME:
     raise ValueError("set the `subscription` widget to the subscription's name")
 
-os.environ["VARADHI_BOOTSTRAP"] = BOOTSTRAP
-os.environ["VARADHI_CATALOG_TOPIC"] = CATALOG_TOPIC
-if KAFKA_CONFIG:
-    os.environ["VARADHI_KAFKA_CONFIG"] = KAFKA_CONFIG
+from varadhi import Client, Settings
+from varadhi.dlq import parse_time_ms
+from varadhi.status import shard_rows
 
-from varadhi import dlq
-from varadhi.catalog import Catalog
-from varadhi.cli import main as varadhi_main
-from varadhi.settings import Settings
-from varadhi.subscriptions import SubscriptionService
-
-catalog = Catalog(Settings.from_env(bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC))
-
-
-def cli(argv):
-    """Run `varadhi ARGV...` here, exactly as on a command line; stop the notebook on failure."""
-    code = varadhi_main(["--bootstrap", BOOTSTRAP, *argv])
-    if code != 0:
-        raise RuntimeError(f"`varadhi {' '.join(map(str, argv))}` exited with {code}")
+client = Client(
+    Settings.from_env(
+        KAFKA_CONFIG or None, bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC, warehouse=WAREHOUSE
+    )
+)
 
 
 def split(text):
@@ -109,7 +106,7 @@ def split(text):
 
 def parked_frame():
     """The DLQ as a DataFrame: one row per parked message, newest last."""
-    rows = dlq.list_parked(catalog, NAME, group_id=GROUP_FILTER or None, limit=LIMIT)
+    rows = client.dlq_messages(NAME, group_id=GROUP_FILTER or None, limit=LIMIT)
     df = pd.DataFrame(
         rows,
         columns=[
@@ -141,11 +138,7 @@ def parked_frame():
 # MAGIC ## 1. Parked messages
 # MAGIC
 # MAGIC `state` is `parked`, `redrive requested` (a re-drive selected it and not every shard has
-# MAGIC applied it yet) or `redriven`. The same list from the command line:
-
-# COMMAND ----------
-
-cli(["dlq", "list", NAME, "--limit", "20"])
+# MAGIC applied it yet) or `redriven`. The command-line equivalent is `varadhi dlq list NAME`.
 
 # COMMAND ----------
 
@@ -205,17 +198,12 @@ display(by_group.head(50))
 
 # COMMAND ----------
 
-selector = dlq.Selector(
-    group_ids=split(REDRIVE_GROUPS),
-    message_ids=split(REDRIVE_MESSAGES),
-    failed_since_ms=dlq.parse_time_ms(FAILED_SINCE, "failed_since") if FAILED_SINCE else None,
-    failed_until_ms=dlq.parse_time_ms(FAILED_UNTIL, "failed_until") if FAILED_UNTIL else None,
-)
-since = selector.failed_since_ms
-until = selector.failed_until_ms if selector.failed_until_ms is not None else 2**63
+GROUP_IDS, MESSAGE_IDS = split(REDRIVE_GROUPS), split(REDRIVE_MESSAGES)
+since = parse_time_ms(FAILED_SINCE, "failed_since") if FAILED_SINCE else None
+until = parse_time_ms(FAILED_UNTIL, "failed_until") if FAILED_UNTIL else 2**63
 picked = waiting[
-    waiting["group_id"].isin(selector.group_ids)
-    | waiting["msg_id"].isin(selector.message_ids)
+    waiting["group_id"].isin(GROUP_IDS)
+    | waiting["msg_id"].isin(MESSAGE_IDS)
     | (waiting["last_failure_ms"].between(since, until) if since is not None else False)
 ]
 print(f"{len(picked)} parked message(s) selected in {picked['group_id'].nunique()} group(s)")
@@ -234,8 +222,7 @@ display(picked[["msg_id", "group_id", "reason", "status", "attempts", "last_fail
 
 op_id = None
 if EXECUTE:
-    selector.validate()
-    op_id = dlq.request_unsideline(catalog, NAME, selector)
+    op_id = client.redrive(NAME, GROUP_IDS, MESSAGE_IDS, FAILED_SINCE, FAILED_UNTIL)
     print(f"re-drive {op_id} recorded")
 else:
     print("not executed: set the `execute` widget to `yes` to re-drive the selection")
@@ -251,17 +238,14 @@ else:
 # COMMAND ----------
 
 if op_id is not None:
-    shard_count = SubscriptionService(catalog).get(NAME).shard_count
     deadline = time.monotonic() + WAIT_S
-    done = []
-    while time.monotonic() < deadline:
-        done = dlq.redrives(catalog.snapshot(), NAME)[op_id].get("done", [])
-        print(f"applied by shard(s) {done} of {shard_count}")
-        if len(done) >= shard_count:
-            break
+    while not (progress := client.redrive_progress(NAME, op_id)).complete:
+        print(f"applied by shard(s) {list(progress.done)} of {progress.shard_count}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"re-drive {op_id}: {progress.done} only, after {WAIT_S:g} s")
         time.sleep(5)
-    else:
-        raise TimeoutError(f"re-drive {op_id} applied by {done} only after {WAIT_S:g} s")
+    print(f"re-drive {op_id} applied by every shard")
     after = parked_frame()
     display(after[after["msg_id"].isin(picked["msg_id"])][["msg_id", "group_id", "state"]])
-cli(["status", NAME])
+display(pd.DataFrame(shard_rows(client.status(NAME))))
+client.close()

@@ -33,8 +33,12 @@
 # MAGIC
 # MAGIC Installs the varadhi-spark wheel (edit the path to where your workspace keeps it). `--no-deps`
 # MAGIC keeps the runtime's own pyspark; the three packages after it are what varadhi adds. Run
-# MAGIC locally (`python notebooks/offset_reset.py`), the `%pip` line is a comment and the widgets
-# MAGIC read `VARADHI_NB_<WIDGET>` environment variables instead.
+# MAGIC locally (`python notebooks/offset_reset.py`, see docs/notebooks.md), the `%pip` line is a
+# MAGIC comment and each widget reads the environment variable `VARADHI_NB_<WIDGET>` instead
+# MAGIC (`VARADHI_NB_SUBSCRIPTION=orders-sub`), or takes its default.
+# MAGIC
+# MAGIC Everything below goes through `varadhi.Client`, the same API the `varadhi` command line
+# MAGIC uses: `client.reset_offsets(...)` is `varadhi offsets reset ...`.
 
 # COMMAND ----------
 
@@ -44,6 +48,8 @@
 
 import os
 import time
+
+import pandas as pd
 
 
 def widget(name, default, label, choices=None):
@@ -77,6 +83,11 @@ KAFKA_CONFIG = widget(
     os.environ.get("VARADHI_KAFKA_CONFIG", ""),
     "Kafka client properties file (security.protocol, sasl.*, ssl.*; secrets as ${env:...})",
 )
+WAREHOUSE = widget(
+    "warehouse",
+    os.environ.get("VARADHI_WAREHOUSE", ".varadhi/warehouse"),
+    "Warehouse (the shards' VARADHI_WAREHOUSE: dbfs:/, s3://, abfss://, a volume path)",
+)
 NAME = widget("subscription", "", "Subscription")
 QUEUE = widget("queue", "main", "Queue", ["main", "rq", "dlq"])
 MODE = widget(
@@ -93,32 +104,22 @@ WAIT_S = float(widget("wait_seconds", "120", "Seconds to wait for shards"))
 if not NAME:
     raise ValueError("set the `subscription` widget to the subscription's name")
 
-# Every varadhi component reads these (lib/varadhi/settings.py).
-os.environ["VARADHI_BOOTSTRAP"] = BOOTSTRAP
-os.environ["VARADHI_CATALOG_TOPIC"] = CATALOG_TOPIC
-if KAFKA_CONFIG:
-    os.environ["VARADHI_KAFKA_CONFIG"] = KAFKA_CONFIG
+from varadhi import Client, Settings
+from varadhi.status import shard_rows
 
-from varadhi import status
-from varadhi.catalog import Catalog
-from varadhi.cli import main as varadhi_main
-from varadhi.settings import Settings
-from varadhi.subscriptions import SubscriptionService
-
-catalog = Catalog(Settings.from_env(bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC))
-subscriptions = SubscriptionService(catalog)
+client = Client(
+    Settings.from_env(
+        KAFKA_CONFIG or None, bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC, warehouse=WAREHOUSE
+    ),
+    spark=globals().get("spark"),  # Databricks' session; locally one is made only if needed
+)
 
 
-def cli(argv):
-    """Run `varadhi ARGV...` here, exactly as on a command line; stop the notebook on failure."""
-    code = varadhi_main(["--bootstrap", BOOTSTRAP, *argv])
-    if code != 0:
-        raise RuntimeError(f"`varadhi {' '.join(map(str, argv))}` exited with {code}")
-
-
-def shard_states():
-    """Each shard's state from its latest progress report (`varadhi status`)."""
-    return {s["shard"]: s["state"] for s in status.collect(catalog, NAME)["shards"]}
+def show_status():
+    """Each shard's state, generation, lag, pending and rates (`varadhi status`)."""
+    doc = client.status(NAME)
+    display(pd.DataFrame(shard_rows(doc)))
+    return doc
 
 
 # COMMAND ----------
@@ -126,23 +127,40 @@ def shard_states():
 # MAGIC %md
 # MAGIC ## 2. Inspect
 # MAGIC
-# MAGIC The subscription's spec, state (paused flag, generation, shard count), queues and which
-# MAGIC partitions each shard owns; then each shard's lag, rates and blocked groups. Check that no
-# MAGIC other operation (a shard-count change) is in progress.
+# MAGIC The subscription's state (paused flag, generation, shard count) and which partitions each
+# MAGIC shard owns; then each shard's lag, rates and blocked groups. Check that no other operation
+# MAGIC (a shard-count change) is in progress.
 
 # COMMAND ----------
 
-cli(["subscription", "describe", NAME])
+info = client.describe_subscription(NAME)
+print(
+    f"{NAME}: topic {info['spec']['topic']}, endpoint {info['spec']['endpoint']['url']}, "
+    f"{info['state']['shard_count']} shard(s), paused={info['state']['paused']}, "
+    f"generation {info['state']['generation']}"
+)
+display(
+    pd.DataFrame(
+        [
+            {
+                "shard": s["shard"],
+                "queue": queue,
+                "storage topic": a["storage_topic"],
+                "partitions": a["partitions"],
+            }
+            for s in info["shards"]
+            for queue in ("mq", "rq", "dlq")
+            for a in s[queue]
+        ]
+    )
+)
 
 # COMMAND ----------
 
-cli(["status", NAME])
-before = subscriptions.get(NAME)
+before = client.subscription(NAME)
 # Multi-step operations (change-shards, offset-reset) record a `step`; re-drives do not block.
 in_progress = {
-    k: v
-    for k, v in status.collect(catalog, NAME)["operations"].items()
-    if v.get("step", "done") != "done"
+    k: v for k, v in show_status()["operations"].items() if v.get("step", "done") != "done"
 }
 if in_progress:
     raise RuntimeError(f"operations in progress, finish them first: {in_progress}")
@@ -154,19 +172,19 @@ print(f"generation {before.generation}, {before.shard_count} shard(s), paused={b
 # MAGIC ## 3. Pause
 # MAGIC
 # MAGIC Shards honour a pause between micro-batches and report `paused`. The reset refuses to run
-# MAGIC while any shard reports a running state. (Stopping the shard jobs works as well.)
+# MAGIC while any shard may still be running (`client.running_shards`: the rule every operation
+# MAGIC uses). Stopping the shard jobs works as well.
 
 # COMMAND ----------
 
-STOPPED = ("stopped", "fenced", "paused", "never started", "silent")
 if EXECUTE:
-    cli(["subscription", "pause", NAME])
+    client.pause(NAME)
     deadline = time.monotonic() + WAIT_S
-    while any(state not in STOPPED for state in shard_states().values()):
+    while running := client.running_shards(NAME):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"shards still running after {WAIT_S:g} s: {shard_states()}")
+            raise TimeoutError(f"shards still running after {WAIT_S:g} s: {running}")
         time.sleep(2)
-    print(f"all shards stopped or paused: {shard_states()}")
+    print(f"paused {NAME}: no shard is running")
 else:
     print("dry run only (execute widget is `no`): not pausing")
 
@@ -176,79 +194,31 @@ else:
 # MAGIC ## 4. Dry run
 # MAGIC
 # MAGIC Per shard, storage topic and partition: the current offset, the new one, and how many
-# MAGIC messages are skipped or replayed. Nothing changes.
+# MAGIC messages are skipped (`delta` > 0) or replayed (`delta` < 0). Nothing changes.
 
 # COMMAND ----------
+
+VALUE = {"to-datetime": TO_DATETIME, "shift-by": SHIFT_BY, "to-storage-topic": STORAGE_TOPIC}.get(
+    MODE
+)
 
 
 def reset(execute):
     """`varadhi offsets reset` for the widgets' queue and target; a dry run unless `execute`."""
-    if MODE == "to-datetime":
-        cli(
-            [
-                "offsets",
-                "reset",
-                NAME,
-                "--queue",
-                QUEUE,
-                "--to-datetime",
-                TO_DATETIME,
-                "--execute" if execute else "--dry-run",
-            ]
-        )
-    elif MODE == "to-earliest":
-        cli(
-            [
-                "offsets",
-                "reset",
-                NAME,
-                "--queue",
-                QUEUE,
-                "--to-earliest",
-                "--execute" if execute else "--dry-run",
-            ]
-        )
-    elif MODE == "to-latest":
-        cli(
-            [
-                "offsets",
-                "reset",
-                NAME,
-                "--queue",
-                QUEUE,
-                "--to-latest",
-                "--execute" if execute else "--dry-run",
-            ]
-        )
-    elif MODE == "shift-by":
-        cli(
-            [
-                "offsets",
-                "reset",
-                NAME,
-                "--queue",
-                QUEUE,
-                "--shift-by",
-                SHIFT_BY,
-                "--execute" if execute else "--dry-run",
-            ]
-        )
+    result = client.reset_offsets(NAME, QUEUE, MODE, VALUE, execute=execute)
+    summary = result.summary
+    display(pd.DataFrame(summary["moves"]))
+    counts = f"{summary['skipped']} messages skipped, {summary['replayed']} replayed"
+    if result.outcome == "done":
+        print(f"done already and no shard has consumed since: nothing changed ({counts})")
+    elif execute:
+        print(f"reset ({result.outcome}): {counts}")
     else:
-        cli(
-            [
-                "offsets",
-                "reset",
-                NAME,
-                "--queue",
-                QUEUE,
-                "--to-storage-topic",
-                STORAGE_TOPIC,
-                "--execute" if execute else "--dry-run",
-            ]
-        )
+        print(f"would reset ({result.outcome}; dry run, nothing changed): {counts}")
+    return result
 
 
-reset(execute=False)
+dry_run = reset(execute=False)
 
 # COMMAND ----------
 
@@ -256,13 +226,14 @@ reset(execute=False)
 # MAGIC ## 5. Execute
 # MAGIC
 # MAGIC Only with the `execute` widget set to `yes`. The plan is computed again from the same
-# MAGIC positions, so it matches the dry run unless messages arrived in between (`--to-latest`
+# MAGIC positions, so it matches the dry run unless messages arrived in between (`to-latest`
 # MAGIC then skips those too). A reset that crashed part way can simply be run again.
 
 # COMMAND ----------
 
+executed = None
 if EXECUTE:
-    reset(execute=True)
+    executed = reset(execute=True)
 else:
     print("not executed: set the `execute` widget to `yes` and run from step 3")
 
@@ -272,20 +243,23 @@ else:
 # MAGIC ## 6. Resume and verify
 # MAGIC
 # MAGIC After a main-queue or RQ reset the generation is one higher. Resume, then watch the shards
-# MAGIC report the new generation (once their jobs are running) and their lag.
+# MAGIC report the new generation (once their jobs are running) and their lag. Without running
+# MAGIC shard jobs this waits `wait_seconds` and shows what the shards last reported.
 
 # COMMAND ----------
 
 if EXECUTE:
-    after = subscriptions.get(NAME)
+    after = client.subscription(NAME)
     print(f"generation {before.generation} -> {after.generation}")
-    cli(["subscription", "resume", NAME])
+    client.resume(NAME)
     deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        shards = status.collect(catalog, NAME)["shards"]
+    while True:
+        shards = client.status(NAME)["shards"]
         if all(s["generation"] == after.generation and s["state"] == "running" for s in shards):
+            break
+        if time.monotonic() > deadline:
             break
         time.sleep(2)
     print({s["shard"]: (s["state"], s["generation"]) for s in shards})
-cli(["status", NAME])
-cli(["subscription", "describe", NAME, "--output", "json"])
+show_status()
+client.close()

@@ -21,8 +21,11 @@
 # MAGIC ## Set up
 # MAGIC
 # MAGIC Edit the wheel path to where your workspace keeps it. Locally (`python notebooks/status.py`,
-# MAGIC with matplotlib installed) the `%pip` line is a comment, widgets read `VARADHI_NB_<WIDGET>`
-# MAGIC environment variables, and plots are written as PNG files to `plot_dir`.
+# MAGIC with matplotlib installed: `pip install 'varadhi-spark[notebooks]'`; see docs/notebooks.md)
+# MAGIC the `%pip` line is a comment, each widget reads the environment variable
+# MAGIC `VARADHI_NB_<WIDGET>` or takes its default, and the plots are written as PNG files to
+# MAGIC `plot_dir` (`<subscription>-lag.png`, `-rates.png`, `-waiting.png`). Everything goes
+# MAGIC through `varadhi.Client`, the API the `varadhi` command line uses.
 
 # COMMAND ----------
 
@@ -67,6 +70,11 @@ KAFKA_CONFIG = widget(
     os.environ.get("VARADHI_KAFKA_CONFIG", ""),
     "Kafka client properties file (security.protocol, sasl.*, ssl.*; secrets as ${env:...})",
 )
+WAREHOUSE = widget(
+    "warehouse",
+    os.environ.get("VARADHI_WAREHOUSE", ".varadhi/warehouse"),
+    "Warehouse (the shards' VARADHI_WAREHOUSE: dbfs:/, s3://, abfss://, a volume path)",
+)
 NAME = widget("subscription", "", "Subscription")
 HOURS = float(widget("hours", "6", "Hours of history"))
 POINTS = int(widget("points", "120", "Points per shard"))
@@ -74,24 +82,12 @@ PLOT_DIR = widget("plot_dir", ".", "Where PNGs go when run locally")
 if not NAME:
     raise ValueError("set the `subscription` widget to the subscription's name")
 
-os.environ["VARADHI_BOOTSTRAP"] = BOOTSTRAP
-os.environ["VARADHI_CATALOG_TOPIC"] = CATALOG_TOPIC
-if KAFKA_CONFIG:
-    os.environ["VARADHI_KAFKA_CONFIG"] = KAFKA_CONFIG
-
 import pandas as pd
 from kafka import TopicPartition
 from pyspark.sql import functions as F
 
-from varadhi import kafka_clients, status, topics
-from varadhi.catalog import Catalog
-from varadhi.cli import main as varadhi_main
-from varadhi.settings import Settings
-from varadhi.subscriptions import SubscriptionService
-
-settings = Settings.from_env(bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC)
-catalog = Catalog(settings)
-PROGRESS_TOPIC = status.progress_topic(settings)
+from varadhi import Client, Settings, kafka_clients
+from varadhi.status import progress_topic, shard_rows
 
 try:
     spark
@@ -100,12 +96,14 @@ except NameError:  # not on Databricks: a local session with the project's jars
 
     spark = get_spark("varadhi-status-notebook")
 
-
-def cli(argv):
-    """Run `varadhi ARGV...` here, exactly as on a command line; stop the notebook on failure."""
-    code = varadhi_main(["--bootstrap", BOOTSTRAP, *argv])
-    if code != 0:
-        raise RuntimeError(f"`varadhi {' '.join(map(str, argv))}` exited with {code}")
+client = Client(
+    Settings.from_env(
+        KAFKA_CONFIG or None, bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC, warehouse=WAREHOUSE
+    ),
+    spark=spark,
+)
+settings = client.settings
+PROGRESS_TOPIC = progress_topic(settings)
 
 
 def show(fig, name):
@@ -123,12 +121,15 @@ def show(fig, name):
 # MAGIC %md
 # MAGIC ## Now
 # MAGIC
-# MAGIC The newest report of each shard plus Kafka's current end offsets (the same as on the command
-# MAGIC line).
+# MAGIC The newest report of each shard plus Kafka's current end offsets (`varadhi status` on the
+# MAGIC command line).
 
 # COMMAND ----------
 
-cli(["status", NAME])
+now = client.status(NAME)
+print(f"{NAME}: {now['shard_count']} shard(s), generation {now['generation']}")
+display(pd.DataFrame(shard_rows(now)))
+print(now["stats"])
 
 # COMMAND ----------
 
@@ -214,11 +215,10 @@ display(
 
 # COMMAND ----------
 
-sub = SubscriptionService(catalog).get(NAME)
-snap = catalog.snapshot()
+sub = client.subscription(NAME)
 QUEUE_OF = {}
 for queue, composite in (("main", sub.spec.topic), ("rq", sub.spec.rq_topic)):
-    for st in topics.from_snapshot(snap, composite).storage_topics:
+    for st in client.topic(composite).storage_topics:
         QUEUE_OF[st.name] = queue
 
 
@@ -309,3 +309,4 @@ per_shard(axes[1], samples, "rq_pending", "messages pending in the RQ")
 per_shard(axes[2], samples, "dlq_pending", "messages parked in the DLQ")
 fig.autofmt_xdate()
 show(fig, "waiting")
+client.close()

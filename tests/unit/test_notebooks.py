@@ -1,42 +1,24 @@
-"""The Databricks notebooks: their source format, that they are Python, and that every `varadhi`
-command they run parses with the real command line (`varadhi.cli.build_parser`).
-
-Notebooks run commands as `cli([...])` with a literal list: string constants for commands and
-flags, variables only for values. A variable is replaced by a value its option accepts (a choice,
-a number or a word); `"--execute" if x else "--dry-run"` is checked both ways. Shell forms
-(`%sh varadhi ...`, `!varadhi ...`) are checked too. Commands of the `offsets` group are skipped
-only while that group is not registered (it is written alongside); once it is, they are checked.
+"""The Databricks notebooks: their source format, that they are Python, and that they work through
+the public API (`varadhi.Client`) rather than the command line's parser: every `client.<method>`
+they call exists on `Client`, and none imports `varadhi.cli`. tests/notebooks runs them end to
+end against the local stack.
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
-import itertools
 import re
-import shlex
 from pathlib import Path
 
 import pytest
 
-from varadhi.cli import build_parser
+from varadhi import Client, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
 EXPECTED = ("dlq_inspection.py", "offset_reset.py", "status.py")
 HEADER = "# Databricks notebook source\n"
 SEPARATOR = "\n# COMMAND ----------\n"
-PENDING_GROUPS = {"offsets"}  # may be skipped while not registered, never otherwise
-
-
-class Var:
-    """A value the notebook computes at run time."""
-
-    def __repr__(self) -> str:
-        return "<var>"
-
-
-VAR = Var()
 
 
 def notebooks() -> list[Path]:
@@ -48,84 +30,26 @@ def python_source(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if not line.startswith("# MAGIC"))
 
 
-def _element(node: ast.expr, where: str) -> list[str | Var]:
-    """The alternatives one list element can take."""
-    if isinstance(node, ast.Constant):
-        if not isinstance(node.value, str):
-            raise AssertionError(f"{where}: CLI arguments must be strings, got {node.value!r}")
-        return [node.value]
-    if isinstance(node, ast.IfExp):
-        return _element(node.body, where) + _element(node.orelse, where)
-    if isinstance(node, ast.Starred):
-        raise AssertionError(f"{where}: no *unpacking in a CLI call; list the arguments")
-    return [VAR]
+def client_calls(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, method) of every `client.<method>` attribute used in a notebook."""
+    return [
+        (node.lineno, node.attr)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "client"
+    ]
 
 
-def cli_invocations(path: Path) -> list[tuple[str, list[str | Var]]]:
-    """(where, argument list) of every varadhi invocation in a notebook, alternatives expanded."""
-    text = path.read_text()
-    found: list[tuple[str, list[str | Var]]] = []
-    for node in ast.walk(ast.parse(python_source(text))):
-        if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "cli"):
-            continue
-        where = f"{path.name}:{node.lineno}"
-        if len(node.args) != 1 or not isinstance(node.args[0], ast.List):
-            raise AssertionError(f"{where}: cli(...) must be called with one literal list")
-        options = [_element(e, where) for e in node.args[0].elts]
-        for i, argv in enumerate(itertools.product(*options)):
-            found.append((f"{where}#{i}" if i else where, list(argv)))
-    shell = re.compile(r"^(?:# MAGIC )?\s*(?:%sh\s+|!)varadhi\s+(.*)$")
-    for n, line in enumerate(text.splitlines(), 1):
-        match = shell.match(line)
-        if match:
-            argv = [VAR if tok.startswith("$") else tok for tok in shlex.split(match.group(1))]
-            found.append((f"{path.name}:{n}", argv))
+def imported_modules(tree: ast.AST) -> set[str]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
     return found
-
-
-def _subparsers(parser: argparse.ArgumentParser) -> argparse._SubParsersAction | None:
-    return next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
-
-
-def _sample(action: argparse.Action | None) -> str:
-    if action is not None and action.choices:
-        return str(next(iter(action.choices)))
-    if action is not None and action.type in (int, float):
-        return "1"
-    return "x"
-
-
-def concrete(parser: argparse.ArgumentParser, argv: list[str | Var]) -> list[str]:
-    """`argv` with each variable replaced by a value the option (or positional) before it takes."""
-    out: list[str] = []
-    current = parser
-    expecting: argparse.Action | None = None
-    for tok in argv:
-        if isinstance(tok, Var):
-            out.append(_sample(expecting))
-            if expecting is not None and expecting.nargs not in ("+", "*"):
-                expecting = None
-            continue
-        out.append(tok)
-        subs = _subparsers(current)
-        if tok.startswith("-"):
-            action = current._option_string_actions.get(tok.split("=", 1)[0])
-            takes_value = action is not None and action.nargs != 0 and "=" not in tok
-            expecting = action if takes_value else None
-        elif subs is not None and tok in subs.choices:
-            current = subs.choices[tok]
-            expecting = None
-        elif expecting is not None and expecting.nargs not in ("+", "*"):
-            expecting = None
-    return out
-
-
-def registered_groups() -> set[str]:
-    return set(_subparsers(build_parser()).choices)
-
-
-def all_invocations() -> list[tuple[str, list[str | Var]]]:
-    return [inv for path in notebooks() for inv in cli_invocations(path)]
 
 
 # -- format ------------------------------------------------------------------------------------
@@ -161,50 +85,33 @@ def test_parses_as_python(path):
     ast.parse(path.read_text(), filename=str(path))
 
 
+# -- the API ------------------------------------------------------------------------------------
+
+
 @pytest.mark.parametrize("path", notebooks(), ids=lambda p: p.name)
-def test_every_notebook_runs_the_cli(path):
-    assert cli_invocations(path), "the extraction below found no `varadhi` invocation"
+def test_works_through_the_client_not_the_command_line(path):
+    tree = ast.parse(python_source(path.read_text()), filename=str(path))
+    modules = imported_modules(tree)
+    assert "varadhi.Client" in modules, "makes a varadhi.Client"
+    assert not {m for m in modules if m == "varadhi.cli" or m.startswith("varadhi.cli.")}
+    calls = client_calls(tree)
+    assert calls, "calls the client"
+    client = Client(Settings())  # connects to nothing until used
+    missing = [f"{path.name}:{ln}: client.{name}" for ln, name in calls if not hasattr(client, name)]
+    assert not missing, f"not on varadhi.Client: {missing}"
 
 
-# -- the command line ----------------------------------------------------------------------------
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: p.name)
+def test_every_widget_has_a_local_fallback(path):
+    """Run outside Databricks, `widget` reads $VARADHI_NB_<NAME>: every widget goes through it."""
+    text = python_source(path.read_text())
+    direct = re.findall(r"dbutils\.widgets\.(?:text|dropdown)\(", text)
+    assert len(direct) == 2, "only `widget()` itself creates Databricks widgets"
+    assert 'os.environ.get(f"VARADHI_NB_{name.upper()}", default)' in text
 
 
-@pytest.mark.parametrize(
-    "where,argv", all_invocations(), ids=[where for where, _ in all_invocations()]
-)
-def test_cli_invocation_parses(where, argv, capsys):
-    group = argv[0] if argv and isinstance(argv[0], str) else None
-    if group in PENDING_GROUPS and group not in registered_groups():
-        pytest.skip(f"`varadhi {group}` is not registered yet")
-    parser = build_parser()
-    args = concrete(parser, ["--bootstrap", "127.0.0.1:19092", *argv])
-    try:
-        parsed = parser.parse_args(args)
-    except SystemExit:
-        pytest.fail(
-            f"{where}: `varadhi {shlex.join(args)}` does not parse: {capsys.readouterr().err}"
-        )
-    assert callable(getattr(parsed, "func", None)), f"{where}: {args} selects no command"
-
-
-def test_the_checker_rejects_what_the_cli_rejects():
-    """The check above can fail: an unknown flag, a bad choice or a missing argument."""
-    parser = build_parser()
-    for bad in (
-        ["dlq", "list", VAR, "--no-such-flag"],
-        ["status"],
-        ["subscription", "describe", VAR, "--output", "yaml"],
-    ):
-        with pytest.raises(SystemExit):
-            parser.parse_args(concrete(parser, bad))
-    assert concrete(parser, ["dlq", "list", VAR, "--limit", VAR]) == [
-        "dlq",
-        "list",
-        "x",
-        "--limit",
-        "1",
-    ]
-    assert concrete(parser, ["subscription", "describe", VAR, "--output", VAR])[-1] in (
-        "text",
-        "json",
-    )
+def test_the_api_check_can_fail():
+    tree = ast.parse("client.status(x)\nclient.no_such_method(x)\nfrom varadhi.cli import main")
+    assert [name for _, name in client_calls(tree)] == ["status", "no_such_method"]
+    assert not hasattr(Client, "no_such_method") and hasattr(Client, "status")
+    assert "varadhi.cli" in imported_modules(tree)
