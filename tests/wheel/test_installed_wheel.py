@@ -7,8 +7,9 @@ a temporary folder and install the wheel into it with `--no-index`; from a worki
 outside the checkout run `varadhi --version`, `varadhi-job --help`, then a shard of a real
 subscription with `spark-submit --master local[2]` on the installed `varadhi/jobs/shard.py`,
 against the shared broker and a real `TestEndpoint` (from the checkout, in this process), until
-it has delivered every message; and `varadhi-job smoke_count` with the jars given only by
-`$VARADHI_SPARK_JARS`.
+it has delivered every message. Outside spark-submit the installed package takes its jars from
+`$VARADHI_SPARK_JARS` only, and without them `varadhi-job smoke_count` refuses in one line (the
+checkout's `.jars/spark`, the development default, is not found from an installed package).
 
 Third-party libraries: the new venv does not download its dependencies again (pyspark alone is
 ~450 MB). A folder of symlinks to every entry of the project venv's site-packages *except*
@@ -24,9 +25,9 @@ from __future__ import annotations
 
 import os
 import shutil
-import site
 import subprocess
 import sys
+import sysconfig
 import uuid
 import zipfile
 from pathlib import Path
@@ -84,16 +85,15 @@ def build_wheel(tmp: Path) -> Path:
 
 def third_party_dir(tmp: Path) -> Path:
     """Symlinks to the project venv's installed libraries, varadhi's own entries left out."""
-    (packages,) = (p for p in site.getsitepackages() if p.startswith(sys.prefix))
     out = tmp / "third-party"
     out.mkdir()
-    for entry in Path(packages).iterdir():
+    folders = dict.fromkeys(sysconfig.get_path(k) for k in ("purelib", "platlib"))
+    for entry in (e for folder in folders for e in Path(folder).iterdir()):
         name = entry.name.lower()
         if name.startswith(("varadhi", "__editable__")) or name.endswith(".pth"):
             continue
-        if name == "__pycache__":
-            continue
-        (out / entry.name).symlink_to(entry)
+        if name != "__pycache__" and not (out / entry.name).exists():
+            (out / entry.name).symlink_to(entry)
     return out
 
 
@@ -248,12 +248,24 @@ def test_the_installed_wheel_runs_a_shard_outside_the_checkout(
         assert delivered(endpoint, g) == [i for n, i in enumerate(ids) if f"g{n % 3}" == g]
     assert not (work / ".varadhi").exists()  # the warehouse is where configured
 
-    # Without spark-submit the package starts Spark itself, jars by configuration only.
-    (storage,) = TopicService(catalog).get(topic).storage_topics
-    smoke = run(
-        [str(venv / "bin" / "varadhi-job"), "smoke_count", "--topic", storage.name],
-        timeout=600,
+    # Without spark-submit the package starts Spark itself: the jars come only from its
+    # configuration (checked without a JVM), and without one it refuses before starting Spark.
+    jar_dir = ROOT / ".jars" / "spark"
+    configured = run(
+        [py, "-c", "from varadhi.spark import local_jar_settings as s; print(s()['spark.jars'])"],
         cwd=work,
-        env={**env, "VARADHI_SPARK_JARS": str(ROOT / ".jars" / "spark")},
+        env={**env, "VARADHI_SPARK_JARS": str(jar_dir)},
     )
-    assert f"{storage.name} total: {MESSAGES}" in smoke.stdout, smoke.stdout + smoke.stderr
+    assert configured.stdout.strip() == jars
+    refused = subprocess.run(
+        [str(venv / "bin" / "varadhi-job"), "smoke_count", "--topic", f"{topic}.0"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert refused.stderr.strip().splitlines()[-1].startswith(
+        "varadhi: spark jars: no Kafka connector and Delta jars for Spark: set VARADHI_SPARK_JARS"
+    ), refused.stderr
