@@ -9,12 +9,8 @@ failed (listed) or the job failed, 2 refused. See `varadhi.replay` and docs/repl
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
 
 from . import common
-
-if TYPE_CHECKING:
-    from .. import replay
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,18 +49,15 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _replay(args: argparse.Namespace) -> int:
     from .. import replay  # pandas, pycurl: only when replaying, not for every `varadhi` command
 
-    catalog = common.catalog(args)
-    try:
-        plan = replay.prepare(catalog, args.name, args.from_, args.to, parallelism=args.parallelism)
+    with common.client(args) as client:
+        plan = client.plan_replay(args.name, args.from_, args.to, parallelism=args.parallelism)
         if args.output == "text":
             print(
                 f"replaying {plan.max_messages} offsets of {plan.topic} "
                 f"({plan.window.describe()}) as {plan.replay_id} ...",
                 flush=True,
             )
-        result = _execute(catalog, plan)
-    finally:
-        catalog.close()
+        result = client.replay(plan)
     doc = result.to_dict()
     if args.output == "json":
         common.emit_json(doc)
@@ -72,18 +65,3 @@ def _replay(args: argparse.Namespace) -> int:
         print(replay.render_text(doc))
     return 0 if result.ok else 1
 
-
-def _execute(catalog, plan: replay.ReplayPlan) -> replay.ReplayResult:
-    """Run the job on the active SparkSession, or on a local one made (and stopped) here."""
-    from pyspark.sql import SparkSession
-
-    from .. import replay
-    from ..spark import get_spark
-
-    own = SparkSession.getActiveSession() is None
-    spark = get_spark(f"varadhi-replay-{plan.subscription}")
-    try:
-        return replay.execute(spark, catalog, plan)
-    finally:
-        if own:
-            spark.stop()
