@@ -25,6 +25,8 @@ from .kafka_config import PLAINTEXT, KafkaConfig
 
 #: How long a client waits for the cluster's first answer (its bootstrap).
 CONNECT_TIMEOUT_MS = 10_000
+#: What a client's bootstrap failures say when the cause is authentication, not the network.
+_AUTH_FAILURE = r"Authentication|Authorization|UnsupportedSaslMechanism"
 #: TLS alerts of a broker refusing the client's certificate (or its absence): mutual TLS.
 _CERT_REFUSED = re.compile(
     r"ALERT_(BAD_CERTIFICATE|CERTIFICATE_REQUIRED|CERTIFICATE_UNKNOWN|UNKNOWN_CA)"
@@ -94,7 +96,7 @@ def _build(cls: type, settings: HasKafka, kwargs: dict[str, Any]) -> Any:
         try:
             return cls(**args)
         except KafkaError as e:
-            auth = [f for f in failures.seen if "Authentication" in f or "Authorization" in f]
+            auth = [f for f in failures.seen if re.search(_AUTH_FAILURE, f)]
             # the last entry is often the bootstrap timeout itself: the failure before it says why
             why = [f for f in failures.seen if not f.startswith("KafkaTimeoutError")]
             cause = (auth or why or [None])[-1]
@@ -125,6 +127,11 @@ def explain(settings: HasKafka, error: BaseException | str) -> str:
             cause = (
                 "authentication failed (wrong user name, password or mechanism): "
                 + cause.rsplit("Error: ", 1)[-1]
+            )
+        elif "UnsupportedSaslMechanism" in text:
+            cause = (
+                f"the listener does not offer sasl.mechanism {cfg.mechanism} (check the "
+                f"mechanism, and the port: clusters often have one port per mechanism)"
             )
         elif _CERT_REFUSED.search(text):
             cause = (
