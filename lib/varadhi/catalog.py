@@ -33,10 +33,16 @@ from typing import Any
 
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import KafkaError, TopicAlreadyExistsError, TopicAuthorizationFailedError
 
 from . import kafka_clients
-from .errors import ConcurrentModification, InvalidArgument, KafkaUnavailable, VaradhiError
+from .errors import (
+    ConcurrentModification,
+    InvalidArgument,
+    KafkaUnavailable,
+    NotAuthorized,
+    VaradhiError,
+)
 from .settings import Settings
 
 log = logging.getLogger(__name__)
@@ -141,7 +147,12 @@ class Catalog:
         """A catalog topic that already exists (made by an earlier run or by an operator)."""
         if self._checked:
             return
-        count = len(admin.describe_topics([self.topic])[0]["partitions"])
+        found = admin.describe_topics([self.topic])[0]
+        if found.get("error_code") == TopicAuthorizationFailedError.errno:
+            raise NotAuthorized(
+                "Describe", "Topic", self.topic, kafka_clients.principal(self.settings)
+            )
+        count = len(found["partitions"])
         policy = admin.describe_configs(
             [ConfigResource(ConfigResourceType.TOPIC, self.topic, configs=["cleanup.policy"])],
             config_filter="all",

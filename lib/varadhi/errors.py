@@ -69,3 +69,27 @@ class UnsupportedSparkVersion(InvalidArgument):
     def __init__(self, version: str, supported: str):
         super().__init__(f"Spark {version} is not supported (supported lines: {supported})")
         self.version = version
+
+
+class NotAuthorized(VaradhiError):
+    """The cluster's ACLs refused an operation: which principal lacks which operation on which
+    resource, and the `kafka-acls.sh` arguments that would grant it (docs/kafka-acls.md).
+    `operation` may be "Describe or Read" where the client did not say which (the JVM's)."""
+
+    exit_code = 4
+
+    def __init__(self, operation: str, resource_type: str, name: str, principal: str | None):
+        who = principal or "this principal"
+        flag = {"Topic": "--topic", "Group": "--group", "TransactionalId": "--transactional-id"}
+        grant = f"--{resource_type.lower()}" if resource_type == "Cluster" else (
+            f"{flag.get(resource_type, '--' + resource_type.lower())} {name}"
+        )
+        ops = " ".join(f"--operation {o}" for o in operation.split(" or "))
+        super().__init__(
+            f"not authorized: {who} lacks {operation} on {resource_type} {name} "
+            f"(kafka-acls.sh --add --allow-principal {who} {ops} {grant})"
+        )
+        self.operation = operation
+        self.resource_type = resource_type
+        self.name = name
+        self.principal = principal

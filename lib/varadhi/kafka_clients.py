@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-from kafka.errors import KafkaError
+from kafka.errors import AuthorizationError, KafkaError
 
-from .errors import KafkaUnavailable
+from .errors import KafkaUnavailable, NotAuthorized
 from .kafka_config import PLAINTEXT, KafkaConfig
 
 #: How long a client waits for the cluster's first answer (its bootstrap).
@@ -108,7 +108,9 @@ def consumer(settings: HasKafka, **kwargs: Any) -> KafkaConsumer:
 
 
 def producer(settings: HasKafka, **kwargs: Any) -> KafkaProducer:
-    return _build(KafkaProducer, settings, kwargs)
+    made = _build(_Producer, settings, kwargs)
+    made._settings = settings
+    return made
 
 
 def admin(settings: HasKafka, **kwargs: Any) -> KafkaAdminClient:
@@ -189,6 +191,77 @@ def _speaks_tls(sock: socket.socket, host: str, timeout: float) -> str | None:
             return "the listener speaks TLS: set security.protocol=SSL or SASL_SSL"
     except (ssl.SSLError, OSError):
         return None
+
+
+_RESOURCE_OF = {
+    "TopicAuthorizationFailedError": "Topic",
+    "GroupAuthorizationFailedError": "Group",
+    "TransactionalIdAuthorizationFailedError": "TransactionalId",
+    "ClusterAuthorizationFailedError": "Cluster",
+}
+
+
+def principal(settings: HasKafka) -> str | None:
+    """`User:<name>` of the configured SASL user (None without SASL)."""
+    user = config_of(settings).username
+    return f"User:{user}" if user else None
+
+
+def refused(
+    settings: HasKafka, error: BaseException, operation: str, name: str | None = None
+) -> NotAuthorized:
+    """The typed error for a kafka-python authorization failure met doing `operation` on `name`
+    (default: the resource kafka-python names, e.g. the topic of a refused produce)."""
+    kind = _RESOURCE_OF.get(type(error).__name__, "Topic")
+    if name is None:
+        args = [a for a in getattr(error, "args", ()) if a]
+        first = args[0] if args else "?"
+        name = ",".join(sorted(first)) if isinstance(first, (set, list, tuple)) else str(first)
+    return NotAuthorized(operation, kind, "kafka-cluster" if kind == "Cluster" else name,
+                         principal(settings))  # fmt: skip
+
+
+def refused_in(settings: HasKafka, text: str) -> NotAuthorized | None:
+    """The typed error for an authorization failure reported in `text` (a failed Spark query's
+    message, with its Python traceback and Java causes), or None when it reports none.
+
+    A kafka-python error in a traceback names its resource; its operation is taken from the
+    client that raised it (a producer: Write, a consumer: Read). Kafka's Java client (the Spark
+    Kafka source and sink) names only the topics: "Describe or Read"."""
+    python = re.search(r"kafka\.errors\.(\w+AuthorizationFailedError): \[Error \d+\] \w+: (.*)", text)
+    if python:
+        kind = _RESOURCE_OF.get(python.group(1), "Topic")
+        name = re.sub(r"[{}'\[\]\s]", "", python.group(2))
+        operation = "Write" if kind == "TransactionalId" else _client_operation(text[: python.start()])
+        return NotAuthorized(operation, kind, "kafka-cluster" if kind == "Cluster" else name,
+                             principal(settings))  # fmt: skip
+    jvm = re.search(r"TopicAuthorizationException: Not authorized to access topics: \[([^\]]*)\]", text)
+    if jvm:
+        return NotAuthorized("Describe or Read", "Topic", jvm.group(1), principal(settings))
+    group = re.search(r"GroupAuthorizationException: Not authorized to access group: (\S+)", text)
+    if group:
+        return NotAuthorized("Read", "Group", group.group(1), principal(settings))
+    return None
+
+
+def _client_operation(traceback: str) -> str:
+    """Write or Read by the kafka-python client whose frame comes last in `traceback`."""
+    producer, consumer = traceback.rfind("kafka/producer/"), traceback.rfind("kafka/consumer/")
+    if producer < 0 and consumer < 0:
+        return "Describe"
+    return "Write" if producer > consumer else "Read"
+
+
+class _Producer(KafkaProducer):
+    """A KafkaProducer whose `init_transactions` names the refused transactional id."""
+
+    _settings: HasKafka
+
+    def init_transactions(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().init_transactions(*args, **kwargs)
+        except AuthorizationError as e:
+            raise refused(self._settings, e, "Write", self.config["transactional_id"]) from None
 
 
 def not_authorized(error: BaseException) -> str:

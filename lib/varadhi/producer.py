@@ -44,12 +44,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kafka import KafkaProducer
-from kafka.errors import KafkaConfigurationError, KafkaError
+from kafka.errors import AuthorizationError, KafkaConfigurationError, KafkaError
 from kafka.producer.future import FutureRecordMetadata, RecordMetadata
 
 from . import kafka_clients, routing, topics
 from .catalog import Catalog
-from .errors import InvalidArgument, KafkaUnavailable, VaradhiError
+from .errors import InvalidArgument, KafkaUnavailable, NotAuthorized, VaradhiError
 from .messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS
 from .settings import Settings
 
@@ -245,7 +245,7 @@ class SendResult:
     `topic` and `partition` are known at once (the producer chose them); `get` waits for the
     broker and returns Kafka's `RecordMetadata` (topic, partition, offset, ...)."""
 
-    __slots__ = ("topic", "partition", "message_id", "group_id", "_future")
+    __slots__ = ("topic", "partition", "message_id", "group_id", "_future", "principal")
 
     def __init__(
         self,
@@ -260,11 +260,14 @@ class SendResult:
         self.message_id = message_id
         self.group_id = group_id
         self._future = future
+        self.principal: str | None = None  # the SASL user, named when the ACLs refuse the write
 
     def get(self, timeout: float | None = None) -> RecordMetadata:
         """Wait up to `timeout` seconds for the acknowledgement; `SendFailed` if there is none."""
         try:
             return self._future.get(timeout)
+        except AuthorizationError:
+            raise NotAuthorized("Write", "Topic", self.topic, self.principal) from None
         except KafkaError as e:
             raise SendFailed(
                 f"message {self.message_id} to {self.topic}[{self.partition}]: {e}"
@@ -383,7 +386,9 @@ class Producer:
             )
         except (KafkaError, ValueError) as e:
             raise SendFailed(f"message {record.message_id} to {storage}[{partition}]: {e}") from e
-        return SendResult(storage, partition, record.message_id, group_id, future)
+        result = SendResult(storage, partition, record.message_id, group_id, future)
+        result.principal = kafka_clients.principal(self.settings)
+        return result
 
     def send_many(self, messages: Iterable[Message]) -> list[RecordMetadata]:
         """Send `messages` in one Kafka transaction: all are committed, or none.

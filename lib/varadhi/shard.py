@@ -566,7 +566,8 @@ class ShardJob:
                                 self.shard,
                             )
                             return "restart"
-                        raise VaradhiError(f"query failed: {exc}")
+                        refused = kafka_clients.refused_in(self.settings, str(exc))
+                        raise refused or VaradhiError(f"query failed: {exc}")
                     return "circuit" if self._circuit.state != self._query_circuit else "stop"
                 if self._signal.is_set():
                     self._stop_between_batches(query)

@@ -19,7 +19,9 @@ import pytest
 
 from varadhi import dlq, kafka_config
 from varadhi.cli import main as cli_main
+from varadhi.errors import NotAuthorized
 from varadhi.settings import Settings
+from varadhi.shard import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, read_queue, run_until_idle
 
@@ -288,11 +290,76 @@ def as_user(carol_settings, secure_broker, capsys, monkeypatch):
     return run
 
 
+@pytest.fixture(scope="module")
+def denied(secure_broker, carol_settings):
+    """with denied(operation, resource type, name): carol lacks exactly that ACL (a DENY ACL,
+    which wins over her prefixed ALLOWs, added by admin and removed on exit)."""
+    import contextlib
+
+    from kafka.admin import (
+        ACL,
+        ACLFilter,
+        ACLOperation,
+        ACLPermissionType,
+        ACLResourcePatternType,
+        ResourcePattern,
+        ResourceType,
+    )
+
+    from varadhi import kafka_clients
+
+    admin_settings = Settings(
+        bootstrap=carol_settings.bootstrap,
+        kafka=kafka_config.load(str(secure_broker[1] / "admin.properties")),
+    )
+    admin = kafka_clients.admin(admin_settings)
+    kinds = {"Topic": ResourceType.TOPIC, "TransactionalId": ResourceType.TRANSACTIONAL_ID}
+
+    @contextlib.contextmanager
+    def deny(operation: str, kind: str, name: str):
+        pattern = ResourcePattern(kinds[kind], name, ACLResourcePatternType.LITERAL)
+        acl = ACL("User:carol", "*", ACLOperation[operation.upper()], ACLPermissionType.DENY,
+                  pattern)  # fmt: skip
+        assert not admin.create_acls([acl])["failed"]
+        try:
+            yield
+        finally:
+            admin.delete_acls(
+                [ACLFilter(acl.principal, acl.host, acl.operation, acl.permission_type, pattern)]
+            )
+
+    try:
+        yield deny
+    finally:
+        admin.close()
+
+
+def test_a_missing_acl_is_named_in_one_line(as_user, denied, tmp_path):
+    """CLI commands as carol, each lacking one ACL: exit code 4 and one line naming it."""
+    suffix = uuid.uuid4().hex[:6]
+    topic = f"carol-t-{suffix}"
+    assert as_user("admin", "topic", "create", topic, "--partitions", "1")[0] == 0
+    lines = tmp_path / "m.jsonl"
+    lines.write_text(json.dumps({"value": "v", "group_id": "g", "message_id": "m"}) + "\n")
+    for (operation, kind, resource), args in (
+        (("Describe", "Topic", "__varadhi_catalog"), ("topic", "list")),
+        (("Write", "TransactionalId", "varadhi-catalog-writer.__varadhi_catalog"),
+         ("topic", "create", f"carol-u-{suffix}", "--partitions", "1")),
+        (("Write", "Topic", f"{topic}.0"), ("produce", topic, "--file", str(lines))),
+    ):  # fmt: skip
+        with denied(operation, kind, resource):
+            code, _, err = as_user("carol", *args)
+        assert code == 4, err
+        assert err == (
+            f"varadhi: not authorized: User:carol lacks {operation} on {kind} {resource} "
+            f"(kafka-acls.sh --add --allow-principal User:carol --operation {operation} "
+            f"--{'topic' if kind == 'Topic' else 'transactional-id'} {resource})\n"
+        )
+
+
 def run_shards(settings: Settings, spark, name: str, count: int) -> None:
     """Every shard of `name` in threads of this process until idle; each must exit 0."""
     import threading
-
-    from varadhi.shard import ShardJob
 
     codes: dict[int, int] = {}
     jobs = [ShardJob(name, i, settings, spark=spark, stop_when_idle_s=3) for i in range(count)]
@@ -308,7 +375,9 @@ def run_shards(settings: Settings, spark, name: str, count: int) -> None:
 
 
 @pytest.mark.spark
-def test_carol_with_least_privilege_runs_the_whole_flow(as_user, carol_settings, spark, tmp_path):
+def test_carol_with_least_privilege_runs_the_whole_flow(
+    as_user, carol_settings, denied, spark, tmp_path
+):
     suffix = uuid.uuid4().hex[:6]
     topic, name = f"carol-t-{suffix}", f"carol-s-{suffix}"
     assert as_user("admin", "topic", "create", topic, "--partitions", "2")[0] == 0
@@ -323,6 +392,21 @@ def test_carol_with_least_privilege_runs_the_whole_flow(as_user, carol_settings,
         assert code == 0, err
         started_ms = int(time.time() * 1000) - 60_000
 
+        # Without one ACL a shard stops with one line naming it (exit code 4 in a job): the
+        # transactional id of its RQ/DLQ writer, then Write on its DLQ (from inside the query).
+        for operation, kind, resource in (
+            ("Write", "TransactionalId", f"varadhi.{name}.s1.shard-0"),
+            ("Write", "Topic", f"{name}.dlq.0"),
+        ):
+            with denied(operation, kind, resource), pytest.raises(NotAuthorized) as refused:
+                ShardJob(name, 0, carol_settings, spark=spark, stop_when_idle_s=3).run()
+            assert str(refused.value).startswith(
+                f"not authorized: User:carol lacks {operation} on {kind} {resource} ("
+            ), refused.value
+            assert "\n" not in str(refused.value) and refused.value.exit_code == 4
+        assert delivered(endpoint, "g2") == ["g2-0"]  # g2-1's dead letter was never written
+
+        # with the ACL back, the same batch runs again and completes
         run_until_idle(carol_settings, spark, name)
         assert delivered(endpoint, "g1") == ["g1-0", "g1-1", "g1-2"]
         assert delivered(endpoint, "g2") == ["g2-0"]
