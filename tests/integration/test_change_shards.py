@@ -96,7 +96,6 @@ def change(name: str, to: int, *extra: str) -> int:
     return cli(["subscription", "change-shards", name, "--to", str(to), "--output", "json", *extra])
 
 
-@pytest.mark.compat  # also run on the older Spark lines (scripts/test --spark-line)
 def test_change_shards_two_four_three_keeps_group_order_and_loses_nothing(
     settings, spark, catalog, unique_name, capsys
 ):
