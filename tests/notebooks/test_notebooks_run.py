@@ -19,19 +19,22 @@ H = [f"h{i}" for i in range(4)]
 
 
 def test_dlq_notebook_lists_parked_messages_and_redrives_a_group(
-    settings, spark, failing_subscription, notebook
+    settings, spark, catalog, failing_subscription, notebook, monkeypatch
 ):
+    from varadhi import dlq
+
     with TestEndpoint(script={"g1": [404], "h2": [404]}) as endpoint:
         spec = failing_subscription(endpoint, [("g", i) for i in G] + [("h", i) for i in H])
         assert delivered(endpoint, "g") == ["g0"] and delivered(endpoint, "h") == ["h0", "h1"]
 
-        nb = notebook(
-            "dlq_inspection.py",
-            subscription=spec.name,
-            redrive_group_ids="g",
-            execute="yes",
-            wait_seconds="120",
-        )
+        # Run all without `execute`: the same selection, nothing recorded.
+        nb = notebook("dlq_inspection.py", subscription=spec.name, redrive_group_ids="g")
+        nb.run()
+        assert nb["op_id"] is None and nb["picked"]["msg_id"].tolist() == ["g1"]
+        assert dlq.redrives(catalog.snapshot(), spec.name) == {}
+
+        monkeypatch.setenv("VARADHI_NB_EXECUTE", "yes")
+        nb = notebook("dlq_inspection.py", wait_seconds="120")
         nb.run(until="## 5. Watch until applied")
         parked = nb["parked"]
         assert sorted(parked["msg_id"]) == ["g1", "h2"]
@@ -40,7 +43,7 @@ def test_dlq_notebook_lists_parked_messages_and_redrives_a_group(
         assert nb["by_reason"]["messages"].sum() == 2 and set(nb["by_reason"]["status"]) == {404}
         assert nb["picked"]["msg_id"].tolist() == ["g1"]  # the widget picked group g only
         op_id = nb["op_id"]
-        assert op_id is not None
+        assert list(dlq.redrives(catalog.snapshot(), spec.name)) == [op_id]
 
         run_until_idle(settings, spark, spec.name)  # the shard applies the re-drive
         nb.run()
@@ -50,19 +53,6 @@ def test_dlq_notebook_lists_parked_messages_and_redrives_a_group(
         # Re-driven in order, the group's waiting messages behind it; h stays blocked on h2.
         assert delivered(endpoint, "g") == G
         assert delivered(endpoint, "h") == ["h0", "h1"]
-
-
-def test_dlq_notebook_without_execute_changes_nothing(
-    settings, failing_subscription, notebook, catalog
-):
-    from varadhi import dlq
-
-    with TestEndpoint(script={"g1": [404]}) as endpoint:
-        spec = failing_subscription(endpoint, [("g", i) for i in G[:3]])
-        nb = notebook("dlq_inspection.py", subscription=spec.name, redrive_group_ids="g")
-        nb.run()
-        assert nb["op_id"] is None and nb["picked"]["msg_id"].tolist() == ["g1"]
-        assert dlq.redrives(catalog.snapshot(), spec.name) == {}
 
 
 def test_offset_reset_notebook_dry_run_then_execute_moves_the_offsets(
