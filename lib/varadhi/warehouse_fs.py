@@ -207,12 +207,11 @@ def hadoop_conf(env: Mapping[str, str]) -> dict[str, str]:
 
 
 def configure(spark: Any, conf: Mapping[str, str]) -> None:
-    """Set Hadoop settings on a running session (its SparkContext's Hadoop configuration and
-    its SQL settings), for a session started before they were known. File systems already
-    opened by Spark keep the settings they were opened with (Hadoop caches them per scheme and
-    bucket)."""
+    """Set Hadoop settings on a running session (its SparkContext's Hadoop configuration, which
+    Spark's readers, writers and `HadoopFS` start from), for a session started before they were
+    known. File systems already opened keep the settings they were opened with (Hadoop caches
+    them per scheme and bucket)."""
     hadoop = spark.sparkContext._jsc.hadoopConfiguration()
     for k, v in conf.items():
         hadoop.set(k, v)
-        spark.conf.set(k, v)
 
