@@ -1,9 +1,13 @@
 """Against a secured broker: SASL_SSL only (SCRAM-SHA-512 over TLS with a throw-away CA, ACLs on),
 started by `VARADHI_KAFKA_SECURE=1 scripts/kafka start` on its own port and folder for this
-module and wiped afterwards. Every client here (CLI, catalog, producer, Spark source, RQ/DLQ
-writer, status, DLQ re-drive) goes through `--command-config` / `Settings.kafka`; no plaintext
-listener exists on that broker. Bad credentials, an unknown CA, an unreachable cluster and a
-missing ACL each end in one clear line."""
+module and wiped afterwards; no plaintext listener exists on it. Every client here goes through
+`--command-config`, `Settings.kafka` or (a spawned job) `$VARADHI_KAFKA_CONFIG`.
+
+The user `carol` holds exactly the ACLs of docs/kafka-acls.md and runs the whole flow: subscription
+apply, produce, a grouped shard with retry and DLQ, change-shards with feeders, re-drive, replay,
+offset reset of every queue, status, both outbox relays. Lacking one ACL, a command or shard ends
+in one line naming it. Bad credentials, an unknown CA, an unreachable cluster and bad
+configuration each end in one clear line too."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from varadhi import dlq, kafka_config
+from varadhi import kafka_config
 from varadhi.cli import main as cli_main
 from varadhi.errors import NotAuthorized
 from varadhi.settings import Settings
@@ -107,89 +111,6 @@ def test_the_broker_has_no_plaintext_path(secure_broker):
     server = (secure_broker[1] / "server.properties").read_text()
     assert f"listeners=SASL_SSL://{secure_broker[0]}," in server
     assert "PLAINTEXT://" not in server.replace("CONTROLLER:PLAINTEXT", "")
-
-
-@pytest.mark.spark
-def test_topic_produce_grouped_shard_retry_dead_letter_status_redrive(
-    cli, secure_settings, spark, tmp_path
-):
-    suffix = uuid.uuid4().hex[:6]
-    topic, name = f"sec-{suffix}", f"sec-sub-{suffix}"
-    assert cli("topic", "create", topic, "--partitions", "2")[0] == 0
-    code, out, _ = cli("topic", "describe", topic, "--output", "json")
-    assert code == 0 and json.loads(out)["storage_topics"][0]["partitions"] == 2
-
-    with TestEndpoint(script={"g1-1": [503], "g2-1": [503, 404]}) as endpoint:
-        spec = tmp_path / "sub.yaml"
-        spec.write_text(
-            json.dumps(
-                {
-                    "name": name,
-                    "topic": topic,
-                    "endpoint": {"url": endpoint.url},
-                    "shards": 1,
-                    "retry": {
-                        "max_attempts": 3,
-                        "min_backoff": "100ms",
-                        "max_backoff": "200ms",
-                        "jitter": 0,
-                        "in_place_window": 0,
-                    },
-                    "consumption": {"trigger_interval": "100ms", "journal_interval": 0},
-                    "circuit_breaker": {"enabled": False},
-                }
-            )
-        )
-        assert cli("subscription", "apply", "-f", str(spec))[0] == 0
-        lines = tmp_path / "messages.jsonl"
-        lines.write_text(
-            "".join(
-                json.dumps({"value": f"body {g}-{i}", "group_id": g, "message_id": f"{g}-{i}"})
-                + "\n"
-                for i in range(3)
-                for g in ("g1", "g2")
-            )
-        )
-        code, out, err = cli("produce", topic, "--file", str(lines))
-        assert code == 0, err
-        assert out.count("offset") == 6
-
-        run_until_idle(secure_settings, spark, name)
-        # g1-1 failed once (503), went through the RQ and was delivered, in order; g2-1 was
-        # retried (503) then dead-lettered (404), and g2's later messages wait behind it.
-        assert delivered(endpoint, "g1") == ["g1-0", "g1-1", "g1-2"]
-        assert delivered(endpoint, "g2") == ["g2-0"]
-        rq = read_queue(secure_settings, f"{name}.rq.0")
-        assert [r["headers"].get("varadhi-msg-id") for r in rq if r["value"]].count("g1-1") >= 1
-
-        code, out, err = cli("dlq", "list", name, "--output", "json")
-        assert code == 0, err
-        parked = json.loads(out)
-        assert [(p["msg_id"], p["status"]) for p in parked] == [("g2-1", 404)]
-        code, out, err = cli("status", name, "--output", "json")
-        assert code == 0, err
-        doc = json.loads(out)
-        assert doc["shards"][0]["blocked_groups"] == 1
-
-        assert cli("dlq", "unsideline", name, "--group-ids", "g2")[0] == 0
-        run_until_idle(secure_settings, spark, name)
-        assert delivered(endpoint, "g2") == ["g2-0", "g2-1", "g2-2"]
-        assert [p["state"] for p in dlq_list(secure_settings, name)] == ["redriven"]
-
-        code, out, _ = cli("subscription", "describe", name, "--output", "json")
-        assert code == 0
-        password = Path(secure_settings.kafka.source).parent / "secrets/alice.password"
-        assert password.read_text().strip() not in out
-
-
-def dlq_list(settings: Settings, name: str) -> list[dict]:
-    from varadhi.catalog import Catalog
-
-    catalog = Catalog(settings)
-    try:
-        return dlq.list_parked(catalog, name)
-    finally:
-        catalog.close()
 
 
 def _config(tmp_path, alice: str, **replace: str) -> str:
@@ -381,6 +302,8 @@ def test_carol_with_least_privilege_runs_the_whole_flow(
     suffix = uuid.uuid4().hex[:6]
     topic, name = f"carol-t-{suffix}", f"carol-s-{suffix}"
     assert as_user("admin", "topic", "create", topic, "--partitions", "2")[0] == 0
+    code, out, _ = as_user("carol", "topic", "describe", topic, "--output", "json")
+    assert code == 0 and json.loads(out)["storage_topics"][0]["partitions"] == 2
     with TestEndpoint(script={"g1-1": [503], "g2-1": [503, 404]}) as endpoint:
         spec = tmp_path / "sub.yaml"
         spec.write_text(json.dumps(_spec(name, topic, endpoint.url)))
@@ -406,10 +329,20 @@ def test_carol_with_least_privilege_runs_the_whole_flow(
             assert "\n" not in str(refused.value) and refused.value.exit_code == 4
         assert delivered(endpoint, "g2") == ["g2-0"]  # g2-1's dead letter was never written
 
-        # with the ACL back, the same batch runs again and completes
+        # with the ACL back, the same batch runs again and completes: g1-1 failed once (503),
+        # went through the RQ and was delivered, in order; g2-1 was retried (503) then
+        # dead-lettered (404), and g2's later messages wait behind it.
         run_until_idle(carol_settings, spark, name)
         assert delivered(endpoint, "g1") == ["g1-0", "g1-1", "g1-2"]
         assert delivered(endpoint, "g2") == ["g2-0"]
+        rq = read_queue(carol_settings, f"{name}.rq.0")
+        assert [r["headers"].get("varadhi-msg-id") for r in rq if r["value"]].count("g1-1") >= 1
+        code, out, err = as_user("carol", "dlq", "list", name, "--output", "json")
+        assert code == 0, err
+        assert [(p["msg_id"], p["status"]) for p in json.loads(out)] == [("g2-1", 404)]
+        code, out, err = as_user("carol", "status", name, "--output", "json")
+        assert code == 0, err
+        assert json.loads(out)["shards"][0]["blocked_groups"] == 1
 
         # change-shards 1 -> 2: the feeders carry the dead letter (and g2's block) to the new
         # DLQ; the re-drive then finds it there.
@@ -423,24 +356,28 @@ def test_carol_with_least_privilege_runs_the_whole_flow(
         run_shards(carol_settings, spark, name, 2)
         assert delivered(endpoint, "g2") == ["g2-0", "g2-1", "g2-2"]
 
-        # offset reset of each queue; main back to the earliest: everything again, in order
-        for queue, to in (("rq", "--to-latest"), ("dlq", "--to-latest"), ("main", "--to-earliest")):
-            code, _, err = as_user("carol", "offsets", "reset", name, "--queue", queue, to,
-                                   "--execute")  # fmt: skip
-            assert code == 0, (queue, err)
-        run_shards(carol_settings, spark, name, 2)
-        for g in ("g1", "g2"):
-            assert delivered(endpoint, g) == [f"{g}-{i}" for i in range(3)] * 2
-
         code, out, err = as_user("carol", "replay", name, "--from", str(started_ms),
                                  "--output", "json")  # fmt: skip
         assert code == 0, err
         for g in ("g1", "g2"):
-            assert delivered(endpoint, g) == [f"{g}-{i}" for i in range(3)] * 3
+            assert delivered(endpoint, g) == [f"{g}-{i}" for i in range(3)] * 2
+
+        # offset reset of each queue (what a reset then re-delivers is test_offset_reset's):
+        # the plan reads every queue's offsets, the execution changes the catalog
+        for queue, to in (("rq", "--to-latest"), ("dlq", "--to-latest"), ("main", "--to-earliest")):
+            code, out, err = as_user("carol", "offsets", "reset", name, "--queue", queue, to,
+                                     "--execute", "--output", "json")  # fmt: skip
+            assert code == 0, (queue, err)
+            assert json.loads(out)["executed"] is True
+        assert json.loads(out)["replayed"] == 6
 
         code, out, err = as_user("carol", "status", name, "--output", "json")
         assert code == 0, err
         assert [s["shard"] for s in json.loads(out)["shards"]] == [0, 1]
+        code, out, _ = as_user("carol", "subscription", "describe", name, "--output", "json")
+        assert code == 0
+        password = Path(carol_settings.kafka.source).parent / "secrets/carol.password"
+        assert password.read_text().strip() not in out
 
 
 def _spec(name: str, topic: str, url: str, shards: int = 1) -> dict:
@@ -461,4 +398,62 @@ def _messages() -> list[dict]:
         {"value": f"body {g}-{i}", "group_id": g, "message_id": f"{g}-{i}"}
         for i in range(3)
         for g in ("g1", "g2")
+    ]
+
+
+@pytest.mark.spark
+def test_both_outbox_relays_as_carol(as_user, carol_settings, secure_broker, spark, tmp_path):
+    """The SQL relay as a job of its own, configured by $VARADHI_KAFKA_CONFIG alone (shared
+    PostgreSQL), and the Delta outbox's query in this process, both as carol."""
+    import sys
+
+    import psycopg
+
+    from varadhi.delta_outbox import SCHEMA, DeltaOutbox
+    from varadhi.outbox import Outbox
+
+    dsn = os.environ.get("VARADHI_TEST_POSTGRES_DSN")
+    if not dsn:
+        pytest.skip("VARADHI_TEST_POSTGRES_DSN is not set (scripts/test sets it)")
+    suffix = uuid.uuid4().hex[:6]
+    topic = f"carol-o-{suffix}"
+    assert as_user("admin", "topic", "create", topic, "--partitions", "1")[0] == 0
+
+    outbox = Outbox(table_prefix=f"obx_{suffix}")
+    with psycopg.connect(dsn) as conn:
+        outbox.create_tables(conn)
+        for i in range(3):
+            outbox.add(conn, topic, f"sql-{i}".encode(), group_id="g")
+        conn.commit()
+    try:
+        env = {
+            **os.environ,
+            "VARADHI_KAFKA_CONFIG": str(secure_broker[1] / "carol.properties"),
+            "VARADHI_BOOTSTRAP": carol_settings.bootstrap,
+            "VARADHI_CATALOG_TOPIC": carol_settings.catalog_topic,
+        }
+        relay = subprocess.run(
+            [sys.executable, "-m", "varadhi.jobs.outbox_relay", "--dsn", dsn,
+             "--table-prefix", f"obx_{suffix}", "--once"],
+            env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
+        )  # fmt: skip
+        assert relay.returncode == 0, relay.stderr
+    finally:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for table in outbox.tables():
+                conn.execute(f"DROP TABLE IF EXISTS {table}")
+
+    delta = DeltaOutbox(spark, str(tmp_path / "outbox"), name=f"carol-dox-{suffix}",
+                        settings=carol_settings)  # fmt: skip
+    try:
+        delta.create_table()
+        rows = [(topic, "g", f"delta-{i}", None, f"delta-{i}".encode()) for i in range(3)]
+        delta.append(spark.createDataFrame(rows, SCHEMA).coalesce(1))
+        query = delta.start(available_now=True)
+        assert query.awaitTermination(300), "the outbox query did not finish"
+        assert query.exception() is None, query.exception()
+    finally:
+        delta.close()
+    assert [r["value"] for r in read_queue(carol_settings, f"{topic}.0")] == [
+        f"{source}-{i}".encode() for source in ("sql", "delta") for i in range(3)
     ]
