@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
 
 from . import kafka_config
 from .kafka_config import KafkaConfig
@@ -42,7 +43,7 @@ class Settings:
 
 
 def _path(location: str) -> str:
-    """Absolute for local paths; URIs (dbfs:/, s3://, abfss://, file:/) are kept as given."""
-    return (
-        location if "://" in location or location.startswith("dbfs:") else os.path.abspath(location)
-    )
+    """Absolute for local paths (a Unity Catalog volume `/Volumes/...` is one); URIs (`s3a://`,
+    `abfss://`, `gs://`, `dbfs:/`, `file:/`, any scheme of two letters or more) are kept as given,
+    for Spark and Hadoop to resolve."""
+    return location if len(urlsplit(location).scheme) > 1 else os.path.abspath(location)

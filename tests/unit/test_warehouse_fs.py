@@ -139,3 +139,25 @@ def test_hadoop_conf_from_the_environment():
     }
     with pytest.raises(InvalidArgument, match="set both VARADHI_S3A_ACCESS_KEY"):
         hadoop_conf({"VARADHI_S3A_ACCESS_KEY": "k"})
+
+
+def test_the_warehouse_setting_keeps_uris_and_makes_local_paths_absolute(monkeypatch, tmp_path):
+    from varadhi.settings import Settings
+
+    monkeypatch.chdir(tmp_path)
+    for uri in (
+        "s3a://bucket/wh",
+        "abfss://c@acct.dfs.core.windows.net/wh",
+        "gs://bucket/wh",
+        "dbfs:/varadhi/wh",
+        "file:/data/wh",
+        "hdfs:///varadhi/wh",
+    ):
+        monkeypatch.setenv("VARADHI_WAREHOUSE", uri)
+        assert Settings.from_env().warehouse == uri
+    for local, absolute in (
+        ("/Volumes/main/varadhi/wh", "/Volumes/main/varadhi/wh"),
+        ("rel/wh", str(tmp_path / "rel" / "wh")),
+    ):
+        monkeypatch.setenv("VARADHI_WAREHOUSE", local)
+        assert Settings.from_env().warehouse == absolute
