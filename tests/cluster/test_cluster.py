@@ -32,7 +32,7 @@ GROUPS = [f"g{i}" for i in range(6)]
 RETRIED = "A-g1-0"  # 500 twice, then 200: retried through the RQ
 FATAL = "A-g2-1"  # 404: dead-lettered; g2 waits behind it until a re-drive
 BLOCKED = "g2"
-LATENCY_MS = 50  # keeps each delivery task's connections open long enough to be seen
+LATENCY_MS = 200  # a group of 4 takes >= 0.8 s: its task holds a connection long enough to be seen
 
 
 @dataclass
