@@ -10,8 +10,9 @@ import sys
 
 from kafka.errors import AuthorizationError
 
-from ..errors import VaradhiError
-from ..kafka_clients import not_authorized
+from ..errors import NotAuthorized, VaradhiError
+from ..kafka_clients import not_authorized, refused_in
+from ..settings import Settings
 from . import dlq, jobs, offsets, outbox, produce, replay, status, subscription, topic
 
 COMMAND_GROUPS = [topic, produce, subscription, status, dlq, offsets, replay, outbox, jobs]
@@ -59,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except VaradhiError as e:
+        e = _refusal(args, e) or e
         print(f"varadhi: {e}", file=sys.stderr)
         return e.exit_code
     except AuthorizationError as e:  # a missing ACL, whichever client met it
@@ -66,6 +68,27 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # a Spark query's failure may be a missing ACL
+        refused = _refusal(args, e)
+        if refused is None:
+            raise
+        print(f"varadhi: {refused}", file=sys.stderr)
+        return refused.exit_code
+
+
+def _refusal(args: argparse.Namespace, error: Exception) -> NotAuthorized | None:
+    """A missing ACL reported in the text of `error` or its cause (a Spark query's error, with
+    Kafka's own message in it), as the typed error; None when there is none."""
+    if isinstance(error, NotAuthorized):
+        return None
+    text = f"{error}\n{error.__cause__ or ''}"
+    if "Authorization" not in text:
+        return None
+    try:
+        settings = Settings.from_env(command_config=args.command_config)
+    except VaradhiError:  # the principal is then left unnamed
+        settings = Settings()
+    return refused_in(settings, text)
 
 
 if __name__ == "__main__":
