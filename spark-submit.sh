@@ -6,7 +6,7 @@
 #                                                          each calls varadhi.jobs.NAME)
 #
 # Environment: VARADHI_BOOTSTRAP (Kafka), VARADHI_WAREHOUSE (Delta tables, checkpoints),
-# VARADHI_SPARK_MASTER (default local[2]), VARADHI_DRIVER_MEMORY (default 2g).
+# VARADHI_SPARK_MASTER (default local[2]), VARADHI_DRIVER_MEMORY (default 2g), VARADHI_S3A_*.
 # PYSPARK_PYTHON is set to the project's venv: executors must import pycurl, mmh3 and pyarrow.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -32,10 +32,15 @@ export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
 export VARADHI_SPARK_MASTER="${VARADHI_SPARK_MASTER:-local[2]}"
 SPARK_HOME="$("$ROOT/.venv/bin/python" -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')"
 JARS="$(ls "$ROOT"/.jars/spark/*.jar | paste -sd, -)"
+S3A=()  # hadoop-aws for an s3a:// warehouse: on the JVM class path (docs/object-storage.md)
+if [[ -f "$ROOT/.jars/s3a/.complete" ]]; then
+  S3A=(--driver-class-path "$ROOT/.jars/s3a/*" --conf "spark.executor.extraClassPath=$ROOT/.jars/s3a/*")
+fi
 exec "$SPARK_HOME/bin/spark-submit" \
   --master "$VARADHI_SPARK_MASTER" \
   --driver-memory "${VARADHI_DRIVER_MEMORY:-2g}" \
   --jars "$JARS" \
+  "${S3A[@]}" \
   --conf spark.ui.enabled=false \
   --conf spark.log.level=WARN \
   --conf spark.sql.shuffle.partitions=2 \
