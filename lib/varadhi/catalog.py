@@ -153,10 +153,9 @@ class Catalog:
                 "Describe", "Topic", self.topic, kafka_clients.principal(self.settings)
             )
         count = len(found["partitions"])
-        policy = admin.describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, self.topic, configs=["cleanup.policy"])],
-            config_filter="all",
-        )["topic"][self.topic]["cleanup.policy"]["value"]
+        policy = kafka_clients.topic_configs(
+            admin, self.settings, [self.topic], ["cleanup.policy"]
+        )[self.topic]["cleanup.policy"]
         if "compact" not in policy.split(","):
             raise InvalidArgument(
                 f"the catalog topic {self.topic} has cleanup.policy={policy}: it must be "
@@ -177,11 +176,8 @@ class Catalog:
         failure is only logged (shards call this once at their start)."""
         admin = self._admin()
         try:
-            found = admin.describe_configs(
-                [ConfigResource(ConfigResourceType.TOPIC, self.topic, configs=["segment.ms"])],
-                config_filter="all",
-            )["topic"][self.topic]["segment.ms"]
-            if int(found["value"]) > SEGMENT_MS:
+            found = kafka_clients.topic_configs(admin, self.settings, [self.topic], ["segment.ms"])
+            if int(found[self.topic]["segment.ms"]) > SEGMENT_MS:
                 admin.alter_configs(
                     [
                         ConfigResource(
@@ -192,7 +188,7 @@ class Catalog:
                     ]
                 )
                 log.info("catalog %s: segment.ms set to %d", self.topic, SEGMENT_MS)
-        except (KafkaError, KeyError, TypeError, ValueError) as e:
+        except (KafkaError, VaradhiError, KeyError, TypeError, ValueError) as e:
             log.warning("catalog %s: could not check segment.ms: %s", self.topic, e)
         finally:
             admin.close()

@@ -14,13 +14,20 @@ import logging
 import re
 import socket
 import ssl
-from collections.abc import Iterator
+import time
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
-from kafka.errors import AuthorizationError, KafkaError
+from kafka.admin import ConfigResource, ConfigResourceType
+from kafka.errors import (
+    AuthorizationError,
+    KafkaError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
+)
 
-from .errors import KafkaUnavailable, NotAuthorized
+from .errors import KafkaUnavailable, NotAuthorized, NotFound
 from .kafka_config import PLAINTEXT, KafkaConfig
 
 #: How long a client waits for the cluster's first answer (its bootstrap).
@@ -201,7 +208,53 @@ _RESOURCE_OF = {
 }
 
 
-def principal(settings: HasKafka) -> str | None:
+#: How long `topic_configs` waits for a topic the broker does not describe yet (one just
+#: created: the controller has it, the broker answering may not).
+TOPIC_CONFIGS_WAIT_S = 10.0
+
+
+def topic_configs(
+    admin: KafkaAdminClient,
+    settings: HasKafka | None,
+    names: Sequence[str],
+    keys: Sequence[str],
+    wait_s: float = TOPIC_CONFIGS_WAIT_S,
+) -> dict[str, dict[str, str]]:
+    """Each topic's effective values of `keys` (its own or the broker's default):
+    name -> key -> value.
+
+    Hazard: kafka-python's `describe_configs` drops each resource's error code, so a topic the
+    answering broker does not know yet, or may not describe, comes back with no configs at all.
+    Such topics are asked again until `wait_s` has passed; then the cause is found with
+    `describe_topics` and raised: `NotAuthorized` (Describe, or DescribeConfigs on the topic)
+    or `NotFound` (`settings` only names the principal; None when unknown)."""
+    found: dict[str, dict[str, str]] = {}
+    missing = list(dict.fromkeys(names))
+    deadline = time.monotonic() + wait_s
+    while True:
+        answer = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, n, configs=list(keys)) for n in missing],
+            config_filter="all",
+        ).get("topic", {})
+        for n in missing:
+            configs = answer.get(n) or {}
+            if all(k in configs for k in keys):
+                found[n] = {k: configs[k]["value"] for k in keys}
+        missing = [n for n in missing if n not in found]
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    for described in admin.describe_topics(missing) if missing else ():
+        name, code = described.get("topic"), described.get("error_code")
+        if code == TopicAuthorizationFailedError.errno:
+            raise NotAuthorized("Describe", "Topic", name, principal(settings))
+        if code == UnknownTopicOrPartitionError.errno:
+            raise NotFound("Kafka topic", name)
+        raise NotAuthorized("DescribeConfigs", "Topic", name, principal(settings))
+    return found
+
+
+def principal(settings: HasKafka | None) -> str | None:
     """`User:<name>` of the configured SASL user (None without SASL)."""
     user = config_of(settings).username
     return f"User:{user}" if user else None

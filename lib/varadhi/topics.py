@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kafka import TopicPartition
-from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+from kafka.admin import NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from . import kafka_clients, routing
@@ -309,7 +309,9 @@ def ensure_kafka_topic(
         )
     needed = int(configs.get("max.message.bytes", 0))
     if needed:
-        found = _configs(admin, name, ["max.message.bytes"])["max.message.bytes"]
+        found = kafka_clients.topic_configs(admin, None, [name], ["max.message.bytes"])[name][
+            "max.message.bytes"
+        ]
         if int(found) < needed:
             raise InvalidArgument(
                 f"{what} {name} already exists with max.message.bytes {found}, less than the "
@@ -318,13 +320,6 @@ def ensure_kafka_topic(
                 field="name",
             )
     return False
-
-
-def _configs(admin: Any, name: str, keys: Sequence[str]) -> dict[str, str]:
-    found = admin.describe_configs(
-        [ConfigResource(ConfigResourceType.TOPIC, name, configs=list(keys))], config_filter="all"
-    )["topic"][name]
-    return {k: found[k]["value"] for k in keys}
 
 
 def create_kafka_topics(
@@ -365,16 +360,12 @@ def max_message_bytes(catalog: Catalog, names: Sequence[str]) -> dict[str, int]:
     except KafkaError as e:
         raise KafkaUnavailable(f"cannot reach Kafka at {catalog.settings.bootstrap}: {e}") from e
     try:
-        found = admin.describe_configs(
-            [
-                ConfigResource(ConfigResourceType.TOPIC, n, configs=["max.message.bytes"])
-                for n in names
-            ],
-            config_filter="all",
-        )["topic"]
+        found = kafka_clients.topic_configs(
+            admin, catalog.settings, names, ["max.message.bytes"]
+        )
     finally:
         admin.close()
-    return {n: int(found[n]["max.message.bytes"]["value"]) for n in names}
+    return {n: int(found[n]["max.message.bytes"]) for n in names}
 
 
 def end_offsets(catalog: Catalog, storages: Sequence[StorageTopic]) -> dict[str, list[int]]:
