@@ -164,3 +164,19 @@ def test_get_spark_refuses_an_active_session_of_an_unsupported_spark(monkeypatch
     monkeypatch.setattr(SparkSession, "getActiveSession", staticmethod(lambda: Notebook()))
     with pytest.raises(UnsupportedSparkVersion, match="Spark 3.4.1 is not supported"):
         spark.get_spark("varadhi-unsupported")
+
+
+def test_a_job_on_an_unsupported_spark_stops_with_one_line_and_exit_2(monkeypatch, capsys):
+    import pyspark
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    from varadhi.jobs import runner
+
+    if SparkSession.getActiveSession() is not None:
+        pytest.skip("a Spark session of this run is active; the refusal is for a new one")
+    monkeypatch.setattr(pyspark, "__version__", "3.4.1")
+    assert runner.main(["smoke_count", "--topic", "orders.0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "varadhi: Spark 3.4.1 is not supported (supported lines: 4.1, 4.0, 3.5)\n"
+    assert SparkContext._active_spark_context is None
