@@ -24,7 +24,12 @@ broker can be killed without touching anyone else's):
    - early retries: attempt n+1 of a message sent before attempt n's backoff or Retry-After
      could have passed (0; the policy has no jitter so the bound is exact);
    - dead letters: must be exactly the poison messages;
-   - duplicates: successful deliveries beyond the first of each message, as a share.
+   - duplicates: successful deliveries beyond the first of each message, as a share, split by
+     cause: `after_timeout` (the endpoint's 2xx reached the client after its request timeout,
+     so the client saw a failure and rightly sent the next attempt: any at-least-once client
+     does the same) and `redelivered` (the same attempt sent again: a crash, a kill or a fence
+     re-running a batch; the figure the delivery journal exists to keep small), with when the
+     re-deliveries happened (10 s buckets) and how long after the success they repeat.
 
 Prints the verdict and writes --out (default bench/results/chaos.json). Exit 1 if a must-be-zero
 figure is not. Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
@@ -279,11 +284,25 @@ def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0)
     }
 
 
-def judge(endpoint: TestEndpoint, acked, parked_ids, poison) -> dict:
+def _client_saw_a_failure(success, again) -> bool:
+    """Whether `again` (a later request of the message `success` was a 2xx answer to) is a retry
+    of a failure the client saw: the endpoint answered after the client's timeout (a "slow"
+    answer, or a normal one delayed past it on a starved machine), so the client sent the next
+    attempt. A re-delivery (a crash or fence re-running a batch) sends the same attempt again."""
+    if success.delay_ms >= REQUEST_TIMEOUT_MS:
+        return True
+    return None not in (success.attempt, again.attempt) and again.attempt > success.attempt
+
+
+def judge(endpoint: TestEndpoint, acked, parked_ids, poison, start_ms: float) -> dict:
     """The verdict from what the endpoint saw, the producer's acks and the DLQ (pure but for
-    its inputs)."""
+    its inputs). `start_ms`: the run's start (epoch ms), for when re-deliveries happened."""
     records = sorted(endpoint.records(), key=lambda r: r.seq)
     ok_count: dict[str, int] = defaultdict(int)
+    last_ok: dict[str, object] = {}
+    after_timeout = 0
+    redelivered_at: dict[int, int] = defaultdict(int)  # 10 s bucket since start -> count
+    gaps_s: list[float] = []  # re-delivery minus the success before it
     order: dict[str, list[int]] = defaultdict(list)
     by_msg: dict[str, list] = defaultdict(list)
     for r in records:
@@ -292,6 +311,13 @@ def judge(endpoint: TestEndpoint, acked, parked_ids, poison) -> dict:
         by_msg[r.message_id].append(r)
         if r.status < 300:
             ok_count[r.message_id] += 1
+            before = last_ok.get(r.message_id)
+            if before is not None and _client_saw_a_failure(before, r):
+                after_timeout += 1
+            elif before is not None:
+                redelivered_at[int((r.received_ms - start_ms) // 10_000) * 10] += 1
+                gaps_s.append((r.received_ms - before.received_ms) / 1000)
+            last_ok[r.message_id] = r
             if ok_count[r.message_id] == 1 and r.message_id in acked:
                 order[acked[r.message_id][0]].append(acked[r.message_id][1])
     broken = sorted(g for g, seqs in order.items() if seqs != sorted(seqs))
@@ -311,6 +337,8 @@ def judge(endpoint: TestEndpoint, acked, parked_ids, poison) -> dict:
     delivered = {m for m, n in ok_count.items() if n}
     lost = sorted(m for m in acked if m not in delivered and m not in parked_ids)
     duplicates = sum(n - 1 for n in ok_count.values())
+    share = max(len(delivered), 1)
+    gaps_s.sort()
     return {
         "acknowledged_by_kafka": len(acked),
         "delivered": len(delivered & set(acked)),
@@ -325,7 +353,16 @@ def judge(endpoint: TestEndpoint, acked, parked_ids, poison) -> dict:
         "unexpected_dead_letters": sorted(set(parked_ids) - set(poison))[:10],
         "poison_not_dead_lettered": sorted(set(poison) - set(parked_ids))[:10],
         "duplicates": duplicates,
-        "duplicate_share": round(duplicates / max(len(delivered), 1), 4),
+        "duplicate_share": round(duplicates / share, 4),
+        "duplicates_after_timeout": after_timeout,
+        "duplicates_redelivered": duplicates - after_timeout,
+        "redelivered_share": round((duplicates - after_timeout) / share, 4),
+        "redelivered_by_10s_since_start": dict(sorted(redelivered_at.items())),
+        "redelivery_gap_s": {
+            q: round(gaps_s[int(q * (len(gaps_s) - 1))], 1) for q in (0.1, 0.5, 0.9, 1.0)
+        }
+        if gaps_s
+        else {},
     }
 
 
@@ -347,6 +384,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     load = os.getloadavg()
     t0 = time.monotonic()
+    start_ms = time.time() * 1000
     work = Path(tempfile.mkdtemp(prefix="varadhi-chaos-"))
     broker = Broker(args.kafka_port, str(work / "kafka"))
     broker.start()
@@ -474,7 +512,7 @@ def main() -> int:
     log(t0, f"drained; shards exited {drain_codes}")
 
     parked = {p["msg_id"] for p in dlq.list_parked(catalog, name, limit=0)}
-    verdict = judge(endpoint, producing.acked, parked, poison + malformed)
+    verdict = judge(endpoint, producing.acked, parked, poison + malformed, start_ms)
     verdict.update(
         seconds=round(time.monotonic() - t0, 1),
         shard_restarts=shards.restarts,
@@ -496,6 +534,9 @@ def main() -> int:
         "dead_letters_are_the_poison",
         "duplicates",
         "duplicate_share",
+        "duplicates_after_timeout",
+        "duplicates_redelivered",
+        "redelivered_share",
         "shard_restarts",
         "seconds",
     ):
