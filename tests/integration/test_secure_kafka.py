@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import uuid
@@ -28,45 +27,18 @@ from varadhi.settings import Settings
 from varadhi.shard import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, read_queue, run_until_idle
+from varadhi.testing.secure_kafka import free_port_pair, secured_broker
 
 pytestmark = [pytest.mark.kafka]
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_pair() -> int:
-    for _ in range(50):
-        port = 30000 + int.from_bytes(os.urandom(2), "big") % 20000
-        ok = True
-        for p in (port, port + 1):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-        if ok:
-            return port
-    raise RuntimeError("no two free ports")
-
-
 @pytest.fixture(scope="module")
 def secure_broker(tmp_path_factory):
     """(bootstrap, data folder) of a SASL_SSL broker started for this module."""
-    folder = tmp_path_factory.mktemp("secure-kafka") / "broker"
-    env = {
-        **os.environ,
-        "VARADHI_KAFKA_PORT": str(_free_pair()),
-        "VARADHI_KAFKA_DIR": str(folder),
-        "VARADHI_KAFKA_SECURE": "1",
-        "VARADHI_KAFKA_HEAP": "-Xmx512m -Xms128m",
-    }
-    script = str(ROOT / "scripts" / "kafka")
-    started = subprocess.run([script, "start"], env=env, capture_output=True, text=True)
-    assert started.returncode == 0, started.stderr
-    try:
-        yield started.stdout.strip(), folder
-    finally:
-        subprocess.run([script, "wipe"], env=env, capture_output=True, text=True)
+    with secured_broker(tmp_path_factory.mktemp("secure-kafka") / "broker") as broker:
+        yield broker.bootstrap, broker.folder
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +127,7 @@ def test_unknown_ca(cli, alice, tmp_path):
 
 
 def test_unreachable_cluster(alice, capsys):
-    port = _free_pair()
+    port = free_port_pair()
     started = time.monotonic()
     code = cli_main(
         ["--bootstrap", f"127.0.0.1:{port}", "--command-config", alice, "topic", "list"]
