@@ -237,6 +237,10 @@ class ShardJob:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> int:
         sub, _, _, _ = self._load()
+        # Before the lease (which fences a running instance) and any write: a warehouse Spark
+        # cannot write is one line, not a failed query after the fence.
+        warehouse = self.settings.warehouse
+        warehouse_fs.check_writable(warehouse_fs.for_path(warehouse, self.spark), warehouse)
         self.catalog.ensure_segment_roll()  # lease renewals must be compacted away
         if self.standby:
             # Spark is started ahead of time; the lease is taken only once the active instance's

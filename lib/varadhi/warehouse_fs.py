@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
 from urllib.parse import urlsplit
@@ -58,6 +59,10 @@ class WarehouseFS(Protocol):
 
     def delete(self, path: str) -> None:
         """Remove `path`, a file or a folder with everything under it; nothing if absent."""
+        ...
+
+    def write_text(self, path: str, text: str) -> None:
+        """Create (or replace) the file `path` with `text` as UTF-8, and its parent folders."""
         ...
 
 
@@ -95,6 +100,12 @@ class LocalFS:
             shutil.rmtree(p)
         elif os.path.lexists(p):
             os.remove(p)
+
+    def write_text(self, path: str, text: str) -> None:
+        p = self._local(path)
+        os.makedirs(os.path.dirname(p) or ".", exist_ok=True)
+        with open(p, "w", encoding="utf-8") as f:
+            f.write(text)
 
 
 class HadoopFS:
@@ -135,6 +146,38 @@ class HadoopFS:
     def delete(self, path: str) -> None:
         fs, p = self._fs(path)
         fs.delete(p, True)
+
+    def write_text(self, path: str, text: str) -> None:
+        fs, p = self._fs(path)
+        stream = fs.create(p, True)
+        try:
+            stream.write(bytearray(text.encode("utf-8")))
+        finally:
+            stream.close()
+
+
+def check_writable(fs: WarehouseFS, warehouse: str) -> None:
+    """Refuse, before any side effect, a warehouse this process cannot write (a read-only
+    folder, a bucket that does not exist or denies writes, missing credentials): writes and
+    removes one small file under `<warehouse>/_varadhi/`. Raises `InvalidArgument` with one line
+    naming the warehouse and the file system's own reason (its first line)."""
+    probe = child(child(warehouse, "_varadhi"), f"write-check-{uuid.uuid4().hex}")
+    try:
+        fs.write_text(probe, "varadhi write check\n")
+        fs.delete(probe)
+    except Exception as e:  # noqa: BLE001 - OSError locally, Py4JJavaError through Spark
+        raise InvalidArgument(
+            f"the warehouse {warehouse} is not writable through the {fs.where}: {_reason(e)}",
+            field="warehouse",
+        ) from None
+
+
+def _reason(error: BaseException) -> str:
+    """The first line of a file system error: a JVM exception's own `toString`, not the Py4J
+    dump around it."""
+    java = getattr(error, "java_exception", None)
+    text = str(java.toString()) if java is not None else (str(error) or type(error).__name__)
+    return text.strip().splitlines()[0][:300]
 
 
 def for_path(path: str, spark: Any = None, purpose: str = "varadhi") -> WarehouseFS:

@@ -161,3 +161,16 @@ def test_the_warehouse_setting_keeps_uris_and_makes_local_paths_absolute(monkeyp
     ):
         monkeypatch.setenv("VARADHI_WAREHOUSE", local)
         assert Settings.from_env().warehouse == absolute
+
+
+def test_check_writable_leaves_nothing_and_refuses_what_it_cannot_write(tmp_path):
+    fs = warehouse_fs.LocalFS()
+    warehouse = str(tmp_path / "wh")
+    warehouse_fs.check_writable(fs, warehouse)
+    assert fs.list(warehouse_fs.child(warehouse, "_varadhi")) == []
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(InvalidArgument) as refused:
+        warehouse_fs.check_writable(fs, str(blocker / "wh"))
+    assert "is not writable through the local file system" in str(refused.value)
+    assert "\n" not in str(refused.value)
