@@ -5,6 +5,7 @@ once each.
     outbox.create_table()                                    # once
     outbox.append(df)            # df: topic, group_id, message_id, headers map<string,string>, value
     query = outbox.start()       # a Structured Streaming query; or start(available_now=True)
+    outbox.await_termination(query)  # a missing Kafka ACL: NotAuthorized, one line naming it
 
 The table (`SCHEMA`) has change data feed enabled; the query streams its inserts (Delta source,
 `readChangeFeed`) and, per micro-batch:
@@ -51,7 +52,7 @@ from typing import Any
 import pandas as pd
 from kafka import KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import KafkaError, TopicAlreadyExistsError
+from kafka.errors import AuthorizationError, KafkaError, TopicAlreadyExistsError
 
 from . import kafka_clients, topics
 from .catalog import Catalog
@@ -266,6 +267,20 @@ class DeltaOutbox:
         )
         return writer.start()
 
+    def await_termination(self, query, timeout_s: float | None = None) -> bool:
+        """Wait for `query` (from `start`) like its `awaitTermination`: whether it has ended
+        within `timeout_s` (None: until it ends). A query that failed for a missing Kafka ACL
+        raises `NotAuthorized` (one line naming principal, operation and resource, exit code 4)
+        instead of Spark's `StreamingQueryException`; other failures are raised as Spark's."""
+        try:
+            ended = query.awaitTermination() if timeout_s is None else query.awaitTermination(timeout_s)
+        except Exception as e:
+            refused = kafka_clients.refusal(self.settings, e)
+            if refused is None:
+                raise
+            raise refused from e
+        return True if ended is None else bool(ended)
+
     def process_batch(self, df, batch_id: int) -> BatchResult:
         """The `foreachBatch` function: relay one micro-batch of change-feed rows exactly once."""
         result = self._process(df, batch_id)
@@ -335,6 +350,7 @@ class DeltaOutbox:
         marker = json.dumps(
             {"checkpoint_id": checkpoint_id, "batch_id": batch_id, "rows": len(rows)}
         ).encode()
+        futures = []
         try:
             producer.begin_transaction()
             for storage, partition, group, mid, headers_json, value in zip(
@@ -353,17 +369,24 @@ class DeltaOutbox:
                 if not _missing(headers_json) and headers_json:
                     user = json.loads(headers_json).items()
                     headers.extend((k, v.encode()) for k, v in user if v is not None)
-                producer.send(
+                send = producer.send(
                     storage,
                     value=bytes(value),
                     key=None if group is None else group.encode(),
                     headers=headers,
                     partition=int(partition),
                 )
-            producer.send(MARKER_TOPIC, key=self.name.encode(), value=marker, partition=0)
+                futures.append(send)
+            futures.append(
+                producer.send(MARKER_TOPIC, key=self.name.encode(), value=marker, partition=0)
+            )
+            for f in futures:  # a refused topic fails its sends by name (the commit does not)
+                f.get(timeout=self.send_timeout_s)
             producer.commit_transaction()
         except (KafkaError, ValueError) as e:
             self._abort(producer)
+            if isinstance(e, AuthorizationError):  # a missing ACL: one line naming it
+                raise kafka_clients.refused(self.settings, e, "Write") from e
             raise DeltaOutboxError(
                 f"delta outbox {self.name}: batch {batch_id} ({len(rows)} rows) was not "
                 f"committed to Kafka: {e}"

@@ -15,7 +15,8 @@ import re
 import socket
 import ssl
 import time
-from collections.abc import Iterator, Sequence
+import traceback
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Protocol
 
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
@@ -274,13 +275,26 @@ def refused(
                          principal(settings))  # fmt: skip
 
 
-def refused_in(settings: HasKafka, text: str) -> NotAuthorized | None:
+def refused_in(
+    settings: HasKafka, text: str, writes: Collection[str] = ()
+) -> NotAuthorized | None:
     """The typed error for an authorization failure reported in `text` (a failed Spark query's
     message, with its Python traceback and Java causes), or None when it reports none.
 
-    A kafka-python error in a traceback names its resource; its operation is taken from the
-    client that raised it (a producer: Write, a consumer: Read). Kafka's Java client (the Spark
-    Kafka source and sink) names only the topics: "Describe or Read"."""
+    - A `NotAuthorized` line in `text` (raised by the product inside a Spark query, e.g. in a
+      `foreachBatch` function) is taken as it is.
+    - A kafka-python error in a traceback names its resource; its operation is taken from the
+      client that raised it (a producer: Write, a consumer: Read).
+    - Kafka's Java client (the Spark Kafka source and sink) names only the topics
+      (`Not authorized to access topics: [...]`), and its error carries no stack of its own, so
+      the text cannot tell a refused read from a refused write. `writes` are the topics the
+      failed action wrote and did not read (its caller knows them): a refusal naming only such
+      topics is Write; any other is "Describe or Read"."""
+    named = _NAMED.search(text)
+    if named:
+        who = named.group("who")
+        return NotAuthorized(named.group("op"), named.group("kind"), named.group("name"),
+                             None if who == "this principal" else who)  # fmt: skip
     python = re.search(r"kafka\.errors\.(\w+AuthorizationFailedError): \[Error \d+\] \w+: (.*)", text)
     if python:
         kind = _RESOURCE_OF.get(python.group(1), "Topic")
@@ -290,11 +304,35 @@ def refused_in(settings: HasKafka, text: str) -> NotAuthorized | None:
                              principal(settings))  # fmt: skip
     jvm = re.search(r"TopicAuthorizationException: Not authorized to access topics: \[([^\]]*)\]", text)
     if jvm:
-        return NotAuthorized("Describe or Read", "Topic", jvm.group(1), principal(settings))
+        refused_topics = {t.strip() for t in jvm.group(1).split(",")}
+        operation = "Write" if refused_topics <= set(writes) else "Describe or Read"
+        return NotAuthorized(operation, "Topic", jvm.group(1), principal(settings))
     group = re.search(r"GroupAuthorizationException: Not authorized to access group: (\S+)", text)
     if group:
         return NotAuthorized("Read", "Group", group.group(1), principal(settings))
     return None
+
+
+#: A `NotAuthorized` message (errors.py) inside a longer text.
+_NAMED = re.compile(
+    r"not authorized: (?P<who>User:\S+|this principal) lacks (?P<op>\w+(?: or \w+)*) on "
+    r"(?P<kind>Topic|Group|TransactionalId|Cluster) (?P<name>\S+) \(kafka-acls\.sh "
+)
+
+
+def refusal(
+    settings: HasKafka, error: BaseException, writes: Collection[str] = ()
+) -> NotAuthorized | None:
+    """The missing ACL that `error` reports, itself or through the errors it was raised from
+    (a Spark job's Py4J error with Kafka's Java message, a wrapped kafka-python error with its
+    traceback), as the typed error; None when it reports none, and when `error` already is a
+    `NotAuthorized`. `writes`: as for `refused_in`."""
+    if isinstance(error, NotAuthorized):
+        return None
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    if "uthoriz" not in text:  # Authorization..., "not authorized"
+        return None
+    return refused_in(settings, text, writes)
 
 
 def _client_operation(traceback: str) -> str:

@@ -915,6 +915,11 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
     (before or after part of the write, or before the feeder was marked done) adds nothing
     twice. Identical records are the same retry or dead letter by the shards' own rule (origin
     and attempts), so one copy of each is enough. Marks the feeder done.
+
+    Both topics are read (and cached) before the write, so a Kafka authorization failure in the
+    write is the sink's: `NotAuthorized` Write on the new topic (Kafka's Java client names only
+    the topic, not the operation). One in the reads is left to the caller to name
+    (`kafka_clients.refusal`: Describe or Read).
     """
     import json
 
@@ -974,19 +979,28 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
         .option("kafka.isolation.level", "read_committed")
         .load()
         .select(_fingerprint().alias("fingerprint"))
+        .persist()
     )
     try:
         n = copies.count()
+        there.count()  # read here, so that the write below reads no Kafka topic
         missing = copies.join(there, "fingerprint", "left_anti").drop("fingerprint")
-        (
-            missing.write.format("kafka")
-            .options(**kafka)
-            .option("kafka.acks", "all")
-            .option("topic", target.name)
-            .save()
-        )
+        try:
+            (
+                missing.write.format("kafka")
+                .options(**kafka)
+                .option("kafka.acks", "all")
+                .option("topic", target.name)
+                .save()
+            )
+        except Exception as e:  # Kafka's Java producer names only the topic: the feeder knows
+            refused = kafka_clients.refusal(catalog.settings, e, writes={target.name})
+            if refused is None:
+                raise
+            raise refused from e
     finally:
         copies.unpersist()
+        there.unpersist()
     _mark_fed(catalog, name, source, n)
     return n
 

@@ -3,10 +3,12 @@ kafka-python's errors and from the text of a failed Spark query (docs/kafka-acls
 
 from __future__ import annotations
 
+import pytest
 from kafka.errors import TopicAuthorizationFailedError, TransactionalIdAuthorizationFailedError
 
 from varadhi import kafka_clients, kafka_config
-from varadhi.errors import NotAuthorized
+from varadhi.errors import NotAuthorized, VaradhiError
+from varadhi.jobs import runner
 from varadhi.settings import Settings
 
 CAROL = Settings(
@@ -32,6 +34,14 @@ SOURCE_READ = (
     "Caused by: org.apache.spark.SparkException: Job aborted due to stage failure: ...\n"
     "Caused by: org.apache.kafka.common.errors.TopicAuthorizationException: Not authorized to "
     "access topics: [t.0]\n\tat org.apache.kafka.clients.consumer..."
+)
+
+# Spark's Kafka sink refused Write on the feeder's new RQ storage topic (its shape: Kafka's Java
+# client names the topic only)
+SINK_WRITE = (
+    "An error occurred while calling o123.save.\n: org.apache.spark.SparkException: Job aborted "
+    "due to stage failure: ... org.apache.kafka.common.errors.TopicAuthorizationException: Not "
+    "authorized to access topics: [s.rq.1]\n"
 )
 
 
@@ -69,3 +79,72 @@ def test_the_java_client_names_the_topic_but_not_the_operation():
 def test_other_failures_are_not_taken_for_refusals():
     assert kafka_clients.refused_in(CAROL, "query failed: Connection refused") is None
     assert "not-shown" not in str(kafka_clients.refused_in(CAROL, SOURCE_READ))
+
+
+def test_a_refused_write_by_spark_s_kafka_sink_is_named_write_by_its_caller():
+    """The Java client's text is the same for a refused read and write; the caller says which
+    topics its failed action only wrote (the feeder: the new storage topic)."""
+    e = kafka_clients.refused_in(CAROL, SINK_WRITE, writes={"s.rq.1"})
+    assert (e.operation, e.resource_type, e.name) == ("Write", "Topic", "s.rq.1")
+    assert "--operation Write --topic s.rq.1)" in str(e)
+    assert kafka_clients.refused_in(CAROL, SINK_WRITE).operation == "Describe or Read"
+    assert kafka_clients.refused_in(CAROL, SINK_WRITE, {"s.rq.0"}).operation == "Describe or Read"
+
+
+def test_a_line_the_product_raised_inside_a_query_is_kept():
+    """A NotAuthorized raised in a foreachBatch function reaches the caller as text."""
+    named = NotAuthorized("Write", "TransactionalId", "varadhi-delta-outbox-o", "User:carol")
+    text = f"StreamingQueryException: ... varadhi.errors.NotAuthorized: {named}\n  at ..."
+    e = kafka_clients.refused_in(CAROL, text)
+    assert str(e) == str(named) and e.principal == "User:carol"
+    anonymous = NotAuthorized("Describe or Read", "Topic", "t.0", None)
+    assert str(kafka_clients.refused_in(CAROL, f"x: {anonymous}")) == str(anonymous)
+
+
+class _Py4JError(Exception):
+    """Stands for py4j's Py4JJavaError: its text is the Java exception's, with its causes."""
+
+
+def test_refusal_reads_the_error_and_what_it_was_raised_from():
+    try:
+        try:
+            raise _Py4JError(SINK_WRITE)
+        except _Py4JError as java:
+            raise VaradhiError("replay r1 failed: see the Spark job") from java
+    except VaradhiError as wrapped:
+        e = kafka_clients.refusal(CAROL, wrapped)
+    assert (e.operation, e.name) == ("Describe or Read", "s.rq.1")
+    assert kafka_clients.refusal(CAROL, VaradhiError("query failed: Connection refused")) is None
+    assert kafka_clients.refusal(CAROL, NotAuthorized("Read", "Topic", "t", None)) is None
+
+
+def test_a_job_ends_a_missing_acl_in_one_line_with_exit_code_4(tmp_path, monkeypatch, capsys):
+    """Every job's errors go through `runner.run` (varadhi-job, python -m, spark-submit)."""
+    config = tmp_path / "carol.properties"
+    config.write_text(
+        "security.protocol=SASL_PLAINTEXT\nsasl.mechanism=SCRAM-SHA-512\n"
+        "sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required "
+        'username="carol" password="not-shown";\n'
+    )
+    monkeypatch.setenv("VARADHI_KAFKA_CONFIG", str(config))
+
+    def spark_job(argv):
+        raise _Py4JError(SINK_WRITE)
+
+    def failing(argv):
+        raise VaradhiError("replay r1 failed") from _Py4JError(SOURCE_READ)
+
+    assert runner.run(spark_job, []) == 4
+    assert capsys.readouterr().err == (
+        "varadhi: not authorized: User:carol lacks Describe or Read on Topic s.rq.1 (kafka-acls.sh"
+        " --add --allow-principal User:carol --operation Describe --operation Read --topic s.rq.1)\n"
+    )
+    assert runner.run(failing, []) == 4
+    assert "lacks Describe or Read on Topic t.0 " in capsys.readouterr().err
+    assert runner.run(lambda argv: 0, []) == 0
+
+    def broken(argv):
+        raise RuntimeError("not about Kafka")
+
+    with pytest.raises(RuntimeError):
+        runner.run(broken, [])

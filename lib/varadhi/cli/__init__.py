@@ -11,7 +11,7 @@ import sys
 from kafka.errors import AuthorizationError
 
 from ..errors import NotAuthorized, VaradhiError
-from ..kafka_clients import not_authorized, refused_in
+from ..kafka_clients import not_authorized, refusal
 from ..settings import Settings
 from . import dlq, jobs, offsets, outbox, produce, replay, status, subscription, topic
 
@@ -77,18 +77,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _refusal(args: argparse.Namespace, error: Exception) -> NotAuthorized | None:
-    """A missing ACL reported in the text of `error` or its cause (a Spark query's error, with
-    Kafka's own message in it), as the typed error; None when there is none."""
-    if isinstance(error, NotAuthorized):
-        return None
-    text = f"{error}\n{error.__cause__ or ''}"
-    if "Authorization" not in text:
-        return None
+    """A missing ACL reported by `error` or its cause (a Spark query's error, with Kafka's own
+    message in it), as the typed error; None when there is none (`kafka_clients.refusal`)."""
     try:
         settings = Settings.from_env(command_config=args.command_config)
     except VaradhiError:  # the principal is then left unnamed
         settings = Settings()
-    return refused_in(settings, text)
+    return refusal(settings, error)
 
 
 if __name__ == "__main__":

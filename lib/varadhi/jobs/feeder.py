@@ -11,7 +11,8 @@ feeder `varadhi subscription change-shards NAME --to S --feeders external` lists
 feeder is safe (the shards drop the duplicates).
 
 Exit codes: 0 copied, 2 refused (no such change in progress, or the source is not one of its
-feeders), 1 failed or interrupted (SIGINT or SIGTERM cancel the copy; run the feeder again).
+feeders), 4 a missing Kafka ACL (one line naming it: Write on the new storage topic for a refused
+write), 1 failed or interrupted (SIGINT or SIGTERM cancel the copy; run the feeder again).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 
 from varadhi.catalog import Catalog
 from varadhi.errors import VaradhiError
-from varadhi.jobs.runner import refuse, setup_logging
+from varadhi.jobs.runner import refuse, run, setup_logging
 from varadhi.resharding import check_feeder, feed
 from varadhi.settings import Settings
 from varadhi.stop_signals import StopSignals
@@ -74,4 +75,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(main, sys.argv[1:]))

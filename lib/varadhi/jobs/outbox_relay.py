@@ -6,7 +6,7 @@
 
 The options are those of `varadhi outbox relay` (plus --bootstrap); the PostgreSQL DSN may also
 come from $VARADHI_OUTBOX_DSN. Exit codes: 0 stopped (SIGTERM/SIGINT, or done with --once), 2
-refused (bad options), 1 failed.
+refused (bad options), 4 a missing Kafka ACL (one line naming it), 1 failed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import threading
 
 from varadhi.errors import InvalidArgument, VaradhiError
-from varadhi.jobs.runner import LOG_FORMAT, refuse
+from varadhi.jobs.runner import LOG_FORMAT, refuse, run
 from varadhi.outbox import DEFAULT_PARTITIONS, DEFAULT_SHARDS, DEFAULT_TABLE_PREFIX, Outbox, Relay
 from varadhi.outbox import connector as make_connector
 from varadhi.settings import Settings
@@ -178,4 +178,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(main, sys.argv[1:], prog="outbox_relay"))

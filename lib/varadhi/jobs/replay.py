@@ -11,7 +11,8 @@ operation/<subscription>/replay-<id>. See varadhi.replay and docs/replay.md.
 
 Exit codes: 0 every message delivered, 1 some failed (each stopped its group) or the job failed
 or was interrupted (SIGINT or SIGTERM cancel the Spark job; the replay is recorded as failed),
-2 refused before any side effect (unknown subscription, bad times, nothing in the range).
+2 refused before any side effect (unknown subscription, bad times, nothing in the range), 4 a
+missing Kafka ACL (one line naming it).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 from varadhi import replay
 from varadhi.catalog import Catalog
 from varadhi.errors import VaradhiError
-from varadhi.jobs.runner import refuse, setup_logging
+from varadhi.jobs.runner import refusal_of, refuse, run, setup_logging
 from varadhi.settings import Settings
 from varadhi.stop_signals import StopSignals
 
@@ -65,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     except VaradhiError as e:
         why = f"interrupted by {signals[0].received}: " if signals and signals[0].received else ""
+        e = refusal_of(e) or e  # a missing ACL met by the Spark job
         print(f"varadhi: {why}{e}", file=sys.stderr)
         return e.exit_code
     finally:
@@ -80,4 +82,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(main, sys.argv[1:]))

@@ -4,9 +4,12 @@
     varadhi-job shard --help            one job's options
     varadhi-job shard --subscription orders --shard 0
 
-The runner imports the job's module and returns its `main(argv)`'s exit code; a `VaradhiError`
-that escapes a job is one line on stderr with its exit code (2 refused, nothing changed; 1
-failed), SIGINT that escapes is 130. The jobs share `setup_logging` and `refuse` from here.
+The runner imports the job's module and returns its `main(argv)`'s exit code (`run`, which each
+job's `__main__` uses too, so `python -m`/`spark-submit` behave the same): a `VaradhiError` that
+escapes a job is one line on stderr with its exit code (2 refused, nothing changed; 1 failed), and
+so is any error that reports a missing Kafka ACL (a Spark job's, with Kafka's Java message in it):
+the `NotAuthorized` line, exit code 4. SIGINT that escapes is 130. The jobs share
+`setup_logging`, `refuse` and `refusal_of` from here.
 """
 
 from __future__ import annotations
@@ -14,8 +17,11 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+from collections.abc import Callable
 
-from ..errors import VaradhiError
+from ..errors import NotAuthorized, VaradhiError
+from ..kafka_clients import refusal
+from ..settings import Settings
 
 # name -> what it does (the module is varadhi.jobs.<name>)
 JOBS: dict[str, str] = {
@@ -36,9 +42,38 @@ def setup_logging(level: int = logging.INFO) -> None:
 
 
 def refuse(error: VaradhiError, prog: str = "varadhi") -> int:
-    """Print `error` as one line on stderr and return its exit code."""
+    """Print `error` as one line on stderr and return its exit code; an error raised from a
+    missing Kafka ACL is printed as that ACL's `NotAuthorized` line (exit code 4)."""
+    error = refusal_of(error) or error
     print(f"{prog}: {error}", file=sys.stderr)
     return error.exit_code
+
+
+def refusal_of(error: BaseException) -> NotAuthorized | None:
+    """The missing Kafka ACL that `error` or its causes report (`kafka_clients.refusal`), naming
+    the principal of the job's Kafka configuration ($VARADHI_KAFKA_CONFIG); None otherwise."""
+    try:
+        settings = Settings.from_env()
+    except VaradhiError:  # a bad configuration: the principal is left unnamed
+        settings = Settings()
+    return refusal(settings, error)
+
+
+def run(main: Callable[[list[str]], int | None], argv: list[str], prog: str = "varadhi") -> int:
+    """A job's exit code: `main(argv)`'s, or, for an error that escapes it, one line on stderr
+    and the error's code: a `VaradhiError`'s, 4 for any error reporting a missing Kafka ACL,
+    130 for SIGINT. Any other error is raised again (its traceback is the report)."""
+    try:
+        return int(main(argv) or 0)
+    except VaradhiError as e:
+        return refuse(e, prog)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:
+        refused = refusal_of(e)
+        if refused is None:
+            raise
+        return refuse(refused, prog)
 
 
 def usage() -> str:
@@ -62,12 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"varadhi-job: unknown job {name!r} (jobs: {', '.join(JOBS)})", file=sys.stderr)
         return 2
     job = importlib.import_module(f"{__package__}.{name}")
-    try:
-        return int(job.main(rest) or 0)
-    except VaradhiError as e:
-        return refuse(e)
-    except KeyboardInterrupt:
-        return 130
+    return run(job.main, rest)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ shard. A shard stopped with SIGINT/SIGTERM is not taken over.
 
 Exit codes: 0 stopped (SIGINT or SIGTERM, after the micro-batch in flight; or idle with
 --stop-when-idle; a standby stopped while waiting), 3 fenced by a newer instance of the same
-shard (or its lease expired), 1 failed, 2 refused (unknown subscription or shard).
+shard (or its lease expired), 1 failed, 2 refused (unknown subscription or shard), 4 a missing
+Kafka ACL (one line naming it).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import argparse
 import sys
 
 from varadhi.errors import VaradhiError
-from varadhi.jobs.runner import refuse, setup_logging
+from varadhi.jobs.runner import refuse, run, setup_logging
 from varadhi.leases import ttl_from_env
 from varadhi.settings import Settings
 from varadhi.shard import ShardJob
@@ -90,4 +91,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(main, sys.argv[1:]))

@@ -13,7 +13,7 @@ import sys
 
 from varadhi import kafka_clients
 from varadhi.errors import VaradhiError
-from varadhi.jobs.runner import refuse
+from varadhi.jobs.runner import refuse, run
 from varadhi.settings import Settings
 
 
@@ -52,4 +52,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run(main, sys.argv[1:]))
