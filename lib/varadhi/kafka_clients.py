@@ -73,6 +73,11 @@ class _Failures(logging.Handler):
             for arg in record.args:
                 if isinstance(arg, BaseException):
                     self.seen.append(f"{type(arg).__name__}: {arg}")
+        # The broker's answer to the SASL handshake (e.g. UnsupportedSaslMechanismError) is only
+        # logged by the connection; the broker then closes it, and the manager's own failure
+        # may be just "socket disconnected".
+        if isinstance(record.msg, str) and "SaslHandshake failed" in record.msg:
+            self.seen.append(record.getMessage())
 
 
 @contextlib.contextmanager
@@ -81,7 +86,7 @@ def _watching() -> Iterator[_Failures]:
     network = logging.getLogger("kafka.net")
     handler, quiet = _Failures(), logging.NullHandler()
     level, propagate = logger.level, network.propagate
-    logger.addHandler(handler)
+    network.addHandler(handler)  # kafka.net.manager's and kafka.net.connection's records
     if logger.getEffectiveLevel() >= logging.WARNING:  # not --verbose
         logger.setLevel(logging.WARNING)
         # Collected, not logged: they end in the client's one-line error (KafkaUnavailable).
@@ -91,7 +96,7 @@ def _watching() -> Iterator[_Failures]:
     try:
         yield handler
     finally:
-        logger.removeHandler(handler)
+        network.removeHandler(handler)
         logger.setLevel(level)
         network.removeHandler(quiet)
         network.propagate = propagate
