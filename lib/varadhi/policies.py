@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from .filters import Filter
+
 Action = Literal["success", "retry", "dead_letter"]
 Backoff = Literal["fixed", "exponential"]
 OnDeadLetter = Literal["block", "skip"]
@@ -135,6 +137,8 @@ class SubscriptionSpec:
     # Accept a shard count that does not divide the main topic's produce storage topic (some
     # shards then own more partitions than others; seed 000 "Considerations").
     allow_uneven: bool = False
+    # Which main-topic messages are delivered, by key and headers (`varadhi.filters`); None: all.
+    filter: Filter | None = None
 
     @property
     def rq_topic(self) -> str:

@@ -76,11 +76,9 @@ def text_id_column(data: Column) -> Column:
     from pyspark.sql import functions as F
 
     as_text = data.cast("string")
-    # CAST(binary AS STRING) does not check the bytes; encoding the result back gives the same
-    # bytes only for valid UTF-8 (invalid sequences come back as U+FFFD). Works on Spark 3.5+.
     printable_text = (
         (F.length(data) <= TEXT_MAX_BYTES)
-        & (F.encode(as_text, "UTF-8") == data)
+        & _valid_utf8(data, as_text)
         & ~as_text.rlike(_CONTROL_SQL)
     )
     # Spark 4 chunks base64 into 76-character lines (`spark.sql.chunkBase64String.enabled`);
@@ -94,12 +92,38 @@ def text_id_column(data: Column) -> Column:
     )
 
 
+def _valid_utf8(data: Column, as_text: Column) -> Column:
+    """Whether binary `data` is valid UTF-8, given `as_text` = CAST(data AS STRING).
+
+    CAST(binary AS STRING) does not check the bytes; encoding the result back gives the same
+    bytes only for valid UTF-8 (invalid sequences come back as U+FFFD). Works on Spark 3.5+."""
+    from pyspark.sql import functions as F
+
+    return F.encode(as_text, "UTF-8") == data
+
+
+def utf8_text_column(data: Column) -> Column:
+    """Binary `data` as a string when it is valid UTF-8; null when it is not, or null."""
+    from pyspark.sql import functions as F
+
+    as_text = data.cast("string")
+    return F.when(_valid_utf8(data, as_text), as_text)
+
+
+def header_of(headers: Column, name: str) -> Column:
+    """The first value of Kafka header `name` (binary; null when absent) in a column of the
+    Kafka source's `headers` type. Any name is safe: it is a literal, not SQL text."""
+    from pyspark.sql import functions as F
+
+    return F.get(F.filter(headers, lambda h: h["key"] == F.lit(name)), 0)["value"]
+
+
 def header_column(name: str) -> Column:
     """The first value of Kafka header `name` (binary; null when absent), over the Kafka
     source's `headers` column."""
     from pyspark.sql import functions as F
 
-    return F.expr(f"try_element_at(filter(headers, h -> h.key = '{name}'), 1).value")
+    return header_of(F.col("headers"), name)
 
 
 def msg_id_column() -> Column:

@@ -21,6 +21,8 @@ Semantics (the contract; docs/replay.md explains it for users):
   stable offset, read_committed) when the replay starts. Hazard: create times are producers'
   clocks and need not grow with offsets; a record with a skewed stamp that lies inside the
   offset range is replayed, one outside it is not.
+- **Filter.** The subscription's `filter` in force when the replay runs applies: messages it
+  does not match are not delivered, only counted (`counts.filtered`; `varadhi.filters`).
 - **Order.** Per group, messages are delivered in produce order: sorted by origin (storage
   topic index, partition, offset; a group has one partition per storage topic), one request of
   a group in flight at a time. Groups are delivered concurrently. Ungrouped messages (and every
@@ -465,7 +467,8 @@ def _now_ms() -> int:
 # -- results ----------------------------------------------------------------------------------
 
 
-COUNTS = ("records", "groups", "delivered", "failed", "not_delivered", "attempts")
+# `records` are the messages delivery saw; `filtered` those the subscription's filter dropped.
+COUNTS = ("records", "groups", "delivered", "failed", "not_delivered", "attempts", "filtered")
 
 
 @dataclass
@@ -545,6 +548,7 @@ def render_text(doc: Mapping[str, Any]) -> str:
         f"delivered {c['delivered']} of {c['records']} messages in {c['groups']} groups "
         f"({c['attempts']} attempts); failed {c['failed']}, not delivered behind a failure "
         f"{c['not_delivered']}"
+        + (f"; filtered out {c['filtered']}" if c.get("filtered") else "")
     )
     for f in doc["failures"]:
         lines.append(
@@ -641,12 +645,13 @@ def execute(spark: SparkSession, catalog: Catalog, plan: ReplayPlan) -> ReplayRe
     """Read the plan's ranges with Spark, deliver on executors, record the result in the catalog
     (`operation/<subscription>/replay-<id>`) and return it.
 
-    The subscription is read again so that the endpoint and retry policy are the current ones.
+    The subscription is read again so that the endpoint, retry policy and filter are the current
+    ones: messages the filter does not match are not delivered, only counted (`filtered`).
     If the Spark job fails, the result is recorded with state `failed` and a `VaradhiError`
     raised (some messages may have been delivered). If the range's offsets held only aborted or
     open transactional records, nothing was read: `NothingToReplay`, nothing recorded.
     """
-    from .shard import _records  # the shard's record columns and group keys, shared
+    from .shard import _records, filter_records  # the shard's records, group keys and filter
 
     started = _now_ms()
     snapshot = catalog.snapshot()
@@ -664,9 +669,9 @@ def execute(spark: SparkSession, catalog: Catalog, plan: ReplayPlan) -> ReplayRe
         reader = reader.option(option, value)
     result = ReplayResult(plan, started, started)
     try:
+        records, filtered = filter_records(_records(reader.load(), sub, mq), sub.spec.filter)
         rows = (
-            _records(reader.load(), sub, mq)
-            .repartition(plan.tasks, "group_key")
+            records.repartition(plan.tasks, "group_key")
             .mapInPandas(lambda frames: deliver_partition(frames, ctx), RESULT_SCHEMA)
             .toPandas()
         )
@@ -677,8 +682,10 @@ def execute(spark: SparkSession, catalog: Catalog, plan: ReplayPlan) -> ReplayRe
         record(catalog, result)
         raise VaradhiError(f"replay {plan.replay_id} failed: {result.error}") from e
     result.counts, result.failures = summarize(rows)
+    if filtered is not None:  # computed by the job above, which succeeded
+        result.counts["filtered"] = int(filtered.get["filtered"])
     result.finished_ms = _now_ms()
-    if result.counts["records"] == 0:
+    if result.counts["records"] == 0 and result.counts["filtered"] == 0:
         raise NothingToReplay(plan.topic, plan.window.from_ms, plan.window.to_ms)
     record(catalog, result)
     return result

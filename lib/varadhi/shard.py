@@ -44,11 +44,12 @@ from typing import Any
 import pandas as pd
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, Observation, SparkSession
 from pyspark.sql import functions as F
 
 from . import (
     checkpoints,
+    filters,
     journal,
     kafka_clients,
     layouts,
@@ -107,6 +108,7 @@ class ShardStats:
     dead_lettered: int = 0
     duplicates: int = 0
     deduplicated: int = 0
+    filtered: int = 0  # main-topic records the subscription's filter dropped (`varadhi.filters`)
     attempts: int = 0
     failures: int = 0
     replays: int = 0
@@ -799,6 +801,8 @@ class ShardJob:
             return
 
         snapshot = self.catalog.snapshot()
+        # The filter is read for every batch: `subscription apply` changes it from the next one.
+        current_filter = subscriptions.from_snapshot(snapshot, self.name).spec.filter
         redrive_ops = dlq_ops.pending_for(snapshot, self.name, self.shard)
         redriven = 0
         if redrive_ops:
@@ -813,7 +817,7 @@ class ShardJob:
         if probes is not None and len(due_groups) > probes:
             due_groups = due_groups[:probes]
             self._last_batch_start_ms = -1  # the others are due already: tick for them
-        records = _records(df, sub, mq)
+        records, filtered = filter_records(_records(df, sub, mq), current_filter)
         dropped: list[str] = []
         if sub.spec.dedup_window_ms:
             window = self._dedup_window(spark, sub)
@@ -839,6 +843,8 @@ class ShardJob:
             ids = [(str(i), int(t)) for i, t in zip(done["msg_id"], done["due_ms"], strict=True)]
             self._dedup_window(spark, sub).remember(ids, app_id, batch_id)
             stats.append({"deduplicated": len(dropped)})
+        if filtered is not None:  # computed with the batch's first Spark job (delivery or dedup)
+            stats.append({"filtered": int(filtered.get["filtered"])})
         touched = set(result.loc[result["kind"] == "touched", "group_key"])
         new_rows = result[result["kind"].isin(["pending", "out"])].copy()
         new_rows.loc[new_rows["kind"] == "out", "batch_id"] = batch_id
@@ -1047,6 +1053,7 @@ class ShardJob:
             "dead_lettered",
             "duplicates",
             "deduplicated",
+            "filtered",
             "attempts",
             "failures",
             "skipped_replayed",
@@ -1142,6 +1149,31 @@ def _records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
         F.col("headers").alias("kheaders"),
         *([dedup_id().alias("dedup_id")] if sub.spec.dedup_window_ms else []),
     )
+
+
+def filter_records(
+    records: DataFrame, filt: filters.Filter | None
+) -> tuple[DataFrame, Observation | None]:
+    """`records` (as `_records` makes them) without the main-topic ("mq") records `filt` does
+    not match, and an Observation whose `filtered` metric counts those records once a Spark job
+    has computed the result (None without a filter: `records` unchanged). RQ records are never
+    filtered: they are retries of messages the filter accepted earlier.
+
+    The filter is part of the Spark plan, before any Python stage: a filtered record costs no
+    Python work and no Arrow transfer. Hazard: `Observation.get` blocks until the first job over
+    the returned DataFrame has finished; read it only after that job succeeded."""
+    if filt is None:
+        return records, None
+    observed = Observation()  # a unique name: one per batch, never shared between queries
+    main = F.col("kind") == F.lit("mq")
+    keep = "_varadhi_keep"
+    kept = (
+        records.withColumn(keep, filters.column(filt, F.col("key"), F.col("kheaders")))
+        .observe(observed, F.count_if(main & ~F.col(keep)).alias("filtered"))
+        .where(~main | F.col(keep))
+        .drop(keep)
+    )
+    return kept, observed
 
 
 def _parked_heads(pending: dict[str, list[dict]]) -> dict[str, int]:

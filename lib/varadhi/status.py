@@ -379,6 +379,7 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
                 "rates": doc.get("rates", {}),
                 "totals": totals,
                 "stats": stats_of(inserted, totals),
+                "filtered": int(totals.get("filtered", 0)),
             }
         )
     operations = {
@@ -389,6 +390,8 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
     before = stats_of(0, carried)
     return {
         "stats": {k: before[k] + sum(s["stats"][k] for s in shards) for k in STAT_NAMES},
+        # Main-topic messages the subscription's filter dropped (`varadhi.filters`).
+        "filtered": int(carried.get("filtered", 0)) + sum(s["filtered"] for s in shards),
         "subscription": name,
         "paused": sub.paused,
         "generation": sub.generation,

@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from . import messages, routing, topics
+from . import filters, messages, routing, topics
 from .catalog import Catalog, Snapshot, key
 from .circuit import validate_circuit_policy
 from .errors import AlreadyExists, InvalidArgument, NotFound
@@ -232,6 +232,7 @@ _TOP_KEYS = (
     "max_message_bytes",
     "dedup_window",
     "allow_uneven",
+    "filter",
 )
 _ENDPOINT_KEYS = (
     "url",
@@ -310,6 +311,7 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
         max_message_bytes=top.integer("max_message_bytes", _SPEC.max_message_bytes),
         dedup_window_ms=top.duration("dedup_window", 0) if top.has("dedup_window") else None,
         allow_uneven=top.boolean("allow_uneven", _SPEC.allow_uneven),
+        filter=filters.parse(top.doc["filter"], "filter", source) if top.has("filter") else None,
     )
 
 
@@ -568,6 +570,7 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
         "max_message_bytes": spec.max_message_bytes,
         "dedup_window": spec.dedup_window_ms,
         "allow_uneven": spec.allow_uneven,
+        "filter": None if spec.filter is None else filters.to_dict(spec.filter),
     }
 
 
@@ -837,6 +840,7 @@ MUTABLE_FIELDS = frozenset(
         "dedup_window_ms",
         "max_message_bytes",
         "allow_uneven",
+        "filter",
     }
 )
 IMMUTABLE_FIELDS = frozenset(

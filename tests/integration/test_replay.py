@@ -184,6 +184,7 @@ def test_replay_redelivers_exactly_the_range_in_group_order(
         "failed": 1,
         "not_delivered": len(c) - 3,
         "attempts": len(w1) - len(c) + 3 + 1,  # c0, c1, c2 (404); b1 twice
+        "filtered": 0,  # the subscription has no filter
     }
     (failure,) = doc["failures"]
     assert (failure["msg_id"], failure["group_id"], failure["status"]) == (c[2], "c", 404)

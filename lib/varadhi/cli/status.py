@@ -81,7 +81,7 @@ def _status(args: argparse.Namespace) -> int:
     st = doc["stats"]
     print(
         f"messages: inserted {st['inserted']}, routed {st['routed']}, emitted {st['emitted']}, "
-        f"acknowledged {st['acknowledged']}"
+        f"acknowledged {st['acknowledged']}, filtered {doc.get('filtered', 0)}"
     )
     for key, op in doc["operations"].items():
         print(f"operation {key}: {op.get('kind', '?')} {op.get('step', '')}".rstrip())

@@ -65,7 +65,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="create or update subscriptions from YAML",
         description="Create or update the subscriptions of a YAML file: one subscription, or a "
         "list under `subscriptions:`. All are checked before any is applied. Updates may change "
-        "endpoint, retry, consumption, on_dead_letter, max_message_bytes and dedup_window.",
+        "endpoint, retry, consumption, circuit_breaker, on_dead_letter, max_message_bytes, "
+        "dedup_window and filter (a changed filter applies from the next micro-batch).",
     )
     a.add_argument("-f", "--file", required=True, metavar="FILE", help="YAML file")
     a.set_defaults(func=_apply)

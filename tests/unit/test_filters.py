@@ -1,0 +1,145 @@
+"""Parsing and validation of subscription filters (`varadhi.filters`), alone and in a spec.
+
+The Spark expression a filter compiles to is tested on DataFrames in tests/spark/test_filters.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from varadhi import filters
+from varadhi import subscriptions as subs
+from varadhi.errors import InvalidArgument
+from varadhi.filters import All, AnyOf, Match, Not
+
+EXAMPLE = """
+all:
+  - {header: type, in: [order.paid, order.created, order.paid]}
+  - any:
+      - {header: region, prefix: "eu-"}
+      - {key: {prefix: "tenant-7/"}}
+  - not: {header: test, exists: true}
+"""
+
+
+def test_parse_example():
+    got = filters.parse(yaml.safe_load(EXAMPLE))
+    assert got == All(
+        (
+            Match("type", "in", ("order.created", "order.paid")),  # sorted, distinct
+            AnyOf((Match("region", "prefix", ("eu-",)), Match(None, "prefix", ("tenant-7/",)))),
+            Not(Match("test", "exists", present=True)),
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        {"header": "type", "in": ["a"]},
+        {"header": "it's \"quoted\"", "prefix": "x"},
+        {"key": {"exists": False}},
+        {"key": {"in": ["k1", "k2"]}},
+        {"not": {"any": [{"header": "a", "exists": True}, {"key": {"prefix": "p"}}]}},
+        yaml.safe_load(EXAMPLE),
+    ],
+)
+def test_to_dict_round_trips(doc):
+    f = filters.parse(doc)
+    assert filters.parse(filters.to_dict(f)) == f
+    assert filters.to_dict(filters.parse(filters.to_dict(f))) == filters.to_dict(f)
+
+
+@pytest.mark.parametrize(
+    ("doc", "field", "words"),
+    [
+        ("type == x", "filter", "must be a condition"),
+        ({}, "filter", "must be a condition"),
+        ([{"header": "a", "in": ["x"]}], "filter", "must be a condition"),
+        ({"header": "a", "key": {"in": ["x"]}}, "filter", "exactly one of header, key"),
+        ({"headr": "a", "in": ["x"]}, "filter", "exactly one of header, key"),
+        ({"header": "", "in": ["x"]}, "filter.header", "non-empty header name"),
+        ({"header": 5, "in": ["x"]}, "filter.header", "non-empty header name"),
+        ({"header": "a"}, "filter", "exactly one of in, prefix, exists"),
+        ({"header": "a", "in": ["x"], "prefix": "y"}, "filter", "exactly one of in, prefix"),
+        ({"header": "a", "equals": "x"}, "filter", "exactly one of in, prefix, exists"),
+        ({"header": "a", "in": []}, "filter.in", "non-empty list of strings"),
+        ({"header": "a", "in": "x"}, "filter.in", "non-empty list of strings"),
+        ({"header": "a", "in": ["x", 1]}, "filter.in[1]", 'quote numbers and booleans: "1"'),
+        ({"header": "a", "in": ["x", ""]}, "filter.in[1]", "non-empty string"),
+        ({"header": "a", "prefix": ""}, "filter.prefix", "non-empty string"),
+        ({"header": "a", "prefix": None}, "filter.prefix", "non-empty string"),
+        ({"header": "a", "exists": "yes"}, "filter.exists", "true or false"),
+        ({"key": "abc"}, "filter.key", "exactly one of in, prefix, exists"),
+        ({"key": {"in": ["x"]}, "extra": 1}, "filter.extra", "unknown key(s) extra next to key"),
+        ({"all": []}, "filter.all", "non-empty list of conditions"),
+        ({"any": {"header": "a", "in": ["x"]}}, "filter.any", "non-empty list of conditions"),
+        ({"all": [{"header": "a", "in": ["x"]}], "any": []}, "filter", "got all and any"),
+        ({"not": [{"header": "a", "in": ["x"]}]}, "filter.not", "must be a condition"),
+        (
+            {"all": [{"header": "a", "in": ["x"]}, {"header": "r", "prefix": 7}]},
+            "filter.all[1].prefix",
+            "non-empty string",
+        ),
+        (
+            {"any": [{"not": {"key": {"in": ["x", None]}}}]},
+            "filter.any[0].not.key.in[1]",
+            "non-empty string",
+        ),
+    ],
+)
+def test_invalid_filters_name_the_field(doc, field, words):
+    with pytest.raises(InvalidArgument) as e:
+        filters.parse(doc, source="f.yaml")
+    assert e.value.field == field
+    assert words in str(e.value) and "(in f.yaml)" in str(e.value)
+
+
+def test_size_limits():
+    leaf = {"header": "a", "exists": True}
+    deep = leaf
+    for _ in range(filters.MAX_DEPTH - 1):
+        deep = {"not": deep}
+    filters.parse(deep)  # exactly MAX_DEPTH levels
+    with pytest.raises(InvalidArgument, match="nests more than"):
+        filters.parse({"not": deep})
+    filters.parse({"any": [leaf] * (filters.MAX_CONDITIONS - 1)})
+    with pytest.raises(InvalidArgument, match="more than 100 conditions"):
+        filters.parse({"any": [leaf] * filters.MAX_CONDITIONS})
+    with pytest.raises(InvalidArgument, match="at most 1000"):
+        filters.parse({"header": "a", "in": [str(i) for i in range(filters.MAX_VALUES + 1)]})
+
+
+def spec_doc(**extra):
+    return {"name": "s", "topic": "t", "endpoint": {"url": "http://localhost:1/x"}, **extra}
+
+
+def test_spec_carries_the_filter_through_the_catalog_form():
+    assert subs.parse_spec(spec_doc()).filter is None
+    assert subs.parse_spec(spec_doc(filter=None)).filter is None
+    spec = subs.parse_spec(spec_doc(filter=yaml.safe_load(EXAMPLE)))
+    assert isinstance(spec.filter, All)
+    stored = subs.spec_to_dict(spec)
+    assert stored["filter"] == filters.to_dict(spec.filter)
+    assert subs.spec_from_dict(stored) == spec
+    assert subs.spec_to_dict(subs.parse_spec(spec_doc()))["filter"] is None
+
+
+def test_spec_errors_name_the_filter_field():
+    doc = spec_doc(filter={"all": [{"header": "type", "in": ["a"]}, {"header": "r", "prefx": "e"}]})
+    with pytest.raises(InvalidArgument) as e:
+        subs.parse_spec(doc, source="orders.yaml")
+    assert e.value.field == "filter.all[1]"
+    assert "exactly one of in, prefix, exists" in str(e.value) and "orders.yaml" in str(e.value)
+
+
+def test_apply_may_change_the_filter():
+    current = subs.Subscription(subs.parse_spec(spec_doc()), shard_count=1, created_ms=0)
+    new = subs.parse_spec(spec_doc(filter={"header": "type", "in": ["a"]}))
+    assert subs.changed_fields(current, new) == ["filter"]
+    # The same filter written differently (order, repeats) is no change.
+    again = subs.Subscription(new, shard_count=1, created_ms=0)
+    same = subs.parse_spec(spec_doc(filter={"header": "type", "in": ["a", "a"]}))
+    assert subs.changed_fields(again, same) == []
+    assert subs.changed_fields(again, subs.parse_spec(spec_doc())) == ["filter"]
