@@ -385,8 +385,11 @@ class DeltaOutbox:
             producer.commit_transaction()
         except (KafkaError, ValueError) as e:
             self._abort(producer)
-            if isinstance(e, AuthorizationError):  # a missing ACL: one line naming it
-                raise kafka_clients.refused(self.settings, e, "Write") from e
+            # a missing ACL: one line naming it (a later send or the commit reports it as the
+            # producer's error state, the refused topic's error in its arguments)
+            denied = next((a for a in (e, *e.args) if isinstance(a, AuthorizationError)), None)
+            if denied is not None:
+                raise kafka_clients.refused(self.settings, denied, "Write") from e
             raise DeltaOutboxError(
                 f"delta outbox {self.name}: batch {batch_id} ({len(rows)} rows) was not "
                 f"committed to Kafka: {e}"

@@ -267,9 +267,30 @@ def run_shards(settings: Settings, spark, name: str, count: int) -> None:
     assert codes == {i: 0 for i in range(count)}
 
 
+@pytest.fixture
+def feeder_job(carol_settings, secure_broker, capsys, monkeypatch):
+    """feeder_job(subscription, source) -> (exit code, stdout, stderr) of `varadhi-job feeder`
+    as carol, configured by the environment alone ($VARADHI_KAFKA_CONFIG), in this process (and
+    its Spark session)."""
+    from varadhi.jobs import runner
+
+    monkeypatch.setenv("VARADHI_KAFKA_CONFIG", str(secure_broker[1] / "carol.properties"))
+    monkeypatch.setenv("VARADHI_BOOTSTRAP", carol_settings.bootstrap)
+    monkeypatch.setenv("VARADHI_CATALOG_TOPIC", carol_settings.catalog_topic)
+    monkeypatch.setenv("VARADHI_WAREHOUSE", carol_settings.warehouse)
+
+    def run(name: str, source: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = runner.main(["feeder", "--subscription", name, "--source", source])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
 @pytest.mark.spark
 def test_carol_with_least_privilege_runs_the_whole_flow(
-    as_user, carol_settings, denied, spark, tmp_path
+    as_user, carol_settings, denied, feeder_job, spark, tmp_path
 ):
     suffix = uuid.uuid4().hex[:6]
     topic, name = f"carol-t-{suffix}", f"carol-s-{suffix}"
@@ -316,13 +337,28 @@ def test_carol_with_least_privilege_runs_the_whole_flow(
         assert code == 0, err
         assert json.loads(out)["shards"][0]["blocked_groups"] == 1
 
-        # change-shards 1 -> 2: the feeders carry the dead letter (and g2's block) to the new
-        # DLQ; the re-drive then finds it there.
+        # change-shards 1 -> 2 with feeder jobs: the feeders carry the dead letter (and g2's
+        # block) to the new DLQ; the re-drive then finds it there. Lacking Write on the new RQ,
+        # the RQ's feeder (refused by Spark's Kafka sink, whose error names only the topic) ends
+        # with exit code 4 and one line naming Write; once granted it copies.
         code, out, err = as_user("carol", "subscription", "change-shards", name, "--to", "2",
-                                 "--output", "json")  # fmt: skip
+                                 "--feeders", "external", "--output", "json")  # fmt: skip
         assert code == 0, err
         op = json.loads(out)
-        assert op["step"] == "done" and [f["records"] for f in op["feeders"]][1] == 1
+        sources = {f["queue"]: f["source"] for f in op["feeders"]}
+        new_rq = op["rq_target"]
+        with denied("Write", "Topic", new_rq):
+            code, out, err = feeder_job(name, sources["rq"])
+        assert code == 4, (code, out, err)
+        assert (code, err.splitlines()[-1]) == (4, (
+            f"varadhi: not authorized: User:carol lacks Write on Topic {new_rq} (kafka-acls.sh "
+            f"--add --allow-principal User:carol --operation Write --topic {new_rq})"
+        ))  # fmt: skip
+        assert err.count("varadhi:") == 1
+        for queue, records in (("rq", None), ("dlq", 1)):
+            code, out, err = feeder_job(name, sources[queue])
+            assert code == 0, err
+            assert records is None or out == f"fed {records} records from {sources[queue]}\n"
         code, _, err = as_user("carol", "dlq", "unsideline", name, "--group-ids", "g2")
         assert code == 0, err
         run_shards(carol_settings, spark, name, 2)
@@ -386,9 +422,12 @@ def _messages() -> list[dict]:
 
 
 @pytest.mark.spark
-def test_both_outbox_relays_as_carol(as_user, carol_settings, secure_broker, spark, tmp_path):
+def test_both_outbox_relays_as_carol(
+    as_user, carol_settings, denied, secure_broker, spark, tmp_path
+):
     """The SQL relay as a job of its own, configured by $VARADHI_KAFKA_CONFIG alone (shared
-    PostgreSQL), and the Delta outbox's query in this process, both as carol."""
+    PostgreSQL), and the Delta outbox's query in this process, both as carol (first lacking Write
+    on the topic: the query's failure names it)."""
     import sys
 
     import psycopg
@@ -433,8 +472,14 @@ def test_both_outbox_relays_as_carol(as_user, carol_settings, secure_broker, spa
         delta.create_table()
         rows = [(topic, "g", f"delta-{i}", None, f"delta-{i}".encode()) for i in range(3)]
         delta.append(spark.createDataFrame(rows, SCHEMA).coalesce(1))
+        # lacking Write on the topic, the query fails and the wait names it; granted, the same
+        # batch is sent
+        with denied("Write", "Topic", f"{topic}.0"), pytest.raises(NotAuthorized) as refused:
+            delta.await_termination(delta.start(available_now=True), 300)
+        assert str(refused.value) == str(NotAuthorized("Write", "Topic", f"{topic}.0",
+                                                       "User:carol"))  # fmt: skip
         query = delta.start(available_now=True)
-        assert query.awaitTermination(300), "the outbox query did not finish"
+        assert delta.await_termination(query, 300), "the outbox query did not finish"
         assert query.exception() is None, query.exception()
     finally:
         delta.close()

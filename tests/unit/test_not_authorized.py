@@ -36,12 +36,16 @@ SOURCE_READ = (
     "access topics: [t.0]\n\tat org.apache.kafka.clients.consumer..."
 )
 
-# Spark's Kafka sink refused Write on the feeder's new RQ storage topic (its shape: Kafka's Java
-# client names the topic only)
+# Spark's Kafka sink refused Write on a feeder's new RQ storage topic: the Py4JJavaError of its
+# save() against the secured broker (shortened). The task's error has no frames; the driver's
+# name the Kafka sink also when a read in the same job is what was refused.
 SINK_WRITE = (
-    "An error occurred while calling o123.save.\n: org.apache.spark.SparkException: Job aborted "
-    "due to stage failure: ... org.apache.kafka.common.errors.TopicAuthorizationException: Not "
-    "authorized to access topics: [s.rq.1]\n"
+    "An error occurred while calling o1576.save.\n: org.apache.spark.SparkException: Job aborted "
+    "due to stage failure: Task 0 in stage 29.0 failed 1 times, most recent failure: Lost task "
+    "0.0 in stage 29.0 (TID 46) (localhost executor driver): org.apache.kafka.common.errors."
+    "TopicAuthorizationException: Not authorized to access topics: [s.rq.1]\n\nDriver stacktrace:"
+    "\n\tat org.apache.spark.scheduler.DAGScheduler.$anonfun$abortStage$3(DAGScheduler.scala:3122)"
+    "\n\tat org.apache.spark.sql.kafka010.KafkaWriter$.write(KafkaWriter.scala:72)\n"
 )
 
 
