@@ -122,3 +122,20 @@ def test_the_default_data_folder_is_per_port():
     }
     root = SCRIPT.parents[1]
     assert folders == {str(root / ".varadhi" / f"kafka-{port}") for port in PORTS}
+
+
+def test_a_broker_that_cannot_start_says_why(tmp_path):
+    """A start whose JVM exits (here: its controller port is taken) ends with exit 1 and the
+    broker's own error lines, so that a CI log shows the cause without the data folder."""
+    port = PORTS[0] + 4
+    broker = Broker(port, tmp_path / "kafka-blocked")
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", port + 1))
+        blocker.listen()
+        try:
+            started = broker.run("start")
+        finally:
+            broker.run("wipe")
+    assert started.returncode == 1, started
+    assert "the broker exited" in started.stderr
+    assert "Address already in use" in started.stderr, started.stderr

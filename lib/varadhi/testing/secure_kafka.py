@@ -22,12 +22,27 @@ ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = ROOT / "scripts" / "kafka"
 
 
-def free_port_pair() -> int:
-    """A port P such that P and P + 1 are free on 127.0.0.1 now (the broker and controller)."""
+def ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    """The lowest port the kernel hands out to outgoing connections (32768 when unknown)."""
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port_pair(span: int = 4) -> int:
+    """A port P such that P .. P + span - 1 are free on 127.0.0.1 now (the broker, its
+    controller, and the MTLS and OAUTH listeners `scripts/kafka` puts above them).
+
+    P is drawn below the kernel's ephemeral range: a port in that range may be taken by any
+    outgoing connection (Spark's, the broker clients') between this check and the broker's
+    bind, and the broker then exits with "Address already in use".
+    """
+    high = min(max(ephemeral_low(), 21000), 32768) - span
     for _ in range(50):
-        port = 30000 + int.from_bytes(os.urandom(2), "big") % 20000
+        port = 20000 + int.from_bytes(os.urandom(2), "big") % (high - 20000)
         ok = True
-        for p in (port, port + 1):
+        for p in range(port, port + span):
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", p))
@@ -35,7 +50,7 @@ def free_port_pair() -> int:
                     ok = False
         if ok:
             return port
-    raise RuntimeError("no two free ports")
+    raise RuntimeError(f"no {span} free ports in a row below {high + span}")
 
 
 @dataclass(frozen=True)
