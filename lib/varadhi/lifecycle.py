@@ -417,6 +417,14 @@ class SubscriptionDeleter:
     ) -> SubscriptionDeletePlan:
         plan = self.plan(name, keep_data)
         files = files_for(plan.warehouse.path, spark) if plan.warehouse else None
+        if plan.warehouse and files is not None:  # refuse before the catalog mark
+            try:
+                warehouse_fs.check_writable(files, self.catalog.settings.warehouse)
+            except InvalidArgument as e:
+                raise InvalidArgument(
+                    f"{e}; fix the warehouse's permissions, or pass --keep-data and remove "
+                    "the folder yourself"
+                ) from None
         if plan.exists:
             self._mark(name)
         if plan.kafka_topics:

@@ -39,7 +39,7 @@ from .catalog import Catalog, Snapshot, key
 from .checkpoints import shard_position
 from .errors import InvalidArgument, VaradhiError
 from .layouts import READER_KIND, Layout
-from .warehouse_fs import for_path
+from .warehouse_fs import check_writable, for_path
 
 Queue = Literal["main", "rq", "dlq"]
 Mode = Literal["to-earliest", "to-latest", "to-datetime", "shift-by", "to-storage-topic"]
@@ -468,6 +468,9 @@ class OffsetReset:
         outcome = decide(op, plan.request(), sub.generation, sub.shard_count, before)
         if outcome == "done":
             return Plan.from_dict(op["plan"]), outcome
+        if plan.queue in ("rq", "dlq"):  # such a reset rewrites GroupState: refuse first
+            wh = self.catalog.settings.warehouse
+            check_writable(for_path(wh, spark, purpose=f"varadhi-offset-reset-{name}"), wh)
         if outcome == "resume":
             plan, op_id = Plan.from_dict(op["plan"]), op["id"]
         else:

@@ -74,7 +74,7 @@ from .layouts import READER_KIND, Layout
 from .leases import Lease
 from .subscriptions import Subscription
 from .topics import CompositeTopic, StorageTopic
-from .warehouse_fs import for_path
+from .warehouse_fs import check_writable, for_path
 
 OPERATION = "operation"
 KIND = "change-shards"
@@ -558,6 +558,8 @@ class ChangeShards:
         snap = self.catalog.snapshot()
         sub, mq, rq, dlq = _load(snap, name)
         op = snap.get(OPERATION, operation_name(name))
+        wh = self.catalog.settings.warehouse
+        check_writable(for_path(wh, lambda: self.spark), wh)  # state moves: refuse first
         if op is not None and op.get("step") != "done":
             self._check_resumable(op, name, to)
             if STEPS.index(op["step"]) > STEPS.index("activate"):
@@ -589,6 +591,8 @@ class ChangeShards:
             assert op is not None
             self.log(f"the change of {name} to {to} shards is done; nothing to do")
             return op
+        wh = self.catalog.settings.warehouse
+        check_writable(for_path(wh, lambda: self.spark), wh)  # state moves: refuse first
         if op is not None and op.get("step") != "done":
             self._check_resumable(op, name, to)
             op = dict(op, feeders_mode=feeders)
