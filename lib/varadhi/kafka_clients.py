@@ -15,7 +15,6 @@ import re
 import socket
 import ssl
 import time
-import traceback
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -28,6 +27,7 @@ from kafka.errors import (
     UnknownTopicOrPartitionError,
 )
 
+from . import jvm_errors
 from .errors import KafkaUnavailable, NotAuthorized, NotFound
 from .kafka_config import PLAINTEXT, KafkaConfig
 
@@ -206,14 +206,6 @@ def _speaks_tls(sock: socket.socket, host: str, timeout: float) -> str | None:
         return None
 
 
-_RESOURCE_OF = {
-    "TopicAuthorizationFailedError": "Topic",
-    "GroupAuthorizationFailedError": "Group",
-    "TransactionalIdAuthorizationFailedError": "TransactionalId",
-    "ClusterAuthorizationFailedError": "Cluster",
-}
-
-
 #: How long `topic_configs` waits for a topic the broker does not describe yet (one just
 #: created: the controller has it, the broker answering may not).
 TOPIC_CONFIGS_WAIT_S = 10.0
@@ -271,7 +263,7 @@ def refused(
 ) -> NotAuthorized:
     """The typed error for a kafka-python authorization failure met doing `operation` on `name`
     (default: the resource kafka-python names, e.g. the topic of a refused produce)."""
-    kind = _RESOURCE_OF.get(type(error).__name__, "Topic")
+    kind = jvm_errors.resource_of(error)
     if name is None:
         args = [a for a in getattr(error, "args", ()) if a]
         first = args[0] if args else "?"
@@ -284,7 +276,8 @@ def refused_in(
     settings: HasKafka, text: str, writes: Collection[str] = ()
 ) -> NotAuthorized | None:
     """The typed error for an authorization failure reported in `text` (a failed Spark query's
-    message, with its Python traceback and Java causes), or None when it reports none.
+    message, with its Python traceback and Java causes), or None when it reports none
+    (`jvm_errors.denied_in` reads it).
 
     - A `NotAuthorized` line in `text` (raised by the product inside a Spark query, e.g. in a
       `foreachBatch` function) is taken as it is.
@@ -295,34 +288,8 @@ def refused_in(
       the text cannot tell a refused read from a refused write. `writes` are the topics the
       failed action wrote and did not read (its caller knows them): a refusal naming only such
       topics is Write; any other is "Describe or Read"."""
-    named = _NAMED.search(text)
-    if named:
-        who = named.group("who")
-        return NotAuthorized(named.group("op"), named.group("kind"), named.group("name"),
-                             None if who == "this principal" else who)  # fmt: skip
-    python = re.search(r"kafka\.errors\.(\w+AuthorizationFailedError): \[Error \d+\] \w+: (.*)", text)
-    if python:
-        kind = _RESOURCE_OF.get(python.group(1), "Topic")
-        name = re.sub(r"[{}'\[\]\s]", "", python.group(2))
-        operation = "Write" if kind == "TransactionalId" else _client_operation(text[: python.start()])
-        return NotAuthorized(operation, kind, "kafka-cluster" if kind == "Cluster" else name,
-                             principal(settings))  # fmt: skip
-    jvm = re.search(r"TopicAuthorizationException: Not authorized to access topics: \[([^\]]*)\]", text)
-    if jvm:
-        refused_topics = {t.strip() for t in jvm.group(1).split(",")}
-        operation = "Write" if refused_topics <= set(writes) else "Describe or Read"
-        return NotAuthorized(operation, "Topic", jvm.group(1), principal(settings))
-    group = re.search(r"GroupAuthorizationException: Not authorized to access group: (\S+)", text)
-    if group:
-        return NotAuthorized("Read", "Group", group.group(1), principal(settings))
-    return None
-
-
-#: A `NotAuthorized` message (errors.py) inside a longer text.
-_NAMED = re.compile(
-    r"not authorized: (?P<who>User:\S+|this principal) lacks (?P<op>\w+(?: or \w+)*) on "
-    r"(?P<kind>Topic|Group|TransactionalId|Cluster) (?P<name>\S+) \(kafka-acls\.sh "
-)
+    denied = jvm_errors.denied_in(text)
+    return None if denied is None else as_error(settings, denied, writes)
 
 
 def refusal(
@@ -334,18 +301,23 @@ def refusal(
     `NotAuthorized`. `writes`: as for `refused_in`."""
     if isinstance(error, NotAuthorized):
         return None
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    if "uthoriz" not in text:  # Authorization..., "not authorized"
-        return None
-    return refused_in(settings, text, writes)
+    denied = jvm_errors.classify(error).of(jvm_errors.Denied)
+    return None if denied is None else as_error(settings, denied, writes)
 
 
-def _client_operation(traceback: str) -> str:
-    """Write or Read by the kafka-python client whose frame comes last in `traceback`."""
-    producer, consumer = traceback.rfind("kafka/producer/"), traceback.rfind("kafka/consumer/")
-    if producer < 0 and consumer < 0:
-        return "Describe"
-    return "Write" if producer > consumer else "Read"
+def as_error(
+    settings: HasKafka, denied: jvm_errors.Denied, writes: Collection[str] = ()
+) -> NotAuthorized:
+    """The `NotAuthorized` error of a refusal found in a failure (`refused_in` tells the
+    rules): the principal is the one `settings` configure, unless a product's line named one."""
+    if denied.by == "varadhi":
+        return NotAuthorized(denied.operation or "Describe or Read", denied.resource_type,
+                             denied.name, denied.principal)  # fmt: skip
+    operation = denied.operation
+    if operation is None:  # the Java client's topics: written only, or maybe read
+        refused_topics = {t.strip() for t in denied.name.split(",")}
+        operation = "Write" if refused_topics <= set(writes) else "Describe or Read"
+    return NotAuthorized(operation, denied.resource_type, denied.name, principal(settings))
 
 
 class _Producer(KafkaProducer):

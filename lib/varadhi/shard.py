@@ -51,6 +51,7 @@ from . import (
     checkpoints,
     filters,
     journal,
+    jvm_errors,
     kafka_clients,
     layouts,
     leases,
@@ -549,14 +550,14 @@ class ShardJob:
         try:
             while True:
                 if not query.isActive:
-                    exc = query.exception()
-                    if exc is not None and "StopRequested" not in str(exc):
-                        if "Fenced" in str(exc):
+                    failure = jvm_errors.query_failure(query)
+                    if failure is not None and jvm_errors.StopRequested not in failure:
+                        if jvm_errors.Fenced in failure:
                             raise Fenced(f"lease {self._owner(sub)}", lease.epoch or 0, -1)
                         # A query that died after this instance lost its lease is fenced, not
                         # failed (a zombie's Spark found the new holder's checkpoint files).
                         lease.check()
-                        if _zombie_wrote_checkpoint(exc):
+                        if jvm_errors.ZombieCheckpointWriter in failure:
                             log.warning(
                                 "%s shard %d: another instance wrote this checkpoint (a fenced "
                                 "one, still running); restarting the query",
@@ -564,7 +565,8 @@ class ShardJob:
                                 self.shard,
                             )
                             return "restart"
-                        if self._last_batch_end > query_started and _kafka_metrics_npe(query):
+                        replayed = self._last_batch_end > query_started
+                        if replayed and jvm_errors.KafkaMetricsNPE in failure:
                             log.warning(
                                 "%s shard %d: Spark's Kafka source failed after a replayed batch"
                                 " (SPARK-55271); restarting the query",
@@ -572,8 +574,10 @@ class ShardJob:
                                 self.shard,
                             )
                             return "restart"
-                        refused = kafka_clients.refused_in(self.settings, str(exc))
-                        raise refused or VaradhiError(f"query failed: {exc}")
+                        denied = failure.of(jvm_errors.Denied)
+                        if denied is not None:
+                            raise kafka_clients.as_error(self.settings, denied)
+                        raise VaradhiError(f"query failed: {failure.error}")
                     return "circuit" if self._circuit.state != self._query_circuit else "stop"
                 if self._signal.is_set():
                     self._stop_between_batches(query)
@@ -1101,34 +1105,6 @@ class ShardJob:
 
 
 # -- helpers (pure or Spark-expression builders) ---------------------------------------------
-
-
-def _zombie_wrote_checkpoint(exc) -> bool:
-    """Whether a query failed because another query wrote its checkpoint's offset or commit
-    log first: a fenced instance of the shard that has not noticed yet (its next lease check
-    stops it). The files it wrote are valid (same log), so the holder restarts the query."""
-    text = str(exc)
-    return "Concurrent update to the" in text or "Multiple streaming jobs detected" in text
-
-
-def _kafka_metrics_npe(query) -> bool:
-    """Whether `query` died of SPARK-55271: Spark 4.1's Kafka source throws a
-    NullPointerException in `KafkaMicroBatchStream.metrics` when it reports the progress of the
-    first batch of a query that re-runs a batch planned (but not committed) by an earlier run, as
-    after any crash, kill or stop in the middle of a batch. The re-run batch itself completed and
-    was committed; a new query on the same checkpoint goes on normally."""
-    try:
-        cause = query._jsq.exception().get().getCause()
-        return (
-            cause is not None
-            and cause.getClass().getName() == "java.lang.NullPointerException"
-            and any(
-                "KafkaMicroBatchStream" in f.getClassName() and f.getMethodName() == "metrics"
-                for f in cause.getStackTrace()
-            )
-        )
-    except Exception:  # noqa: BLE001 - anything unexpected: not that failure
-        return False
 
 
 def _records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:

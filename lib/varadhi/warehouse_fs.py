@@ -36,6 +36,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from . import jvm_errors
 from .errors import InvalidArgument
 
 S3A_PROVIDER = "org.apache.hadoop.fs.s3a.SimpleAWSCredentialsProvider"
@@ -167,17 +168,10 @@ def check_writable(fs: WarehouseFS, warehouse: str) -> None:
         fs.delete(probe)
     except Exception as e:  # noqa: BLE001 - OSError locally, Py4JJavaError through Spark
         raise InvalidArgument(
-            f"the warehouse {warehouse} is not writable through the {fs.where}: {_reason(e)}",
+            f"the warehouse {warehouse} is not writable through the {fs.where}: "
+            f"{jvm_errors.headline(e)}",
             field="warehouse",
         ) from None
-
-
-def _reason(error: BaseException) -> str:
-    """The first line of a file system error: a JVM exception's own `toString`, not the Py4J
-    dump around it."""
-    java = getattr(error, "java_exception", None)
-    text = str(java.toString()) if java is not None else (str(error) or type(error).__name__)
-    return text.strip().splitlines()[0][:300]
 
 
 def for_path(path: str, spark: Any = None, purpose: str = "varadhi") -> WarehouseFS:
