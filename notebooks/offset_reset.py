@@ -46,48 +46,16 @@
 
 # COMMAND ----------
 
-import os
 import time
 
 import pandas as pd
 
+from varadhi.notebook import Notebook
 
-def widget(name, default, label, choices=None):
-    """The value of a Databricks widget; run locally, $VARADHI_NB_<NAME> or the default."""
-    try:
-        if choices:
-            dbutils.widgets.dropdown(name, default, choices, label)
-        else:
-            dbutils.widgets.text(name, default, label)
-    except NameError:  # `dbutils` is a Databricks global
-        return os.environ.get(f"VARADHI_NB_{name.upper()}", default)
-    return dbutils.widgets.get(name)
+nb = Notebook(globals())  # `dbutils` and `display` are globals of a Databricks notebook
+display = nb.display
+widget = nb.widget
 
-
-try:
-    display
-except NameError:  # not on Databricks
-
-    def display(obj):
-        print(obj.to_string() if hasattr(obj, "to_string") else obj)
-
-
-BOOTSTRAP = widget(
-    "bootstrap", os.environ.get("VARADHI_BOOTSTRAP", "127.0.0.1:19092"), "Kafka bootstrap servers"
-)
-CATALOG_TOPIC = widget(
-    "catalog_topic", os.environ.get("VARADHI_CATALOG_TOPIC", "__varadhi_catalog"), "Catalog topic"
-)
-KAFKA_CONFIG = widget(
-    "kafka_config",
-    os.environ.get("VARADHI_KAFKA_CONFIG", ""),
-    "Kafka client properties file (security.protocol, sasl.*, ssl.*; secrets as ${env:...})",
-)
-WAREHOUSE = widget(
-    "warehouse",
-    os.environ.get("VARADHI_WAREHOUSE", ".varadhi/warehouse"),
-    "Warehouse (the shards' VARADHI_WAREHOUSE: dbfs:/, s3://, abfss://, a volume path)",
-)
 NAME = widget("subscription", "", "Subscription")
 QUEUE = widget("queue", "main", "Queue", ["main", "rq", "dlq"])
 MODE = widget(
@@ -104,15 +72,9 @@ WAIT_S = float(widget("wait_seconds", "120", "Seconds to wait for shards"))
 if not NAME:
     raise ValueError("set the `subscription` widget to the subscription's name")
 
-from varadhi import Client, Settings
 from varadhi.status import shard_rows
 
-client = Client(
-    Settings.from_env(
-        KAFKA_CONFIG or None, bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC, warehouse=WAREHOUSE
-    ),
-    spark=globals().get("spark"),  # Databricks' session; locally one is made only if needed
-)
+client = nb.client(globals().get("spark"))  # Databricks' session; locally one starts if needed
 
 
 def show_status():

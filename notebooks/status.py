@@ -36,45 +36,13 @@
 import os
 import time
 
+from varadhi.notebook import Notebook
 
-def widget(name, default, label, choices=None):
-    """The value of a Databricks widget; run locally, $VARADHI_NB_<NAME> or the default."""
-    try:
-        if choices:
-            dbutils.widgets.dropdown(name, default, choices, label)
-        else:
-            dbutils.widgets.text(name, default, label)
-    except NameError:  # `dbutils` is a Databricks global
-        return os.environ.get(f"VARADHI_NB_{name.upper()}", default)
-    return dbutils.widgets.get(name)
+nb = Notebook(globals())  # `dbutils` and `display` are globals of a Databricks notebook
+display = nb.display
+widget = nb.widget
+ON_DATABRICKS = nb.on_databricks
 
-
-try:
-    display
-    ON_DATABRICKS = True
-except NameError:  # not on Databricks
-    ON_DATABRICKS = False
-
-    def display(obj):
-        print(obj.to_string() if hasattr(obj, "to_string") else obj)
-
-
-BOOTSTRAP = widget(
-    "bootstrap", os.environ.get("VARADHI_BOOTSTRAP", "127.0.0.1:19092"), "Kafka bootstrap servers"
-)
-CATALOG_TOPIC = widget(
-    "catalog_topic", os.environ.get("VARADHI_CATALOG_TOPIC", "__varadhi_catalog"), "Catalog topic"
-)
-KAFKA_CONFIG = widget(
-    "kafka_config",
-    os.environ.get("VARADHI_KAFKA_CONFIG", ""),
-    "Kafka client properties file (security.protocol, sasl.*, ssl.*; secrets as ${env:...})",
-)
-WAREHOUSE = widget(
-    "warehouse",
-    os.environ.get("VARADHI_WAREHOUSE", ".varadhi/warehouse"),
-    "Warehouse (the shards' VARADHI_WAREHOUSE: dbfs:/, s3://, abfss://, a volume path)",
-)
 NAME = widget("subscription", "", "Subscription")
 HOURS = float(widget("hours", "6", "Hours of history"))
 POINTS = int(widget("points", "120", "Points per shard"))
@@ -86,7 +54,7 @@ import pandas as pd
 from kafka import TopicPartition
 from pyspark.sql import functions as F
 
-from varadhi import Client, Settings, kafka_clients
+from varadhi import kafka_clients
 from varadhi.status import progress_topic, shard_rows
 
 try:
@@ -96,12 +64,7 @@ except NameError:  # not on Databricks: a local session with the project's jars
 
     spark = get_spark("varadhi-status-notebook")
 
-client = Client(
-    Settings.from_env(
-        KAFKA_CONFIG or None, bootstrap=BOOTSTRAP, catalog_topic=CATALOG_TOPIC, warehouse=WAREHOUSE
-    ),
-    spark=spark,
-)
+client = nb.client(spark)  # on the widgets bootstrap, catalog_topic, kafka_config, warehouse
 settings = client.settings
 PROGRESS_TOPIC = progress_topic(settings)
 

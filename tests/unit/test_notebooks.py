@@ -7,7 +7,6 @@ end against the local stack.
 from __future__ import annotations
 
 import ast
-import re
 from pathlib import Path
 
 import pytest
@@ -74,8 +73,8 @@ def test_databricks_source_format(path):
         lines = [line for line in cell.strip().splitlines()]
         assert all(line == "# MAGIC" or line.startswith("# MAGIC ") for line in lines), cell[:80]
     assert any("%pip install" in c for c in cells), "installs the wheel"
-    assert re.search(r'widget\(\s*"bootstrap"', text), "Kafka comes from a widget"
-    assert "dbutils.widgets.text(" in text
+    assert "nb = Notebook(globals())" in text, "widgets and display through varadhi.notebook"
+    assert "client = nb.client(" in text, "Kafka and the warehouse come from the widgets"
 
 
 @pytest.mark.parametrize("path", notebooks(), ids=lambda p: p.name)
@@ -92,7 +91,7 @@ def test_parses_as_python(path):
 def test_works_through_the_client_not_the_command_line(path):
     tree = ast.parse(python_source(path.read_text()), filename=str(path))
     modules = imported_modules(tree)
-    assert "varadhi.Client" in modules, "makes a varadhi.Client"
+    assert "varadhi.notebook.Notebook" in modules, "makes its varadhi.Client with Notebook"
     assert not {m for m in modules if m == "varadhi.cli" or m.startswith("varadhi.cli.")}
     calls = client_calls(tree)
     assert calls, "calls the client"
@@ -103,11 +102,9 @@ def test_works_through_the_client_not_the_command_line(path):
 
 @pytest.mark.parametrize("path", notebooks(), ids=lambda p: p.name)
 def test_every_widget_has_a_local_fallback(path):
-    """Run outside Databricks, `widget` reads $VARADHI_NB_<NAME>: every widget goes through it."""
-    text = python_source(path.read_text())
-    direct = re.findall(r"dbutils\.widgets\.(?:text|dropdown)\(", text)
-    assert len(direct) == 2, "only `widget()` itself creates Databricks widgets"
-    assert 'os.environ.get(f"VARADHI_NB_{name.upper()}", default)' in text
+    """Run outside Databricks, `Notebook.widget` reads $VARADHI_NB_<NAME>
+    (tests/unit/test_notebook_widgets.py): every widget goes through it, none through dbutils."""
+    assert "dbutils" not in python_source(path.read_text()).replace("`dbutils`", "")
 
 
 def test_the_api_check_can_fail():
