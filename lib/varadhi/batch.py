@@ -292,7 +292,9 @@ def _deliver(
         runs.append((key, run))
     try:
         if runs:
-            with HttpDeliverer(ctx.spec.endpoint, ctx.spec.consumption.max_in_flight) as http:
+            with HttpDeliverer(
+                ctx.spec.endpoint, ctx.spec.consumption.max_in_flight, ctx.spec.delivery
+            ) as http:
                 http.run(
                     (run for _, run in runs), linger_s=ctx.spec.retry.in_place_window_ms / 1000
                 )

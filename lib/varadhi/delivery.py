@@ -28,6 +28,12 @@ engine has other work, and once nothing is in flight and no stream is left to st
 RQ). So `run` lasts at most `linger_s` longer than its streams' requests. It returns only when no
 stream waits any more.
 
+Batches. With a `delivery` policy in mode `batch`, one request carries the next request of many
+streams (`varadhi.batching` builds the body and splits the answer into one outcome per stream).
+A stream is still asked for its next request only after its previous outcome was handed back, so
+a batch holds at most one request per stream and a stream's order is kept exactly as in single
+mode; concurrency then comes from the streams of a batch and from `max_in_flight` batches.
+
 What the engine does not do: decide. It does not retry, classify, or skip: a stream receives
 every outcome (`on_outcome`) and decides itself what it sends next, typically through
 `varadhi.retry.decide` (a grouped stream stops at its first failure and parks the rest of its
@@ -58,17 +64,17 @@ import itertools
 import os
 import re
 import time
-from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections import Counter, deque
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, get_args
 from urllib.parse import urlsplit
 
 import pycurl
 
-from varadhi import __version__
+from varadhi import __version__, batching
 from varadhi.errors import InvalidArgument
-from varadhi.policies import Endpoint, Method
+from varadhi.policies import DeliveryPolicy, Endpoint, Method
 
 # How much of a response body an Outcome keeps (dead letters carry it as a header).
 RESPONSE_SNIPPET_BYTES = 1024
@@ -166,20 +172,25 @@ class DeliveryStats:
 class _Transfer:
     """An easy handle, reused across requests, and the state of the request it carries."""
 
-    __slots__ = ("curl", "stream", "retry_after", "body")
+    __slots__ = ("curl", "stream", "batch", "retry_after", "body", "limit", "truncated")
 
-    def __init__(self, curl: pycurl.Curl):
+    def __init__(self, curl: pycurl.Curl, limit: int = RESPONSE_SNIPPET_BYTES):
         self.curl = curl
         self.stream: Stream | None = None
+        self.batch: _Batch | None = None  # batch mode: the streams the request carries
         self.retry_after: str | None = None
         self.body = b""
+        self.limit = limit  # how much of the body to keep
+        self.truncated = False  # there was more
 
     def on_body(self, data: bytes) -> None:
         # Called by libcurl per chunk of the response body: keep its start, drop the rest
         # (returning None tells libcurl the whole chunk was taken).
-        room = RESPONSE_SNIPPET_BYTES - len(self.body)
+        room = self.limit - len(self.body)
         if room > 0:
             self.body += data[:room]
+        if len(data) > room:
+            self.truncated = True
 
     def on_header(self, line: bytes) -> None:
         # Called by libcurl per response header line; a new status line (e.g. after a
@@ -197,13 +208,21 @@ class HttpDeliverer:
 
     If `endpoint.auth_env` is set, the environment variable is read once, here, and its value
     sent as `endpoint.auth_header` with every request. It never appears in `repr`, errors or logs
-    (the engine logs nothing; libcurl's error texts do not include request headers)."""
+    (the engine logs nothing; libcurl's error texts do not include request headers).
 
-    def __init__(self, endpoint: Endpoint, max_in_flight: int = 64):
+    With a `delivery` policy in mode `batch`, a request carries the messages of up to
+    `max_messages` streams (`varadhi.batching`: the body, and what the answer means for each);
+    `max_in_flight` then bounds such requests. Each stream still has at most one message in
+    flight, so a stream's order is kept as in single mode."""
+
+    def __init__(
+        self, endpoint: Endpoint, max_in_flight: int = 64, delivery: DeliveryPolicy | None = None
+    ):
         _require_positive_int(max_in_flight, "max_in_flight")
         _validate_endpoint(endpoint)
         self.endpoint = endpoint
         self.max_in_flight = max_in_flight
+        self.delivery = delivery if delivery is not None and delivery.mode == "batch" else None
         static: dict[str, str] = {}
         for name, value in endpoint.headers:
             static[name] = value
@@ -217,7 +236,11 @@ class HttpDeliverer:
             static[endpoint.auth_header] = secret
         if not any(name.lower() == "content-type" for name in static):
             # libcurl would otherwise label a POST body application/x-www-form-urlencoded.
-            static["Content-Type"] = "application/octet-stream"
+            static["Content-Type"] = (
+                "application/octet-stream"
+                if self.delivery is None
+                else batching.CONTENT_TYPES[self.delivery.format]
+            )
         # `Expect:` (empty) stops libcurl from waiting for `100 Continue` before large bodies.
         self._static_lines = [f"{k}: {v}".encode() for k, v in static.items()] + [b"Expect:"]
         self._reserved = _FRAMING | {k.lower() for k in static}
@@ -270,6 +293,7 @@ class HttpDeliverer:
             raise RuntimeError("HttpDeliverer is closed")
         multi = self._multi
         pending = iter(streams)
+        batcher = None if self.delivery is None else _Batcher(self.delivery, pending)
         waiting = _Waiting()
         idle_until: float | None = None  # set when the engine first runs out of other work
         in_flight = 0
@@ -281,6 +305,11 @@ class HttpDeliverer:
         try:
             while True:
                 while in_flight < self.max_in_flight:
+                    if batcher is not None:  # batch mode: one request for many streams
+                        if not self._issue_batch(batcher, waiting):
+                            break
+                        in_flight += 1
+                        continue
                     stream = waiting.pop_due()
                     if stream is None:
                         if exhausted:
@@ -341,13 +370,13 @@ class HttpDeliverer:
                         multi.select(timeout_s)
         finally:
             for transfer in self._by_curl.values():
-                if transfer.stream is not None:  # in flight: a stream raised
+                if transfer.stream is not None or transfer.batch is not None:  # a stream raised
                     multi.remove_handle(transfer.curl)
-                    transfer.stream = None
+                    transfer.stream = transfer.batch = None
                     self._idle.append(transfer)
         return DeliveryStats(
             requests=sum(by_status.values()) + sum(errors.values()),
-            streams=n_streams,
+            streams=n_streams if batcher is None else batcher.streams,
             by_status=dict(by_status),
             errors=dict(errors),
             elapsed_s=time.perf_counter() - started,
@@ -356,6 +385,8 @@ class HttpDeliverer:
     def _complete(self, transfer: _Transfer, outcome: Outcome, waiting: _Waiting) -> int:
         """Hand the outcome to its stream and issue the stream's next request, on the same
         handle. Returns 1 if a slot was freed, 0 if it was reused."""
+        if transfer.batch is not None:
+            return self._complete_batch(transfer, outcome)
         self._multi.remove_handle(transfer.curl)
         stream = transfer.stream
         assert stream is not None
@@ -380,7 +411,45 @@ class HttpDeliverer:
             return 1
         return 0
 
-    def _issue(self, transfer: _Transfer, stream: Stream, request: Request) -> None:
+    def _issue_batch(self, batcher: _Batcher, waiting: _Waiting) -> bool:
+        """Gather the next batch (`_Batcher.gather`) and issue it as one request. False when no
+        stream has a message to send now."""
+        members, entries = batcher.gather(waiting)
+        if not members:
+            return False
+        assert self.delivery is not None
+        body = batching.encode_body(entries, self.delivery.format)
+        transfer = self._idle.pop() if self._idle else self._new_transfer()
+        self._issue(transfer, None, Request(body, {batching.BATCH_SIZE_HEADER: str(len(members))}))
+        transfer.batch = _Batch(batcher, members)
+        return True
+
+    def _complete_batch(self, transfer: _Transfer, outcome: Outcome) -> int:
+        """Hand each stream of a batch request its own outcome (`batching.split_answer`); each
+        is asked for its next request when a later batch is gathered. Frees the slot."""
+        self._multi.remove_handle(transfer.curl)
+        batch, transfer.batch = transfer.batch, None
+        assert batch is not None
+        self._idle.append(transfer)  # before the callbacks: if they raise, the handle is free
+        results = batching.split_answer(
+            outcome.status,
+            outcome.error,
+            outcome.detail,
+            outcome.retry_after,
+            outcome.body,
+            transfer.truncated,
+            [msg_id for _, msg_id in batch.members],
+            RESPONSE_SNIPPET_BYTES,
+        )
+        elapsed_ms = outcome.elapsed_ms
+        for (stream, _), r in zip(batch.members, results, strict=True):
+            stream.on_outcome(
+                Outcome(r.status, r.error, r.detail, r.retry_after, elapsed_ms, r.body)
+            )
+            batch.batcher.ready.append(stream)
+        return 1
+
+    def _issue(self, transfer: _Transfer, stream: Stream | None, request: Request) -> None:
         headers = request.headers
         if headers:
             reserved = self._reserved
@@ -394,12 +463,15 @@ class HttpDeliverer:
         transfer.stream = stream
         transfer.retry_after = None
         transfer.body = b""
+        transfer.truncated = False
         self._multi.add_handle(curl)
 
     def _new_transfer(self) -> _Transfer:
         ep = self.endpoint
         curl = pycurl.Curl()
-        transfer = _Transfer(curl)
+        # A 207 answer is read whole (up to a limit); of any other, a snippet.
+        limit = RESPONSE_SNIPPET_BYTES if self.delivery is None else batching.MAX_ANSWER_BYTES
+        transfer = _Transfer(curl, limit)
         curl.setopt(pycurl.URL, ep.url)
         if ep.method != "POST":
             curl.setopt(
@@ -414,6 +486,84 @@ class HttpDeliverer:
         curl.setopt(pycurl.WRITEFUNCTION, transfer.on_body)
         self._by_curl[curl] = transfer
         return transfer
+
+
+class _Batcher:
+    """Batch mode of one `run`: puts the next request of many streams into one.
+
+    A stream is asked for its next request only after the outcome of its previous one was handed
+    back, as in single mode, so a batch holds at most one request per stream. Streams whose
+    outcome came back wait in `ready` for the next batch. Where a batch takes its streams from,
+    in this order: a request left over from the batch before (it did not fit), streams whose
+    `Wait` is over, `ready`, then new streams."""
+
+    def __init__(self, policy: DeliveryPolicy, pending: Iterator[Stream]):
+        self.policy = policy
+        self.pending = pending
+        self.exhausted = False
+        self.streams = 0  # pulled from `pending`
+        self.ready: deque[Stream] = deque()
+        self.carried: tuple[Stream, batching.Entry] | None = None
+
+    def gather(self, waiting: _Waiting) -> tuple[list[tuple[Stream, str]], list[bytes]]:
+        """The next batch: its streams with their message ids, and its entries (same order).
+        At most `max_messages` entries and `max_bytes` of body (a first entry larger than that
+        goes alone), no id twice. Empty when no stream has a request now."""
+        members: list[tuple[Stream, str]] = []
+        entries: list[bytes] = []
+        ids: set[str] = set()
+        size = 0
+        while len(members) < self.policy.max_messages:
+            if self.carried is not None:
+                stream, entry = self.carried
+                self.carried = None
+            else:
+                found = self._next(waiting)
+                if found is None:
+                    break
+                stream = found
+                request = stream.next_request()
+                if isinstance(request, Wait):
+                    waiting.add(stream, request)
+                    continue
+                if request is None:
+                    continue
+                entry = batching.encode_entry(request.body, request.headers)
+            if members and (
+                entry.id in ids
+                or batching.body_size(len(members) + 1, size + len(entry.data))
+                > self.policy.max_bytes
+            ):
+                self.carried = (stream, entry)  # first in the next batch
+                break
+            members.append((stream, entry.id))
+            entries.append(entry.data)
+            ids.add(entry.id)
+            size += len(entry.data)
+        return members, entries
+
+    def _next(self, waiting: _Waiting) -> Stream | None:
+        stream = waiting.pop_due()
+        if stream is not None:
+            return stream
+        if self.ready:
+            return self.ready.popleft()
+        if self.exhausted:
+            return None
+        pulled = next(self.pending, _END)
+        if pulled is _END:
+            self.exhausted = True
+            return None
+        self.streams += 1
+        return pulled  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class _Batch:
+    """A batch request in flight: its streams and their message ids, in body order."""
+
+    batcher: _Batcher
+    members: list[tuple[Stream, str]]
 
 
 class _Waiting:

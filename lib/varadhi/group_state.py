@@ -219,6 +219,7 @@ class GroupRun:
             outcome.retry_after,
             now,
             self.rng,
+            outcome.detail,
         )
         if decision.action == "success":
             self.entries.pop(0)

@@ -21,6 +21,8 @@ Action = Literal["success", "retry", "dead_letter"]
 Backoff = Literal["fixed", "exponential"]
 OnDeadLetter = Literal["block", "skip"]
 Method = Literal["POST", "PUT", "PATCH"]
+DeliveryMode = Literal["single", "batch"]
+BatchFormat = Literal["ndjson", "json_array"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ DEFAULT_RESPONSES: tuple[ResponseRule, ...] = (
     ResponseRule("5xx", "retry"),
     ResponseRule("timeout", "retry"),
     ResponseRule("connection_error", "retry"),
+    # Batch mode only: a 207 whose multi-status body is malformed or inconsistent.
+    ResponseRule("invalid_response", "retry"),
     ResponseRule("4xx", "dead_letter"),
     ResponseRule("3xx", "dead_letter"),
 )
@@ -98,6 +102,19 @@ class ConsumptionPolicy:
 
 
 @dataclass(frozen=True)
+class DeliveryPolicy:
+    """How messages are put into requests (`varadhi.batching`). `single`: one message per
+    request, its value the body. `batch`: up to `max_messages` messages (at most one per group)
+    and about `max_bytes` of body per request, as NDJSON or a JSON array (`format`); the
+    endpoint answers for all of them, or per message with a 207 multi-status body."""
+
+    mode: DeliveryMode = "single"
+    max_messages: int = 100
+    max_bytes: int = 1_048_576
+    format: BatchFormat = "ndjson"
+
+
+@dataclass(frozen=True)
 class CircuitPolicy:
     """When a shard stops sending to its endpoint, and how it tries again (`varadhi.circuit`).
 
@@ -139,6 +156,7 @@ class SubscriptionSpec:
     allow_uneven: bool = False
     # Which main-topic messages are delivered, by key and headers (`varadhi.filters`); None: all.
     filter: Filter | None = None
+    delivery: DeliveryPolicy = field(default_factory=DeliveryPolicy)
 
     @property
     def rq_topic(self) -> str:

@@ -25,8 +25,10 @@ from typing import Literal, get_args
 from varadhi.errors import InvalidArgument
 from varadhi.policies import Action, Backoff, ResponseRule, RetryPolicy
 
-ERRORS = ("timeout", "connection_error")
-"""The pseudo codes of an attempt that got no HTTP response."""
+ERRORS = ("timeout", "connection_error", "invalid_response")
+"""The pseudo codes of an attempt that got no usable HTTP response. `invalid_response` (batch
+mode only, `varadhi.batching`): the endpoint answered 207 with a multi-status body that is not
+JSON, or lists an id the request did not carry, or leaves one out."""
 
 MAX_RETRY_AFTER_MS = 3_600_000
 """Upper bound on the wait a Retry-After header can impose: one hour.
@@ -135,8 +137,11 @@ def decide(
     retry_after_header: str | None,
     now_ms: int,
     rng: random.Random,
+    detail: str | None = None,
 ) -> Decision:
     """What to do with a message after its `attempts_made`-th attempt (>= 1) ended so.
+    `detail` (the engine's `Outcome.detail`) is quoted in the reason of an `invalid_response`
+    only: what was wrong with the answer.
 
     - the matching rule says success: `success`;
     - it says dead_letter (or nothing matches): `dead_letter`, reason `"fatal response 404"`
@@ -151,12 +156,14 @@ def decide(
         raise ValueError(f"attempts_made must be >= 1, got {attempts_made}")
     rule = classify(status, error, policy.responses)
     what = describe_outcome(status, error)
+    if error == "invalid_response" and detail:
+        what = f"{what} ({detail})"
     if rule.action == "success":
         return Decision("success", None, f"delivered ({what})", status)
     if rule is UNMATCHED:
         return Decision("dead_letter", None, f"no response rule matches {what}", status)
     if rule.action == "dead_letter":
-        code = error if error is not None else str(status)
+        code = what if error is not None else str(status)
         return Decision("dead_letter", None, f"fatal response {code}", status)
     if attempts_made >= policy.max_attempts:
         noun = "attempt" if attempts_made == 1 else "attempts"
@@ -223,7 +230,8 @@ def validate_retry_policy(policy: RetryPolicy, prefix: str = "retry") -> None:
             rule.codes in ERRORS or _CODE.fullmatch(rule.codes)
         ):
             raise InvalidArgument(
-                "must be a status (404), a class (4xx) or one of timeout, connection_error;"
+                "must be a status (404), a class (4xx) or one of timeout, connection_error,"
+                " invalid_response;"
                 f" got {rule.codes!r}",
                 field=f"{where}.codes",
             )

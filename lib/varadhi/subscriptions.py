@@ -36,7 +36,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from . import filters, messages, routing, topics
+from . import batching, filters, messages, routing, topics
 from .catalog import Catalog, Snapshot, key
 from .circuit import validate_circuit_policy
 from .errors import AlreadyExists, InvalidArgument, NotFound
@@ -44,6 +44,7 @@ from .policies import (
     DEFAULT_RESPONSES,
     CircuitPolicy,
     ConsumptionPolicy,
+    DeliveryPolicy,
     Endpoint,
     ResponseRule,
     RetryPolicy,
@@ -112,6 +113,7 @@ _RETRY = RetryPolicy()
 _CONSUMPTION = ConsumptionPolicy()
 _CIRCUIT = CircuitPolicy()
 _SPEC = SubscriptionSpec(name="", topic="", endpoint=_ENDPOINT)
+_DELIVERY = DeliveryPolicy()
 
 
 def _show(key: object) -> str:
@@ -233,7 +235,9 @@ _TOP_KEYS = (
     "dedup_window",
     "allow_uneven",
     "filter",
+    "delivery",
 )
+_DELIVERY_KEYS = ("mode", "max_messages", "max_bytes", "format")
 _ENDPOINT_KEYS = (
     "url",
     "method",
@@ -312,6 +316,7 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
         dedup_window_ms=top.duration("dedup_window", 0) if top.has("dedup_window") else None,
         allow_uneven=top.boolean("allow_uneven", _SPEC.allow_uneven),
         filter=filters.parse(top.doc["filter"], "filter", source) if top.has("filter") else None,
+        delivery=_parse_delivery(top.section("delivery", _DELIVERY_KEYS)),
     )
 
 
@@ -515,6 +520,24 @@ def _parse_circuit_section(s: _Section) -> CircuitPolicy:
     return policy
 
 
+def _parse_delivery(s: _Section) -> DeliveryPolicy:
+    """One message per request (`single`), or batches (`varadhi.batching`)."""
+    max_messages = s.integer("max_messages", _DELIVERY.max_messages)
+    if max_messages > batching.MAX_BATCH_MESSAGES:
+        raise s.error(
+            "max_messages", f"must be at most {batching.MAX_BATCH_MESSAGES}, got {max_messages}"
+        )
+    max_bytes = s.integer("max_bytes", _DELIVERY.max_bytes, minimum=batching.MIN_BATCH_BYTES)
+    if max_bytes > batching.MAX_BATCH_BYTES:
+        raise s.error("max_bytes", f"must be at most {batching.MAX_BATCH_BYTES}, got {max_bytes}")
+    return DeliveryPolicy(
+        mode=s.choice("mode", _DELIVERY.mode, ("single", "batch")),
+        max_messages=max_messages,
+        max_bytes=max_bytes,
+        format=s.choice("format", _DELIVERY.format, tuple(batching.CONTENT_TYPES)),
+    )
+
+
 # -- documents ------------------------------------------------------------------------------
 
 
@@ -571,6 +594,12 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
         "dedup_window": spec.dedup_window_ms,
         "allow_uneven": spec.allow_uneven,
         "filter": None if spec.filter is None else filters.to_dict(spec.filter),
+        "delivery": {
+            "mode": spec.delivery.mode,
+            "max_messages": spec.delivery.max_messages,
+            "max_bytes": spec.delivery.max_bytes,
+            "format": spec.delivery.format,
+        },
     }
 
 
@@ -841,6 +870,7 @@ MUTABLE_FIELDS = frozenset(
         "max_message_bytes",
         "allow_uneven",
         "filter",
+        "delivery",
     }
 )
 IMMUTABLE_FIELDS = frozenset(

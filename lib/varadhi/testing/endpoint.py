@@ -16,7 +16,15 @@ Every POST/PUT/PATCH, on any path, is a delivery. What it answers, in this order
 An answer is an HTTP status (`503` and `429` carry `Retry-After: retry_after_s`) or `"slow"`:
 sleep `slow_ms` (set it beyond the client's timeout), then answer `ok_status` if the client is
 still there, which is what a slow endpoint does: it may well have processed a request the client
-gave up on. The draw of 2. is a hash of (seed, message id, n), not a shared random stream, so
+gave up on.
+
+Batch requests (header `X-Varadhi-Batch-Size`, `varadhi.batching`) are read entry by entry:
+each entry is recorded and answered as a delivery of its own (`Record.batch` numbers the
+request). When every entry gets the same status, that is the answer; otherwise a 207 with a
+multi-status body (`retry_after` for 429/503). A `"slow"` entry delays the whole answer. The
+answer `"malformed"` is for batches: the 207 then lists that entry under an id the request did
+not carry (and 200 for every entry), an inconsistent answer a client must not take as success;
+in single mode it is `ok_status`. The draw of 2. is a hash of (seed, message id, n), not a shared random stream, so
 which deliveries fail does not depend on thread timing: the same seed and the same messages
 fail the same way in every run.
 
@@ -43,9 +51,10 @@ from http.server import BaseHTTPRequestHandler
 from typing import IO, Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
+from varadhi.batching import BATCH_SIZE_HEADER
 from varadhi.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
 
-Answer = int | Literal["slow"]
+Answer = int | Literal["slow", "malformed"]
 
 DEFAULT_MIX: Mapping[str, float] = {"503": 0.4, "500": 0.3, "slow": 0.1, "400": 0.1, "404": 0.1}
 
@@ -68,6 +77,7 @@ class Record:
     status: int
     delay_ms: int
     headers: dict[str, str] | None = None
+    batch: int | None = None  # the batch request it came in (0-based), None: a single request
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -125,6 +135,7 @@ class TestEndpoint:
         self._seen: Counter[str] = Counter()
         self._by_status: Counter[int] = Counter()
         self._connections = 0
+        self._batches = 0
         self._open: set[socket.socket] = set()
         self._concurrent = 0
         self._max_concurrent = 0
@@ -191,11 +202,13 @@ class TestEndpoint:
             return self._records[since:]
 
     def stats(self) -> dict[str, Any]:
-        """`requests`, `connections` (accepted so far), `max_concurrent` (most deliveries being
-        handled at one time), `by_status` (answers sent, keys as strings, JSON-ready)."""
+        """`requests` (deliveries: a batch request counts one per message), `batch_requests`,
+        `connections` (accepted so far), `max_concurrent` (most deliveries being handled at one
+        time), `by_status` (answers sent, keys as strings, JSON-ready)."""
         with self._lock:
             return {
                 "requests": len(self._records),
+                "batch_requests": self._batches,
                 "connections": self._connections,
                 "max_concurrent": self._max_concurrent,
                 "by_status": {str(k): v for k, v in sorted(self._by_status.items())},
@@ -242,6 +255,9 @@ class TestEndpoint:
             _reply(h, 411, None)
             return
         body = h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        if h.headers.get(BATCH_SIZE_HEADER) is not None:
+            self._deliver_batch(h, body)
+            return
         received_ms = time.time() * 1000
         message_id = _utf8(h.headers.get(HTTP_MESSAGE_ID))
         group_id = _utf8(h.headers.get(HTTP_GROUP_ID))
@@ -286,6 +302,74 @@ class TestEndpoint:
         finally:
             with self._lock:
                 self._concurrent -= 1
+
+    def _deliver_batch(self, h: _Handler, body: bytes) -> None:
+        """A batch request: one record and one answer per entry, then one reply (see the module
+        docstring)."""
+        text = body.decode("utf-8")
+        if text.startswith("["):
+            entries = json.loads(text)
+        else:
+            entries = [json.loads(line) for line in text.splitlines() if line]
+        received_ms = time.time() * 1000
+        results: list[dict[str, Any]] = []
+        delay_ms = self.latency_ms
+        with self._lock:
+            batch = self._batches
+            self._batches += 1
+            for entry in entries:
+                message_id = entry["id"]
+                seq = len(self._records)
+                n = self._seen[message_id]
+                self._seen[message_id] += 1
+                answer = self._answer(message_id, seq, n)
+                status = self.ok_status if answer in ("slow", "malformed") else answer
+                if answer == "slow":
+                    delay_ms = self.latency_ms + self.slow_ms
+                result: dict[str, Any] = {"id": message_id, "status": status}
+                if answer == "malformed":
+                    result["id"] = f"not-sent-{message_id}"
+                if status in (429, 503):
+                    result["retry_after"] = self.retry_after_s
+                results.append(result)
+                record = Record(
+                    seq=seq,
+                    connection=h.connection_id,
+                    method=h.command,
+                    path=h.path,
+                    message_id=message_id,
+                    group_id=entry.get("group"),
+                    attempt=entry.get("attempt"),
+                    body_bytes=len(json.dumps(entry, separators=(",", ":"))),
+                    received_ms=received_ms,
+                    status=status,
+                    delay_ms=delay_ms,
+                    headers={k: _utf8(v) for k, v in h.headers.items()}
+                    if self.record_headers
+                    else None,
+                    batch=batch,
+                )
+                self._records.append(record)
+                self._by_status[status] += 1
+                if self._record_out is not None:
+                    self._record_out.write(json.dumps(record.to_json()) + "\n")
+            if self._record_out is not None:
+                self._record_out.flush()
+        if delay_ms and self._stopping.wait(delay_ms / 1000):
+            h.close_connection = True
+            return
+        statuses = {r["status"] for r in results}
+        malformed = any(r["id"] != e["id"] for r, e in zip(results, entries, strict=True))
+        if len(statuses) == 1 and not malformed:
+            status = statuses.pop()
+            _reply(h, status, str(self.retry_after_s) if status in (429, 503) else None)
+            return
+        payload = json.dumps(results).encode()
+        h.send_response(207)
+        h.send_header("Content-Type", "application/json")
+        h.send_header("Content-Length", str(len(payload)))
+        h.end_headers()
+        h.wfile.write(payload)
 
     def _get(self, h: _Handler) -> None:
         url = urlsplit(h.path)
@@ -379,12 +463,14 @@ def _check_status(status: int) -> None:
 
 
 def _parse_answer(answer: Answer | str) -> Answer:
-    if answer == "slow":
-        return "slow"
+    if answer in ("slow", "malformed"):
+        return answer  # type: ignore[return-value]
     try:
         status = int(answer)
     except (TypeError, ValueError):
-        raise ValueError(f"an answer is an HTTP status or 'slow', got {answer!r}") from None
+        raise ValueError(
+            f"an answer is an HTTP status, 'slow' or 'malformed', got {answer!r}"
+        ) from None
     _check_status(status)
     return status
 
