@@ -226,6 +226,11 @@ class DeployConfig:
     execution_role_arn: str = ""
     extras: tuple[str, ...] = ()
     run_as: str = ""  # Databricks: a user's e-mail or a service principal's application id
+    # Databricks health rules and who is told (`databricks_alerts`): 0 = no rule.
+    backlog_seconds: int = 0
+    backlog_records: int = 0
+    notify_emails: tuple[str, ...] = ()
+    notify_webhooks: tuple[str, ...] = ()  # notification destination ids
 
 
 # Documented defaults (the CLI's flags fall back to these). Paths are examples of where a
@@ -436,6 +441,7 @@ def check_config(target: str, cfg: DeployConfig) -> None:
                 "(/Volumes/..., /Workspace/...)",
                 field="kafka_config",
             )
+        check_alerts(cfg)
     if target.startswith("emr"):
         emr_line(cfg.emr_release)
         if target == "emr-serverless" and _emr_version(cfg.emr_release) < SERVERLESS_RETRIES:
@@ -471,6 +477,24 @@ def check_config(target: str, cfg: DeployConfig) -> None:
         if not _ROLE_ARN_RE.fullmatch(cfg.execution_role_arn):
             raise InvalidArgument(
                 f"{cfg.execution_role_arn!r} is not an IAM role ARN", field="execution_role_arn"
+            )
+
+
+def check_alerts(cfg: DeployConfig) -> None:
+    """Refuse Databricks health and notification settings the Jobs API would reject: negative
+    thresholds, an address that is not an e-mail, a destination that is not an id."""
+    for name in ("backlog_seconds", "backlog_records"):
+        if getattr(cfg, name) < 0:
+            raise InvalidArgument(f"must be 0 (no rule) or more, got {getattr(cfg, name)}", name)
+    for email in cfg.notify_emails:
+        if not _EMAIL_RE.fullmatch(email):
+            raise InvalidArgument(f"{email!r} is not an e-mail address", field="notify_email")
+    for hook in cfg.notify_webhooks:
+        if not _UUID_RE.fullmatch(hook):
+            raise InvalidArgument(
+                f"{hook!r} is not a notification destination id (a UUID, from the workspace's "
+                "notification destinations)",
+                field="notify_webhook",
             )
 
 
@@ -735,7 +759,43 @@ def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
         who = "user_name" if _EMAIL_RE.fullmatch(cfg.run_as) else "service_principal_name"
         job["run_as"] = {who: cfg.run_as}
         cluster["single_user_name"] = cfg.run_as
+    job_alerts, task_alerts = databricks_alerts(cfg)
+    job.update(job_alerts)
+    for task in tasks:
+        task.update(task_alerts)
     return job
+
+
+def databricks_alerts(cfg: DeployConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The health rules and notifications of `databricks_job` (job settings, task settings);
+    empty unless asked for (pure).
+
+    Job: `health.rules`, one `GREATER_THAN` rule per threshold set, `STREAMING_BACKLOG_SECONDS`
+    (the largest consumer delay across the job's streams) and `STREAMING_BACKLOG_RECORDS` (the
+    largest offset lag), and whom to tell when one is exceeded
+    (`on_streaming_backlog_exceeded`) or the run fails (`on_failure`), by e-mail and through
+    notification destinations (`webhook_notifications`: Slack, PagerDuty, Teams or a webhook,
+    by id). Tasks: `on_failure` too, because the job run almost never fails: every task retries
+    itself without limit, so a failing shard is seen in its task's failed attempts."""
+    emails, hooks = list(cfg.notify_emails), [{"id": h} for h in cfg.notify_webhooks]
+    rules = [
+        {"metric": metric, "op": "GREATER_THAN", "value": value}
+        for metric, value in (
+            ("STREAMING_BACKLOG_SECONDS", cfg.backlog_seconds),
+            ("STREAMING_BACKLOG_RECORDS", cfg.backlog_records),
+        )
+        if value
+    ]
+    events = ["on_failure"] + (["on_streaming_backlog_exceeded"] if rules else [])
+    job: dict[str, Any] = {"health": {"rules": rules}} if rules else {}
+    task: dict[str, Any] = {}
+    if emails:
+        job["email_notifications"] = {e: emails for e in events}
+        task["email_notifications"] = {"on_failure": emails}
+    if hooks:
+        job["webhook_notifications"] = {e: hooks for e in events}
+        task["webhook_notifications"] = {"on_failure": hooks}
+    return job, task
 
 
 def bundle_resource_key(subscription: str) -> str:

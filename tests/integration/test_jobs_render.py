@@ -159,6 +159,23 @@ def test_spark_submit_lines_per_shard(varadhi_cli, subscription):
     assert all("org.apache.hadoop:hadoop-aws:3.3." in x for x in cluster)  # the line's Hadoop
 
 
+def test_databricks_backlog_rules_and_notifications_from_flags(varadhi_cli, subscription):
+    hook = "1b2c3d4e-5f60-4718-8a9b-0c1d2e3f4a5b"
+    flags = ["--backlog-seconds", "600", "--notify-email", "ops@example.com"]
+    body = json.loads(
+        render(varadhi_cli, subscription, "databricks", *flags, "--notify-webhook", hook)
+    )
+    assert body["health"] == {
+        "rules": [{"metric": "STREAMING_BACKLOG_SECONDS", "op": "GREATER_THAN", "value": 600}]
+    }
+    assert body["email_notifications"]["on_streaming_backlog_exceeded"] == ["ops@example.com"]
+    assert body["webhook_notifications"]["on_failure"] == [{"id": hook}]
+    assert all(t["email_notifications"] for t in body["tasks"])
+    bundle = yaml.safe_load(render(varadhi_cli, subscription, "databricks-bundle", *flags))
+    (job,) = bundle["resources"]["jobs"].values()
+    assert job["health"] == body["health"]
+
+
 def test_launcher_prints_the_file_spark_submit_runs(varadhi_cli, tmp_path):
     code, out, _ = varadhi_cli("jobs", "launcher")
     assert (code, out) == (0, jobdefs.LAUNCHER_SOURCE)
@@ -179,6 +196,8 @@ def test_launcher_prints_the_file_spark_submit_runs(varadhi_cli, tmp_path):
         (["--target", "emr-serverless"], "application_id: required"),
         (["--target", "databricks", "--secret", "PASSWORD=hunter2"], "expected NAME or NAME="),
         (["--target", "databricks", "--spark-version", "13.3.x-scala2.12"], "Runtime 13.3"),
+        (["--target", "emr", *EMR, "--backlog-seconds", "60"], "--backlog-seconds applies to"),
+        (["--target", "databricks", "--notify-email", "ops"], "'ops' is not an e-mail"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(

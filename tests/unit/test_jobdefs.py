@@ -315,6 +315,73 @@ def test_databricks_run_as_dedicates_the_cluster_to_it(who, field):
     assert "run_as" not in jobdefs.databricks_job(jobdefs.plan(sub_doc()), CFG)
 
 
+HOOK = "1b2c3d4e-5f60-4718-8a9b-0c1d2e3f4a5b"
+
+
+def test_databricks_backlog_rules_and_failure_notifications_when_asked():
+    cfg = replace(
+        CFG,
+        backlog_seconds=300,
+        backlog_records=50_000,
+        notify_emails=("ops@example.com", "oncall@example.com"),
+        notify_webhooks=(HOOK,),
+    )
+    jobdefs.check_config("databricks", cfg)
+    body = jobdefs.databricks_job(jobdefs.plan(sub_doc(), change_shards()), cfg)
+    check_job_settings(body)
+    assert body["health"]["rules"] == [
+        {"metric": "STREAMING_BACKLOG_SECONDS", "op": "GREATER_THAN", "value": 300},
+        {"metric": "STREAMING_BACKLOG_RECORDS", "op": "GREATER_THAN", "value": 50_000},
+    ]
+    emails = ["ops@example.com", "oncall@example.com"]
+    assert body["email_notifications"] == {
+        "on_failure": emails,
+        "on_streaming_backlog_exceeded": emails,
+    }
+    assert body["webhook_notifications"] == {
+        "on_failure": [{"id": HOOK}],
+        "on_streaming_backlog_exceeded": [{"id": HOOK}],
+    }
+    # Every task (shards and feeders) reports its own failed attempts: the run goes on.
+    assert len(body["tasks"]) > 2
+    for task in body["tasks"]:
+        assert task["email_notifications"] == {"on_failure": emails}
+        assert task["webhook_notifications"] == {"on_failure": [{"id": HOOK}]}
+    bundle = jobdefs.databricks_bundle(jobdefs.plan(sub_doc()), cfg)
+    (job,) = bundle["resources"]["jobs"].values()
+    check_job_settings(job)
+    assert job["health"] == body["health"]
+
+
+def test_databricks_notifications_without_rules_are_failures_only_and_nothing_by_default():
+    cfg = replace(CFG, notify_emails=("ops@example.com",))
+    body = jobdefs.databricks_job(jobdefs.plan(sub_doc()), cfg)
+    check_job_settings(body)
+    assert "health" not in body and "webhook_notifications" not in body
+    assert body["email_notifications"] == {"on_failure": ["ops@example.com"]}
+    plain = jobdefs.databricks_job(jobdefs.plan(sub_doc()), CFG)
+    assert not {"health", "email_notifications", "webhook_notifications"} & set(plain)
+    assert not any("email_notifications" in t for t in plain["tasks"])
+    rules_only = jobdefs.databricks_job(jobdefs.plan(sub_doc()), replace(CFG, backlog_records=10))
+    check_job_settings(rules_only)
+    assert rules_only["health"]["rules"][0]["metric"] == "STREAMING_BACKLOG_RECORDS"
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"backlog_seconds": -1}, "backlog_seconds"),
+        ({"backlog_records": -5}, "backlog_records"),
+        ({"notify_emails": ("ops team",)}, "notify_email"),
+        ({"notify_webhooks": ("https://hooks.example.com/x",)}, "notify_webhook"),
+    ],
+)
+def test_alert_settings_the_jobs_api_would_reject_are_refused(change, field):
+    with pytest.raises(InvalidArgument) as e:
+        jobdefs.check_config("databricks", replace(CFG, **change))
+    assert e.value.field == field and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize(
     ("text", "expected"),
     [

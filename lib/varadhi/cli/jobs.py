@@ -29,6 +29,10 @@ _ONLY: dict[str, tuple[str, ...]] = {  # flag -> the targets it applies to
     "spark_version": _DATABRICKS,
     "secret_scope": _DATABRICKS,
     "run_as": _DATABRICKS,
+    "backlog_seconds": _DATABRICKS,
+    "backlog_records": _DATABRICKS,
+    "notify_email": _DATABRICKS,
+    "notify_webhook": _DATABRICKS,
     "spark_line": ("spark-submit",),
     "emr_release": _EMR,
     "python_archive": _EMR,
@@ -154,6 +158,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         "runs as it and its cluster is dedicated to it (default: the job's creator)",
     )
     r.add_argument(
+        "--backlog-seconds",
+        type=int,
+        metavar="N",
+        help="databricks: a health rule, STREAMING_BACKLOG_SECONDS greater than N (the largest "
+        "consumer delay of the job's streams), notified with --notify-email/--notify-webhook",
+    )
+    r.add_argument(
+        "--backlog-records",
+        type=int,
+        metavar="N",
+        help="databricks: a health rule, STREAMING_BACKLOG_RECORDS greater than N (the largest "
+        "offset lag of the job's streams)",
+    )
+    r.add_argument(
+        "--notify-email",
+        action="append",
+        metavar="ADDRESS",
+        help="databricks: e-mail ADDRESS when a task fails (each failed attempt) or the run "
+        "fails, and when a backlog rule is exceeded (repeatable)",
+    )
+    r.add_argument(
+        "--notify-webhook",
+        action="append",
+        metavar="ID",
+        help="databricks: the same, to a notification destination (Slack, PagerDuty, Teams, "
+        "webhook) by its id (repeatable)",
+    )
+    r.add_argument(
         "--spark-line",
         choices=[line.line for line in spark_lines.LINES],
         help=f"spark-submit: the cluster's Spark line, for --packages (default: "
@@ -256,6 +288,10 @@ def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobd
         execution_role_arn=args.execution_role_arn or "",
         extras=extras,
         run_as=args.run_as or "",
+        backlog_seconds=args.backlog_seconds or 0,
+        backlog_records=args.backlog_records or 0,
+        notify_emails=tuple(args.notify_email or ()),
+        notify_webhooks=tuple(args.notify_webhook or ()),
     )
     jobdefs.check_config(args.target, cfg)
     return cfg
