@@ -69,11 +69,11 @@ from .batch import (
     deliver_records,
     process_partition,
 )
+from .batch_commit import BatchCommit
 from .catalog import Catalog, key
 from .circuit import CircuitBreaker
 from .dedup import DedupWindow, dedup_id
 from .errors import Fenced, InvalidArgument, KafkaUnavailable, VaradhiError
-from .faults import crash_point
 from .layouts import READER_KIND, Layout, drained, next_layout
 from .leases import Lease
 from .policies import CircuitPolicy
@@ -81,6 +81,7 @@ from .queue_records import MAX_REQUEST_BYTES, out_record
 from .record_ids import group_id_column, group_key_column, msg_id_column
 from .settings import Settings
 from .state_store import StateStore, normalise
+from .startup import StartupClock
 from .status import ProgressPublisher, latest_progress
 from .stop_signals import StopSignals
 
@@ -156,6 +157,7 @@ class ShardJob:
         self.lease_ttl_ms = lease_ttl_ms or leases.ttl_from_env()
         self._spark = spark
         self.stats = ShardStats()
+        self._startup = StartupClock(f"{name} shard {shard}")  # INFO line per phase
         self._batch_lock = threading.Lock()
         self._stopping = False
         self._limits: dict[str, int] = {}  # RQ/DLQ storage topic -> largest record (_out_limit)
@@ -183,6 +185,9 @@ class ShardJob:
         # and the batch a crashed run left uncommitted, which the running query runs first.
         self._journal_partitions: int | None = None
         self._replay: tuple[str, int, int] | None = None  # (checkpoint, batch id, planned ms)
+        # Called after each completed micro-batch as hook(last_batch, summary) (`summarize`),
+        # on the batch's thread: `varadhi.metrics` feeds its exporter and JSON log from it.
+        self.batch_hooks: list[Any] = []
 
     # -- set-up ---------------------------------------------------------------------------
     def _load(
@@ -212,6 +217,7 @@ class ShardJob:
             from .spark import get_spark
 
             self._spark = get_spark(f"varadhi-{self.name}-shard-{self.shard}")
+            self._startup.mark("Spark session ready")
         return self._spark
 
     @property
@@ -240,11 +246,13 @@ class ShardJob:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> int:
         sub, _, _, _ = self._load()
+        self._startup.mark("catalog read")
         # Before the lease (which fences a running instance) and any write: a warehouse Spark
         # cannot write is one line, not a failed query after the fence.
         warehouse = self.settings.warehouse
         warehouse_fs.check_writable(warehouse_fs.for_path(warehouse, self.spark), warehouse)
         self.catalog.ensure_segment_roll()  # lease renewals must be compacted away
+        self._startup.mark("warehouse and catalog checked")
         if self.standby:
             # Spark is started ahead of time; the lease is taken only once the active instance's
             # has expired (nothing before it may fence the active one: no producer yet).
@@ -262,6 +270,7 @@ class ShardJob:
         else:
             lease = Lease(self.catalog, self._owner(sub), ttl_ms=self.lease_ttl_ms)
             lease.acquire()
+        self._startup.mark("lease taken")
         lease.start_heartbeat()
         self._lease = lease
         if not self.standby:
@@ -276,9 +285,11 @@ class ShardJob:
                 max_request_size=MAX_REQUEST_BYTES,
             )
             self._producer.init_transactions()
+            self._startup.mark("transactional producer ready")
             self._publisher = ProgressPublisher(self.settings, self.name, self.shard)
             last = latest_progress(self.settings, self.name).get(self.shard)
             self.stats = ShardStats.resumed(last, sub.shard_count)
+            self._startup.mark("last progress read")
             # Where the last run stopped, for `where_reading` (same shard count only).
             carried = last if last and last.get("shard_count") == sub.shard_count else {}
             self._where = {
@@ -498,6 +509,7 @@ class ShardJob:
         pending = self._store.pending()
         self._next_due_ms = _next_due(pending)
         self._summary = summarize(pending)
+        self._startup.mark("state table read")
         ctx_base = dict(
             sub=sub, mq=mq, rq=rq, dlq=dlq, state_path=state_path, app_id=app_id, lease=lease
         )
@@ -514,6 +526,7 @@ class ShardJob:
         replay = checkpoints.uncommitted_batch(checkpoint, self._fs)
         self._replay = (checkpoint, *replay) if replay else None
         self._ensure_journal(sub)
+        self._startup.mark("checkpoint and journal checked")
         source = (
             self.spark.readStream.format("kafka")
             .options(**kafka_clients.spark_options(self.settings))
@@ -535,6 +548,7 @@ class ShardJob:
             .start()
         )
         self._query = query
+        self._startup.mark("query started")
         self._stopping = False
         self._where = where_reading(self._where, sub.shard_count, layout, assign)
         log.info(
@@ -771,8 +785,10 @@ class ShardJob:
         with self._batch_lock:
             self._refuse_if_stopping(batch_id)
             self._last_batch_start_ms = int(time.time() * 1000)
+            self._startup.mark("first batch planned")
             try:
                 self._process(df, batch_id, **ctx)
+                self._startup.finish("first batch done")
                 self._completed = (self._query_checkpoint, batch_id)
             finally:
                 self._last_batch_end = time.monotonic()
@@ -787,97 +803,18 @@ class ShardJob:
     def _process(
         self, df: DataFrame, batch_id: int, sub, mq, rq, dlq, state_path, app_id, lease
     ) -> None:
-        spark = df.sparkSession
         started = time.monotonic()
-        lease.check()
         if self._store is None or self._store.path != state_path:
-            self._store = StateStore(spark, state_path, self._lease.instance)
-        store = self._store
-        if store.meta() == (app_id, batch_id):
+            self._store = StateStore(df.sparkSession, state_path, self._lease.instance)
+        work = _Batch(self, df, batch_id, app_id, sub, mq, rq, dlq, self._store)
+        protocol = BatchCommit(self._store, work, lease, f"{self.name} shard {self.shard}")
+        outcome = protocol.run(app_id, batch_id, work, started)
+        if outcome.resent:
             self.stats.replays += 1
-            log.info(
-                "%s shard %d: batch %d was committed; re-sending its records",
-                self.name,
-                self.shard,
-                batch_id,
-            )
-            self._send_outs(store.outs(app_id, batch_id), sub, rq, dlq)
             return
-
-        snapshot = self.catalog.snapshot()
-        # The filter is read for every batch: `subscription apply` changes it from the next one.
-        current_filter = subscriptions.from_snapshot(snapshot, self.name).spec.filter
-        redrive_ops = dlq_ops.pending_for(snapshot, self.name, self.shard)
-        redriven = 0
-        if redrive_ops:
-            redriven = dlq_ops.apply_redrives(
-                self.settings, snapshot, sub, dlq, self.shard, store, redrive_ops
-            )
-            log.info("%s shard %d: re-driving %d parked messages", self.name, self.shard, redriven)
-        pending = store.pending()
-        now_ms = int(time.time() * 1000)
-        due_groups = _due_heads(pending, now_ms)
-        probes = self._circuit.due_limit()  # half-open: only a few parked retries
-        if probes is not None and len(due_groups) > probes:
-            due_groups = due_groups[:probes]
-            self._last_batch_start_ms = -1  # the others are due already: tick for them
-        records, filtered = filter_records(_records(df, sub, mq), current_filter)
-        dropped: list[str] = []
-        if sub.spec.dedup_window_ms:
-            window = self._dedup_window(spark, sub)
-            records, dropped = window.filter(records, now_ms)
-            records = records.drop("dedup_id")
-        ctx = BatchContext(
-            spec=sub.spec,
-            mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
-            now_ms=now_ms,
-            seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
-            dedup=bool(sub.spec.dedup_window_ms),
-            max_out_bytes=self._out_limit(rq.produce_topic.name),
-            journal=self._journal_target(sub, app_id, batch_id),
-            replayed=self._replayed(sub, app_id, batch_id),
-        )
-        result = self._deliver(records, ctx, store, pending, due_groups)
-
-        crash_point("after_delivery")
-        phases = {"deliver_s": time.monotonic() - started}
-        stats = [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
-        if sub.spec.dedup_window_ms:
-            done = result[result["kind"] == "done"]
-            ids = [(str(i), int(t)) for i, t in zip(done["msg_id"], done["due_ms"], strict=True)]
-            self._dedup_window(spark, sub).remember(ids, app_id, batch_id)
-            stats.append({"deduplicated": len(dropped)})
-        if filtered is not None:  # computed with the batch's first Spark job (delivery or dedup)
-            stats.append({"filtered": int(filtered.get["filtered"])})
-        touched = set(result.loc[result["kind"] == "touched", "group_key"])
-        new_rows = result[result["kind"].isin(["pending", "out"])].copy()
-        new_rows.loc[new_rows["kind"] == "out", "batch_id"] = batch_id
-        new_rows.loc[new_rows["kind"] == "out", "app_id"] = app_id
-        if touched or len(new_rows) or redrive_ops:
-            lease.check()
-            mark = time.monotonic()
-            if not store.commit(touched, new_rows, app_id, batch_id):
-                log.warning(
-                    "%s shard %d: batch %d was committed by another writer",
-                    self.name,
-                    self.shard,
-                    batch_id,
-                )
-            crash_point("after_state_commit")
-            phases["commit_s"] = time.monotonic() - mark
-            mark = time.monotonic()
-            self._send_outs(store.outs(app_id, batch_id), sub, rq, dlq)
-            phases["send_s"] = time.monotonic() - mark
-            crash_point("after_send")
-            if redrive_ops:
-                dlq_ops.finish_redrives(self.catalog, self.name, self.shard, store, redrive_ops)
-        # Last check before Spark commits the batch's offsets, also for a batch that changed
-        # nothing: a fenced instance must not commit a batch that the new instance replays (the
-        # second commit of one batch id fails that query).
-        lease.check()
-        counts = _sum(stats)
+        counts = outcome.counts
         self._finish_batch(
-            batch_id, counts.get("records", 0), counts, started, store.pending(), phases
+            batch_id, counts.get("records", 0), counts, started, outcome.pending, outcome.phases
         )
 
     def _deliver(
@@ -1087,6 +1024,8 @@ class ShardJob:
         # Every batch's counts reach the progress topic (without waiting for the broker), so a
         # restarted shard goes on from them (`ShardStats.resumed`).
         self._publish("running", force=True, flush=False)
+        for hook in self.batch_hooks:
+            hook(s.last_batch, self._summary)
         if n_records or counts:
             log.info("%s shard %d: batch %s", self.name, self.shard, s.last_batch)
 
@@ -1102,6 +1041,80 @@ class ShardJob:
                 except Exception:  # noqa: BLE001 - a fenced producer may refuse to close cleanly
                     pass
         self.catalog.close()
+
+
+class _Batch:
+    """One micro-batch of a `ShardJob`: its work (`batch_commit.BatchWork`: catalog, re-drives,
+    filter, dedup window, delivery on executors) and its RQ/DLQ sender (`OutSender`), in the
+    order `BatchCommit` calls them."""
+
+    def __init__(
+        self, job: ShardJob, df: DataFrame, batch_id: int, app_id: str, sub, mq, rq, dlq, store
+    ):
+        self.job, self.df, self.batch_id, self.app_id = job, df, batch_id, app_id
+        self.sub, self.mq, self.rq, self.dlq, self.store = sub, mq, rq, dlq, store
+        self.filter: filters.Filter | None = None
+        self.redrive_ops: dict[str, dlq_ops.Selector] = {}
+        self.filtered: Observation | None = None
+        self.dropped: list[str] = []
+
+    def apply_redrives(self) -> bool:
+        job = self.job
+        snapshot = job.catalog.snapshot()
+        # The filter is read for every batch: `subscription apply` changes it from the next one.
+        self.filter = subscriptions.from_snapshot(snapshot, job.name).spec.filter
+        self.redrive_ops = dlq_ops.pending_for(snapshot, job.name, job.shard)
+        if self.redrive_ops:
+            redriven = dlq_ops.apply_redrives(
+                job.settings, snapshot, self.sub, self.dlq, job.shard, self.store, self.redrive_ops
+            )
+            log.info("%s shard %d: re-driving %d parked messages", job.name, job.shard, redriven)
+        return bool(self.redrive_ops)
+
+    def deliver(self, pending: dict[str, list[dict]]) -> pd.DataFrame:
+        job, sub, mq, rq = self.job, self.sub, self.mq, self.rq
+        app_id, batch_id = self.app_id, self.batch_id
+        now_ms = int(time.time() * 1000)
+        due_groups = _due_heads(pending, now_ms)
+        probes = job._circuit.due_limit()  # half-open: only a few parked retries
+        if probes is not None and len(due_groups) > probes:
+            due_groups = due_groups[:probes]
+            job._last_batch_start_ms = -1  # the others are due already: tick for them
+        records, self.filtered = filter_records(_records(self.df, sub, mq), self.filter)
+        if sub.spec.dedup_window_ms:
+            window = job._dedup_window(self.df.sparkSession, sub)
+            records, self.dropped = window.filter(records, now_ms)
+            records = records.drop("dedup_id")
+        ctx = BatchContext(
+            spec=sub.spec,
+            mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
+            now_ms=now_ms,
+            seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
+            dedup=bool(sub.spec.dedup_window_ms),
+            max_out_bytes=job._out_limit(rq.produce_topic.name),
+            journal=job._journal_target(sub, app_id, batch_id),
+            replayed=job._replayed(sub, app_id, batch_id),
+        )
+        return job._deliver(records, ctx, self.store, pending, due_groups)
+
+    def after_delivery(self, result: pd.DataFrame) -> list[dict[str, int]]:
+        stats = []
+        if self.sub.spec.dedup_window_ms:
+            done = result[result["kind"] == "done"]
+            ids = [(str(i), int(t)) for i, t in zip(done["msg_id"], done["due_ms"], strict=True)]
+            window = self.job._dedup_window(self.df.sparkSession, self.sub)
+            window.remember(ids, self.app_id, self.batch_id)
+            stats.append({"deduplicated": len(self.dropped)})
+        if self.filtered is not None:  # computed with the batch's first job (delivery or dedup)
+            stats.append({"filtered": int(self.filtered.get["filtered"])})
+        return stats
+
+    def finish_redrives(self) -> None:
+        job = self.job
+        dlq_ops.finish_redrives(job.catalog, job.name, job.shard, self.store, self.redrive_ops)
+
+    def send(self, outs: pd.DataFrame) -> None:
+        self.job._send_outs(outs, self.sub, self.rq, self.dlq)
 
 
 # -- helpers (pure or Spark-expression builders) ---------------------------------------------
@@ -1224,12 +1237,3 @@ def summarize(pending: dict[str, list[dict]]) -> dict[str, Any]:
         "dlq_pending": where.count("dlq"),
         "blocked": listed,
     }
-
-
-def _sum(stats: list[dict]) -> dict[str, int]:
-    total: dict[str, int] = {}
-    for s in stats:
-        for k, v in s.items():
-            if isinstance(v, int):
-                total[k] = total.get(k, 0) + v
-    return total
