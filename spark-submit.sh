@@ -30,11 +30,19 @@ export PYSPARK_PYTHON="$ROOT/.venv/bin/python"
 export PYSPARK_DRIVER_PYTHON="$ROOT/.venv/bin/python"
 export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
 export VARADHI_SPARK_MASTER="${VARADHI_SPARK_MASTER:-local[2]}"
-SPARK_HOME="$("$ROOT/.venv/bin/python" -c 'import os, pyspark; print(os.path.dirname(pyspark.__file__))')"
+{ read -r SPARK_HOME; read -r SPARK_VERSION; } < <("$ROOT/.venv/bin/python" -c \
+  'import os, pyspark; print(os.path.dirname(pyspark.__file__)); print(pyspark.__version__)')
+[[ -n "${SPARK_VERSION:-}" ]] || { echo "spark-submit.sh: pyspark does not import in .venv" >&2; exit 2; }
 JARS="$(ls "$ROOT"/.jars/spark/*.jar | paste -sd, -)"
 S3A=()  # hadoop-aws for an s3a:// warehouse: on the JVM class path (docs/object-storage.md)
 if [[ -f "$ROOT/.jars/s3a/.complete" ]]; then
   S3A=(--driver-class-path "$ROOT/.jars/s3a/*" --conf "spark.executor.extraClassPath=$ROOT/.jars/s3a/*")
+fi
+# Spark's classes mapped from the class-data archive scripts/setup builds (varadhi.class_archive,
+# whose java_options() these are): a faster, cheaper JVM start; JVM log warnings go to stderr.
+CDS="$ROOT/.jars/cds/spark-$SPARK_VERSION.jsa"
+if [[ -f "$CDS" && "${SPARK_SUBMIT_OPTS:-}" != *Archive* ]]; then
+  export SPARK_SUBMIT_OPTS="${SPARK_SUBMIT_OPTS:-} -XX:SharedArchiveFile=$CDS -Xlog:disable -Xlog:all=warning:stderr"
 fi
 exec "$SPARK_HOME/bin/spark-submit" \
   --master "$VARADHI_SPARK_MASTER" \

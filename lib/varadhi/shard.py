@@ -80,6 +80,7 @@ from .policies import CircuitPolicy
 from .queue_records import MAX_REQUEST_BYTES, out_record
 from .record_ids import group_id_column, group_key_column, msg_id_column
 from .settings import Settings
+from .startup import StartupClock
 from .state_store import StateStore, normalise
 from .status import ProgressPublisher, latest_progress
 from .stop_signals import StopSignals
@@ -156,6 +157,7 @@ class ShardJob:
         self.lease_ttl_ms = lease_ttl_ms or leases.ttl_from_env()
         self._spark = spark
         self.stats = ShardStats()
+        self._startup = StartupClock(f"{name} shard {shard}")  # INFO line per phase
         self._batch_lock = threading.Lock()
         self._stopping = False
         self._limits: dict[str, int] = {}  # RQ/DLQ storage topic -> largest record (_out_limit)
@@ -212,6 +214,7 @@ class ShardJob:
             from .spark import get_spark
 
             self._spark = get_spark(f"varadhi-{self.name}-shard-{self.shard}")
+            self._startup.mark("Spark session ready")
         return self._spark
 
     @property
@@ -240,11 +243,13 @@ class ShardJob:
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> int:
         sub, _, _, _ = self._load()
+        self._startup.mark("catalog read")
         # Before the lease (which fences a running instance) and any write: a warehouse Spark
         # cannot write is one line, not a failed query after the fence.
         warehouse = self.settings.warehouse
         warehouse_fs.check_writable(warehouse_fs.for_path(warehouse, self.spark), warehouse)
         self.catalog.ensure_segment_roll()  # lease renewals must be compacted away
+        self._startup.mark("warehouse and catalog checked")
         if self.standby:
             # Spark is started ahead of time; the lease is taken only once the active instance's
             # has expired (nothing before it may fence the active one: no producer yet).
@@ -262,6 +267,7 @@ class ShardJob:
         else:
             lease = Lease(self.catalog, self._owner(sub), ttl_ms=self.lease_ttl_ms)
             lease.acquire()
+        self._startup.mark("lease taken")
         lease.start_heartbeat()
         self._lease = lease
         if not self.standby:
@@ -276,9 +282,11 @@ class ShardJob:
                 max_request_size=MAX_REQUEST_BYTES,
             )
             self._producer.init_transactions()
+            self._startup.mark("transactional producer ready")
             self._publisher = ProgressPublisher(self.settings, self.name, self.shard)
             last = latest_progress(self.settings, self.name).get(self.shard)
             self.stats = ShardStats.resumed(last, sub.shard_count)
+            self._startup.mark("last progress read")
             # Where the last run stopped, for `where_reading` (same shard count only).
             carried = last if last and last.get("shard_count") == sub.shard_count else {}
             self._where = {
@@ -498,6 +506,7 @@ class ShardJob:
         pending = self._store.pending()
         self._next_due_ms = _next_due(pending)
         self._summary = summarize(pending)
+        self._startup.mark("state table read")
         ctx_base = dict(
             sub=sub, mq=mq, rq=rq, dlq=dlq, state_path=state_path, app_id=app_id, lease=lease
         )
@@ -514,6 +523,7 @@ class ShardJob:
         replay = checkpoints.uncommitted_batch(checkpoint, self._fs)
         self._replay = (checkpoint, *replay) if replay else None
         self._ensure_journal(sub)
+        self._startup.mark("checkpoint and journal checked")
         source = (
             self.spark.readStream.format("kafka")
             .options(**kafka_clients.spark_options(self.settings))
@@ -535,6 +545,7 @@ class ShardJob:
             .start()
         )
         self._query = query
+        self._startup.mark("query started")
         self._stopping = False
         self._where = where_reading(self._where, sub.shard_count, layout, assign)
         log.info(
@@ -771,8 +782,10 @@ class ShardJob:
         with self._batch_lock:
             self._refuse_if_stopping(batch_id)
             self._last_batch_start_ms = int(time.time() * 1000)
+            self._startup.mark("first batch planned")
             try:
                 self._process(df, batch_id, **ctx)
+                self._startup.finish("first batch done")
                 self._completed = (self._query_checkpoint, batch_id)
             finally:
                 self._last_batch_end = time.monotonic()

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from . import spark_lines
+from . import class_archive, spark_lines
 from .errors import InvalidArgument
 from .warehouse_fs import hadoop_conf
 
@@ -217,6 +217,10 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
     if local:
         for key, value in local_jar_settings().items():
             builder = builder.config(key, value)
+        if not os.environ.get("PYSPARK_GATEWAY_PORT"):  # this process starts the driver JVM
+            env = class_archive.OPTS_ENV  # Spark's classes from scripts/setup's archive
+            archive = class_archive.archive_path(running_spark_version())
+            os.environ[env] = class_archive.with_archive(os.environ.get(env), archive)
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (

@@ -1,0 +1,110 @@
+"""A class-data archive (AppCDS) of the Spark driver JVM: a faster, cheaper JVM start.
+
+A Spark driver spends much of its first seconds loading, parsing and verifying some 15,000
+classes. The JVM can map them ready-made from an archive written once by an earlier JVM that
+loaded them (`-XX:ArchiveClassesAtExit`, then `-XX:SharedArchiveFile`). `scripts/setup` writes
+it to `.jars/cds/spark-<pyspark version>.jsa` with `build` (a local session doing what a shard
+does: Delta, Arrow, a Python UDF, the Kafka source), and every driver JVM of a checkout with that
+pyspark uses it: `./spark-submit.sh` and `get_spark` (local) put `java_options()` into
+`SPARK_SUBMIT_OPTS`, which Spark's launcher gives the driver JVM. bench/startup.py measures what
+it saves (docs/benchmarks.md).
+
+Hazards:
+- The archive belongs to one JDK build and one set of Spark jars (the class path it was built
+  with must begin the JVM's class path). After a change the JVM does not use it, prints one
+  warning (on stderr: the options send the JVM's log warnings there, not to stdout) and starts
+  as it would without it; `scripts/setup` builds it again when its stamp changes.
+- No option is given without the file: `-XX:SharedArchiveFile` naming a missing file turns off
+  the JDK's own default archive too, which would make the start slower.
+- Only the driver JVM uses it: a cluster's executors (and `--cluster` jobs) start as before.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+# A source checkout's archives (lib/varadhi/class_archive.py -> the checkout); none when installed.
+FOLDER = Path(__file__).resolve().parents[2] / ".jars" / "cds"
+OPTS_ENV = "SPARK_SUBMIT_OPTS"
+# JVM log warnings (an archive built for other jars, for one) go to stderr, never into a job's
+# stdout.
+_LOG_TO_STDERR = "-Xlog:disable -Xlog:all=warning:stderr"
+
+
+def archive_path(spark_version: str | None = None, folder: Path = FOLDER) -> Path:
+    """The archive of the driver JVM of `spark_version` (default: the installed pyspark's):
+    each Spark line of a checkout (`scripts/setup --spark-line`) has its own jars."""
+    if spark_version is None:
+        import pyspark
+
+        spark_version = pyspark.__version__
+    return folder / f"spark-{spark_version}.jsa"
+
+
+def java_options(archive: Path) -> str:
+    """The driver JVM's options that use `archive`; "" when the file does not exist."""
+    return f"-XX:SharedArchiveFile={archive} {_LOG_TO_STDERR}" if archive.is_file() else ""
+
+
+def with_archive(opts: str | None, archive: Path) -> str:
+    """`opts` (a `SPARK_SUBMIT_OPTS` value) with `java_options(archive)` added, unless they
+    name a class-data archive already (pure but for the file's existence)."""
+    opts = (opts or "").strip()
+    if "SharedArchiveFile" in opts or "ArchiveClassesAtExit" in opts:
+        return opts
+    return " ".join(filter(None, [opts, java_options(archive)]))
+
+
+def _workload(spark, folder: str) -> None:
+    """What a shard's start loads: a Delta table written and read, Arrow to pandas, a
+    mapInPandas job (Python workers), and the Kafka source and sink resolved (not connected)."""
+    table = f"{folder}/table"
+    spark.range(10).withColumnRenamed("id", "n").write.format("delta").save(table)
+    from delta.tables import DeltaTable
+
+    DeltaTable.isDeltaTable(spark, table)
+    df = spark.read.format("delta").load(table)
+    df.mapInPandas(lambda batches: batches, df.schema).toPandas()
+    for read in (spark.read, spark.readStream):  # resolving the source connects to nothing
+        read.format("kafka").option("kafka.bootstrap.servers", "127.0.0.1:9").option(
+            "assign", '{"t": [0]}'
+        ).load()
+
+
+def build(archive: Path | None = None) -> Path:
+    """Write the archive: start a local driver JVM that dumps the classes it loaded at its
+    exit, run `_workload`, stop it and wait for the dump. Replaces `archive` only once the new
+    one is complete. Run by scripts/setup (a minute or so on 2 cores)."""
+    from pyspark import SparkContext
+
+    from .spark import get_spark
+
+    archive = archive or archive_path()
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    partial = archive.with_suffix(".jsa.partial")
+    partial.unlink(missing_ok=True)
+    os.environ[OPTS_ENV] = f"-XX:ArchiveClassesAtExit={partial} {_LOG_TO_STDERR}"
+    folder = tempfile.mkdtemp(prefix="varadhi-class-archive-")
+    try:
+        spark = get_spark("varadhi-class-archive")
+        _workload(spark, folder)
+        gateway = SparkContext._gateway
+        spark.stop()
+        assert gateway is not None and gateway.proc is not None
+        gateway.shutdown()
+        gateway.proc.stdin.close()  # the JVM exits when its stdin closes, then writes the dump
+        gateway.proc.wait(600)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if not partial.is_file():
+        raise RuntimeError(f"the JVM wrote no class-data archive at {partial}")
+    partial.replace(archive)
+    return archive
+
+
+if __name__ == "__main__":
+    print(build(Path(sys.argv[1]) if len(sys.argv) > 1 else None))
