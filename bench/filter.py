@@ -65,9 +65,10 @@ def produce(env: Env, topic: str, messages: int, groups: int) -> float:
     return time.perf_counter() - t0
 
 
-def start_endpoint() -> tuple[subprocess.Popen, str]:
+def start_endpoint(*options: str) -> tuple[subprocess.Popen, str]:
+    """The test endpoint in its own process (`options`: its command line's), and its URL."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "varadhi.testing.endpoint"],
+        [sys.executable, "-m", "varadhi.testing.endpoint", *options],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
