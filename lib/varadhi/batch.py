@@ -288,6 +288,7 @@ def _deliver(
             ctx.max_out_bytes,
             replayed=ctx.replayed,
             journal=journal,
+            blocked=ctx.spec.blocked,
         )
         runs.append((key, run))
     try:

@@ -19,6 +19,12 @@ which is the group's produce order. Each entry has a `location`:
 Only the first entry (the *head*) is ever delivered; everything behind it follows (hazard 1: a
 head that fails again keeps its place, because order comes from `origin`, not from RQ offsets).
 
+A group blocked behind a dead letter keeps only so much (`over_limit`, `BlockedPolicy`): behind
+its head at most `max_held` messages (and `max_held_bytes` of bodies) stay `held`; the first one
+over the limit is dead-lettered and stays as a bodiless `dlq` entry, the *overflow mark*; every
+later one is dead-lettered with reason `OVER_LIMIT` and not kept. A re-drive of the group puts
+them all back at their origins, so they are delivered after the head, in order.
+
 A retry due soon after the head's first failure (`varadhi.retry.retries_in_place`) is first
 waited for in the task: the run answers `Wait(..., while_busy=True)` and the delivery engine
 sends the head again when it is due, while other groups go on; the group keeps its place, so
@@ -44,10 +50,15 @@ from typing import Literal, Protocol
 from . import messages as m
 from .delivery import Outcome, Request, Wait
 from .errors import InvalidArgument
-from .policies import RetryPolicy
+from .policies import BlockedPolicy, RetryPolicy
 from .retry import decide, retries_in_place
 
 Location = Literal["new", "held", "rq", "dlq"]
+
+# The reason of a message dead-lettered because its group, blocked behind a dead letter, holds
+# as many messages as its `BlockedPolicy` lets it (`over_limit`).
+OVER_LIMIT = "blocked group over limit"
+DEFAULT_BLOCKED = BlockedPolicy()
 
 
 @dataclass
@@ -82,6 +93,7 @@ class RunCounts:
     retried: int = 0  # failed attempts written to the RQ
     retried_in_place: int = 0  # attempts sent again from the task (`retries_in_place`)
     dead_lettered: int = 0
+    over_limit: int = 0  # of `dead_lettered`: behind a blocked group's limit (`over_limit`)
     duplicates: int = 0
     attempts: int = 0
     failures: int = 0
@@ -130,6 +142,55 @@ def merge(pending: Iterable[Entry], candidates: Iterable[Entry], counts: RunCoun
     return sorted(by_origin.values(), key=lambda e: e.origin)
 
 
+def over_limit(
+    entries: list[Entry], policy: BlockedPolicy, now_ms: int
+) -> tuple[list[Entry], list[Entry]]:
+    """Bound a group blocked behind a dead letter (pure). `entries`: the group's queue in origin
+    order, its head a `dlq` entry. Returns (kept, dead_lettered):
+
+    - behind the head, messages with their bodies (`held`, `new`) are kept in order while at
+      most `policy.max_held` of them, totalling at most `policy.max_held_bytes`, are;
+    - the first one over either limit is dead-lettered and also kept, without its body, as a
+      `dlq` entry: the *overflow mark*. The group stays blocked behind it even if its head is
+      re-driven alone, so a message over the limit is never overtaken by a later one;
+    - every message behind a mark (made now or in an earlier batch, or the head itself once the
+      messages before it were re-driven and delivered) is dead-lettered and not kept: once a
+      group overflowed, its later messages go to the DLQ until the group is re-driven. None is
+      kept after a gap: order has no holes.
+
+    Dead-lettered entries carry their bodies, reason `OVER_LIMIT` (a malformed record's own
+    reason first) and failure times `now_ms`; their attempts are unchanged (0: never sent).
+    Applied again to its own result it dead-letters nothing (idempotent)."""
+    kept, spilled = entries[:1], []
+    count = size = 0
+    behind_mark = is_mark(entries[0])
+    for e in entries[1:]:
+        if e.location == "dlq":  # a mark from an earlier batch
+            behind_mark = True
+            kept.append(e)
+            continue
+        count += 1
+        size += len(e.value or b"")
+        if not behind_mark and count <= policy.max_held and size <= policy.max_held_bytes:
+            kept.append(e)
+            continue
+        reason = f"{e.invalid}; {OVER_LIMIT}" if e.invalid else OVER_LIMIT
+        out = replace(
+            e, location="dlq", reason=reason, first_failure_ms=now_ms, last_failure_ms=now_ms
+        )
+        spilled.append(out)
+        if not behind_mark:
+            kept.append(replace(out, value=None, invalid=None))
+            behind_mark = True
+    return kept, spilled
+
+
+def is_mark(entry: Entry) -> bool:
+    """Whether `entry` is a blocked group's overflow mark (`over_limit`), not a dead letter of
+    its own failure (pure)."""
+    return entry.location == "dlq" and (entry.reason or "").endswith(OVER_LIMIT)
+
+
 class GroupRun:
     """Delivers one group's queue in order, following the failure (see the module docstring).
 
@@ -145,6 +206,9 @@ class GroupRun:
     request (`skipped_replayed`); only the head is ever considered, so a later message is
     skipped only if it is journaled too, and the group keeps its order. `journal` is told the
     origin of every message the endpoint accepts.
+
+    `blocked` bounds what a group left blocked behind a dead letter keeps (`over_limit`, in
+    `remaining`).
     """
 
     def __init__(
@@ -158,8 +222,10 @@ class GroupRun:
         max_out_bytes: int | None = None,
         replayed: Container[m.Origin] | None = None,
         journal: Journal | None = None,
+        blocked: BlockedPolicy = DEFAULT_BLOCKED,
     ):
         self.entries = entries
+        self.blocked = blocked
         self.replayed = replayed
         self.journal = journal
         self.max_out_bytes = max_out_bytes
@@ -277,7 +343,15 @@ class GroupRun:
 
     # -- result ---------------------------------------------------------------------------
     def remaining(self) -> list[Entry]:
-        """Entries still pending after the run: bodies at hand become `held`."""
+        """Entries still pending after the run: bodies at hand become `held`. A group left
+        blocked behind a dead letter is bounded first (`over_limit`): the messages over its
+        limit join `outs` as dead letters (read `outs` after this; calling it again adds
+        nothing)."""
+        if self.entries and self.entries[0].location == "dlq":
+            self.entries, spilled = over_limit(self.entries, self.blocked, self.clock())
+            self.outs.extend(Out("dlq", e) for e in spilled)
+            self.counts.dead_lettered += len(spilled)
+            self.counts.over_limit += len(spilled)
         out = []
         for e in self.entries:
             if e.location == "new":

@@ -135,6 +135,23 @@ class CircuitPolicy:
 
 
 @dataclass(frozen=True)
+class BlockedPolicy:
+    """How much of a group blocked behind a dead letter (block mode) the shard keeps.
+
+    Behind its dead-lettered head, such a group keeps at most `max_held` messages, whose bodies
+    total at most `max_held_bytes`, in the shard's GroupState (`held`, the first ones by produce
+    order). The first message over either limit is dead-lettered with reason
+    `group_state.OVER_LIMIT` and stays in the state without its body as the group's *overflow
+    mark*; every later message of the group is dead-lettered with the same reason and not kept
+    at all while the mark is there. So the state of a blocked group is at most `max_held`
+    bodies and two rows without one, however long it stays blocked. `dlq unsideline --group-ids`
+    brings them all back in produce order (`varadhi.group_state.over_limit`)."""
+
+    max_held: int = 1_000
+    max_held_bytes: int = 16 * 1_048_576
+
+
+@dataclass(frozen=True)
 class SubscriptionSpec:
     """Everything a user declares about a subscription (YAML `conf/subscriptions/*.yaml`)."""
 
@@ -149,6 +166,7 @@ class SubscriptionSpec:
     consumption: ConsumptionPolicy = field(default_factory=ConsumptionPolicy)
     circuit_breaker: CircuitPolicy = field(default_factory=CircuitPolicy)
     on_dead_letter: OnDeadLetter = "block"
+    blocked: BlockedPolicy = field(default_factory=BlockedPolicy)
     max_message_bytes: int = 1_048_576
     dedup_window_ms: int | None = None
     # Accept a shard count that does not divide the main topic's produce storage topic (some

@@ -42,6 +42,7 @@ from .circuit import validate_circuit_policy
 from .errors import AlreadyExists, InvalidArgument, NotFound
 from .policies import (
     DEFAULT_RESPONSES,
+    BlockedPolicy,
     CircuitPolicy,
     ConsumptionPolicy,
     DeliveryPolicy,
@@ -112,6 +113,7 @@ _ENDPOINT = Endpoint(url="")
 _RETRY = RetryPolicy()
 _CONSUMPTION = ConsumptionPolicy()
 _CIRCUIT = CircuitPolicy()
+_BLOCKED = BlockedPolicy()
 _SPEC = SubscriptionSpec(name="", topic="", endpoint=_ENDPOINT)
 _DELIVERY = DeliveryPolicy()
 
@@ -231,6 +233,7 @@ _TOP_KEYS = (
     "consumption",
     "circuit_breaker",
     "on_dead_letter",
+    "blocked",
     "max_message_bytes",
     "dedup_window",
     "allow_uneven",
@@ -268,6 +271,7 @@ _CONSUMPTION_KEYS = (
     "journal_interval",
     *_LEGACY_CONSUMPTION_KEYS,
 )
+_BLOCKED_KEYS = ("max_held", "max_held_bytes")
 _CIRCUIT_KEYS = (
     "enabled",
     "failure_rate",
@@ -312,6 +316,7 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
         consumption=_parse_consumption(consumption),
         circuit_breaker=_parse_circuit(top, consumption),
         on_dead_letter=top.choice("on_dead_letter", _SPEC.on_dead_letter, ("block", "skip")),
+        blocked=_parse_blocked(top.section("blocked", _BLOCKED_KEYS)),
         max_message_bytes=top.integer("max_message_bytes", _SPEC.max_message_bytes),
         dedup_window_ms=top.duration("dedup_window", 0) if top.has("dedup_window") else None,
         allow_uneven=top.boolean("allow_uneven", _SPEC.allow_uneven),
@@ -456,6 +461,15 @@ def _parse_consumption(s: _Section) -> ConsumptionPolicy:
     )
 
 
+def _parse_blocked(s: _Section) -> BlockedPolicy:
+    """What a group blocked behind a dead letter keeps (`BlockedPolicy`); 0 keeps nothing
+    behind the dead letter (every later message of the group is dead-lettered)."""
+    return BlockedPolicy(
+        max_held=s.integer("max_held", _BLOCKED.max_held, minimum=0),
+        max_held_bytes=s.integer("max_held_bytes", _BLOCKED.max_held_bytes, minimum=0),
+    )
+
+
 _deprecation_warned: set[str] = set()
 
 
@@ -590,6 +604,10 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             "probes": b.probes,
         },
         "on_dead_letter": spec.on_dead_letter,
+        "blocked": {
+            "max_held": spec.blocked.max_held,
+            "max_held_bytes": spec.blocked.max_held_bytes,
+        },
         "max_message_bytes": spec.max_message_bytes,
         "dedup_window": spec.dedup_window_ms,
         "allow_uneven": spec.allow_uneven,
@@ -866,6 +884,7 @@ MUTABLE_FIELDS = frozenset(
         "consumption",
         "circuit_breaker",
         "on_dead_letter",
+        "blocked",
         "dedup_window_ms",
         "max_message_bytes",
         "allow_uneven",

@@ -17,10 +17,21 @@ from dataclasses import replace
 import pytest
 
 from varadhi import messages as m
-from varadhi.batch import entry_from_state, state_row
+from varadhi.batch import COLUMN_NAMES, entry_from_state, state_row
 from varadhi.delivery import Outcome, Wait
-from varadhi.group_state import Entry, GroupRun, RunCounts, http_headers, merge
-from varadhi.policies import RetryPolicy
+from varadhi.dlq import parked_from_record, redrive_rows
+from varadhi.group_state import (
+    OVER_LIMIT,
+    Entry,
+    GroupRun,
+    Out,
+    RunCounts,
+    http_headers,
+    merge,
+    over_limit,
+)
+from varadhi.policies import BlockedPolicy, RetryPolicy
+from varadhi.queue_records import out_record
 
 T0 = 1_800_000_000_000
 # Every retry goes through the RQ (no retries in place), so the hazards of the RQ path show.
@@ -548,3 +559,161 @@ def test_a_failure_keeps_the_start_of_the_response_body_and_a_later_one_replaces
 def test_junk_in_the_produced_at_header_is_not_sent_on():
     assert m.HTTP_PRODUCED_AT not in http_headers(new(1, headers={m.H_PRODUCED_MS: "1\r\n2"}))
     assert http_headers(new(1, headers={m.H_PRODUCED_MS: "17"}))[m.HTTP_PRODUCED_AT] == "17"
+
+
+# -- a blocked group's limit (`over_limit`, `BlockedPolicy`) ---------------------------------------
+
+
+def dead_letters_to_redrive(outs: Iterable[Out]) -> list[Entry]:
+    """What `dlq unsideline --group-ids g` gives back for these DLQ records: each written as the
+    shard writes it (`out_record`), read as a DLQ browse reads it and turned into `held` state
+    rows (`varadhi.dlq`), then read by a batch (`entry_from_state`)."""
+    parked = []
+    for n, out in enumerate(outs):
+        record = out_record(state_row("out", "g", out.entry, target="dlq"), None)
+        parked.append(parked_from_record("s.dlq.0", 0, n, record.key, record.value, record.headers))
+    rows = redrive_rows(parked, grouped=True)
+    return [entry_from_state({c: row.get(c) for c in COLUMN_NAMES}) for row in rows]
+
+
+def blocked_run(entries: list[Entry], clock: Clock, limit: BlockedPolicy) -> GroupRun:
+    return GroupRun(entries, POLICY, "block", clock, random.Random(0), RunCounts(), blocked=limit)
+
+
+def test_a_blocked_group_keeps_max_held_and_dead_letters_the_rest_in_order_behind_a_mark():
+    clock = Clock()
+    limit = BlockedPolicy(max_held=2)
+    run = blocked_run([new(i) for i in range(1, 7)], clock, limit)
+    assert drive(run, script({"m1": [http(404)]})) == [("m1", 1)]
+    left = run.remaining()
+    assert [(e.msg_id, e.location, e.value) for e in left] == [
+        ("m1", "dlq", None),
+        ("m2", "held", b"body-2"),
+        ("m3", "held", b"body-3"),
+        ("m4", "dlq", None),  # the overflow mark: dead-lettered, kept without its body
+    ]
+    assert [(o.target, o.entry.msg_id) for o in run.outs] == [
+        ("dlq", "m1"),
+        ("dlq", "m4"),
+        ("dlq", "m5"),
+        ("dlq", "m6"),
+    ]
+    over = run.outs[1:]
+    assert {(o.entry.reason, o.entry.attempts, o.entry.last_failure_ms) for o in over} == {
+        (OVER_LIMIT, 0, T0)
+    }
+    assert [o.entry.value for o in over] == [b"body-4", b"body-5", b"body-6"]  # bodies go along
+    assert (run.counts.dead_lettered, run.counts.over_limit) == (4, 3)
+    assert run.remaining() == left and len(run.outs) == 4  # asking again adds nothing
+
+    # Read back from the state table, the mark is a dead letter like the head.
+    stored = round_trip(left)
+    assert [(e.location, e.invalid) for e in stored] == [
+        ("dlq", None),
+        ("held", None),
+        ("held", None),
+        ("dlq", None),
+    ]
+
+
+def test_behind_a_mark_every_later_message_is_dead_lettered_and_none_kept():
+    clock = Clock()
+    limit = BlockedPolicy(max_held=2)
+    pending = round_trip(
+        [
+            replace(new(1), location="dlq", value=None, attempts=1),
+            replace(new(2), location="held"),
+            replace(new(4), location="dlq", value=None, reason=OVER_LIMIT),
+        ]
+    )
+    parked = [replace(new(2), location="held")]
+    run = blocked_run(merge(pending, [*parked, new(7), new(8)], RunCounts()), clock, limit)
+    assert drive(run) == []
+    assert [(e.msg_id, e.location) for e in run.remaining()] == [
+        ("m1", "dlq"),
+        ("m2", "held"),
+        ("m4", "dlq"),
+    ]
+    assert [(o.entry.msg_id, o.entry.reason) for o in run.outs] == [
+        ("m7", OVER_LIMIT),
+        ("m8", OVER_LIMIT),
+    ]
+
+
+def test_the_byte_limit_counts_bodies_and_leaves_no_gap():
+    limit = BlockedPolicy(max_held=100, max_held_bytes=10)
+    head = replace(new(1), location="dlq", value=None)
+    big, small = new(2, body=b"x" * 8), new(3, body=b"y" * 3)  # 8 fits, 8 + 3 does not
+    kept, spilled = over_limit([head, big, small, new(4, body=b"z")], limit, T0)
+    assert [(e.msg_id, e.location) for e in kept] == [("m1", "dlq"), ("m2", "new"), ("m3", "dlq")]
+    assert [e.msg_id for e in spilled] == ["m3", "m4"]  # m4 (1 byte) would fit, but follows m3
+
+
+def test_max_held_zero_keeps_only_the_head_and_the_mark():
+    head = replace(new(1), location="dlq", value=None)
+    kept, spilled = over_limit([head, new(2), new(3)], BlockedPolicy(max_held=0), T0)
+    assert [(e.msg_id, e.location) for e in kept] == [("m1", "dlq"), ("m2", "dlq")]
+    assert [e.msg_id for e in spilled] == ["m2", "m3"]
+
+
+def test_a_malformed_message_over_the_limit_keeps_its_own_reason_first():
+    head = replace(new(1), location="dlq", value=None)
+    bad = new(2, invalid="malformed: no value")
+    _, [out] = over_limit([head, bad], BlockedPolicy(max_held=0), T0)
+    assert out.reason == f"malformed: no value; {OVER_LIMIT}"
+
+
+def test_a_group_waiting_for_a_retry_is_not_limited():
+    """Only a dead letter blocks a group for an unbounded time; a head in the RQ is retried
+    and dead-lettered within `max_attempts`, and the limit applies then."""
+    clock = Clock()
+    run = blocked_run([new(1), new(2), new(3)], clock, BlockedPolicy(max_held=1))
+    assert drive(run, script({"m1": [http(500)]})) == [("m1", 1)]
+    assert [(e.msg_id, e.location) for e in run.remaining()] == [
+        ("m1", "rq"),
+        ("m2", "held"),
+        ("m3", "held"),
+    ]
+    assert [o.target for o in run.outs] == ["rq"]
+
+
+def test_redriving_the_head_alone_delivers_up_to_the_mark_and_blocks_there():
+    clock = Clock()
+    limit = BlockedPolicy(max_held=1)
+    first = blocked_run([new(i) for i in range(1, 5)], clock, limit)
+    drive(first, script({"m1": [http(404)]}))
+    left, outs = first.remaining(), first.outs
+    [head] = dead_letters_to_redrive(outs[:1])  # `dlq unsideline --message-ids m1`
+    bodies = [replace(e, location="held") for e in left if e.location == "held"]
+    queue = merge(round_trip([head, *left[1:]]), [head, *bodies, new(5)], RunCounts())
+    later = blocked_run(queue, clock, limit)
+    assert drive(later) == [("m1", 1), ("m2", 1)]
+    assert [(e.msg_id, e.location) for e in later.remaining()] == [("m3", "dlq")]
+    assert [(o.entry.msg_id, o.entry.reason) for o in later.outs] == [("m5", OVER_LIMIT)]
+
+
+def test_redriving_the_group_delivers_every_message_once_in_produce_order():
+    clock = Clock()
+    limit = BlockedPolicy(max_held=2)
+    first = blocked_run([new(i) for i in range(1, 7)], clock, limit)
+    drive(first, script({"m1": [http(404)]}))
+    left = first.remaining()
+    bodies = [replace(e, location="held") for e in left if e.location == "held"]
+    second = blocked_run(merge(round_trip(left), [*bodies, new(7)], RunCounts()), clock, limit)
+    drive(second)
+    left = second.remaining()
+    outs = first.outs + second.outs
+    assert [o.entry.msg_id for o in outs] == ["m1", "m4", "m5", "m6", "m7"]
+
+    redriven = dead_letters_to_redrive(outs)  # `dlq unsideline --group-ids g`
+    assert {(e.location, e.attempts, e.reason) for e in redriven} == {("held", 0, None)}
+    pending = [e for e in round_trip(left) if e.location == "held"]  # their dlq rows replaced
+    bodies = [replace(e, location="held") for e in left if e.location == "held"]
+    queue = merge(
+        [*pending, *(replace(e, value=None) for e in redriven)],
+        [*bodies, *redriven, new(8)],
+        RunCounts(),
+    )
+    last = blocked_run(queue, clock, limit)
+    assert [i for i, _ in drive(last)] == [f"m{i}" for i in range(1, 9)]
+    assert last.remaining() == [] and last.outs == []

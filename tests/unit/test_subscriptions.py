@@ -12,6 +12,7 @@ from varadhi.cli.subscription import load_specs
 from varadhi.errors import AlreadyExists, InvalidArgument
 from varadhi.policies import (
     DEFAULT_RESPONSES,
+    BlockedPolicy,
     CircuitPolicy,
     ConsumptionPolicy,
     Endpoint,
@@ -281,6 +282,11 @@ def test_durations_in_documents():
          "circuit_breaker.max_open_for"),
         ({"circuit_breaker__probes": 0}, "circuit_breaker.probes"),
         ({"on_dead_letter": "drop"}, "on_dead_letter"),
+        ({"blocked": 100}, "blocked"),
+        ({"blocked__max_hold": 10}, "blocked.max_hold"),
+        ({"blocked__max_held": -1}, "blocked.max_held"),
+        ({"blocked__max_held": "10"}, "blocked.max_held"),
+        ({"blocked__max_held_bytes": 1.5}, "blocked.max_held_bytes"),
         ({"max_message_bytes": 0}, "max_message_bytes"),
         ({"dedup_window": 0}, "dedup_window"),
         ({"dedup_window": "forever"}, "dedup_window"),
@@ -359,6 +365,8 @@ def rich_spec() -> SubscriptionSpec:
         retry__multiplier=1.5,
         circuit_breaker__failure_rate=0.25,
         circuit_breaker__open_for="2m",
+        blocked__max_held=0,
+        blocked__max_held_bytes=4096,
         dedup_window="1h",
         allow_uneven=True,
     )
@@ -420,6 +428,16 @@ def test_spec_to_dict_is_the_yaml_shape():
     assert d["dedup_window"] == 3_600_000 and d["retry"]["min_backoff"] == 1000
     assert d["allow_uneven"] is True
     assert subs.parse_spec(d) == rich_spec()
+
+
+def test_blocked_limits_default_to_a_thousand_messages_and_16_mib_and_reach_the_catalog():
+    assert parse().blocked == BlockedPolicy(max_held=1000, max_held_bytes=16 * 1_048_576)
+    assert rich_spec().blocked == BlockedPolicy(max_held=0, max_held_bytes=4096)
+    assert subs.spec_to_dict(rich_spec())["blocked"] == {"max_held": 0, "max_held_bytes": 4096}
+    # A record written before the policy existed loads with its defaults.
+    d = subs.spec_to_dict(parse())
+    d.pop("blocked")
+    assert subs.spec_from_dict(d).blocked == BlockedPolicy()
 
 
 def test_spec_from_dict_refuses_an_invalid_record():
@@ -606,6 +624,7 @@ def test_changed_fields_allows_policy_updates():
         retry__max_attempts=9,
         consumption__concurrency=8,
         on_dead_letter="skip",
+        blocked__max_held=5,
         dedup_window="5m",
         max_message_bytes=10,
     )
@@ -614,6 +633,7 @@ def test_changed_fields_allows_policy_updates():
         "retry",
         "consumption",
         "on_dead_letter",
+        "blocked",
         "max_message_bytes",
         "dedup_window_ms",
     ]
