@@ -22,7 +22,8 @@ in a batch run again after a crash it sends none of those the crashed run journa
 - `touched` rows: one per touched group that had state, so the driver drops its old rows;
 - `out` rows: records to write to the RQ or DLQ;
 - `done` rows: delivered ids, for the de-duplication window;
-- one `stat` row per task with its counters (JSON in `reason`).
+- one `stat` row per task with its counters (JSON in `reason`), with what its endpoint answered
+  (`http_counts`: responses per status, errors per kind, a latency histogram).
 
 Input is binary-safe: keys and headers in any form are read through their text forms
 (`varadhi.record_ids`); a record that cannot be delivered (no value, oversized value) never
@@ -42,7 +43,7 @@ from dataclasses import asdict, dataclass
 import pandas as pd
 
 from . import messages as m
-from .delivery import HttpDeliverer
+from .delivery import LATENCY_BOUNDS_MS, DeliveryStats, HttpDeliverer
 from .group_state import Entry, GroupRun, RunCounts, merge
 from .journal import Accepted, JournalTarget, JournalWriter
 from .policies import SubscriptionSpec
@@ -229,8 +230,8 @@ def deliver_records(
                 rows.append(state_row("fwd", key, e))
             else:
                 candidates[key].append(e)
-    groups = _deliver(candidates, {}, ctx, counts, rows)
-    rows.append(_stat_row(counts, started, records=records, routed=routed, groups=groups))
+    groups, http = _deliver(candidates, {}, ctx, counts, rows)
+    rows.append(_stat_row(counts, started, records=records, routed=routed, groups=groups, **http))
     yield to_frame(rows)
 
 
@@ -246,8 +247,8 @@ def process_partition(
     for frame in frames:
         for row in rows_of(frame):
             candidates[row["group_key"]].append(entry_from_state(row))
-    groups = _deliver(candidates, pending, ctx, counts, rows)
-    rows.append(_stat_row(counts, started, groups=groups))
+    groups, http = _deliver(candidates, pending, ctx, counts, rows)
+    rows.append(_stat_row(counts, started, groups=groups, **http))
     yield to_frame(rows)
 
 
@@ -269,12 +270,14 @@ def _deliver(
     ctx: BatchContext,
     counts: RunCounts,
     rows: list[dict],
-) -> int:
+) -> tuple[int, dict[str, int]]:
     """Merge each group's candidates with its pending state, deliver all groups concurrently
-    (in order within each), and append the result rows to `rows`. Returns how many groups ran."""
+    (in order within each), and append the result rows to `rows`. Returns how many groups ran
+    and what the endpoint answered (`http_counts`)."""
     rng = random.Random(ctx.seed)
     journal = JournalWriter(ctx.journal) if ctx.journal is not None and candidates else None
     runs: list[tuple[str, GroupRun]] = []
+    answered: DeliveryStats | None = None
     for key, found in candidates.items():
         old = [entry_from_state(r) for r in pending.get(key, ())]
         queue = merge(old, found, counts)
@@ -296,7 +299,7 @@ def _deliver(
             with HttpDeliverer(
                 ctx.spec.endpoint, ctx.spec.consumption.max_in_flight, ctx.spec.delivery
             ) as http:
-                http.run(
+                answered = http.run(
                     (run for _, run in runs), linger_s=ctx.spec.retry.in_place_window_ms / 1000
                 )
     finally:
@@ -317,7 +320,24 @@ def _deliver(
             rows.extend(
                 {"kind": "done", "msg_id": dedup_id(e), "due_ms": now} for e in run.delivered
             )
-    return len(runs)
+    return len(runs), http_counts(answered)
+
+
+def http_counts(stats: DeliveryStats | None) -> dict[str, int]:
+    """A task's endpoint answers as flat integer `stat` row fields (pure), so the driver's sum
+    of the tasks' counters adds them up: `status_<code>` (responses per HTTP status),
+    `error_<kind>` (requests without a response per error kind), `latency_le_<ms>` and
+    `latency_le_inf` (requests per latency bucket of `LATENCY_BOUNDS_MS`, not cumulative, empty
+    buckets left out) and `latency_sum_us` (their total time). Empty without a run."""
+    if stats is None:
+        return {}
+    bounds = [f"latency_le_{b}" for b in LATENCY_BOUNDS_MS] + ["latency_le_inf"]
+    return {
+        **{f"status_{k}": v for k, v in stats.by_status.items()},
+        **{f"error_{k}": v for k, v in stats.errors.items()},
+        **{b: n for b, n in zip(bounds, stats.latency_ms, strict=True) if n},
+        "latency_sum_us": round(stats.latency_sum_ms * 1000),
+    }
 
 
 def _stat_row(counts: RunCounts, started: float, **extra: int) -> dict:

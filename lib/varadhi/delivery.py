@@ -59,6 +59,7 @@ Hazards:
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import os
@@ -82,6 +83,9 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field-name
 # Framing headers the engine owns; a per-request header of these names is dropped.
 _END = object()  # end of the streams iterable
 _FRAMING = frozenset({"content-length", "transfer-encoding", "host", "connection", "expect"})
+# Upper bounds (ms) of the request latency histogram `DeliveryStats.latency_ms` (`varadhi.metrics`
+# exports it); a last bucket counts what took longer.
+LATENCY_BOUNDS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,13 +160,18 @@ class Stream(Protocol):
 @dataclass(frozen=True)
 class DeliveryStats:
     """Totals of one `run`: `by_status` counts responses per HTTP status, `errors` counts
-    requests without a response per error kind; `requests` is their sum."""
+    requests without a response per error kind; `requests` is their sum. `latency_ms` counts
+    every request (answered or not) by how long it took: entry i is those within
+    `LATENCY_BOUNDS_MS[i]` and above the bound before, the last entry those above every bound;
+    `latency_sum_ms` is their total time."""
 
     requests: int
     streams: int
     by_status: dict[int, int] = field(default_factory=dict)
     errors: dict[str, int] = field(default_factory=dict)
     elapsed_s: float = 0.0
+    latency_ms: tuple[int, ...] = (0,) * (len(LATENCY_BOUNDS_MS) + 1)
+    latency_sum_ms: float = 0.0
 
     @property
     def requests_per_s(self) -> float:
@@ -301,6 +310,8 @@ class HttpDeliverer:
         n_streams = 0
         by_status: Counter[int] = Counter()
         errors: Counter[str] = Counter()
+        latency = [0] * (len(LATENCY_BOUNDS_MS) + 1)
+        latency_sum = 0.0
         started = time.perf_counter()
         try:
             while True:
@@ -345,6 +356,8 @@ class HttpDeliverer:
                             curl.getinfo(pycurl.TOTAL_TIME) * 1000.0,
                             transfer.body,
                         )
+                        latency[bisect.bisect_left(LATENCY_BOUNDS_MS, outcome.elapsed_ms)] += 1
+                        latency_sum += outcome.elapsed_ms
                         in_flight -= self._complete(transfer, outcome, waiting)
                     for curl, code, message in failed:
                         completed += 1
@@ -358,6 +371,8 @@ class HttpDeliverer:
                             None,
                             curl.getinfo(pycurl.TOTAL_TIME) * 1000.0,
                         )
+                        latency[bisect.bisect_left(LATENCY_BOUNDS_MS, outcome.elapsed_ms)] += 1
+                        latency_sum += outcome.elapsed_ms
                         in_flight -= self._complete(transfer, outcome, waiting)
                     if not queued:
                         break
@@ -380,6 +395,8 @@ class HttpDeliverer:
             by_status=dict(by_status),
             errors=dict(errors),
             elapsed_s=time.perf_counter() - started,
+            latency_ms=tuple(latency),
+            latency_sum_ms=latency_sum,
         )
 
     def _complete(self, transfer: _Transfer, outcome: Outcome, waiting: _Waiting) -> int:

@@ -185,6 +185,9 @@ class ShardJob:
         # and the batch a crashed run left uncommitted, which the running query runs first.
         self._journal_partitions: int | None = None
         self._replay: tuple[str, int, int] | None = None  # (checkpoint, batch id, planned ms)
+        # Called after each completed micro-batch as hook(last_batch, summary) (`summarize`),
+        # on the batch's thread: `varadhi.metrics` feeds its exporter and JSON log from it.
+        self.batch_hooks: list[Any] = []
 
     # -- set-up ---------------------------------------------------------------------------
     def _load(
@@ -1021,6 +1024,8 @@ class ShardJob:
         # Every batch's counts reach the progress topic (without waiting for the broker), so a
         # restarted shard goes on from them (`ShardStats.resumed`).
         self._publish("running", force=True, flush=False)
+        for hook in self.batch_hooks:
+            hook(s.last_batch, self._summary)
         if n_records or counts:
             log.info("%s shard %d: batch %s", self.name, self.shard, s.last_batch)
 

@@ -13,6 +13,11 @@ fenced). With --standby the instance starts Spark and waits; once the active ins
 has not been renewed for its TTL (the process died or hangs) it takes the lease and runs the
 shard. A shard stopped with SIGINT/SIGTERM is not taken over.
 
+Operations (docs/operations.md, "Metrics and logs"): --metrics-port serves the shard's metrics as
+Prometheus text at http://ADDR:PORT/metrics on the driver (0 picks a free port, logged; default
+$VARADHI_METRICS_PORT, else off); --log-format json (or $VARADHI_LOG_FORMAT=json) writes every
+log line as a JSON object, with one `"event": "batch"` line per micro-batch.
+
 Exit codes: 0 stopped (SIGINT or SIGTERM, after the micro-batch in flight; or idle with
 --stop-when-idle; a standby stopped while waiting), 3 fenced by a newer instance of the same
 shard (or its lease expired), 1 failed, 2 refused (unknown subscription or shard), 4 a missing
@@ -27,6 +32,7 @@ import sys
 from varadhi.errors import VaradhiError
 from varadhi.jobs.runner import refuse, run, setup_logging
 from varadhi.leases import ttl_from_env
+from varadhi.metrics import MetricsOptions, attach, use_json_logs
 from varadhi.settings import Settings
 from varadhi.shard import ShardJob
 
@@ -64,12 +70,33 @@ def main(argv: list[str] | None = None) -> int:
         help="lease TTL: renewed every third of it; a standby takes over a lease not renewed "
         "for it (default: $VARADHI_LEASE_TTL_MS ms, or 15)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port of the driver, /metrics (0: a free port, "
+        "logged; default: $VARADHI_METRICS_PORT, else no exporter)",
+    )
+    parser.add_argument(
+        "--metrics-addr",
+        metavar="ADDR",
+        help="address the metrics port binds (default: $VARADHI_METRICS_ADDR or 0.0.0.0)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="json: one JSON object per log line, and one line per micro-batch with its "
+        "counts (default: $VARADHI_LOG_FORMAT or text)",
+    )
     args = parser.parse_args(argv)
     setup_logging()
     try:  # a bad Kafka client configuration ($VARADHI_KAFKA_CONFIG) is one line
         settings = Settings.from_env(bootstrap=args.bootstrap, warehouse=args.warehouse)
+        options = MetricsOptions.from_env(args.metrics_port, args.metrics_addr, args.log_format)
     except VaradhiError as e:
         return refuse(e)
+    if options.json_logs:
+        use_json_logs()
     spark = None
     if args.cluster:
         from varadhi.spark import get_spark
@@ -85,7 +112,12 @@ def main(argv: list[str] | None = None) -> int:
             standby=args.standby,
             lease_ttl_ms=ttl_from_env(args.lease_ttl),
         )
-        return job.run()
+        telemetry = attach(job, options)
+        try:
+            return job.run()
+        finally:
+            if telemetry is not None:
+                telemetry.close()
     except VaradhiError as e:
         return refuse(e)
 
