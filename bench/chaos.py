@@ -32,7 +32,11 @@ broker can be killed without touching anyone else's):
      re-deliveries happened (10 s buckets) and how long after the success they repeat.
 
 Prints the verdict and writes --out (default bench/results/chaos.json). Exit 1 if a must-be-zero
-figure is not. Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
+figure is not; the run's work folder is deleted, so --out then also holds the evidence: under
+`evidence`, every request the endpoint saw of each early-retry message and each unexpected dead
+letter (arrival order, attempt, status, the headers the shard sent, among them the record it was
+read from), those dead letters' DLQ records (reason, attempts, headers), and the shards' logs are
+copied to `<out stem>-logs/`. Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from common import machine, write_results
-from varadhi import dlq, resharding, status
+from varadhi import dlq, resharding, status, subscriptions, topics
 from varadhi.catalog import Catalog
 from varadhi.producer import Producer
 from varadhi.settings import Settings
@@ -294,10 +298,56 @@ def _client_saw_a_failure(success, again) -> bool:
     return None not in (success.attempt, again.attempt) and again.attempt > success.attempt
 
 
-def judge(endpoint: TestEndpoint, acked, parked_ids, poison, start_ms: float) -> dict:
-    """The verdict from what the endpoint saw, the producer's acks and the DLQ (pure but for
-    its inputs). `start_ms`: the run's start (epoch ms), for when re-deliveries happened."""
-    records = sorted(endpoint.records(), key=lambda r: r.seq)
+def early_retries(by_msg: dict[str, list]) -> list[dict]:
+    """Each pair of consecutive records of one message (in arrival order) where attempt n failed
+    and attempt n+1 arrived before n's backoff (or Retry-After) could have passed (pure): the
+    message, both records' `seq`, the gap and the wait owed, in ms."""
+    early = []
+    for msg_id, rs in by_msg.items():
+        for prev, nxt in zip(rs, rs[1:], strict=False):
+            if prev.attempt is None or nxt.attempt != prev.attempt + 1 or prev.status < 300:
+                continue
+            if prev.status == 503:
+                need = RETRY["retry_after_s"] * 1000
+            else:
+                need = min(
+                    RETRY["min_backoff_ms"] * 2 ** (prev.attempt - 1), RETRY["max_backoff_ms"]
+                )
+            if nxt.received_ms + CLOCK_SLACK_MS < prev.received_ms + need:
+                early.append(
+                    {
+                        "message": msg_id,
+                        "seq": [prev.seq, nxt.seq],
+                        "gap_ms": round(nxt.received_ms - prev.received_ms, 1),
+                        "need_ms": need,
+                    }
+                )
+    return early
+
+
+def evidence(records, verdict: dict) -> dict[str, list[dict]]:
+    """What the endpoint saw of each message a must-be-zero figure names (pure): every record
+    (arrival order) of each early-retry message and of each unexpected dead letter, with the
+    request headers the product sent. Empty when those figures are zero."""
+    wanted = {e["message"] for e in verdict["early_retry_pairs"]}
+    wanted |= set(verdict["unexpected_dead_letters"])
+    out: dict[str, list[dict]] = {m: [] for m in sorted(wanted)}
+    for r in sorted(records, key=lambda r: r.seq):
+        if r.message_id in wanted:
+            out[r.message_id].append(
+                {
+                    k: getattr(r, k)
+                    for k in ("seq", "received_ms", "attempt", "status", "delay_ms", "connection")
+                }
+                | {"headers": r.headers}
+            )
+    return out
+
+
+def judge(records, acked, parked_ids, poison, start_ms: float) -> dict:
+    """The verdict from what the endpoint saw (`records`), the producer's acks and the DLQ
+    (pure). `start_ms`: the run's start (epoch ms), for when re-deliveries happened."""
+    records = sorted(records, key=lambda r: r.seq)
     ok_count: dict[str, int] = defaultdict(int)
     last_ok: dict[str, object] = {}
     after_timeout = 0
@@ -321,19 +371,7 @@ def judge(endpoint: TestEndpoint, acked, parked_ids, poison, start_ms: float) ->
             if ok_count[r.message_id] == 1 and r.message_id in acked:
                 order[acked[r.message_id][0]].append(acked[r.message_id][1])
     broken = sorted(g for g, seqs in order.items() if seqs != sorted(seqs))
-    early = 0
-    for rs in by_msg.values():
-        for prev, nxt in zip(rs, rs[1:], strict=False):
-            if prev.attempt is None or nxt.attempt != prev.attempt + 1 or prev.status < 300:
-                continue
-            if prev.status == 503:
-                need = RETRY["retry_after_s"] * 1000
-            else:
-                need = min(
-                    RETRY["min_backoff_ms"] * 2 ** (prev.attempt - 1), RETRY["max_backoff_ms"]
-                )
-            if nxt.received_ms + CLOCK_SLACK_MS < prev.received_ms + need:
-                early += 1
+    early = early_retries(by_msg)
     delivered = {m for m, n in ok_count.items() if n}
     lost = sorted(m for m in acked if m not in delivered and m not in parked_ids)
     duplicates = sum(n - 1 for n in ok_count.values())
@@ -347,10 +385,11 @@ def judge(endpoint: TestEndpoint, acked, parked_ids, poison, start_ms: float) ->
         "lost_examples": lost[:10],
         "order_violations": len(broken),
         "order_violation_groups": broken[:10],
-        "early_retries": early,
+        "early_retries": len(early),
+        "early_retry_pairs": early,
         "dead_letters": len(parked_ids),
         "dead_letters_are_the_poison": set(parked_ids) == set(poison),
-        "unexpected_dead_letters": sorted(set(parked_ids) - set(poison))[:10],
+        "unexpected_dead_letters": sorted(set(parked_ids) - set(poison)),
         "poison_not_dead_lettered": sorted(set(poison) - set(parked_ids))[:10],
         "duplicates": duplicates,
         "duplicate_share": round(duplicates / share, 4),
@@ -364,6 +403,29 @@ def judge(endpoint: TestEndpoint, acked, parked_ids, poison, start_ms: float) ->
         if gaps_s
         else {},
     }
+
+
+def dead_letter_records(catalog: Catalog, name: str, msg_ids: set[str]) -> list[dict]:
+    """The DLQ records of `msg_ids`: where they are, the reason, attempts, status and failure
+    times, and every header."""
+    if not msg_ids:
+        return []
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    queue = topics.from_snapshot(snap, sub.spec.dlq_topic)
+    found = []
+    for chunk in dlq.iter_parked(
+        catalog.settings, dlq.dlq_partitions(sub, queue), dlq.dlq_start(snap, name)
+    ):
+        found += [p.summary() | {"headers": p.headers} for p in chunk if p.msg_id in msg_ids]
+    return found
+
+
+def keep_logs(logs: Path, out: Path) -> str:
+    """Copy the shards' logs next to `out` (`<out stem>-logs/`); returns where."""
+    target = out.with_name(f"{out.stem}-logs")
+    shutil.copytree(logs, target, dirs_exist_ok=True)
+    return str(target)
 
 
 def main() -> int:
@@ -421,6 +483,7 @@ def main() -> int:
         slow_ms=REQUEST_TIMEOUT_MS + 500,
         retry_after_s=RETRY["retry_after_s"],
         script={m: [422] * 20 for m in poison},
+        record_headers=True,  # the evidence of a failed figure (`evidence`)
     )
     url = endpoint.start()
     topic, name = f"chaos-{run}", f"chaos-http-{run}"
@@ -512,13 +575,29 @@ def main() -> int:
     log(t0, f"drained; shards exited {drain_codes}")
 
     parked = {p["msg_id"] for p in dlq.list_parked(catalog, name, limit=0)}
-    verdict = judge(endpoint, producing.acked, parked, poison + malformed, start_ms)
+    records = endpoint.records()
+    verdict = judge(records, producing.acked, parked, poison + malformed, start_ms)
     verdict.update(
         seconds=round(time.monotonic() - t0, 1),
         shard_restarts=shards.restarts,
         shard_exits=shards.exits,
         events=events,
     )
+    bad = (
+        verdict["lost"]
+        or verdict["order_violations"]
+        or verdict["early_retries"]
+        or not verdict["dead_letters_are_the_poison"]
+    )
+    kept: dict = {}
+    if bad:  # the work folder goes: keep what explains the failed figure
+        kept = {
+            "endpoint_records": evidence(records, verdict),
+            "dead_letter_records": dead_letter_records(
+                catalog, name, set(verdict["unexpected_dead_letters"])
+            ),
+            "shard_logs": keep_logs(logs, Path(args.out)),
+        }
     endpoint.stop()
     catalog.close()
     broker.wipe()
@@ -542,13 +621,8 @@ def main() -> int:
     ):
         print(f"{k:>28}: {verdict[k]}")
     config = {k: v for k, v in vars(args).items() if k != "out"}
-    write_results(Path(args.out), {"machine": machine(load), "config": config, "verdict": verdict})
-    bad = (
-        verdict["lost"]
-        or verdict["order_violations"]
-        or verdict["early_retries"]
-        or not verdict["dead_letters_are_the_poison"]
-    )
+    doc = {"machine": machine(load), "config": config, "verdict": verdict}
+    write_results(Path(args.out), doc | ({"evidence": kept} if kept else {}))
     return 1 if bad else 0
 
 

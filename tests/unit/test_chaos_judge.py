@@ -1,0 +1,91 @@
+"""bench/chaos.py's judge: the early-retry figure and the evidence it keeps (no service)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from varadhi.testing.endpoint import Record
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture(scope="module")
+def chaos():
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("chaos_under_test", BENCH / "chaos.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def rec(seq, msg, attempt, status, at_ms, delay_ms=0):
+    return Record(
+        seq=seq,
+        connection=1,
+        method="POST",
+        path="/",
+        message_id=msg,
+        group_id="g",
+        attempt=attempt,
+        body_bytes=4,
+        received_ms=float(at_ms),
+        status=status,
+        delay_ms=delay_ms,
+        headers={"X-Varadhi-Attempt": str(attempt), "X-Varadhi-Source": f"t/0/{seq}"},
+    )
+
+
+def test_early_retry_pairs_name_the_message_and_both_records(chaos):
+    records = [
+        rec(0, "a", 1, 500, 1_000),
+        rec(1, "a", 2, 500, 1_150),  # 200 ms owed after attempt 1: early
+        rec(2, "a", 3, 200, 1_600),  # 400 ms owed after attempt 2: on time
+        rec(3, "b", 1, 503, 2_000),
+        rec(4, "b", 2, 200, 2_500),  # Retry-After: 1 s owed: early
+        rec(5, "c", 1, 200, 3_000, delay_ms=1_500),  # slow: the client timed out, no bound
+        rec(6, "c", 2, 200, 3_100),
+    ]
+    verdict = chaos.judge(records, {}, set(), [], 0)
+    assert verdict["early_retries"] == 2
+    assert verdict["early_retry_pairs"] == [
+        {"message": "a", "seq": [0, 1], "gap_ms": 150.0, "need_ms": 200},
+        {"message": "b", "seq": [3, 4], "gap_ms": 500.0, "need_ms": 1000},
+    ]
+
+
+def test_evidence_holds_every_record_of_offending_messages_only(chaos):
+    records = [
+        rec(0, "a", 1, 500, 1_000),
+        rec(1, "ok", 1, 200, 1_010),
+        rec(2, "a", 2, 200, 1_100),
+        rec(3, "dead", 1, 500, 1_200),
+        rec(4, "dead", 2, 500, 1_500),
+    ]
+    verdict = chaos.judge(records, {}, {"dead"}, [], 0)
+    assert verdict["unexpected_dead_letters"] == ["dead"]
+    kept = chaos.evidence(list(reversed(records)), verdict)
+    assert sorted(kept) == ["a", "dead"]
+    assert [r["seq"] for r in kept["a"]] == [0, 2]
+    assert kept["dead"][1] == {
+        "seq": 4,
+        "received_ms": 1_500.0,
+        "attempt": 2,
+        "status": 500,
+        "delay_ms": 0,
+        "connection": 1,
+        "headers": {"X-Varadhi-Attempt": "2", "X-Varadhi-Source": "t/0/4"},
+    }
+
+
+def test_no_evidence_when_the_figures_hold(chaos):
+    records = [rec(0, "a", 1, 500, 1_000), rec(1, "a", 2, 200, 1_300)]
+    verdict = chaos.judge(records, {"a": ("g", 0)}, set(), [], 0)
+    assert verdict["early_retries"] == 0
+    assert chaos.evidence(records, verdict) == {}
