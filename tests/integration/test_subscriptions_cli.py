@@ -184,12 +184,19 @@ def test_create_with_explicit_partitions_ungrouped_and_uneven(
         "subscription", "create", name, "--topic", topic, "--endpoint", "https://h.example/x",
         "--shards", "3", "--allow-uneven", "--ungrouped", "--rq-partitions", "6",
         "--dlq-partitions", "9", "--on-dead-letter", "skip", "--backoff", "fixed",
+        "--batch", "20",
     )  # fmt: skip
     assert code == 0, err
     assert (kafka_partitions(f"{name}.rq.0"), kafka_partitions(f"{name}.dlq.0")) == (6, 9)
     spec = stored(name)["spec"]
     assert spec["grouped"] is False and spec["allow_uneven"] is True
     assert spec["on_dead_letter"] == "skip" and spec["retry"]["backoff"] == "fixed"
+    assert spec["delivery"] == {
+        "mode": "batch", "max_messages": 20, "max_bytes": 1048576, "format": "ndjson"
+    }  # fmt: skip
+    code, out, _ = run("subscription", "describe", name)
+    assert code == 0
+    assert "delivery      batch: up to 20 messages, 1048576 bytes, ndjson" in out
 
     code, out, _ = run("subscription", "describe", name, "--output", "json")
     assert code == 0
@@ -256,6 +263,7 @@ def test_create_refuses_leftover_queues_of_other_settings(
         (("--shards", "2", "--min-backoff", "2m"), ("retry.max_backoff:",)),
         (("--shards", "0"), ("shards:",)),
         (("--shards", "2", "--auth-env", "not-a-var"), ("endpoint.auth_env:",)),
+        (("--shards", "2", "--batch", "0"), ("delivery.max_messages:", "at least 1")),
     ],
 )
 def test_create_refusals_change_nothing(run, make_topic, unique_name, unchanged, extra, fragments):
@@ -338,6 +346,7 @@ def test_describe_and_list(run, make_topic, unique_name, bootstrap):
     code, out, _ = run("subscription", "describe", name)
     assert code == 0
     assert f"subscription  {name}" in out and "1 messages written" in out
+    assert "delivery      single" in out
     assert f"{topic}.0[2, 3]" in out
 
     code, out, _ = run("subscription", "list", "--output", "json")

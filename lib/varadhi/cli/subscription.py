@@ -49,6 +49,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="block: a group waits behind its dead-lettered message (default); skip: it moves on",
     )
     c.add_argument(
+        "--batch",
+        type=int,
+        metavar="N",
+        help="deliver up to N messages per request (delivery.mode batch; docs/delivery.md); "
+        "default: one message per request",
+    )
+    c.add_argument(
         "--auth-env",
         metavar="VAR",
         help="environment variable holding the Authorization header value (never stored)",
@@ -66,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Create or update the subscriptions of a YAML file: one subscription, or a "
         "list under `subscriptions:`. All are checked before any is applied. Updates may change "
         "endpoint, retry, consumption, circuit_breaker, on_dead_letter, max_message_bytes, "
-        "dedup_window and filter (a changed filter applies from the next micro-batch).",
+        "dedup_window, filter and delivery (a changed filter applies from the next micro-batch).",
     )
     a.add_argument("-f", "--file", required=True, metavar="FILE", help="YAML file")
     a.set_defaults(func=_apply)
@@ -154,6 +161,7 @@ def _create(args: argparse.Namespace) -> int:
         },
         "on_dead_letter": args.on_dead_letter,
         "allow_uneven": args.allow_uneven,
+        "delivery": None if args.batch is None else {"mode": "batch", "max_messages": args.batch},
     }
     spec = parse_spec(doc, source="command line")
     with common.client(args) as client:
@@ -220,6 +228,7 @@ def _describe(args: argparse.Namespace) -> int:
     print(f"paused        {'yes' if state['paused'] else 'no'}")
     print(f"generation    {state['generation']}")
     print(f"dead letters  {spec['on_dead_letter']}")
+    print(f"delivery      {_delivery(spec['delivery'])}")
     for label in ("rq", "dlq"):
         for st in info[label]["storage_topics"]:
             print(
@@ -234,6 +243,13 @@ def _describe(args: argparse.Namespace) -> int:
         ]
         print(f"shard {shard['shard']:<7} {'  '.join(parts)}")
     return 0
+
+
+def _delivery(d: dict[str, Any]) -> str:
+    """`single`, or `batch: up to 100 messages, 1048576 bytes, ndjson`."""
+    if d["mode"] != "batch":
+        return d["mode"]
+    return f"batch: up to {d['max_messages']} messages, {d['max_bytes']} bytes, {d['format']}"
 
 
 def _list(args: argparse.Namespace) -> int:
