@@ -65,6 +65,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pandas as pd
+from kafka import TopicPartition
 
 from . import kafka_clients, layouts, routing, status, subscriptions, topics
 from .catalog import Catalog, Snapshot, key
@@ -904,6 +905,35 @@ def check_feeder(catalog: Catalog, name: str, source: str) -> dict[str, Any]:
     snap = catalog.snapshot()
     subscriptions.from_snapshot(snap, name)  # must exist
     return feeder_source(_require_op(snap, name), source)
+
+
+def feed_if_empty(catalog: Catalog, name: str, source: str) -> bool:
+    """Mark the feeder of `source` done, with 0 records, when old storage topic `source` holds
+    no record at all (every partition's log start offset equals its high watermark, so aborted
+    and tick records count as records here), and return True; otherwise change nothing and
+    return False (`feed` copies). A feeder of an empty RQ or DLQ, the common case for a
+    healthy subscription, then starts no Spark session and runs no Spark job.
+
+    Safe like `feed` reading up to the end it finds: from the change's fence on, nothing writes
+    to the old storage topics, so an empty source stays empty. Raises `InvalidArgument` as
+    `check_feeder` does."""
+    snap = catalog.snapshot()
+    f = feeder_source(_require_op(snap, name), source)
+    sub = subscriptions.from_snapshot(snap, name)
+    queue = topics.from_snapshot(
+        snap, sub.spec.rq_topic if f["queue"] == "rq" else sub.spec.dlq_topic
+    )
+    partitions = queue.storage(queue.index_of(source)).partitions
+    parts = [TopicPartition(source, p) for p in range(partitions)]
+    consumer = kafka_clients.consumer(catalog.settings, enable_auto_commit=False)
+    try:
+        first, ends = consumer.beginning_offsets(parts), consumer.end_offsets(parts)
+    finally:
+        consumer.close()
+    if any(ends[tp] > first[tp] for tp in parts):
+        return False
+    _mark_fed(catalog, name, source, 0)
+    return True
 
 
 def feed(spark, catalog: Catalog, name: str, source: str) -> int:

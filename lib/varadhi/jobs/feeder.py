@@ -23,7 +23,7 @@ import sys
 from varadhi.catalog import Catalog
 from varadhi.errors import VaradhiError
 from varadhi.jobs.runner import refuse, run, setup_logging
-from varadhi.resharding import check_feeder, feed
+from varadhi.resharding import check_feeder, feed, feed_if_empty
 from varadhi.settings import Settings
 from varadhi.stop_signals import StopSignals
 
@@ -49,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     signals: StopSignals | None = None
     try:
         check_feeder(catalog, args.subscription, args.source)
+        if feed_if_empty(catalog, args.subscription, args.source):  # no Spark to copy nothing
+            print(f"fed 0 records from {args.source} (it holds none)")
+            return 0
         from varadhi.spark import get_spark
 
         spark = get_spark(f"varadhi-{args.subscription}-feeder", local=not args.cluster)
