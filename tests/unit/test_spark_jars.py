@@ -101,21 +101,6 @@ def test_runner_lists_the_jobs_and_refuses_an_unknown_one(capsys):
     assert "unknown job 'shrad'" in capsys.readouterr().err
 
 
-def test_every_job_module_has_main_and_no_job_imports_the_cli():
-    import ast
-    import importlib
-    from pathlib import Path
-
-    for name in runner.JOBS:
-        module = importlib.import_module(f"varadhi.jobs.{name}")
-        assert callable(module.main)
-        tree = ast.parse(Path(module.__file__).read_text())
-        imported = [
-            n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-        ] + [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
-        assert not [m for m in imported if m.startswith("varadhi.cli")], (name, imported)
-
-
 def test_runner_returns_the_jobs_exit_code_and_one_line(tmp_path, capsys):
     code = runner.main(["outbox_relay", "--sqlite", str(tmp_path / "app.db"), "--once"])
     assert code == 1

@@ -11,8 +11,8 @@ import sys
 from kafka.errors import AuthorizationError
 
 from ..errors import NotAuthorized, VaradhiError
-from ..kafka_clients import not_authorized, refusal
-from ..settings import Settings
+from ..jobs.runner import refusal_of
+from ..kafka_clients import not_authorized
 from . import dlq, jobs, offsets, outbox, produce, replay, status, subscription, topic
 
 COMMAND_GROUPS = [topic, produce, subscription, status, dlq, offsets, replay, outbox, jobs]
@@ -78,12 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _refusal(args: argparse.Namespace, error: Exception) -> NotAuthorized | None:
     """A missing ACL reported by `error` or its cause (a Spark query's error, with Kafka's own
-    message in it), as the typed error; None when there is none (`kafka_clients.refusal`)."""
-    try:
-        settings = Settings.from_env(command_config=args.command_config)
-    except VaradhiError:  # the principal is then left unnamed
-        settings = Settings()
-    return refusal(settings, error)
+    message in it), as the typed error; None when there is none (`runner.refusal_of`)."""
+    return refusal_of(error, args.command_config)
 
 
 if __name__ == "__main__":

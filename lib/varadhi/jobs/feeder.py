@@ -17,65 +17,48 @@ write), 1 failed or interrupted (SIGINT or SIGTERM cancel the copy; run the feed
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from varadhi.catalog import Catalog
 from varadhi.errors import VaradhiError
-from varadhi.jobs.runner import refuse, run, setup_logging
+from varadhi.jobs import runner
 from varadhi.resharding import check_feeder, feed, feed_if_empty
-from varadhi.settings import Settings
-from varadhi.stop_signals import StopSignals
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="varadhi-job feeder",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--subscription", required=True)
+@runner.entry_point()
+def main(argv: list[str]) -> int:
+    parser = runner.job_parser("feeder", __doc__)
+    runner.add_options(parser, "subscription")
     parser.add_argument("--source", required=True, help="the old RQ/DLQ storage topic to drain")
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP)")
-    parser.add_argument(
-        "--cluster", action="store_true", help="use the cluster's Spark (no local jars)"
-    )
+    runner.add_options(parser, "bootstrap", "cluster")
     args = parser.parse_args(argv)
-    setup_logging()
-    try:  # a bad Kafka client configuration ($VARADHI_KAFKA_CONFIG) is one line
-        catalog = Catalog(Settings.from_env(bootstrap=args.bootstrap))
-    except VaradhiError as e:
-        return refuse(e)
-    signals: StopSignals | None = None
+    runner.setup_logging()
+    catalog = Catalog(runner.settings(args))
+    spark = runner.SparkRun(args, f"varadhi-{args.subscription}-feeder")
     try:
         check_feeder(catalog, args.subscription, args.source)
         if feed_if_empty(catalog, args.subscription, args.source):  # no Spark to copy nothing
             print(f"fed 0 records from {args.source} (it holds none)")
             return 0
-        from varadhi.spark import get_spark
-
-        spark = get_spark(f"varadhi-{args.subscription}-feeder", local=not args.cluster)
-        signals = StopSignals.cancelling(spark)  # SIGINT/SIGTERM: the copy fails, not marked done
-        signals.install()
-        n = feed(spark, catalog, args.subscription, args.source)
+        # SIGINT/SIGTERM cancel the copy: it fails, and is not marked done
+        n = feed(spark.start(), catalog, args.subscription, args.source)
         print(f"fed {n} records from {args.source}")
         return 0
-    except VaradhiError as e:
-        return refuse(e)
+    except VaradhiError:
+        raise  # one line (`runner.run`)
     except Exception as e:  # noqa: BLE001 - the Spark job, cancelled by a signal
-        if signals is None or signals.received is None:
+        if spark.received is None:
             raise
         print(
-            f"varadhi: interrupted by {signals.received} ({type(e).__name__}); the feeder is not"
+            f"varadhi: interrupted by {spark.received} ({type(e).__name__}); the feeder is not"
             " marked done: run it again (the shards drop what it copied twice)",
             file=sys.stderr,
         )
         return 1
     finally:
-        if signals is not None:
-            signals.restore()
+        spark.restore()
         catalog.close()
 
 
 if __name__ == "__main__":
-    sys.exit(run(main, sys.argv[1:]))
+    sys.exit(main())

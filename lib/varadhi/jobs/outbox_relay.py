@@ -18,8 +18,8 @@ import signal
 import sys
 import threading
 
-from varadhi.errors import InvalidArgument, VaradhiError
-from varadhi.jobs.runner import LOG_FORMAT, refuse, run
+from varadhi.errors import InvalidArgument
+from varadhi.jobs import runner
 from varadhi.outbox import DEFAULT_PARTITIONS, DEFAULT_SHARDS, DEFAULT_TABLE_PREFIX, Outbox, Relay
 from varadhi.outbox import connector as make_connector
 from varadhi.settings import Settings
@@ -149,33 +149,23 @@ def run_relay(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="varadhi-job outbox_relay",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--bootstrap",
-        default=os.environ.get("VARADHI_BOOTSTRAP"),
-        help="Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP)",
-    )
+    parser = runner.job_parser("outbox_relay", __doc__.split("\n\n")[0])
+    parser.epilog = __doc__.split("\n\n", 1)[1]
+    runner.add_options(parser, "bootstrap")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     add_database_arguments(parser)
     add_relay_arguments(parser)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+@runner.entry_point(prog="outbox_relay")
+def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format=LOG_FORMAT)
-    try:
-        return run_relay(args)
-    except VaradhiError as e:
-        return refuse(e, prog="outbox_relay")
-    except KeyboardInterrupt:
-        return 130
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format=runner.LOG_FORMAT
+    )
+    return run_relay(args)
 
 
 if __name__ == "__main__":
-    sys.exit(run(main, sys.argv[1:], prog="outbox_relay"))
+    sys.exit(main())

@@ -17,61 +17,41 @@ missing Kafka ACL (one line naming it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from varadhi import replay
 from varadhi.catalog import Catalog
 from varadhi.errors import VaradhiError
-from varadhi.jobs.runner import refusal_of, refuse, run, setup_logging
-from varadhi.settings import Settings
-from varadhi.stop_signals import StopSignals
+from varadhi.jobs import runner
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="varadhi-job replay",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--subscription", required=True)
+@runner.entry_point()
+def main(argv: list[str]) -> int:
+    parser = runner.job_parser("replay", __doc__)
+    runner.add_options(parser, "subscription")
     parser.add_argument("--from", dest="from_", required=True, metavar="TIME", help="inclusive")
     parser.add_argument("--to", metavar="TIME", help="exclusive (default: now)")
     parser.add_argument("--parallelism", type=int, metavar="N", help="delivery tasks")
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP)")
+    runner.add_options(parser, "bootstrap")
     parser.add_argument("--output", choices=["text", "json"], default="text")
-    parser.add_argument(
-        "--cluster", action="store_true", help="use the cluster's Spark (no local jars)"
-    )
+    runner.add_options(parser, "cluster")
     args = parser.parse_args(argv)
-    setup_logging()
-    try:  # a bad Kafka client configuration ($VARADHI_KAFKA_CONFIG) is one line
-        catalog = Catalog(Settings.from_env(bootstrap=args.bootstrap))
-    except VaradhiError as e:
-        return refuse(e)
-    signals: list[StopSignals] = []
-
-    def spark():
-        from varadhi.spark import get_spark
-
-        session = get_spark(f"varadhi-replay-{args.subscription}", local=not args.cluster)
-        signals.append(StopSignals.cancelling(session))  # SIGINT/SIGTERM: the job fails
-        signals[0].install()
-        return session
-
+    runner.setup_logging()
+    catalog = Catalog(runner.settings(args))
+    # SIGINT/SIGTERM cancel the Spark job: the replay fails, recorded as failed
+    spark = runner.SparkRun(args, f"varadhi-replay-{args.subscription}")
     try:
         result = replay.run_replay(
-            catalog, args.subscription, args.from_, args.to, spark, args.parallelism
+            catalog, args.subscription, args.from_, args.to, spark.start, args.parallelism
         )
     except VaradhiError as e:
-        why = f"interrupted by {signals[0].received}: " if signals and signals[0].received else ""
-        e = refusal_of(e) or e  # a missing ACL met by the Spark job
+        why = f"interrupted by {spark.received}: " if spark.received else ""
+        e = runner.refusal_of(e) or e  # a missing ACL met by the Spark job
         print(f"varadhi: {why}{e}", file=sys.stderr)
         return e.exit_code
     finally:
-        for s in signals:
-            s.restore()
+        spark.restore()
         catalog.close()
     doc = result.to_dict()
     if args.output == "json":
@@ -82,4 +62,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(main, sys.argv[1:]))
+    sys.exit(main())

@@ -4,24 +4,32 @@
     varadhi-job shard --help            one job's options
     varadhi-job shard --subscription orders --shard 0
 
-The runner imports the job's module and returns its `main(argv)`'s exit code (`run`, which each
-job's `__main__` uses too, so `python -m`/`spark-submit` behave the same): a `VaradhiError` that
-escapes a job is one line on stderr with its exit code (2 refused, nothing changed; 1 failed), and
-so is any error that reports a missing Kafka ACL (a Spark job's, with Kafka's Java message in it):
-the `NotAuthorized` line, exit code 4. SIGINT that escapes is 130. The jobs share
-`setup_logging`, `refuse` and `refusal_of` from here.
+The runner imports the job's module and returns its `main(argv)`'s exit code. Every job's `main`
+is an `entry_point`, so however it is started (`varadhi-job`, `python -m`, spark-submit on the
+module's file or on a checkout's `jobs/*.py`, or called from Python) errors end the same way
+(`run`): a `VaradhiError` that escapes a job is one line on stderr with its exit code (2 refused,
+nothing changed; 1 failed), and so is any error that reports a missing Kafka ACL (a Spark job's,
+with Kafka's Java message in it): the `NotAuthorized` line, exit code 4. SIGINT that escapes is
+130. The jobs also share their parser and common options (`job_parser`, `add_options`), their
+settings (`settings`), Spark session and signal handling (`SparkRun`) and logging
+(`setup_logging`) from here. No job imports `varadhi.cli` (tests/unit/test_job_runner.py checks
+every module a job imports, transitively).
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import importlib
 import logging
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from ..errors import NotAuthorized, VaradhiError
 from ..kafka_clients import refusal
 from ..settings import Settings
+from ..stop_signals import StopSignals
 
 # name -> what it does (the module is varadhi.jobs.<name>)
 JOBS: dict[str, str] = {
@@ -49,11 +57,12 @@ def refuse(error: VaradhiError, prog: str = "varadhi") -> int:
     return error.exit_code
 
 
-def refusal_of(error: BaseException) -> NotAuthorized | None:
+def refusal_of(error: BaseException, command_config: str | None = None) -> NotAuthorized | None:
     """The missing Kafka ACL that `error` or its causes report (`kafka_clients.refusal`), naming
-    the principal of the job's Kafka configuration ($VARADHI_KAFKA_CONFIG); None otherwise."""
+    the principal of the Kafka configuration (`command_config`, else $VARADHI_KAFKA_CONFIG);
+    None otherwise. Shared with the `varadhi` command line."""
     try:
-        settings = Settings.from_env()
+        settings = Settings.from_env(command_config=command_config)
     except VaradhiError:  # a bad configuration: the principal is left unnamed
         settings = Settings()
     return refusal(settings, error)
@@ -74,6 +83,98 @@ def run(main: Callable[[list[str]], int | None], argv: list[str], prog: str = "v
         if refused is None:
             raise
         return refuse(refused, prog)
+
+
+def entry_point(prog: str = "varadhi") -> Callable[[Callable[[list[str]], int | None]], Callable]:
+    """Decorate a job's `main(argv)`: calling it (argv None: the command line's) returns
+    `run(main, argv, prog)`'s exit code, so each way of starting a job ends errors alike."""
+
+    def decorate(main: Callable[[list[str]], int | None]) -> Callable[[list[str] | None], int]:
+        @functools.wraps(main)
+        def job_main(argv: list[str] | None = None) -> int:
+            return run(main, list(sys.argv[1:] if argv is None else argv), prog)
+
+        return job_main
+
+    return decorate
+
+
+#: The options jobs share: name -> (flag, argparse keywords).
+OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "subscription": ("--subscription", {"required": True}),
+    "bootstrap": (
+        "--bootstrap",
+        {"help": "Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP, else the Kafka client "
+                 "configuration's bootstrap.servers)"},  # fmt: skip
+    ),
+    "warehouse": (
+        "--warehouse",
+        {"help": "Delta tables and checkpoints (default: $VARADHI_WAREHOUSE)"},
+    ),
+    "cluster": (
+        "--cluster",
+        {"action": "store_true", "help": "use the cluster's Spark (no local jars)"},
+    ),
+}
+
+
+def job_parser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of job `name` (`varadhi-job NAME`), its module docstring `doc` as the help."""
+    return argparse.ArgumentParser(
+        prog=f"varadhi-job {name}",
+        description=doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+def add_options(parser: argparse.ArgumentParser, *names: str) -> None:
+    """Add the shared `OPTIONS` named, in the order given."""
+    for name in names:
+        flag, keywords = OPTIONS[name]
+        parser.add_argument(flag, **keywords)
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """The job's settings: the environment's (`Settings.from_env`) with the shared options given
+    (--bootstrap, --warehouse). Raises `KafkaConfigError` (one line, exit code 2 through `run`)
+    for a bad Kafka client configuration ($VARADHI_KAFKA_CONFIG), before any side effect."""
+    return Settings.from_env(
+        bootstrap=getattr(args, "bootstrap", None), warehouse=getattr(args, "warehouse", None)
+    )
+
+
+class SparkRun:
+    """A bounded job's Spark session (`start`: local, or the cluster's with --cluster) whose
+    Spark jobs SIGINT and SIGTERM cancel (`StopSignals.cancelling`) until `restore` (or the end
+    of a `with` block). `received` names the signal that cancelled them, None if none did: a
+    job that failed after one reports the interruption, not the failure."""
+
+    def __init__(self, args: argparse.Namespace, app_name: str):
+        self.args = args
+        self.app_name = app_name
+        self._signals: StopSignals | None = None
+
+    def start(self) -> Any:
+        from ..spark import get_spark
+
+        spark = get_spark(self.app_name, local=not self.args.cluster)
+        self._signals = StopSignals.cancelling(spark)
+        self._signals.install()
+        return spark
+
+    @property
+    def received(self) -> str | None:
+        return None if self._signals is None else self._signals.received
+
+    def restore(self) -> None:
+        if self._signals is not None:
+            self._signals.restore()
+
+    def __enter__(self) -> SparkRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()
 
 
 def usage() -> str:

@@ -26,38 +26,27 @@ Kafka ACL (one line naming it).
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from varadhi.errors import VaradhiError
-from varadhi.jobs.runner import refuse, run, setup_logging
+from varadhi.jobs import runner
 from varadhi.leases import ttl_from_env
 from varadhi.metrics import MetricsOptions, attach, use_json_logs
-from varadhi.settings import Settings
 from varadhi.shard import ShardJob
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="varadhi-job shard",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--subscription", required=True)
+@runner.entry_point()
+def main(argv: list[str]) -> int:
+    parser = runner.job_parser("shard", __doc__)
+    runner.add_options(parser, "subscription")
     parser.add_argument("--shard", type=int, required=True)
-    parser.add_argument("--bootstrap", help="Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP)")
-    parser.add_argument(
-        "--warehouse", help="Delta tables and checkpoints (default: $VARADHI_WAREHOUSE)"
-    )
+    runner.add_options(parser, "bootstrap", "warehouse")
     parser.add_argument(
         "--stop-when-idle",
         type=float,
         metavar="SECONDS",
         help="stop once everything readable is delivered and nothing is parked for this long",
     )
-    parser.add_argument(
-        "--cluster", action="store_true", help="use the cluster's Spark (no local jars)"
-    )
+    runner.add_options(parser, "cluster")
     parser.add_argument(
         "--standby",
         action="store_true",
@@ -89,12 +78,9 @@ def main(argv: list[str] | None = None) -> int:
         "counts (default: $VARADHI_LOG_FORMAT or text)",
     )
     args = parser.parse_args(argv)
-    setup_logging()
-    try:  # a bad Kafka client configuration ($VARADHI_KAFKA_CONFIG) is one line
-        settings = Settings.from_env(bootstrap=args.bootstrap, warehouse=args.warehouse)
-        options = MetricsOptions.from_env(args.metrics_port, args.metrics_addr, args.log_format)
-    except VaradhiError as e:
-        return refuse(e)
+    runner.setup_logging()
+    settings = runner.settings(args)
+    options = MetricsOptions.from_env(args.metrics_port, args.metrics_addr, args.log_format)
     if options.json_logs:
         use_json_logs()
     spark = None
@@ -102,25 +88,22 @@ def main(argv: list[str] | None = None) -> int:
         from varadhi.spark import get_spark
 
         spark = get_spark(f"varadhi-{args.subscription}-{args.shard}", local=False)
+    job = ShardJob(
+        args.subscription,
+        args.shard,
+        settings,
+        spark=spark,
+        stop_when_idle_s=args.stop_when_idle,
+        standby=args.standby,
+        lease_ttl_ms=ttl_from_env(args.lease_ttl),
+    )
+    telemetry = attach(job, options)
     try:
-        job = ShardJob(
-            args.subscription,
-            args.shard,
-            settings,
-            spark=spark,
-            stop_when_idle_s=args.stop_when_idle,
-            standby=args.standby,
-            lease_ttl_ms=ttl_from_env(args.lease_ttl),
-        )
-        telemetry = attach(job, options)
-        try:
-            return job.run()
-        finally:
-            if telemetry is not None:
-                telemetry.close()
-    except VaradhiError as e:
-        return refuse(e)
+        return job.run()
+    finally:
+        if telemetry is not None:
+            telemetry.close()
 
 
 if __name__ == "__main__":
-    sys.exit(run(main, sys.argv[1:]))
+    sys.exit(main())

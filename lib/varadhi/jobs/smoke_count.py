@@ -7,34 +7,22 @@ check that the Kafka connector jars and the broker work.
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
 
 from varadhi import kafka_clients
-from varadhi.errors import VaradhiError
-from varadhi.jobs.runner import refuse, run
-from varadhi.settings import Settings
+from varadhi.jobs import runner
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="varadhi-job smoke_count",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+@runner.entry_point()
+def main(argv: list[str]) -> int:
+    parser = runner.job_parser("smoke_count", __doc__)
     parser.add_argument("--topic", required=True, help="a Kafka (storage) topic")
-    parser.add_argument(
-        "--bootstrap", default=os.environ.get("VARADHI_BOOTSTRAP", "127.0.0.1:19092")
-    )
+    runner.add_options(parser, "bootstrap")
     args = parser.parse_args(argv)
-    try:
-        settings = Settings.from_env(bootstrap=args.bootstrap)
-        from varadhi.spark import get_spark
+    settings = runner.settings(args)
+    from varadhi.spark import get_spark
 
-        spark = get_spark("varadhi-smoke-count")
-    except VaradhiError as e:
-        return refuse(e)
+    spark = get_spark("varadhi-smoke-count")
     counts = (
         spark.read.format("kafka")
         .options(**kafka_clients.spark_options(settings))
@@ -52,4 +40,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run(main, sys.argv[1:]))
+    sys.exit(main())
