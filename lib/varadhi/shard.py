@@ -38,7 +38,6 @@ import os
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import pandas as pd
@@ -80,6 +79,7 @@ from .policies import CircuitPolicy
 from .queue_records import MAX_REQUEST_BYTES, out_record
 from .record_ids import group_id_column, group_key_column, msg_id_column
 from .settings import Settings
+from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
 from .startup import StartupClock
 from .state_store import StateStore, normalise
 from .status import ProgressPublisher, latest_progress
@@ -87,8 +87,6 @@ from .stop_signals import StopSignals
 
 log = logging.getLogger("varadhi.shard")
 
-# How many blocked groups a progress document lists by name (`summarize`); the count is exact.
-LISTED_BLOCKED_GROUPS = 100
 # Producers learn of a switch within a second and give up on a record after 30 s
 # (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
 SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
@@ -97,36 +95,6 @@ SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
 class StopRequested(Exception):
     """Raised inside foreachBatch when the driver is stopping: the batch does nothing and is
     replayed by the next query run."""
-
-
-@dataclass
-class ShardStats:
-    batches: int = 0
-    records: int = 0
-    routed: int = 0
-    delivered: int = 0
-    retried: int = 0
-    retried_in_place: int = 0
-    dead_lettered: int = 0
-    duplicates: int = 0
-    deduplicated: int = 0
-    filtered: int = 0  # main-topic records the subscription's filter dropped (`varadhi.filters`)
-    attempts: int = 0
-    failures: int = 0
-    replays: int = 0
-    skipped_replayed: int = 0
-    last_batch: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def resumed(cls, progress: dict[str, Any] | None, shard_count: int) -> ShardStats:
-        """Counters that go on from a shard's last progress document (`totals`), so they
-        survive restarts; zero for a document of another shard count (a shard-count change
-        starts the new shards' own counts) or none."""
-        if not progress or progress.get("shard_count", shard_count) != shard_count:
-            return cls()
-        totals = progress.get("totals") or {}
-        names = [f.name for f in fields(cls) if f.type in ("int", int)]
-        return cls(**{n: int(totals[n]) for n in names if isinstance(totals.get(n), int)})
 
 
 class ShardJob:
@@ -177,7 +145,7 @@ class ShardJob:
         self._dedup: DedupWindow | None = None
         self._summary: dict[str, Any] = {}
         self._publisher: ProgressPublisher | None = None
-        self._rate_window: list[tuple[float, int, int]] = []
+        self._rates = Rates()
         self._where: dict[str, Any] = {}
         self._offsets_consumer: KafkaConsumer | None = None
         self._partitions_read = 0  # main-topic partitions of the running query
@@ -426,12 +394,7 @@ class ShardJob:
         if self._publisher is None:
             return
         s = self.stats
-        now = time.monotonic()
-        self._rate_window = [w for w in self._rate_window if now - w[0] <= 60] + [
-            (now, s.delivered, s.failures)
-        ]
-        t0, d0, f0 = self._rate_window[0]
-        span = max(now - t0, 1e-9)
+        rates = self._rates.update(time.monotonic(), s.delivered, s.failures)
         consumed = self._consumed(query) if query is not None else None
         if consumed is not None:
             self._where["consumed"] = consumed
@@ -442,11 +405,8 @@ class ShardJob:
             "epoch": self._lease.epoch,
             **self._where,
             **self._summary,
-            "totals": {k: v for k, v in asdict(s).items() if isinstance(v, int)},
-            "rates": {
-                "delivered_per_s": round((s.delivered - d0) / span, 2) if span > 1 else 0.0,
-                "failures_per_s": round((s.failures - f0) / span, 2) if span > 1 else 0.0,
-            },
+            "totals": s.totals(),
+            "rates": rates,
             "last_batch": s.last_batch,
             "circuit": self._circuit.status(),
         }
@@ -507,7 +467,7 @@ class ShardJob:
         # Parked retries that fall due before any new input arrives need a tick to run; status
         # shows what waits from the start, not only after the first batch.
         pending = self._store.pending()
-        self._next_due_ms = _next_due(pending)
+        self._next_due_ms = next_due(pending)
         self._summary = summarize(pending)
         self._startup.mark("state table read")
         ctx_base = dict(
@@ -984,30 +944,8 @@ class ShardJob:
 
     def _finish_batch(self, batch_id, n_records, counts, started, pending, phases) -> None:
         s = self.stats
-        s.batches += 1
-        s.records += n_records
-        for k in (
-            "routed",
-            "delivered",
-            "retried",
-            "retried_in_place",
-            "dead_lettered",
-            "duplicates",
-            "deduplicated",
-            "filtered",
-            "attempts",
-            "failures",
-            "skipped_replayed",
-        ):
-            setattr(s, k, getattr(s, k) + int(counts.get(k, 0)))
-        s.last_batch = {
-            "batch_id": batch_id,
-            "records": n_records,
-            "seconds": round(time.monotonic() - started, 3),
-            **{k: round(v, 3) for k, v in phases.items()},
-            **counts,
-        }
-        self._next_due_ms = _next_due(pending)
+        s.add_batch(batch_id, n_records, counts, time.monotonic() - started, phases)
+        self._next_due_ms = next_due(pending)
         self._summary = summarize(pending)
         attempts, failures = int(counts.get("attempts", 0)), int(counts.get("failures", 0))
         before = self._circuit.state
@@ -1075,7 +1013,7 @@ class _Batch:
         job, sub, mq, rq = self.job, self.sub, self.mq, self.rq
         app_id, batch_id = self.app_id, self.batch_id
         now_ms = int(time.time() * 1000)
-        due_groups = _due_heads(pending, now_ms)
+        due_groups = due_heads(pending, now_ms)
         probes = job._circuit.due_limit()  # half-open: only a few parked retries
         if probes is not None and len(due_groups) > probes:
             due_groups = due_groups[:probes]
@@ -1163,77 +1101,3 @@ def filter_records(
         .drop(keep)
     )
     return kept, observed
-
-
-def _parked_heads(pending: dict[str, list[dict]]) -> dict[str, int]:
-    """Group key -> due time, for groups whose head (smallest origin) is parked here (pure)."""
-    out = {}
-    for g, rows in pending.items():
-        head = min(
-            rows, key=lambda r: (r["origin_index"], r["origin_partition"], r["origin_offset"])
-        )
-        if head["location"] == "held":
-            out[g] = int(head["due_ms"] or 0)
-    return out
-
-
-def _due_heads(pending: dict[str, list[dict]], now_ms: int) -> list[str]:
-    """Groups whose head is a parked (held) message that is due now (pure)."""
-    return [g for g, due in _parked_heads(pending).items() if due <= now_ms]
-
-
-def _next_due(pending: dict[str, list[dict]]) -> int | None:
-    """The earliest due time of a parked head (pure); None when nothing is parked."""
-    return min(_parked_heads(pending).values(), default=None)
-
-
-def where_reading(
-    before: dict[str, Any], shard_count: int, layout: Layout, assign: dict[str, list[int]]
-) -> dict[str, Any]:
-    """What a progress document says of a query that starts reading `assign` (pure). The
-    offsets consumed so far (`consumed`, from the last completed batch) carry over from
-    `before` (the previous query's, or the last document of an earlier run of this shard) when
-    it read the same layout: until its first batch completes, a restarted query has consumed
-    exactly that. Otherwise status counts lag from the layout's start."""
-    where = {
-        "generation": layout.generation,
-        "shard_count": shard_count,
-        "layout": layout.seq,
-        "mq_index": layout.mq_index,
-        "reading": assign,
-    }
-    same = all(before.get(k) == where[k] for k in ("generation", "shard_count", "layout"))
-    if same and before.get("consumed"):
-        where["consumed"] = before["consumed"]
-    return where
-
-
-def summarize(pending: dict[str, list[dict]]) -> dict[str, Any]:
-    """What status shows of a shard's GroupState (pure): blocked groups and pending messages
-    by where they wait, and the first `LISTED_BLOCKED_GROUPS` blocked groups (by key) with
-    their head: its message id, where it waits (`rq`: a retry; `dlq`: a dead letter blocking
-    the group; `held`: parked here), its reason and how many of the group's messages wait."""
-    where = [r["location"] for rows in pending.values() for r in rows]
-    listed = []
-    for group in sorted(pending)[:LISTED_BLOCKED_GROUPS]:
-        rows = pending[group]
-        head = min(
-            rows, key=lambda r: (r["origin_index"], r["origin_partition"], r["origin_offset"])
-        )
-        reason = head.get("reason")
-        listed.append(
-            {
-                "group": group,
-                "head": head["msg_id"],
-                "where": head["location"],
-                "reason": reason if isinstance(reason, str) else None,
-                "waiting": len(rows),
-            }
-        )
-    return {
-        "blocked_groups": len(pending),
-        "held": where.count("held"),
-        "rq_pending": where.count("rq"),
-        "dlq_pending": where.count("dlq"),
-        "blocked": listed,
-    }

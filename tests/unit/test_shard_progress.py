@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from varadhi.shard import LISTED_BLOCKED_GROUPS, ShardStats, summarize
+from varadhi.shard_stats import LISTED_BLOCKED_GROUPS, ShardStats, summarize
 
 
 def row(offset: int, location: str, reason: str | None = None, msg_id: str | None = None):
@@ -54,7 +54,7 @@ def test_counters_go_on_from_the_last_progress_of_the_same_shard_count():
 
 def test_a_restarted_query_reports_what_the_last_one_consumed_on_the_same_layout():
     from varadhi.layouts import Layout
-    from varadhi.shard import where_reading
+    from varadhi.shard_stats import where_reading
 
     layout = Layout(generation=1, seq=2, mq_index=0, starting_offsets={})
     before = {"generation": 1, "shard_count": 2, "layout": 2, "consumed": {"t.0": {"0": 40}}}
@@ -74,3 +74,31 @@ def test_a_shard_count_change_carries_the_retired_shards_counts():
     }
     assert carry_totals({"delivered": 1}, progress, 2) == {"delivered": 13, "routed": 13}
     assert carry_totals({}, {}, 2) == {}
+
+
+def test_a_batch_adds_its_counters_and_becomes_the_last_batch():
+    from varadhi.shard_stats import ShardStats
+
+    s = ShardStats(delivered=5, replays=1)
+    counts = {"delivered": 3, "failures": 2, "records": 4, "http": {"200": 3}}
+    s.add_batch(7, 4, counts, 1.23456, {"deliver_s": 0.98765})
+    assert (s.batches, s.records, s.delivered, s.failures, s.replays) == (1, 4, 8, 2, 1)
+    assert s.last_batch == {
+        "batch_id": 7,
+        "records": 4,
+        "seconds": 1.235,
+        "deliver_s": 0.988,
+        **counts,
+    }
+    assert s.totals()["delivered"] == 8 and "last_batch" not in s.totals()
+
+
+def test_rates_are_over_the_last_minute_and_zero_for_the_first_second():
+    from varadhi.shard_stats import Rates
+
+    r = Rates()
+    assert r.update(100.0, 0, 0) == {"delivered_per_s": 0.0, "failures_per_s": 0.0}
+    assert r.update(100.5, 50, 1) == {"delivered_per_s": 0.0, "failures_per_s": 0.0}
+    assert r.update(110.0, 100, 10) == {"delivered_per_s": 10.0, "failures_per_s": 1.0}
+    # Later than 60 s, the first records have left the window: rates since t=110.
+    assert r.update(169.0, 159, 10) == {"delivered_per_s": 1.0, "failures_per_s": 0.0}
