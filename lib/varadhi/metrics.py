@@ -395,12 +395,25 @@ class SparkSource:
             self.registry.register(n, self.gauges[n])
         self._system = sc._jsc.sc().env().metricsSystem()
         self._system.registerSource(self)
+        # The JVM's proxy of this object as registered: `removeSource` finds a source by
+        # reference (or `equals`), and passing `self` again would make a new proxy.
+        self._registered = self._system.getSourcesByName(self.name).head()
 
     def sourceName(self) -> str:  # noqa: N802 - Spark's Source interface
         return self.name
 
     def metricRegistry(self) -> Any:  # noqa: N802 - Spark's Source interface
         return self.registry
+
+    # java.lang.Object's methods reach the proxy too (a source list's `-=` compares with them).
+    def equals(self, other: Any) -> bool:
+        return other is self
+
+    def hashCode(self) -> int:  # noqa: N802
+        return id(self) & 0x7FFFFFFF
+
+    def toString(self) -> str:  # noqa: N802
+        return self.name
 
     def update(self, inc: Mapping[str, int], gauges: Mapping[str, int]) -> None:
         for name, n in inc.items():
@@ -410,7 +423,7 @@ class SparkSource:
             self.gauges[name].setValue(v)
 
     def close(self) -> None:
-        self._system.removeSource(self)
+        self._system.removeSource(self._registered)
 
 
 def json_fields(

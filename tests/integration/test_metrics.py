@@ -185,6 +185,8 @@ def test_a_scrape_during_a_shard_run_matches_what_the_endpoint_counted(
     assert value(final, "varadhi_spark_trigger_seconds") > 0
     assert seen["spark_source"] == 1
     assert seen["varadhi_source"] == 1
+    system = spark._jsc.sc().env().metricsSystem()
+    assert system.getSourcesByName(f"varadhi.{name}.0").size() == 0  # removed by close()
     in_spark, gauges = seen["spark_counts"], seen["spark_gauges"]
     by_class: Counter[str] = Counter()
     for code, n in counted["by_status"].items():
