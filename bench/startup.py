@@ -355,7 +355,8 @@ def summary(runs: list[dict]) -> list[dict]:
 def print_run(run: dict) -> None:
     print(
         f"\n== {run['scenario']} / {run['variant']} #{run['repetition']}: every shard delivered "
-        f"after {run['all_delivered_s']} s, {run['cpu_s_when_all_delivered']} CPU s (load {run['load_average_at_start'][0]}; shard exits "
+        f"after {run['all_delivered_s']} s, {run['cpu_s_when_all_delivered']} CPU s "
+        f"(load {run['load_average_at_start'][0]}; shard exits "
         f"{run['shard_exits']}, feeder exits {run['feeder_exits']})"
     )
     for p in run["processes"]:

@@ -1,13 +1,13 @@
 """A class-data archive (AppCDS) of the Spark driver JVM: a faster, cheaper JVM start.
 
-A Spark driver spends much of its first seconds loading, parsing and verifying some 15,000
+A Spark driver spends much of its first seconds loading, parsing and verifying thousands of
 classes. The JVM can map them ready-made from an archive written once by an earlier JVM that
 loaded them (`-XX:ArchiveClassesAtExit`, then `-XX:SharedArchiveFile`). `scripts/setup` writes
 it to `.jars/cds/spark-<pyspark version>.jsa` with `build` (a local session doing what a shard
 does: Delta, Arrow, a Python UDF, the Kafka source), and every driver JVM of a checkout with that
-pyspark uses it: `./spark-submit.sh` and `get_spark` (local) put `java_options()` into
-`SPARK_SUBMIT_OPTS`, which Spark's launcher gives the driver JVM. bench/startup.py measures what
-it saves (docs/benchmarks.md).
+pyspark uses it: `./spark-submit.sh` and `get_spark` (local, `launch_env`) put `java_options()`
+into `SPARK_SUBMIT_OPTS`, which Spark's launcher gives the driver JVM. bench/startup.py measures
+what it saves (docs/benchmarks.md).
 
 Hazards:
 - The archive belongs to one JDK build and one set of Spark jars (the class path it was built
@@ -25,6 +25,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 # A source checkout's archives (lib/varadhi/class_archive.py -> the checkout); none when installed.
@@ -57,6 +59,26 @@ def with_archive(opts: str | None, archive: Path) -> str:
     if "SharedArchiveFile" in opts or "ArchiveClassesAtExit" in opts:
         return opts
     return " ".join(filter(None, [opts, java_options(archive)]))
+
+
+@contextmanager
+def launch_env(archive: Path | None) -> Iterator[None]:
+    """Within the block, `SPARK_SUBMIT_OPTS` names `archive` (`with_archive`), for a driver JVM
+    this process launches there (`SparkSession.builder.getOrCreate`); restored afterwards, so
+    other programs this process starts (another Spark, with other jars) never inherit it.
+    `archive` None: nothing changes."""
+    if archive is None:
+        yield
+        return
+    before = os.environ.get(OPTS_ENV)
+    os.environ[OPTS_ENV] = with_archive(before, archive)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(OPTS_ENV, None)
+        else:
+            os.environ[OPTS_ENV] = before
 
 
 def _workload(spark, folder: str) -> None:

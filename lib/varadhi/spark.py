@@ -212,15 +212,14 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
         .config("spark.sql.streaming.stopGracefullyOnShutdown", "true")
         .config("spark.databricks.delta.snapshotPartitions", "2")
     )
+    archive = None  # the driver JVM's class-data archive, where this process starts that JVM
     for key, value in hadoop_conf(os.environ).items():  # VARADHI_S3A_*: an s3a:// warehouse
         builder = builder.config(f"spark.hadoop.{key}", value)
     if local:
         for key, value in local_jar_settings().items():
             builder = builder.config(key, value)
         if not os.environ.get("PYSPARK_GATEWAY_PORT"):  # this process starts the driver JVM
-            env = class_archive.OPTS_ENV  # Spark's classes from scripts/setup's archive
-            archive = class_archive.archive_path(running_spark_version())
-            os.environ[env] = class_archive.with_archive(os.environ.get(env), archive)
+            archive = class_archive.archive_path(running_spark_version())  # scripts/setup's
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
         builder = (
@@ -241,6 +240,7 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
             builder = builder.config("spark.driver.extraClassPath", s3a).config(
                 "spark.executor.extraClassPath", s3a
             )
-    spark = builder.getOrCreate()
+    with class_archive.launch_env(archive):
+        spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("VARADHI_SPARK_LOG_LEVEL", "WARN"))
     return spark

@@ -107,3 +107,18 @@ def test_each_spark_line_has_its_own_archive(tmp_path):
     assert class_archive.archive_path("3.5.7", tmp_path) != class_archive.archive_path(
         "4.1.1", tmp_path
     )
+
+
+def test_the_launch_env_names_the_archive_only_within_the_block(tmp_path, monkeypatch):
+    archive = tmp_path / "spark-4.1.1.jsa"
+    archive.write_bytes(b"jsa")
+    monkeypatch.delenv(class_archive.OPTS_ENV, raising=False)
+    with class_archive.launch_env(archive):
+        assert f"-XX:SharedArchiveFile={archive}" in os.environ[class_archive.OPTS_ENV]
+    assert class_archive.OPTS_ENV not in os.environ  # nothing left for other programs
+    monkeypatch.setenv(class_archive.OPTS_ENV, "-Dmine=1")
+    with class_archive.launch_env(archive):
+        assert os.environ[class_archive.OPTS_ENV].startswith("-Dmine=1 -XX:SharedArchiveFile=")
+    assert os.environ[class_archive.OPTS_ENV] == "-Dmine=1"
+    with class_archive.launch_env(None):  # a JVM already running, or a cluster's session
+        assert os.environ[class_archive.OPTS_ENV] == "-Dmine=1"
