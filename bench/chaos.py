@@ -21,8 +21,11 @@ broker can be killed without touching anyone else's):
 5. At the end the shards run until idle, and the run is judged:
    - lost: acknowledged messages neither delivered (2xx) nor in the DLQ (must be 0);
    - order violations: groups whose first successful deliveries are not in produce order (0);
-   - early retries: attempt n+1 of a message sent before attempt n's backoff or Retry-After
-     could have passed (0; the policy has no jitter so the bound is exact);
+   - early retries: attempt n+1 of a message sent before attempt n's backoff could have passed
+     (0; the policy has no jitter so the bound is exact), from the endpoint's clock: a request
+     it read after the client had left (`read_after_client_left`: a timeout on a starved
+     machine) bounds nothing, and whether the client saw a Retry-After it cannot tell (see
+     `early_retries`);
    - dead letters: must be exactly the poison messages;
    - duplicates: successful deliveries beyond the first of each message, as a share, split by
      cause: `after_timeout` (the endpoint's 2xx reached the client after its request timeout,
@@ -300,19 +303,24 @@ def _client_saw_a_failure(success, again) -> bool:
 
 def early_retries(by_msg: dict[str, list]) -> list[dict]:
     """Each pair of consecutive records of one message (in arrival order) where attempt n failed
-    and attempt n+1 arrived before n's backoff (or Retry-After) could have passed (pure): the
-    message, both records' `seq`, the gap and the wait owed, in ms."""
+    and attempt n+1 arrived before n's backoff could have passed (pure): the message, both
+    records' `seq`, the gap and the wait owed, in ms.
+
+    The bound is what the endpoint's clock can prove. The client decides when it has the answer
+    or its timeout passed, so never before the endpoint read the request, and waits the backoff
+    from then; whether it saw the answer (and its Retry-After) or timed out first, the endpoint
+    cannot tell on a starved machine, so the wait owed is the policy's backoff, not Retry-After
+    (honoured in tests/unit/test_retry.py and the engine's tests). Attempt n read after the client
+    had given up on it (`Record.client_gone`) bounds nothing: the client timed out before the
+    endpoint's clock started, and its next attempt may arrive right after."""
     early = []
     for msg_id, rs in by_msg.items():
         for prev, nxt in zip(rs, rs[1:], strict=False):
             if prev.attempt is None or nxt.attempt != prev.attempt + 1 or prev.status < 300:
                 continue
-            if prev.status == 503:
-                need = RETRY["retry_after_s"] * 1000
-            else:
-                need = min(
-                    RETRY["min_backoff_ms"] * 2 ** (prev.attempt - 1), RETRY["max_backoff_ms"]
-                )
+            if prev.client_gone:
+                continue
+            need = min(RETRY["min_backoff_ms"] * 2 ** (prev.attempt - 1), RETRY["max_backoff_ms"])
             if nxt.received_ms + CLOCK_SLACK_MS < prev.received_ms + need:
                 early.append(
                     {
@@ -337,7 +345,15 @@ def evidence(records, verdict: dict) -> dict[str, list[dict]]:
             out[r.message_id].append(
                 {
                     k: getattr(r, k)
-                    for k in ("seq", "received_ms", "attempt", "status", "delay_ms", "connection")
+                    for k in (
+                        "seq",
+                        "received_ms",
+                        "attempt",
+                        "status",
+                        "delay_ms",
+                        "connection",
+                        "client_gone",
+                    )
                 }
                 | {"headers": r.headers}
             )
@@ -387,6 +403,7 @@ def judge(records, acked, parked_ids, poison, start_ms: float) -> dict:
         "order_violation_groups": broken[:10],
         "early_retries": len(early),
         "early_retry_pairs": early,
+        "read_after_client_left": sum(r.client_gone for r in records),
         "dead_letters": len(parked_ids),
         "dead_letters_are_the_poison": set(parked_ids) == set(poison),
         "unexpected_dead_letters": sorted(set(parked_ids) - set(poison)),
@@ -609,6 +626,7 @@ def main() -> int:
         "lost",
         "order_violations",
         "early_retries",
+        "read_after_client_left",
         "dead_letters",
         "dead_letters_are_the_poison",
         "duplicates",

@@ -25,7 +25,7 @@ def chaos():
         sys.path.remove(str(BENCH))
 
 
-def rec(seq, msg, attempt, status, at_ms, delay_ms=0):
+def rec(seq, msg, attempt, status, at_ms, delay_ms=0, gone=False):
     return Record(
         seq=seq,
         connection=1,
@@ -39,6 +39,7 @@ def rec(seq, msg, attempt, status, at_ms, delay_ms=0):
         status=status,
         delay_ms=delay_ms,
         headers={"X-Varadhi-Attempt": str(attempt), "X-Varadhi-Source": f"t/0/{seq}"},
+        client_gone=gone,
     )
 
 
@@ -48,16 +49,40 @@ def test_early_retry_pairs_name_the_message_and_both_records(chaos):
         rec(1, "a", 2, 500, 1_150),  # 200 ms owed after attempt 1: early
         rec(2, "a", 3, 200, 1_600),  # 400 ms owed after attempt 2: on time
         rec(3, "b", 1, 503, 2_000),
-        rec(4, "b", 2, 200, 2_500),  # Retry-After: 1 s owed: early
-        rec(5, "c", 1, 200, 3_000, delay_ms=1_500),  # slow: the client timed out, no bound
-        rec(6, "c", 2, 200, 3_100),
+        rec(4, "b", 2, 503, 2_100),  # 200 ms owed after attempt 1: early
+        rec(5, "b", 3, 200, 2_550),  # 400 ms owed after attempt 2: on time
+        rec(6, "c", 1, 200, 3_000, delay_ms=1_500),  # slow: the client timed out, no bound
+        rec(7, "c", 2, 200, 3_100),
     ]
     verdict = chaos.judge(records, {}, set(), [], 0)
     assert verdict["early_retries"] == 2
     assert verdict["early_retry_pairs"] == [
         {"message": "a", "seq": [0, 1], "gap_ms": 150.0, "need_ms": 200},
-        {"message": "b", "seq": [3, 4], "gap_ms": 500.0, "need_ms": 1000},
+        {"message": "b", "seq": [3, 4], "gap_ms": 100.0, "need_ms": 200},
     ]
+
+
+def test_a_starved_endpoint_is_not_taken_for_early_retries(chaos):
+    """Three messages of a 20,000-message run at load average 70 (the endpoint's records as it
+    saw them), each counted early before: the client timed out on attempts the endpoint read
+    late, and sent the next one after its backoff from its timeout."""
+    records = [
+        # g338-6: attempt 1 answered 200 and attempt 2 read 5 ms later: the client had timed
+        # out on attempt 1 (it retries only failures) before the endpoint read it; so also 2.
+        rec(0, "g338-6", 1, 200, 0, gone=True),
+        rec(1, "g338-6", 2, 503, 5, gone=True),
+        rec(2, "g338-6", 3, 200, 119),
+        # g199-0: 503 read in time, the next attempt 267 ms later: the client's timeout came
+        # first (1 s, answer or not), then the 200 ms backoff; its Retry-After never reached it.
+        rec(3, "g199-0", 1, 503, 1_000),
+        rec(4, "g199-0", 2, 200, 1_267),
+        # g993-4: 500, then attempt 2 after 81 ms: attempt 1 was read after the client left.
+        rec(5, "g993-4", 1, 500, 2_000, gone=True),
+        rec(6, "g993-4", 2, 200, 2_081),
+    ]
+    verdict = chaos.judge(records, {}, set(), [], 0)
+    assert verdict["early_retries"] == 0
+    assert verdict["read_after_client_left"] == 3
 
 
 def test_evidence_holds_every_record_of_offending_messages_only(chaos):
@@ -80,6 +105,7 @@ def test_evidence_holds_every_record_of_offending_messages_only(chaos):
         "status": 500,
         "delay_ms": 0,
         "connection": 1,
+        "client_gone": False,
         "headers": {"X-Varadhi-Attempt": "2", "X-Varadhi-Source": "t/0/4"},
     }
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import select
 import signal
 import socket
 import socketserver
@@ -78,6 +79,11 @@ class Record:
     delay_ms: int
     headers: dict[str, str] | None = None
     batch: int | None = None  # the batch request it came in (0-based), None: a single request
+    # (Single requests.) The client had already closed the connection when the endpoint read
+    # the request: it gave up on it (timed out) before it arrived here, so `received_ms` says
+    # nothing of when it was sent, and the client saw a timeout, not `status` (a starved
+    # endpoint reads late).
+    client_gone: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -259,6 +265,7 @@ class TestEndpoint:
             self._deliver_batch(h, body)
             return
         received_ms = time.time() * 1000
+        gone = _client_gone(h.connection)
         message_id = _utf8(h.headers.get(HTTP_MESSAGE_ID))
         group_id = _utf8(h.headers.get(HTTP_GROUP_ID))
         attempt = h.headers.get(HTTP_ATTEMPT)
@@ -285,6 +292,7 @@ class TestEndpoint:
                 headers={k: _utf8(v) for k, v in h.headers.items()}
                 if self.record_headers
                 else None,
+                client_gone=gone,
             )
             self._records.append(record)
             self._by_status[status] += 1
@@ -445,6 +453,16 @@ def _reply(h: BaseHTTPRequestHandler, status: int, retry_after: str | None) -> N
     h.send_header("Content-Length", str(len(body)))
     h.end_headers()
     h.wfile.write(body)
+
+
+def _client_gone(sock: socket.socket) -> bool:
+    """Whether the peer has closed (or reset) the connection, with the request just read: no
+    request follows on it (the engine does not pipeline), so readable means end of stream."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _utf8(value: str | None) -> str | None:
