@@ -274,12 +274,21 @@ def settings_for(
 
 
 def ensure_kafka_topic(
-    admin: Any, name: str, partitions: int, ts: TopicSettings, what: str = "Kafka topic"
+    admin: Any,
+    name: str,
+    partitions: int,
+    ts: TopicSettings,
+    what: str = "Kafka topic",
+    wait_s: float = kafka_clients.TOPIC_CONFIGS_WAIT_S,
 ) -> bool:
     """Create one Kafka topic with `ts`, or accept an existing (pre-created) one that fits:
     its partition count is `partitions`, its replication factor at least a configured one, and
     its `max.message.bytes` at least a required one (an RQ/DLQ's); otherwise `InvalidArgument`
-    saying what differs. True when this call created it."""
+    saying what differs. True when this call created it.
+
+    Hazard: a topic another client created a moment before exists, but the answering broker
+    may describe it without partitions until its metadata catches up; it is described again
+    for up to `wait_s` before its partition count is judged."""
     configs = dict(ts.configs)
     try:
         admin.create_topics(
@@ -288,7 +297,11 @@ def ensure_kafka_topic(
         return True
     except TopicAlreadyExistsError:
         pass
+    deadline = time.monotonic() + wait_s
     existing = admin.describe_topics([name])[0]
+    while not existing["partitions"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        existing = admin.describe_topics([name])[0]
     count = len(existing["partitions"])
     if count != partitions:
         raise InvalidArgument(

@@ -8,11 +8,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from kafka.errors import TopicAuthorizationFailedError, UnknownTopicOrPartitionError
+from kafka.errors import (
+    TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
+)
 
 from varadhi import kafka_clients, topics
-from varadhi.errors import NotAuthorized, NotFound
-from varadhi.kafka_config import PLAINTEXT
+from varadhi.errors import InvalidArgument, NotAuthorized, NotFound
+from varadhi.kafka_config import PLAINTEXT, TopicSettings
 
 
 class FakeAdmin:
@@ -28,11 +32,7 @@ class FakeAdmin:
         self.calls += 1
         if self.calls <= self.blank:
             return {"topic": {r.name: {} for r in resources}}
-        return {
-            "topic": {
-                r.name: {k: {"value": "2097152"} for k in r.configs} for r in resources
-            }
-        }
+        return {"topic": {r.name: {k: {"value": "2097152"} for k in r.configs} for r in resources}}
 
     def describe_topics(self, names):
         return [{"topic": n, "error_code": self.error_code, "partitions": []} for n in names]
@@ -71,3 +71,35 @@ def test_a_topic_never_described_names_the_cause(monkeypatch, catalog, code, err
     assert "orders" in str(raised.value)
     if operation:
         assert raised.value.operation == operation
+
+
+class JustCreated:
+    """A topic another client created a moment ago: `create_topics` says it exists, and the
+    first `describe_topics` answers come without partitions (the answering broker's metadata
+    has not caught up), as seen under load for the progress topic."""
+
+    def __init__(self, empty: int):
+        self.empty = empty
+        self.describes = 0
+
+    def create_topics(self, new_topics):
+        raise TopicAlreadyExistsError()
+
+    def describe_topics(self, names):
+        self.describes += 1
+        parts = [] if self.describes <= self.empty else [{"partition": 0, "replicas": [1]}]
+        return [{"topic": n, "error_code": 0, "partitions": parts} for n in names]
+
+
+def test_a_topic_created_a_moment_ago_is_described_again_until_it_has_partitions(monkeypatch):
+    admin = JustCreated(empty=2)
+    monkeypatch.setattr(topics.time, "sleep", lambda s: None)
+    created = topics.ensure_kafka_topic(admin, "p", 1, TopicSettings(-1, ()), "progress topic")
+    assert created is False
+    assert admin.describes == 3
+
+
+def test_a_topic_that_keeps_no_partitions_is_still_refused(monkeypatch):
+    admin = JustCreated(empty=10**9)
+    with pytest.raises(InvalidArgument, match="already exists with 0 partitions, not 1"):
+        topics.ensure_kafka_topic(admin, "p", 1, TopicSettings(-1, ()), wait_s=0.05)
