@@ -26,7 +26,9 @@ broker can be killed without touching anyone else's):
      it read after the client had left (`read_after_client_left`: a timeout on a starved
      machine) bounds nothing, and whether the client saw a Retry-After it cannot tell (see
      `early_retries`);
-   - dead letters: must be exactly the poison messages;
+   - dead letters: must be exactly the poison messages (an unexpected one whose every attempt
+     reached the endpoint and failed, as a starved endpoint's timeouts can make them, is listed
+     in `unexpected_dead_letters_every_attempt_failed`);
    - duplicates: successful deliveries beyond the first of each message, as a share, split by
      cause: `after_timeout` (the endpoint's 2xx reached the client after its request timeout,
      so the client saw a failure and rightly sent the next attempt: any at-least-once client
@@ -333,6 +335,22 @@ def early_retries(by_msg: dict[str, list]) -> list[dict]:
     return early
 
 
+def every_attempt_failed(rs: list) -> bool:
+    """Whether a dead letter's records (arrival order) show each of its `max_attempts` attempts
+    reaching the endpoint and failing as the client saw it (pure): a failure status, a slow
+    answer, a request read after the client had left, or one the client sent the next attempt
+    after. True means its attempts ran out on the endpoint's answers (a starved endpoint times
+    out many in a row), none was used up without a request; False leaves that open."""
+    failed: set[int] = set()
+    for i, r in enumerate(rs):
+        if r.attempt is None:
+            continue
+        retried = any(later.attempt == r.attempt + 1 for later in rs[i + 1 :])
+        if r.status >= 300 or r.delay_ms >= REQUEST_TIMEOUT_MS or r.client_gone or retried:
+            failed.add(r.attempt)
+    return failed >= set(range(1, RETRY["max_attempts"] + 1))
+
+
 def evidence(records, verdict: dict) -> dict[str, list[dict]]:
     """What the endpoint saw of each message a must-be-zero figure names (pure): every record
     (arrival order) of each early-retry message and of each unexpected dead letter, with the
@@ -407,6 +425,9 @@ def judge(records, acked, parked_ids, poison, start_ms: float) -> dict:
         "dead_letters": len(parked_ids),
         "dead_letters_are_the_poison": set(parked_ids) == set(poison),
         "unexpected_dead_letters": sorted(set(parked_ids) - set(poison)),
+        "unexpected_dead_letters_every_attempt_failed": sorted(
+            m for m in set(parked_ids) - set(poison) if every_attempt_failed(by_msg.get(m, []))
+        ),
         "poison_not_dead_lettered": sorted(set(poison) - set(parked_ids))[:10],
         "duplicates": duplicates,
         "duplicate_share": round(duplicates / share, 4),

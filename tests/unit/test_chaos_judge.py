@@ -115,3 +115,21 @@ def test_no_evidence_when_the_figures_hold(chaos):
     verdict = chaos.judge(records, {"a": ("g", 0)}, set(), [], 0)
     assert verdict["early_retries"] == 0
     assert chaos.evidence(records, verdict) == {}
+
+
+def test_a_dead_letter_is_told_apart_by_whether_every_attempt_failed(chaos):
+    """All 12 attempts seen failing (every other one a 200 read after the client had left, a
+    timeout of a starved endpoint): the attempts ran out on the endpoint's answers. Attempt 7
+    never reached the endpoint: left open."""
+
+    def attempts(msg, numbers, first_seq):
+        return [
+            rec(first_seq + i, msg, n, 500 if n % 2 else 200, n * 3_000, gone=not n % 2)
+            for i, n in enumerate(numbers)
+        ]
+
+    records = attempts("t", range(1, 13), 0) + attempts("b", [*range(1, 7), *range(8, 13)], 100)
+    verdict = chaos.judge(records, {}, {"t", "b"}, [], 0)
+    assert verdict["unexpected_dead_letters"] == ["b", "t"]
+    assert verdict["unexpected_dead_letters_every_attempt_failed"] == ["t"]
+    assert verdict["early_retries"] == 0
