@@ -28,8 +28,10 @@ GROUPS, PER_GROUP = 20, 10
 MAX_ATTEMPTS = 2
 # The endpoint's answers to a few messages (every other attempt is answered 200): retried and
 # then delivered, dead-lettered after every attempt failed (blocking its group: the rest of it is
-# parked), and dead-lettered at once (404 is not retried). Short chains: each retry is a batch.
-SCRIPT = {"g1.3": [500], "g2.5": [503], "g0.0": [503, 500], "g3.4": [404]}
+# parked), and dead-lettered at once (404 is not retried). All in the first batch (n <= 2: it
+# reads 60 records of each partition), so their retries ride with the second: two batches in
+# all, each a Delta commit.
+SCRIPT = {"g1.2": [500], "g2.1": [503], "g0.0": [503, 500], "g3.2": [404]}
 WAIT_S = 600  # generous: the machine may be shared; a test that waits this long has failed
 
 
@@ -70,7 +72,7 @@ def test_a_scrape_during_a_shard_run_matches_what_the_endpoint_counted(
             "in_place_window": 0,
         },
         # Two batches of the main topic, so a scrape sees its lag before they catch up.
-        "consumption": {"trigger_interval": "100ms", "max_messages_per_batch": 100},
+        "consumption": {"trigger_interval": "100ms", "max_messages_per_batch": 120},
         "circuit_breaker": {"enabled": False},
     }
     SubscriptionService(catalog).create(parse_spec(doc))
@@ -156,7 +158,7 @@ def test_a_scrape_during_a_shard_run_matches_what_the_endpoint_counted(
     ok = {i for i, s in outcomes.items() if any(200 <= c < 300 for c in s)}
     dead = set(outcomes) - ok
     failed = sum(1 for s in outcomes.values() for c in s if not 200 <= c < 300)
-    assert dead == {"g0.0", "g3.4"} and failed == 5  # the script, as the endpoint saw it
+    assert dead == {"g0.0", "g3.2"} and failed == 5  # the script, as the endpoint saw it
 
     responses = {
         dict(k[1])["code"]: int(v)
@@ -177,7 +179,7 @@ def test_a_scrape_during_a_shard_run_matches_what_the_endpoint_counted(
     assert value(final, "varadhi_pending_messages", where="held") == total - len(ok) - len(dead)
     assert not any(k[0] == "varadhi_endpoint_errors_total" for k in final)
     batches = value(final, "varadhi_batches_total")
-    assert batches >= 3 and value(final, "varadhi_batch_duration_seconds_count") == batches
+    assert batches >= 2 and value(final, "varadhi_batch_duration_seconds_count") == batches
     # Spark's listener fed the lag: the main topic was behind while the first batches ran (100
     # records each), and nothing readable is left unread now.
     assert max(seen["main_lag"]) > 0  # type: ignore[type-var]
