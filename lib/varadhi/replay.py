@@ -420,7 +420,7 @@ def deliver_partition(
     clock: Callable[[], int] | None = None,
 ) -> Iterator[pd.DataFrame]:
     """mapInPandas body over the range's records repartitioned by `group_key` (the rows of
-    `varadhi.shard._records`). Builds one `ReplayGroup` per group key, delivers them all in one
+    `varadhi.shard_query.batch_records`). Builds one `ReplayGroup` per group key, delivers them all in one
     `run` of one `HttpDeliverer` (`engine_factory(endpoint, max_in_flight)`), which returns once
     every group has delivered its messages or failed, and yields `RESULT_SCHEMA` rows:
     a `failure` row per failed group and one `stat` row with the task's counts."""
@@ -651,7 +651,7 @@ def execute(spark: SparkSession, catalog: Catalog, plan: ReplayPlan) -> ReplayRe
     raised (some messages may have been delivered). If the range's offsets held only aborted or
     open transactional records, nothing was read: `NothingToReplay`, nothing recorded.
     """
-    from .shard import _records, filter_records  # the shard's records, group keys and filter
+    from .shard_query import batch_records, filter_records  # the shard's records and filter
 
     started = _now_ms()
     snapshot = catalog.snapshot()
@@ -669,7 +669,7 @@ def execute(spark: SparkSession, catalog: Catalog, plan: ReplayPlan) -> ReplayRe
         reader = reader.option(option, value)
     result = ReplayResult(plan, started, started)
     try:
-        records, filtered = filter_records(_records(reader.load(), sub, mq), sub.spec.filter)
+        records, filtered = filter_records(batch_records(reader.load(), sub, mq), sub.spec.filter)
         rows = (
             records.repartition(plan.tasks, "group_key")
             .mapInPandas(lambda frames: deliver_partition(frames, ctx), RESULT_SCHEMA)

@@ -1,26 +1,17 @@
-"""The driver of one subscription shard: a Structured Streaming query and its micro-batch commit.
+"""The driver of one subscription shard: its control loop, one Structured Streaming query at a time.
 
 One shard = one query reading, with the Kafka source's `assign`, exactly the main-topic (MQ) and
-retry-queue (RQ) partitions it owns, and delivering with `foreachBatch`:
+retry-queue (RQ) partitions it owns (`varadhi.shard_query.Source`), and delivering with
+`foreachBatch`. `ShardJob` is the control loop: it takes the lease (or stands by for it), turns
+SIGINT/SIGTERM into a stop between batches, waits while the subscription is paused or its circuit
+is open, picks the reader layout, runs the query and stops it for a `QueryEnd` reason, ticks
+parked retries and publishes progress (`varadhi.shard_stats`).
 
-1. check the lease (a newer instance fences this one: DESIGN hazard 6);
-2. if the state table already holds this batch's commit (the driver died after committing state
-   but before Spark committed the batch), only re-send that commit's RQ/DLQ records and return;
-3. otherwise deliver on executors (`varadhi.batch`: healthy groups on the Kafka partitions as
-   read, groups with pending state after a shuffle by group key; concurrent across groups,
-   ordered within a group) and collect what is not done: new group state and RQ/DLQ records;
-4. if anything changed, overwrite the shard's GroupState Delta table with it, idempotently
-   (`txnAppId` = subscription, generation, shard count, shard and reader layout; `txnVersion` =
-   batch id), together with the RQ/DLQ records to send (a transactional outbox);
-5. send those records in one Kafka transaction (transactional id per shard, the inner fence);
-6. return, and Spark commits the batch's offsets.
-
-A crash between any two steps replays the batch: before step 4 nothing was recorded but the
-delivery journal (`varadhi.journal`: the messages the endpoint accepted, recorded every
-`journal_interval` while the tasks deliver), so only deliveries made since a task's last journal
-record repeat (at-least-once); after it, step 2 re-sends the recorded records, and duplicates in
-the RQ are recognised by GroupState (`varadhi.group_state.merge`). Healthy batches write nothing
-but the journal.
+Each micro-batch runs the batch-commit protocol (`varadhi.batch_commit.BatchCommit`: lease check,
+re-send of a batch committed already, delivery on executors, one idempotent GroupState commit,
+RQ/DLQ records in one Kafka transaction, lease check) with the shard's ports: the `StateStore`,
+the `Lease`, and `_Batch` (the catalog, re-drives, filter, dedup window, delivery and the
+shard's transactional producer). What a crash between two steps leaves is documented there.
 
 Reader layouts (DESIGN hazard 3). A shard reads one main-topic storage topic at a time: it moves
 from T_i to T_i+1 only when produce has moved off T_i more than a grace period ago (producers poll
@@ -38,13 +29,13 @@ import os
 import threading
 import time
 import zlib
+from enum import StrEnum
 from typing import Any
 
 import pandas as pd
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, Observation, SparkSession
-from pyspark.sql import functions as F
 
 from . import (
     checkpoints,
@@ -71,14 +62,14 @@ from .batch import (
 from .batch_commit import BatchCommit
 from .catalog import Catalog, key
 from .circuit import CircuitBreaker
-from .dedup import DedupWindow, dedup_id
+from .dedup import DedupWindow
 from .errors import Fenced, InvalidArgument, KafkaUnavailable, VaradhiError
 from .layouts import READER_KIND, Layout, drained, next_layout
 from .leases import Lease
 from .policies import CircuitPolicy
 from .queue_records import MAX_REQUEST_BYTES, out_record
-from .record_ids import group_id_column, group_key_column, msg_id_column
 from .settings import Settings
+from .shard_query import Source, batch_records, filter_records
 from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
 from .startup import StartupClock
 from .state_store import StateStore, normalise
@@ -90,6 +81,19 @@ log = logging.getLogger("varadhi.shard")
 # Producers learn of a switch within a second and give up on a record after 30 s
 # (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
 SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
+
+
+class QueryEnd(StrEnum):
+    """Why `_run_query` stopped its query. `STOP` and `IDLE` end the run (exit 0); every other
+    reason runs the control loop again (lease, pause, circuit, layout, then a new query)."""
+
+    STOP = "stop"  # asked to stop (a signal), or the query ended without failing
+    IDLE = "idle"  # `stop_when_idle_s`: nothing due, nothing running, all read
+    RESTART = "restart"  # a known Spark failure after which the same query goes on
+    CIRCUIT = "circuit"  # the circuit breaker opened, or a half-open probe decided
+    PAUSED = "paused"  # `subscription pause`
+    CHANGED = "changed"  # the shard count or generation changed
+    LAYOUT = "layout"  # the next main-topic storage topic's layout was saved
 
 
 class StopRequested(Exception):
@@ -284,7 +288,7 @@ class ShardJob:
                     continue
                 layout = self._layout(sub)
                 outcome = self._run_query(sub, mq, rq, dlq, layout, lease)
-                if outcome in ("stop", "idle"):
+                if outcome in (QueryEnd.STOP, QueryEnd.IDLE):
                     clean = True
                     return 0
         except Fenced as e:
@@ -443,24 +447,11 @@ class ShardJob:
     def request_stop(self) -> None:
         self._signal.set()
 
-    def _run_query(self, sub, mq, rq, dlq, layout: Layout, lease: Lease) -> str:
+    def _run_query(self, sub, mq, rq, dlq, layout: Layout, lease: Lease) -> QueryEnd:
         """Run one query for `layout` until something asks it to stop; say why it stopped."""
-        mq_st = mq.storage(layout.mq_index)
-        mq_parts = subscriptions.owned_partitions(sub, mq, layout.mq_index, self.shard)
-        assign: dict[str, list[int]] = {}
-        if mq_parts:
-            assign[mq_st.name] = mq_parts
-        self._partitions_read = len(mq_parts)
-        for i, st in enumerate(rq.storage_topics):
-            if i < sub.rq_from:  # drained into the current RQ storage topics by feeders
-                continue
-            parts = subscriptions.internal_partitions(sub, rq, i, self.shard)
-            if parts:
-                assign[st.name] = parts
-        starting = {
-            t: {str(p): int(layout.starting_offsets.get(t, {}).get(str(p), -2)) for p in parts}
-            for t, parts in assign.items()
-        }
+        source = Source.of(sub, mq, rq, layout, self.shard)
+        assign = source.assign
+        self._partitions_read = source.mq_partitions
         state_path, checkpoint, app_id = self._paths(sub, layout)
         if self._store is None or self._store.path != state_path:
             self._store = StateStore(self.spark, state_path, self._lease.instance)
@@ -487,21 +478,12 @@ class ShardJob:
         self._replay = (checkpoint, *replay) if replay else None
         self._ensure_journal(sub)
         self._startup.mark("checkpoint and journal checked")
-        source = (
-            self.spark.readStream.format("kafka")
-            .options(**kafka_clients.spark_options(self.settings))
-            .option("assign", json.dumps(assign))
-            .option("startingOffsets", json.dumps(starting))
-            .option("includeHeaders", "true")
-            .option("failOnDataLoss", "true")
-            .option("kafka.isolation.level", "read_committed")
-            .option("maxOffsetsPerTrigger", str(limit))
-            .load()
-        )
+        options = source.options(kafka_clients.spark_options(self.settings), limit)
         query = (
-            source.writeStream.foreachBatch(
-                lambda df, batch_id: self._on_batch(df, batch_id, **ctx_base)
-            )
+            self.spark.readStream.format("kafka")
+            .options(**options)
+            .load()
+            .writeStream.foreachBatch(lambda df, batch_id: self._on_batch(df, batch_id, **ctx_base))
             .option("checkpointLocation", checkpoint)
             .trigger(processingTime=f"{sub.spec.consumption.trigger_interval_ms} milliseconds")
             .queryName(f"varadhi-{self.name}-{self.shard}-g{layout.generation}-L{layout.seq}")
@@ -538,7 +520,7 @@ class ShardJob:
                                 self.name,
                                 self.shard,
                             )
-                            return "restart"
+                            return QueryEnd.RESTART
                         replayed = self._last_batch_end > query_started
                         if replayed and jvm_errors.KafkaMetricsNPE in failure:
                             log.warning(
@@ -547,33 +529,35 @@ class ShardJob:
                                 self.name,
                                 self.shard,
                             )
-                            return "restart"
+                            return QueryEnd.RESTART
                         denied = failure.of(jvm_errors.Denied)
                         if denied is not None:
                             raise kafka_clients.as_error(self.settings, denied)
                         raise VaradhiError(f"query failed: {failure.error}")
-                    return "circuit" if self._circuit.state != self._query_circuit else "stop"
+                    if self._circuit.state != self._query_circuit:
+                        return QueryEnd.CIRCUIT
+                    return QueryEnd.STOP
                 if self._signal.is_set():
                     self._stop_between_batches(query)
-                    return "stop"
+                    return QueryEnd.STOP
                 lease.check()
                 if self._circuit.state != self._query_circuit:  # opened, or a probe decided
                     # Right after the batch that moved it: let Spark commit that batch first,
                     # or the next query runs it again.
                     checkpoints.await_commit(*self._completed, lambda: query.isActive, self._fs)
                     self._stop_between_batches(query)
-                    return "circuit"
+                    return QueryEnd.CIRCUIT
                 current = subscriptions.from_snapshot(self.catalog.snapshot(), self.name)
                 self._circuit.configure(current.spec.circuit_breaker)
                 if current.paused:
                     self._stop_between_batches(query)
-                    return "paused"
+                    return QueryEnd.PAUSED
                 if current.shard_count != sub.shard_count or current.generation != sub.generation:
                     self._stop_between_batches(query)
-                    return "changed"
+                    return QueryEnd.CHANGED
                 moved = self._maybe_next_layout(query, sub, layout)
                 if moved:
-                    return "layout"
+                    return QueryEnd.LAYOUT
                 self._maybe_tick(rq, sub)
                 self._publish("running", query)
                 if (
@@ -584,7 +568,7 @@ class ShardJob:
                     and self._caught_up(query, assign)
                 ):
                     self._stop_between_batches(query)
-                    return "idle"
+                    return QueryEnd.IDLE
                 time.sleep(0.5)
         finally:
             if query.isActive:
@@ -1018,7 +1002,7 @@ class _Batch:
         if probes is not None and len(due_groups) > probes:
             due_groups = due_groups[:probes]
             job._last_batch_start_ms = -1  # the others are due already: tick for them
-        records, self.filtered = filter_records(_records(self.df, sub, mq), self.filter)
+        records, self.filtered = filter_records(batch_records(self.df, sub, mq), self.filter)
         if sub.spec.dedup_window_ms:
             window = job._dedup_window(self.df.sparkSession, sub)
             records, self.dropped = window.filter(records, now_ms)
@@ -1056,48 +1040,3 @@ class _Batch:
 
 
 # -- helpers (pure or Spark-expression builders) ---------------------------------------------
-
-
-def _records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
-    """The batch's Kafka records with `kind` (mq/rq), `group_key` (what orders them) and the
-    text forms of their ids (`group_id`, `msg_id`: `varadhi.record_ids`). Every string column
-    is valid UTF-8 whatever the producer wrote, so Arrow never fails to convert a batch."""
-    mq_names = [st.name for st in mq.storage_topics]
-    return df.select(
-        F.when(F.col("topic").isin(mq_names), F.lit("mq")).otherwise(F.lit("rq")).alias("kind"),
-        group_key_column(sub.spec.grouped).alias("group_key"),
-        group_id_column().alias("group_id"),
-        msg_id_column().alias("msg_id"),
-        "topic",
-        "partition",
-        "offset",
-        "key",
-        "value",
-        F.col("headers").alias("kheaders"),
-        *([dedup_id().alias("dedup_id")] if sub.spec.dedup_window_ms else []),
-    )
-
-
-def filter_records(
-    records: DataFrame, filt: filters.Filter | None
-) -> tuple[DataFrame, Observation | None]:
-    """`records` (as `_records` makes them) without the main-topic ("mq") records `filt` does
-    not match, and an Observation whose `filtered` metric counts those records once a Spark job
-    has computed the result (None without a filter: `records` unchanged). RQ records are never
-    filtered: they are retries of messages the filter accepted earlier.
-
-    The filter is part of the Spark plan, before any Python stage: a filtered record costs no
-    Python work and no Arrow transfer. Hazard: `Observation.get` blocks until the first job over
-    the returned DataFrame has finished; read it only after that job succeeded."""
-    if filt is None:
-        return records, None
-    observed = Observation()  # a unique name: one per batch, never shared between queries
-    main = F.col("kind") == F.lit("mq")
-    keep = "_varadhi_keep"
-    kept = (
-        records.withColumn(keep, filters.column(filt, F.col("key"), F.col("kheaders")))
-        .observe(observed, F.count_if(main & ~F.col(keep)).alias("filtered"))
-        .where(~main | F.col(keep))
-        .drop(keep)
-    )
-    return kept, observed

@@ -1,5 +1,5 @@
 """A subscription filter compiled to Spark (`varadhi.filters.column`) on records of every awkward
-shape, and `varadhi.shard.filter_records`: main-topic records only, counted, before Python."""
+shape, and `varadhi.shard_query.filter_records`: main-topic records only, counted, before Python."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from varadhi import filters
-from varadhi.shard import filter_records
+from varadhi.shard_query import filter_records
 
 SCHEMA = "i int, kind string, key binary, kheaders array<struct<key:string,value:binary>>"
 

@@ -1,0 +1,120 @@
+"""A shard's Structured Streaming source and the records each micro-batch hands to delivery.
+
+- `Source.of` (pure): what one query of a shard reads for a reader layout, from the shard's
+  assignment: its partitions of the layout's main-topic storage topic and of the current RQ
+  storage topics (`assign`), where it starts on each (`startingOffsets`: carried over from the
+  previous layout, -2 = earliest), and the Kafka source options (`options`);
+- `batch_records`: a micro-batch's Kafka records with their kind, group key and ids;
+- `filter_records`: without the main-topic records the subscription's filter drops, counted in
+  the Spark plan.
+
+Hazard: the source reads read_committed and fails on data loss; both are part of the shard's
+guarantees (an aborted RQ/DLQ transaction is never delivered; a lost offset range is an error,
+not a silent skip).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from pyspark.sql import DataFrame, Observation
+from pyspark.sql import functions as F
+
+from . import filters, subscriptions, topics
+from .dedup import dedup_id
+from .layouts import Layout
+from .record_ids import group_id_column, group_key_column, msg_id_column
+
+
+@dataclass(frozen=True)
+class Source:
+    """What one query of a shard reads: `assign` (storage topic -> partitions),
+    `starting` (storage topic -> partition -> offset) and how many main-topic partitions."""
+
+    assign: dict[str, list[int]]
+    starting: dict[str, dict[str, int]]
+    mq_partitions: int
+
+    @classmethod
+    def of(
+        cls, sub, mq: topics.CompositeTopic, rq: topics.CompositeTopic, layout: Layout, shard: int
+    ) -> Source:
+        """The source of shard `shard` of `sub` for `layout` (pure): the layout's main-topic
+        storage topic and every RQ storage topic from `sub.rq_from` (earlier ones are drained
+        into the current ones by feeders), the partitions the shard owns of each."""
+        mq_st = mq.storage(layout.mq_index)
+        mq_parts = subscriptions.owned_partitions(sub, mq, layout.mq_index, shard)
+        assign: dict[str, list[int]] = {}
+        if mq_parts:
+            assign[mq_st.name] = mq_parts
+        for i, st in enumerate(rq.storage_topics):
+            if i < sub.rq_from:  # drained into the current RQ storage topics by feeders
+                continue
+            parts = subscriptions.internal_partitions(sub, rq, i, shard)
+            if parts:
+                assign[st.name] = parts
+        starting = {
+            t: {str(p): int(layout.starting_offsets.get(t, {}).get(str(p), -2)) for p in parts}
+            for t, parts in assign.items()
+        }
+        return cls(assign, starting, len(mq_parts))
+
+    def options(self, kafka: dict[str, str], limit: int) -> dict[str, str]:
+        """The Kafka source's options (pure): `kafka` (the connection's, from
+        `kafka_clients.spark_options`), then the assignment, read_committed, and at most
+        `limit` records a micro-batch."""
+        return {
+            **kafka,
+            "assign": json.dumps(self.assign),
+            "startingOffsets": json.dumps(self.starting),
+            "includeHeaders": "true",
+            "failOnDataLoss": "true",
+            "kafka.isolation.level": "read_committed",
+            "maxOffsetsPerTrigger": str(limit),
+        }
+
+
+def batch_records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
+    """The batch's Kafka records with `kind` (mq/rq), `group_key` (what orders them) and the
+    text forms of their ids (`group_id`, `msg_id`: `varadhi.record_ids`). Every string column
+    is valid UTF-8 whatever the producer wrote, so Arrow never fails to convert a batch."""
+    mq_names = [st.name for st in mq.storage_topics]
+    return df.select(
+        F.when(F.col("topic").isin(mq_names), F.lit("mq")).otherwise(F.lit("rq")).alias("kind"),
+        group_key_column(sub.spec.grouped).alias("group_key"),
+        group_id_column().alias("group_id"),
+        msg_id_column().alias("msg_id"),
+        "topic",
+        "partition",
+        "offset",
+        "key",
+        "value",
+        F.col("headers").alias("kheaders"),
+        *([dedup_id().alias("dedup_id")] if sub.spec.dedup_window_ms else []),
+    )
+
+
+def filter_records(
+    records: DataFrame, filt: filters.Filter | None
+) -> tuple[DataFrame, Observation | None]:
+    """`records` (as `batch_records` makes them) without the main-topic ("mq") records `filt` does
+    not match, and an Observation whose `filtered` metric counts those records once a Spark job
+    has computed the result (None without a filter: `records` unchanged). RQ records are never
+    filtered: they are retries of messages the filter accepted earlier.
+
+    The filter is part of the Spark plan, before any Python stage: a filtered record costs no
+    Python work and no Arrow transfer. Hazard: `Observation.get` blocks until the first job over
+    the returned DataFrame has finished; read it only after that job succeeded."""
+    if filt is None:
+        return records, None
+    observed = Observation()  # a unique name: one per batch, never shared between queries
+    main = F.col("kind") == F.lit("mq")
+    keep = "_varadhi_keep"
+    kept = (
+        records.withColumn(keep, filters.column(filt, F.col("key"), F.col("kheaders")))
+        .observe(observed, F.count_if(main & ~F.col(keep)).alias("filtered"))
+        .where(~main | F.col(keep))
+        .drop(keep)
+    )
+    return kept, observed
