@@ -103,17 +103,34 @@ def _watching() -> Iterator[_Failures]:
 
 
 def _build(cls: type, settings: HasKafka, kwargs: dict[str, Any]) -> Any:
+    """A kafka-python client, or `KafkaUnavailable` with one line saying why not.
+
+    A broker that refuses SASL credentials answers, then closes the connection (after
+    `connection.failed.authentication.delay.ms`, 100 ms by default); a client whose event loop
+    is held up that long sees the close first and reports only "socket disconnected". Such a
+    failure on a SASL connection is therefore tried once more before it is reported."""
     args = {"bootstrap_timeout_ms": CONNECT_TIMEOUT_MS, **connection_kwargs(settings)}
     args.update(kwargs)
-    with _watching() as failures:
-        try:
-            return cls(**args)
-        except KafkaError as e:
-            auth = [f for f in failures.seen if re.search(_AUTH_FAILURE, f)]
-            # the last entry is often the bootstrap timeout itself: the failure before it says why
-            why = [f for f in failures.seen if not f.startswith("KafkaTimeoutError")]
-            cause = (auth or why or [None])[-1]
-            raise KafkaUnavailable(explain(settings, cause or e)) from None
+    for attempt in (1, 2):
+        with _watching() as failures:
+            try:
+                return cls(**args)
+            except KafkaError as e:
+                auth = [f for f in failures.seen if re.search(_AUTH_FAILURE, f)]
+                # the last entry is often the bootstrap timeout itself: the one before says why
+                why = [f for f in failures.seen if not f.startswith("KafkaTimeoutError")]
+                if attempt == 1 and not auth and _closed_during_sasl(settings, why):
+                    continue
+                cause = (auth or why or [None])[-1]
+                raise KafkaUnavailable(explain(settings, cause or e)) from None
+    raise AssertionError("unreachable")  # the second attempt returns or raises
+
+
+def _closed_during_sasl(settings: HasKafka, failures: list[str]) -> bool:
+    """The broker closed a SASL connection without an answer the client read (see `_build`)."""
+    return config_of(settings).mechanism is not None and any(
+        "socket disconnected" in f for f in failures
+    )
 
 
 def consumer(settings: HasKafka, **kwargs: Any) -> KafkaConsumer:
