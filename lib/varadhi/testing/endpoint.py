@@ -255,6 +255,12 @@ class TestEndpoint:
                 return self._mix[-1][0]
         return self.ok_status
 
+    def _recorded_headers(self, h: _Handler) -> dict[str, str] | None:
+        """The request's headers as a record keeps them (`record_headers`), else None."""
+        if not self.record_headers:
+            return None
+        return {k: _utf8(v) for k, v in h.headers.items()}
+
     def _deliver(self, h: _Handler) -> None:
         if "chunked" in (h.headers.get("Transfer-Encoding") or "").lower():
             h.close_connection = True
@@ -289,9 +295,7 @@ class TestEndpoint:
                 received_ms=received_ms,
                 status=status,
                 delay_ms=delay_ms,
-                headers={k: _utf8(v) for k, v in h.headers.items()}
-                if self.record_headers
-                else None,
+                headers=self._recorded_headers(h),
                 client_gone=gone,
             )
             self._records.append(record)
@@ -320,6 +324,7 @@ class TestEndpoint:
         else:
             entries = [json.loads(line) for line in text.splitlines() if line]
         received_ms = time.time() * 1000
+        headers = self._recorded_headers(h)  # one request: the same for each of its entries
         results: list[dict[str, Any]] = []
         delay_ms = self.latency_ms
         with self._lock:
@@ -352,9 +357,7 @@ class TestEndpoint:
                     received_ms=received_ms,
                     status=status,
                     delay_ms=delay_ms,
-                    headers={k: _utf8(v) for k, v in h.headers.items()}
-                    if self.record_headers
-                    else None,
+                    headers=headers,
                     batch=batch,
                 )
                 self._records.append(record)
