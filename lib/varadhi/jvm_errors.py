@@ -14,7 +14,9 @@ the message of the Java `PythonException` that carried it.
 message, top stack frames), the text everything says, and the typed facts found in them:
 
 - `Denied`: a missing Kafka ACL (`kafka_clients.refusal` makes the `NotAuthorized` error of it);
-- `StopRequested` and `Fenced`: the shard's own exceptions raised by a batch function;
+- `StopRequested`: the shard's own exception, raised by a batch function;
+- `Fenced`: the shard's lease fence raised by a batch function, or its transactional producer
+  fenced, by exact exception class (`fenced`; Kafka's `FencedLeaderEpochException` is not one);
 - `ZombieCheckpointWriter`: another query wrote the checkpoint's offset or commit log first;
 - `KafkaMetricsNPE`: SPARK-55271, Spark 4.1's Kafka source failing after a re-run batch.
 
@@ -77,7 +79,7 @@ class StopRequested:
 @dataclass(frozen=True)
 class Fenced:
     """A batch met a newer instance of the same shard: the product's `Fenced` error, or a Kafka
-    producer fenced by a newer transactional producer."""
+    producer fenced by a newer transactional producer (`fenced`: by exact exception class)."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,7 @@ def facts(chain: tuple[Link, ...], text: str) -> tuple[Fact, ...]:
     found: list[Fact] = []
     if "StopRequested" in text:
         found.append(StopRequested())
-    if "Fenced" in text:
+    if fenced(chain, text):
         found.append(Fenced())
     if "Concurrent update to the" in text or "Multiple streaming jobs detected" in text:
         found.append(ZombieCheckpointWriter())
@@ -180,6 +182,31 @@ def facts(chain: tuple[Link, ...], text: str) -> tuple[Fact, ...]:
     if denied is not None:
         found.append(denied)
     return tuple(found)
+
+
+#: Java exceptions that say a newer instance holds the shard: its transactional producer's id was
+#: taken over. Not Kafka's other "fenced" errors: `FencedLeaderEpochException` (a partition's
+#: leader changed; the client retries), `FencedInstanceIdException`, `TransactionCoordinator-
+#: FencedException` say nothing about this shard's instance.
+FENCED_JAVA = frozenset({"org.apache.kafka.common.errors.ProducerFencedException"})
+#: The same as Python names them in a traceback line (`module.Class: message`, as a batch
+#: function's error comes back inside the Java `PythonException`): the product's lease fence
+#: (`varadhi.errors.Fenced`) and kafka-python's producer fence, which kafka-python also reports
+#: as the cause of a transactional call refused afterwards ("in an error state: [Error 90]
+#: ProducerFencedError"; 90 is Kafka's PRODUCER_FENCED), and the Java class by its full name.
+_FENCED_TEXT = re.compile(
+    r"^(?:varadhi\.errors\.Fenced|kafka\.errors\.ProducerFencedError)(?::|$)"
+    r"|in an error state: \[Error 90\] ProducerFencedError\b"
+    r"|\borg\.apache\.kafka\.common\.errors\.ProducerFencedException\b",
+    re.MULTILINE,
+)
+
+
+def fenced(chain: tuple[Link, ...], text: str) -> bool:
+    """Whether `chain` and `text` report this shard fenced, by the exact exception classes above
+    (pure): a substring such as "Fenced" is not enough (a leader change's
+    `FencedLeaderEpochException` is a retriable failure, not a fence)."""
+    return any(c.class_name in FENCED_JAVA for c in chain) or bool(_FENCED_TEXT.search(text))
 
 
 def _is_kafka_metrics_npe(link: Link) -> bool:

@@ -213,6 +213,47 @@ def test_the_shard_s_own_errors_raised_in_a_batch():
     assert Fenced in jvm_errors.classify(py4j_error(producer))
 
 
+class ServerError(Exception):
+    """A Spark Connect error with the server's stack trace (its attributes, as above)."""
+
+    def __init__(self, message, server_stacktrace):
+        super().__init__(message)
+        self._message, self._stacktrace = message, server_stacktrace
+
+    def getStackTrace(self):
+        return self._stacktrace
+
+
+def test_kafka_s_other_fenced_errors_are_not_a_fence_of_the_shard():
+    # A leader change while the query reads (Java client, through Py4J and as text only), and
+    # kafka-python's errors of the same names in a batch function's traceback: retriable or
+    # about someone else, never "a newer instance holds this shard" (exit 3).
+    epoch = JavaObject(
+        "org.apache.kafka.common.errors.FencedLeaderEpochException",
+        "The leader epoch in the request is older than the epoch on the broker.",
+    )
+    job = JavaObject("org.apache.spark.SparkException", "Job aborted", (), epoch)
+    assert jvm_errors.classify(py4j_error(job)).facts == ()
+    assert jvm_errors.classify(ServerError(STREAM_FAILED, job.trace())).facts == ()
+    for name in ("FencedLeaderEpochError", "FencedInstanceIdError",
+                 "TransactionCoordinatorFencedError"):  # fmt: skip
+        python = STOPPED.replace("varadhi.shard.StopRequested", f"kafka.errors.{name}: [Error 74]")
+        assert Fenced not in jvm_errors.classify(captured(StreamingQueryException, python, ""))
+
+
+def test_a_fenced_kafka_python_producer_in_each_form():
+    from kafka.errors import KafkaError, ProducerFencedError
+
+    assert Fenced in jvm_errors.classify(ProducerFencedError())
+    # What kafka-python raises for every transactional call after it was fenced.
+    refused = KafkaError("Cannot execute transactional method because we are in an error state: "
+                         f"{ProducerFencedError()}")  # fmt: skip
+    assert Fenced in jvm_errors.classify(refused)
+    text_only = ServerError(STREAM_FAILED, "Caused by: org.apache.kafka.common.errors."
+                             "ProducerFencedException: There is a newer producer")  # fmt: skip
+    assert Fenced in jvm_errors.classify(text_only)
+
+
 @pytest.mark.parametrize(
     "message",
     [
