@@ -10,8 +10,9 @@ parked retries and publishes progress (`varadhi.shard_stats`).
 Each micro-batch runs the batch-commit protocol (`varadhi.batch_commit.BatchCommit`: lease check,
 re-send of a batch committed already, delivery on executors, one idempotent GroupState commit,
 RQ/DLQ records in one Kafka transaction, lease check) with the shard's ports: the `StateStore`,
-the `Lease`, and `_Batch` (the catalog, re-drives, filter, dedup window, delivery and the
-shard's transactional producer). What a crash between two steps leaves is documented there.
+the `Lease`, the RQ/DLQ sender (`varadhi.shard_sender`: the shard's transactional producer) and
+`_Batch` (the catalog, re-drives, filter, dedup window, delivery). What a crash between two
+steps leaves is documented there.
 
 Reader layouts (DESIGN hazard 3). A shard reads one main-topic storage topic at a time: it moves
 from T_i to T_i+1 only when produce has moved off T_i more than a grace period ago (producers poll
@@ -45,7 +46,6 @@ from . import (
     kafka_clients,
     layouts,
     leases,
-    routing,
     subscriptions,
     topics,
     warehouse_fs,
@@ -67,9 +67,9 @@ from .errors import Fenced, InvalidArgument, KafkaUnavailable, VaradhiError
 from .layouts import READER_KIND, Layout, drained, next_layout
 from .leases import Lease
 from .policies import CircuitPolicy
-from .queue_records import MAX_REQUEST_BYTES, out_record
 from .settings import Settings
 from .shard_query import Source, batch_records, filter_records
+from .shard_sender import QueueSender
 from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
 from .startup import StartupClock
 from .state_store import StateStore, normalise
@@ -132,7 +132,6 @@ class ShardJob:
         self._startup = StartupClock(f"{name} shard {shard}")  # INFO line per phase
         self._batch_lock = threading.Lock()
         self._stopping = False
-        self._limits: dict[str, int] = {}  # RQ/DLQ storage topic -> largest record (_out_limit)
         self._signal = threading.Event()
         self._last_batch_end = time.monotonic()
         self._last_batch_start_ms = -1  # before any batch: a due time of 0 still gets a tick
@@ -143,7 +142,7 @@ class ShardJob:
         self._completed = ("", -1)  # (checkpoint, batch) this process last completed
         self._next_due_ms: int | None = None
         self._query = None
-        self._producer: KafkaProducer | None = None
+        self._sender: QueueSender | None = None  # RQ/DLQ records (`varadhi.shard_sender`)
         self._tick_producer: KafkaProducer | None = None
         self._store: StateStore | None = None
         self._dedup: DedupWindow | None = None
@@ -249,14 +248,10 @@ class ShardJob:
             signals = self._install_signals()
         clean = False  # stopped on request (a signal) or idle, not fenced or failed
         try:
-            self._producer = kafka_clients.producer(
-                self.settings,
-                transactional_id=f"varadhi.{self.name}.s{sub.shard_count}.shard-{self.shard}",
-                acks="all",
-                linger_ms=5,
-                max_request_size=MAX_REQUEST_BYTES,
-            )
-            self._producer.init_transactions()
+            self._sender = QueueSender.start(
+                self.settings, self.catalog, self.name, sub.shard_count, self.shard,
+                lambda: lease.epoch,
+            )  # fmt: skip
             self._startup.mark("transactional producer ready")
             self._publisher = ProgressPublisher(self.settings, self.name, self.shard)
             last = latest_progress(self.settings, self.name).get(self.shard)
@@ -751,7 +746,9 @@ class ShardJob:
         if self._store is None or self._store.path != state_path:
             self._store = StateStore(df.sparkSession, state_path, self._lease.instance)
         work = _Batch(self, df, batch_id, app_id, sub, mq, rq, dlq, self._store)
-        protocol = BatchCommit(self._store, work, lease, f"{self.name} shard {self.shard}")
+        assert self._sender is not None  # started before any query
+        sender = self._sender.to(sub, rq, dlq)
+        protocol = BatchCommit(self._store, sender, lease, f"{self.name} shard {self.shard}")
         outcome = protocol.run(app_id, batch_id, work, started)
         if outcome.resent:
             self.stats.replays += 1
@@ -876,56 +873,6 @@ class ShardJob:
             self._dedup = DedupWindow(spark, path, int(sub.spec.dedup_window_ms))
         return self._dedup
 
-    def _out_limit(self, storage_topic: str) -> int:
-        """The largest record the shard may write to an RQ/DLQ storage topic: its
-        `max.message.bytes`, read once per topic, and at most what the producer sends."""
-        if storage_topic not in self._limits:
-            found = topics.max_message_bytes(self.catalog, [storage_topic])[storage_topic]
-            self._limits[storage_topic] = min(found, MAX_REQUEST_BYTES)
-        return self._limits[storage_topic]
-
-    def _send_outs(self, outs, sub, rq, dlq) -> None:
-        """Send a committed batch's RQ/DLQ records in one Kafka transaction (the inner fence)."""
-        if not len(outs):
-            return
-        producer = self._producer
-        assert producer is not None
-        targets = {
-            "rq": (
-                rq.produce_topic,
-                subscriptions.internal_partitions(sub, rq, rq.produce_pointer, self.shard),
-            ),
-            "dlq": (
-                dlq.produce_topic,
-                subscriptions.internal_partitions(sub, dlq, dlq.produce_pointer, self.shard),
-            ),
-        }
-        try:
-            producer.begin_transaction()
-            futures = []
-            for row in outs.to_dict("records"):
-                st, parts = targets[row["target"]]
-                partition = routing.internal_partition(routing.group_hash(row["group_key"]), parts)
-                record = out_record(row, self._out_limit(st.name))
-                futures.append(
-                    producer.send(
-                        st.name,
-                        key=record.key,
-                        value=record.value,
-                        partition=partition,
-                        headers=record.headers,
-                    )
-                )
-            for f in futures:
-                f.get(timeout=30)
-            producer.commit_transaction()
-        except KafkaError as e:
-            if "fenc" in f"{type(e).__name__} {e}".lower():
-                raise Fenced(
-                    f"producer of {self.name} shard {self.shard}", self._lease.epoch or 0, -1
-                ) from e
-            raise
-
     def _finish_batch(self, batch_id, n_records, counts, started, pending, phases) -> None:
         s = self.stats
         s.add_batch(batch_id, n_records, counts, time.monotonic() - started, phases)
@@ -956,19 +903,19 @@ class ShardJob:
             self._publisher.close()
         if self._offsets_consumer is not None:
             self._offsets_consumer.close()
-        for p in (self._producer, self._tick_producer):
-            if p is not None:
-                try:
-                    p.close(timeout=2)
-                except Exception:  # noqa: BLE001 - a fenced producer may refuse to close cleanly
-                    pass
+        if self._sender is not None:
+            self._sender.close()
+        if self._tick_producer is not None:
+            try:
+                self._tick_producer.close(timeout=2)
+            except Exception:  # noqa: BLE001 - closing is best-effort at exit
+                pass
         self.catalog.close()
 
 
 class _Batch:
     """One micro-batch of a `ShardJob`: its work (`batch_commit.BatchWork`: catalog, re-drives,
-    filter, dedup window, delivery on executors) and its RQ/DLQ sender (`OutSender`), in the
-    order `BatchCommit` calls them."""
+    filter, dedup window, delivery on executors), in the order `BatchCommit` calls them."""
 
     def __init__(
         self, job: ShardJob, df: DataFrame, batch_id: int, app_id: str, sub, mq, rq, dlq, store
@@ -1013,7 +960,7 @@ class _Batch:
             now_ms=now_ms,
             seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
             dedup=bool(sub.spec.dedup_window_ms),
-            max_out_bytes=job._out_limit(rq.produce_topic.name),
+            max_out_bytes=job._sender.limit(rq.produce_topic.name),
             journal=job._journal_target(sub, app_id, batch_id),
             replayed=job._replayed(sub, app_id, batch_id),
         )
@@ -1034,9 +981,6 @@ class _Batch:
     def finish_redrives(self) -> None:
         job = self.job
         dlq_ops.finish_redrives(job.catalog, job.name, job.shard, self.store, self.redrive_ops)
-
-    def send(self, outs: pd.DataFrame) -> None:
-        self.job._send_outs(outs, self.sub, self.rq, self.dlq)
 
 
 # -- helpers (pure or Spark-expression builders) ---------------------------------------------
