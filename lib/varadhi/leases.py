@@ -68,6 +68,11 @@ def ttl_from_env(value: float | None = None) -> int:
     return ttl
 
 
+def new_instance() -> str:
+    """A new instance name, `host:pid:random`: what status shows as a lease's holder."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
 # -- pure decisions ---------------------------------------------------------------------------
 
 
@@ -172,7 +177,7 @@ class Lease:
         self.catalog = catalog
         self.owner = owner
         self.ttl_ms = ttl_ms
-        self.instance = instance or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.instance = instance or new_instance()
         self.epoch: int | None = None
         self._clock = clock
         self._wall_ms = wall_ms

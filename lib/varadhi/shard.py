@@ -63,11 +63,11 @@ from .batch_commit import BatchCommit
 from .catalog import Catalog, key
 from .circuit import CircuitBreaker
 from .dedup import DedupWindow
-from .errors import Fenced, InvalidArgument, KafkaUnavailable, VaradhiError
+from .errors import Fenced, InvalidArgument, VaradhiError
 from .layouts import READER_KIND, Layout, drained, next_layout
-from .leases import Lease
 from .policies import CircuitPolicy
 from .settings import Settings
+from .shard_lease import ShardLease
 from .shard_query import Source, batch_records, filter_records
 from .shard_sender import QueueSender
 from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
@@ -224,23 +224,22 @@ class ShardJob:
         warehouse_fs.check_writable(warehouse_fs.for_path(warehouse, self.spark), warehouse)
         self.catalog.ensure_segment_roll()  # lease renewals must be compacted away
         self._startup.mark("warehouse and catalog checked")
+        lease = ShardLease(self.catalog, self.name, self.shard, self.lease_ttl_ms)
         if self.standby:
             # Spark is started ahead of time; the lease is taken only once the active instance's
             # has expired (nothing before it may fence the active one: no producer yet).
             signals = self._install_signals()
             try:
-                took = self._stand_by()
+                took = self._stand_by(lease)
             except BaseException:
                 signals.restore()
                 raise
-            if took is None:
+            if not took:
                 signals.restore()
                 return 0
-            lease = took
             sub, _, _, _ = self._load()
         else:
-            lease = Lease(self.catalog, self._owner(sub), ttl_ms=self.lease_ttl_ms)
-            lease.acquire()
+            lease.take(self._owner(sub))
         self._startup.mark("lease taken")
         lease.start_heartbeat()
         self._lease = lease
@@ -286,106 +285,35 @@ class ShardJob:
                 if outcome in (QueryEnd.STOP, QueryEnd.IDLE):
                     clean = True
                     return 0
-        except Fenced as e:
-            self._signal.clear()  # not a clean stop, even if one was asked for meanwhile
-            log.warning("%s shard %d: %s; stopping without committing", self.name, self.shard, e)
-            self._publish("fenced", force=True)
-            return 3
         except Exception as e:
-            # A failure after the lease was lost or expired (a process that was frozen comes
-            # back to timed-out Kafka calls) is a fence: another instance may hold the shard.
-            why = lease.lost()
+            # `Fenced`, or any failure after the lease was lost or expired (`fence_reason`).
+            why = lease.fence_reason(e)
             if why is None:
                 raise
-            self._signal.clear()
-            log.warning(
-                "%s shard %d: %s after its lease was lost (%s); stopping without committing",
-                self.name,
-                self.shard,
-                f"{type(e).__name__}: {e}",
-                why,
-            )
+            self._signal.clear()  # not a clean stop, even if one was asked for meanwhile
+            log.warning("%s shard %d: %s; stopping without committing", self.name, self.shard, why)
             self._publish("fenced", force=True)
             return 3
         finally:
-            lease.stop_heartbeat()
-            if clean or self._signal.is_set():
-                # An operator's stop: standbys do not take over (a crash lets the lease expire).
-                try:
-                    lease.stop()
-                except Exception as e:  # noqa: BLE001 - it then expires instead
-                    log.warning(
-                        "%s shard %d: lease not marked stopped: %s", self.name, self.shard, e
-                    )
+            # An operator's stop marks the lease stopped: standbys do not take over (a crash
+            # lets it expire).
+            lease.release(clean=clean or self._signal.is_set())
             self._publish("stopped", force=True)
             lease.close()
             self._close()
             signals.restore()
 
-    def _stand_by(self) -> Lease | None:
-        """Wait while the shard's lease is held and renewed, reporting `standby` to status; take
-        it once it has been unchanged for its TTL (`leases.may_take_over`, a compare-and-set on
-        the document watched: a renewal or another standby in between wins). Returns the lease
-        taken, or None when asked to stop first. Follows a shard-count change (the lease of
-        shard N of the current count; a shard beyond it is refused, exit 2)."""
-        lease: Lease | None = None
-        seen: leases.Seen | None = None
-        poll_s = min(1.0, self.lease_ttl_ms / 5000)
-        instance = Lease(self.catalog, "").instance
-        publisher = ProgressPublisher(self.settings, self.name, self.shard, standby=instance)
-        log.info("%s shard %d: standing by as %s", self.name, self.shard, instance)
-        state = "stopped"
-        try:
-            while True:
-                try:
-                    sub, _, _, _ = self._load()
-                    if lease is None or lease.owner != self._owner(sub):
-                        lease = Lease(
-                            self.catalog, self._owner(sub), self.lease_ttl_ms, instance=instance
-                        )
-                        seen = None
-                    now = time.monotonic()
-                    seen = leases.observe(seen, self.catalog.get(leases.KIND, lease.owner), now)
-                    if leases.may_take_over(seen, now):
-                        assert seen.doc is not None
-                        if lease.take_over(seen.doc):
-                            log.warning(
-                                "%s shard %d: the lease of %s was not renewed for %d ms; took "
-                                "it over (epoch %d)",
-                                self.name,
-                                self.shard,
-                                seen.doc.get("instance"),
-                                int(seen.doc["ttl_ms"]),
-                                lease.epoch,
-                            )
-                            state = "took over"
-                            return lease
-                        seen = None  # written meanwhile: watch the new document
-                    publisher.publish(
-                        {
-                            "state": "standby",
-                            "shard": self.shard,
-                            "shard_count": sub.shard_count,
-                            "instance": instance,
-                            "watching": leases.standby_view(seen, time.monotonic()),
-                        }
-                    )
-                except (KafkaError, KafkaUnavailable) as e:
-                    # What the catalog says is unknown: the lease must be seen unchanged for a
-                    # whole TTL of successful reads again.
-                    log.warning("%s shard %d: standby: %s", self.name, self.shard, e)
-                    seen = None
-                if self._signal.wait(poll_s):
-                    return None
-        finally:
-            try:
-                publisher.publish(
-                    {"state": state, "shard": self.shard, "instance": instance},
-                    force=True,
-                    flush=True,
-                )
-            finally:
-                publisher.close()
+    def _stand_by(self, lease: ShardLease) -> bool:
+        """Stand by for the shard's lease (`ShardLease.stand_by`), reporting under this
+        instance's standby key; True once taken, False when asked to stop first. Follows a
+        shard-count change (a shard beyond the count is refused, exit 2)."""
+
+        def owner_of() -> tuple[str, int]:
+            sub, _, _, _ = self._load()
+            return self._owner(sub), sub.shard_count
+
+        publisher = ProgressPublisher(self.settings, self.name, self.shard, standby=lease.instance)
+        return lease.stand_by(owner_of, publisher, self._signal.wait)
 
     def _publish(self, state: str, query=None, force: bool = False, flush: bool | None = None):
         """Send a progress document (rate-limited unless forced; waits for the broker when
@@ -442,7 +370,7 @@ class ShardJob:
     def request_stop(self) -> None:
         self._signal.set()
 
-    def _run_query(self, sub, mq, rq, dlq, layout: Layout, lease: Lease) -> QueryEnd:
+    def _run_query(self, sub, mq, rq, dlq, layout: Layout, lease: ShardLease) -> QueryEnd:
         """Run one query for `layout` until something asks it to stop; say why it stopped."""
         source = Source.of(sub, mq, rq, layout, self.shard)
         assign = source.assign

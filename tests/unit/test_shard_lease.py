@@ -1,0 +1,183 @@
+"""A shard instance's lease (`varadhi.shard_lease.ShardLease`) with an in-memory catalog and a
+fake clock: standing by and taking over, following a shard-count change, a Kafka failure while
+watching, which failures are fences, and a clean or failed release. The real takeover between
+two processes is tests/integration/test_failover.py's."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from kafka.errors import KafkaTimeoutError
+
+from varadhi.catalog import Snapshot, key
+from varadhi.errors import Fenced, InvalidArgument
+from varadhi.leases import KIND, Lease
+from varadhi.shard_lease import ShardLease
+
+TTL = 3_000
+OWNER = "orders-http/s2/1"
+
+
+class FakeCatalog:
+    """The catalog's read and atomic read-modify-write, in memory; `fail_reads` makes the next
+    reads raise as an unreachable Kafka does."""
+
+    settings = None
+    timeout_s = 1.0
+
+    def __init__(self):
+        self.entries: dict[str, dict] = {}
+        self.fail_reads = 0
+
+    def get(self, kind, name):
+        if self.fail_reads:
+            self.fail_reads -= 1
+            raise KafkaTimeoutError("catalog read timed out")
+        return copy.deepcopy(self.entries.get(key(kind, name)))
+
+    def mutate(self, change):
+        changes = change(Snapshot(copy.deepcopy(self.entries)))
+        for k, v in changes.items():
+            self.entries[k] = copy.deepcopy(v)
+        return changes
+
+    def close(self):
+        pass
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+class FakeLease(Lease):
+    def _writer(self):
+        return self.catalog
+
+
+class Publisher:
+    def __init__(self):
+        self.docs: list[dict] = []
+        self.closed = False
+
+    def publish(self, doc, force=False, flush=False):
+        self.docs.append(doc)
+
+    def close(self):
+        self.closed = True
+
+
+def shard_lease(catalog, clock, shard=1):
+    def make(catalog, owner, ttl_ms, instance=None):
+        wall = lambda: int(clock() * 1000)  # noqa: E731
+        return FakeLease(catalog, owner, ttl_ms, clock=clock, wall_ms=wall, instance=instance)
+
+    return ShardLease(catalog, "orders-http", shard, TTL, make_lease=make, clock=clock)
+
+
+def waiting(clock, polls: int, during=None):
+    """A `wait` that advances the fake clock by each poll and asks to stop after `polls`;
+    `during(n)` runs at the n-th poll (a renewal by the active instance, say)."""
+    count = [0]
+
+    def wait(seconds):
+        count[0] += 1
+        clock.t += seconds
+        if during is not None:
+            during(count[0])
+        return count[0] >= polls
+
+    return wait
+
+
+def test_a_standby_takes_over_a_lease_seen_unchanged_for_its_ttl_and_says_so():
+    catalog, clock = FakeCatalog(), Clock()
+    active = shard_lease(catalog, clock)
+    active.take(OWNER)
+    standby, publisher = shard_lease(catalog, clock), Publisher()
+    polls = int(TTL / 1000 / min(1.0, TTL / 5000)) + 3  # a TTL of polls, and a few more
+    assert standby.stand_by(lambda: (OWNER, 2), publisher, waiting(clock, polls))
+    assert standby.epoch == 2 and catalog.get(KIND, OWNER)["instance"] == standby.instance
+    assert publisher.docs[0]["state"] == "standby" and publisher.docs[0]["shard_count"] == 2
+    assert publisher.docs[0]["watching"]["holder"] == active.instance
+    assert publisher.docs[-1] == {"state": "took over", "shard": 1, "instance": standby.instance}
+    assert publisher.closed
+    standby.check()
+    with pytest.raises(Fenced):
+        active.check()
+
+
+def test_renewals_keep_a_standby_out_until_it_is_asked_to_stop():
+    catalog, clock = FakeCatalog(), Clock()
+    active = shard_lease(catalog, clock)
+    active.take(OWNER)
+    standby, publisher = shard_lease(catalog, clock), Publisher()
+    renew = lambda n: n % 2 == 0 and active.held.renew()  # noqa: E731 - every 1.2 s
+    assert not standby.stand_by(lambda: (OWNER, 2), publisher, waiting(clock, 40, renew))
+    assert standby.held is None and catalog.get(KIND, OWNER)["instance"] == active.instance
+    assert publisher.docs[-1]["state"] == "stopped" and publisher.closed
+
+
+def test_a_failed_catalog_read_starts_the_observation_again():
+    catalog, clock = FakeCatalog(), Clock()
+    shard_lease(catalog, clock).take(OWNER)
+    standby = shard_lease(catalog, clock)
+    fail_late = lambda n: n == 4 and setattr(catalog, "fail_reads", 1)  # noqa: E731
+    # Reads every 0.6 s: without the failure the 6th sees the lease unchanged for its 3 s TTL;
+    # after the 5th read failed, the 6th and 7th start a new observation (0 and 0.6 s).
+    assert not standby.stand_by(lambda: (OWNER, 2), Publisher(), waiting(clock, 7, fail_late))
+    assert standby.held is None
+    assert shard_lease(catalog, clock).stand_by(lambda: (OWNER, 2), Publisher(),
+                                                waiting(clock, 7))  # fmt: skip
+
+
+def test_a_standby_follows_a_shard_count_change_and_refuses_a_shard_beyond_it():
+    catalog, clock = FakeCatalog(), Clock()
+    new_owner = "orders-http/s4/1"
+    shard_lease(catalog, clock).take(new_owner)
+    owners = iter([(OWNER, 2)] * 3 + [(new_owner, 4)] * 20)
+    standby, publisher = shard_lease(catalog, clock), Publisher()
+    assert standby.stand_by(lambda: next(owners), publisher, waiting(clock, 20))
+    assert standby.held.owner == new_owner and standby.epoch == 2
+    assert publisher.docs[0]["watching"] == {
+        "why": "no instance has taken the lease yet: waiting for one"
+    }
+
+    def beyond():
+        raise InvalidArgument("shard 5 is outside 0..3 of orders-http")
+
+    refused = Publisher()
+    with pytest.raises(InvalidArgument):
+        shard_lease(catalog, clock, shard=5).stand_by(beyond, refused, waiting(clock, 5))
+    assert refused.docs[-1]["state"] == "stopped" and refused.closed
+
+
+def test_which_failures_are_a_fence():
+    catalog, clock = FakeCatalog(), Clock()
+    lease = shard_lease(catalog, clock)
+    lease.take(OWNER)
+    fenced = Fenced(f"lease {OWNER}", 1, 2)
+    assert lease.fence_reason(fenced) == str(fenced)
+    assert lease.fence_reason(KafkaTimeoutError("send timed out")) is None
+    clock.t += TTL / 1000  # not renewed for a TTL: another instance may hold the shard now
+    assert lease.fence_reason(KafkaTimeoutError("send timed out")) == (
+        "KafkaTimeoutError: KafkaTimeoutError: send timed out after its lease was lost "
+        f"(not renewed for {TTL} ms: it may have been taken)"
+    )
+    with pytest.raises(Fenced):
+        lease.check()
+
+
+def test_a_clean_release_marks_the_lease_stopped_and_a_failed_one_lets_it_expire():
+    catalog, clock = FakeCatalog(), Clock()
+    lease = shard_lease(catalog, clock)
+    lease.take(OWNER)
+    lease.release(clean=False)
+    assert "stopped_ms" not in catalog.get(KIND, OWNER)
+    lease.release(clean=True)
+    assert catalog.get(KIND, OWNER)["stopped_ms"] == 1_000_000
+    lease.close()
