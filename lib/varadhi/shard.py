@@ -30,7 +30,6 @@ import os
 import threading
 import time
 import zlib
-from enum import StrEnum
 from typing import Any
 
 import pandas as pd
@@ -67,6 +66,7 @@ from .errors import Fenced, InvalidArgument, VaradhiError
 from .layouts import READER_KIND, Layout, drained, next_layout
 from .policies import CircuitPolicy
 from .settings import Settings
+from .shard_ends import QueryEnd, Verdict, judge
 from .shard_lease import ShardLease
 from .shard_query import Source, batch_records, filter_records
 from .shard_sender import QueueSender
@@ -81,19 +81,6 @@ log = logging.getLogger("varadhi.shard")
 # Producers learn of a switch within a second and give up on a record after 30 s
 # (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
 SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
-
-
-class QueryEnd(StrEnum):
-    """Why `_run_query` stopped its query. `STOP` and `IDLE` end the run (exit 0); every other
-    reason runs the control loop again (lease, pause, circuit, layout, then a new query)."""
-
-    STOP = "stop"  # asked to stop (a signal), or the query ended without failing
-    IDLE = "idle"  # `stop_when_idle_s`: nothing due, nothing running, all read
-    RESTART = "restart"  # a known Spark failure after which the same query goes on
-    CIRCUIT = "circuit"  # the circuit breaker opened, or a half-open probe decided
-    PAUSED = "paused"  # `subscription pause`
-    CHANGED = "changed"  # the shard count or generation changed
-    LAYOUT = "layout"  # the next main-topic storage topic's layout was saved
 
 
 class StopRequested(Exception):
@@ -430,33 +417,10 @@ class ShardJob:
             while True:
                 if not query.isActive:
                     failure = jvm_errors.query_failure(query)
-                    if failure is not None and jvm_errors.StopRequested not in failure:
-                        if jvm_errors.Fenced in failure:
-                            raise Fenced(f"lease {self._owner(sub)}", lease.epoch or 0, -1)
-                        # A query that died after this instance lost its lease is fenced, not
-                        # failed (a zombie's Spark found the new holder's checkpoint files).
-                        lease.check()
-                        if jvm_errors.ZombieCheckpointWriter in failure:
-                            log.warning(
-                                "%s shard %d: another instance wrote this checkpoint (a fenced "
-                                "one, still running); restarting the query",
-                                self.name,
-                                self.shard,
-                            )
-                            return QueryEnd.RESTART
-                        replayed = self._last_batch_end > query_started
-                        if replayed and jvm_errors.KafkaMetricsNPE in failure:
-                            log.warning(
-                                "%s shard %d: Spark's Kafka source failed after a replayed batch"
-                                " (SPARK-55271); restarting the query",
-                                self.name,
-                                self.shard,
-                            )
-                            return QueryEnd.RESTART
-                        denied = failure.of(jvm_errors.Denied)
-                        if denied is not None:
-                            raise kafka_clients.as_error(self.settings, denied)
-                        raise VaradhiError(f"query failed: {failure.error}")
+                    verdict = judge(failure, replayed=self._last_batch_end > query_started)
+                    if verdict is not None:
+                        assert failure is not None
+                        return self._failed(verdict, failure, sub, lease)
                     if self._circuit.state != self._query_circuit:
                         return QueryEnd.CIRCUIT
                     return QueryEnd.STOP
@@ -496,6 +460,36 @@ class ShardJob:
         finally:
             if query.isActive:
                 self._stop_between_batches(query)
+
+    def _failed(
+        self, verdict: Verdict, failure: jvm_errors.Diagnosis, sub, lease: ShardLease
+    ) -> QueryEnd:
+        """Act on a failed query's verdict (`shard_ends.judge`): restart it, or raise."""
+        if verdict is Verdict.FENCED:
+            raise Fenced(f"lease {self._owner(sub)}", lease.epoch or 0, -1)
+        # A query that died after this instance lost its lease is fenced, not failed (a
+        # zombie's Spark found the new holder's checkpoint files).
+        lease.check()
+        if verdict is Verdict.ZOMBIE:
+            log.warning(
+                "%s shard %d: another instance wrote this checkpoint (a fenced one, still "
+                "running); restarting the query",
+                self.name,
+                self.shard,
+            )
+            return QueryEnd.RESTART
+        if verdict is Verdict.SPARK_55271:
+            log.warning(
+                "%s shard %d: Spark's Kafka source failed after a replayed batch (SPARK-55271); "
+                "restarting the query",
+                self.name,
+                self.shard,
+            )
+            return QueryEnd.RESTART
+        denied = failure.of(jvm_errors.Denied)
+        if verdict is Verdict.DENIED and denied is not None:
+            raise kafka_clients.as_error(self.settings, denied)
+        raise VaradhiError(f"query failed: {failure.error}")
 
     def _stop_between_batches(self, query) -> None:
         self._stopping = True  # a batch Spark plans from now on does nothing (StopRequested)

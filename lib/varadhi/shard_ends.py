@@ -1,0 +1,66 @@
+"""Why a shard's query ended (`QueryEnd`), and what a failed query means for the shard (`judge`).
+
+The control loop (`varadhi.shard.ShardJob`) runs one Structured Streaming query at a time and
+stops it between batches for a `QueryEnd` reason; a query can also end by itself, failed. What
+the failure says is read once, as typed facts (`varadhi.jvm_errors.classify`), and `judge` turns
+them into the shard's verdict, in this order:
+
+1. the batch function refused a batch on purpose (`StopRequested`): not a failure (None);
+2. a newer instance holds the shard (`Fenced`, by exact exception class): `FENCED`, exit 3;
+3. another instance wrote the checkpoint first (`ZombieCheckpointWriter`): `ZOMBIE`, restart
+   the query (the files it wrote are valid);
+4. SPARK-55271 after a batch that re-ran one an earlier run planned (`KafkaMetricsNPE`, only
+   when a batch completed since the query started): `SPARK_55271`, restart the query;
+5. a missing Kafka ACL (`Denied`): `DENIED`, the `NotAuthorized` error;
+6. anything else: `FAILED`, exit 1.
+
+Contract: the caller checks its lease before acting on any verdict but `FENCED` (a query that
+died after this instance lost its lease is fenced, not failed: a zombie's Spark may have found
+the new holder's checkpoint files). `judge` is pure (tests/unit/test_shard_ends.py).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from . import jvm_errors
+
+
+class QueryEnd(StrEnum):
+    """Why `ShardJob._run_query` stopped its query. `STOP` and `IDLE` end the run (exit 0);
+    every other reason runs the control loop again (lease, pause, circuit, layout, then a new
+    query)."""
+
+    STOP = "stop"  # asked to stop (a signal), or the query ended without failing
+    IDLE = "idle"  # `stop_when_idle_s`: nothing due, nothing running, all read
+    RESTART = "restart"  # a known Spark failure after which the same query goes on
+    CIRCUIT = "circuit"  # the circuit breaker opened, or a half-open probe decided
+    PAUSED = "paused"  # `subscription pause`
+    CHANGED = "changed"  # the shard count or generation changed
+    LAYOUT = "layout"  # the next main-topic storage topic's layout was saved
+
+
+class Verdict(StrEnum):
+    """What a failed query means for the shard (see the module docstring)."""
+
+    FENCED = "fenced"
+    ZOMBIE = "zombie"
+    SPARK_55271 = "spark-55271"
+    DENIED = "denied"
+    FAILED = "failed"
+
+
+def judge(failure: jvm_errors.Diagnosis | None, replayed: bool) -> Verdict | None:
+    """The verdict on a query that ended with `failure` (None: it ended without one);
+    `replayed`: a batch completed since the query started (pure)."""
+    if failure is None or jvm_errors.StopRequested in failure:
+        return None
+    if jvm_errors.Fenced in failure:
+        return Verdict.FENCED
+    if jvm_errors.ZombieCheckpointWriter in failure:
+        return Verdict.ZOMBIE
+    if replayed and jvm_errors.KafkaMetricsNPE in failure:
+        return Verdict.SPARK_55271
+    if jvm_errors.Denied in failure:
+        return Verdict.DENIED
+    return Verdict.FAILED

@@ -1,0 +1,66 @@
+"""What a failed query means for the shard (`varadhi.shard_ends.judge`, pure), on failures read
+by `varadhi.jvm_errors` from constructed cause chains and texts (no JVM)."""
+
+from __future__ import annotations
+
+from varadhi import jvm_errors
+from varadhi.jvm_errors import Link
+from varadhi.shard_ends import Verdict, judge
+
+NPE_FRAMES = (("org.apache.spark.sql.kafka010.KafkaMicroBatchStream", "metrics"),)
+# A batch function's own error, as it comes back inside the Java PythonException (shortened).
+PYTHON = (
+    "An exception was raised by the Python Proxy. Return Message: Traceback (most recent call "
+    'last):\n  File "/x/varadhi/shard.py", line 781, in _on_batch\n{}\n'
+)
+
+
+def failure(*chain: Link, text: str = "") -> jvm_errors.Diagnosis:
+    error = RuntimeError("the query failed")
+    text = "\n".join([text, *(f"{c.class_name}: {c.message}" for c in chain)])
+    return jvm_errors.Diagnosis(error, chain, text, jvm_errors.facts(chain, text))
+
+
+def job_aborted(cause: Link) -> tuple[Link, Link]:
+    return Link("org.apache.spark.SparkException", "Job aborted"), cause
+
+
+def test_a_leader_change_in_a_query_failure_is_a_failure_not_a_fence():
+    # Kafka's FencedLeaderEpochException: a partition's leader moved (retriable). Before, any
+    # text containing "Fenced" made it a fence and the shard ended with exit 3.
+    epoch = Link(
+        "org.apache.kafka.common.errors.FencedLeaderEpochException",
+        "The leader epoch in the request is older than the epoch on the broker.",
+    )
+    assert judge(failure(*job_aborted(epoch)), replayed=True) is Verdict.FAILED
+    python = PYTHON.format("kafka.errors.FencedLeaderEpochError: [Error 74] FencedLeaderEpochError")
+    assert judge(failure(text=python), replayed=False) is Verdict.FAILED
+
+
+def test_the_shard_s_own_fence_and_a_fenced_producer_are_fences():
+    own = PYTHON.format("varadhi.errors.Fenced: lease s/2/0: fenced (my epoch 3, current epoch 4)")
+    assert judge(failure(text=own), replayed=False) is Verdict.FENCED
+    producer = Link("org.apache.kafka.common.errors.ProducerFencedException", "newer producer")
+    assert judge(failure(*job_aborted(producer)), replayed=False) is Verdict.FENCED
+
+
+def test_a_refused_batch_or_no_failure_is_no_verdict():
+    assert judge(None, replayed=True) is None
+    stopped = failure(text=PYTHON.format("varadhi.shard.StopRequested"))
+    assert judge(stopped, replayed=True) is None
+
+
+def test_restarts_and_the_other_failures():
+    zombie = Link("java.util.ConcurrentModificationException", "Multiple streaming jobs detected")
+    assert judge(failure(zombie), replayed=False) is Verdict.ZOMBIE
+    npe = Link("java.lang.NullPointerException", "", NPE_FRAMES)
+    assert judge(failure(npe), replayed=True) is Verdict.SPARK_55271
+    assert judge(failure(npe), replayed=False) is Verdict.FAILED  # no batch re-ran: a real NPE
+    refused = Link(
+        "org.apache.kafka.common.errors.TopicAuthorizationException",
+        "Not authorized to access topics: [s.rq.1]",
+    )
+    assert judge(failure(*job_aborted(refused)), replayed=False) is Verdict.DENIED
+    assert judge(failure(Link("java.io.IOException", "disk full")), replayed=True) is (
+        Verdict.FAILED
+    )
