@@ -24,7 +24,6 @@ stop the query between batches (`_stop_between_batches`), never inside one.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -33,7 +32,7 @@ import zlib
 from typing import Any
 
 import pandas as pd
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, Observation, SparkSession
 
@@ -59,16 +58,17 @@ from .batch import (
     process_partition,
 )
 from .batch_commit import BatchCommit
-from .catalog import Catalog, key
+from .catalog import Catalog
 from .circuit import CircuitBreaker
 from .dedup import DedupWindow
 from .errors import Fenced, InvalidArgument, VaradhiError
-from .layouts import READER_KIND, Layout, drained, next_layout
+from .layouts import Layout
 from .policies import CircuitPolicy
 from .settings import Settings
 from .shard_ends import QueryEnd, Verdict, judge
 from .shard_lease import ShardLease
 from .shard_query import Source, batch_records, filter_records
+from .shard_reading import EndOffsets, LayoutMoves, caught_up, consumed
 from .shard_sender import QueueSender
 from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
 from .startup import StartupClock
@@ -137,7 +137,8 @@ class ShardJob:
         self._publisher: ProgressPublisher | None = None
         self._rates = Rates()
         self._where: dict[str, Any] = {}
-        self._offsets_consumer: KafkaConsumer | None = None
+        self._end_offsets = EndOffsets(self.settings)  # idle checks and layout moves
+        self._layouts = LayoutMoves(self.catalog, name, shard, self._end_offsets)
         self._partitions_read = 0  # main-topic partitions of the running query
         # The delivery journal (`varadhi.journal`): its partition count once the topic exists,
         # and the batch a crashed run left uncommitted, which the running query runs first.
@@ -193,13 +194,6 @@ class ShardJob:
             layouts.checkpoint_path(wh, n, sc, sh, layout),
             layouts.app_id(n, sc, sh, layout),
         )
-
-    def _layout(self, sub: subscriptions.Subscription) -> Layout:
-        snap = self.catalog.snapshot()
-        return layouts.current(snap, self.name, sub.shard_count, self.shard, sub.generation)
-
-    def _save_layout(self, sub: subscriptions.Subscription, layout: Layout) -> None:
-        self.catalog.mutate(lambda _snap: {key(READER_KIND, self._owner(sub)): layout.to_dict()})
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> int:
@@ -267,7 +261,7 @@ class ShardJob:
                         return 0
                     self._publish("running", force=True)
                     continue
-                layout = self._layout(sub)
+                layout = self._layouts.current(sub)
                 outcome = self._run_query(sub, mq, rq, dlq, layout, lease)
                 if outcome in (QueryEnd.STOP, QueryEnd.IDLE):
                     clean = True
@@ -309,9 +303,9 @@ class ShardJob:
             return
         s = self.stats
         rates = self._rates.update(time.monotonic(), s.delivered, s.failures)
-        consumed = self._consumed(query) if query is not None else None
-        if consumed is not None:
-            self._where["consumed"] = consumed
+        read = consumed(query.lastProgress) if query is not None else None
+        if read is not None:
+            self._where["consumed"] = read
         doc = {
             "state": state,
             "shard": self.shard,
@@ -452,7 +446,7 @@ class ShardJob:
                     and self._next_due_ms is None
                     and not self._batch_lock.locked()  # a batch is running: not idle
                     and time.monotonic() - self._last_batch_end > self.stop_when_idle_s
-                    and self._caught_up(query, assign)
+                    and caught_up(consumed(query.lastProgress), assign, self._end_offsets(assign))
                 ):
                     self._stop_between_batches(query)
                     return QueryEnd.IDLE
@@ -506,117 +500,22 @@ class ShardJob:
             time.sleep(0.02)
         query.stop()
 
-    # -- layouts, idleness and ticks ------------------------------------------------------
-    def _consumed(self, query) -> dict[str, dict[str, int]] | None:
-        """Offsets up to which the last completed batch read (None before the first batch)."""
-        progress = query.lastProgress
-        if progress is None:
-            return None
-        doc = json.loads(progress.json) if hasattr(progress, "json") else progress
-        sources = doc.get("sources") or []
-        end = sources[0].get("endOffset") if sources else None
-        if isinstance(end, str):
-            end = json.loads(end)
-        if not end:
-            return None
-        return {t: {str(p): int(o) for p, o in parts.items()} for t, parts in end.items()}
-
-    def _end_offsets(self, assign: dict[str, list[int]]) -> dict[str, dict[int, int]]:
-        # One consumer for the job's life (closed in `_close`): this runs every loop turn of an
-        # idle check, and a new kafka-python consumer per call cost CPU the batches need.
-        # Only the driver's main loop calls this (a consumer is not thread-safe).
-        if self._offsets_consumer is None:
-            self._offsets_consumer = kafka_clients.consumer(
-                self.settings, isolation_level="read_committed"
-            )
-        tps = [TopicPartition(t, p) for t, parts in assign.items() for p in parts]
-        ends = self._offsets_consumer.end_offsets(tps) if tps else {}
-        return {t: {p: ends[TopicPartition(t, p)] for p in parts} for t, parts in assign.items()}
-
-    def _caught_up(self, query, assign: dict[str, list[int]]) -> bool:
-        consumed = self._consumed(query)
-        if consumed is None:
-            return not any(sum(v.values()) for v in self._end_offsets(assign).values())
-        ends = self._end_offsets(assign)
-        return all(
-            drained({int(p): o for p, o in consumed.get(t, {}).items()}, ends[t]) for t in assign
-        )
-
+    # -- layouts and ticks -----------------------------------------------------------------
     def _maybe_next_layout(self, query, sub, layout: Layout) -> bool:
-        snap = self.catalog.snapshot()
-        mq = topics.from_snapshot(snap, sub.spec.topic)
-        now_ms = int(time.time() * 1000)
-        if not topics.sealed(mq, layout.mq_index, now_ms, SEAL_GRACE_MS):
-            return False
-        current = mq.storage(layout.mq_index)
-        parts = subscriptions.owned_partitions(sub, mq, layout.mq_index, self.shard)
-        consumed = layouts.merged(layout.starting_offsets, self._consumed(query) or {})
-        ends = self._end_offsets({current.name: parts})[current.name]
-        mine = {int(p): o for p, o in consumed.get(current.name, {}).items()}
-        if parts and not drained(mine, ends):
-            return False
-        nxt = mq.storage(layout.mq_index + 1)
-        if (
-            sub.spec.grouped
-            and not layouts.keeps_groups(current, nxt, sub.shard_count)
-            and not self._may_cross(snap, sub, layout, current, nxt)
-        ):
+        """Stop the query and save the next layout when the shard may move to the next
+        main-topic storage topic (`shard_reading.LayoutMoves`); status says why it waits at a
+        boundary where groups change shards."""
+        pending = int(self._summary.get("blocked_groups", 0))
+        ready, waiting = self._layouts.ready(
+            sub, layout, consumed(query.lastProgress), pending, SEAL_GRACE_MS
+        )
+        if waiting is not None:
+            self._where["waiting"] = waiting
+        if not ready:
             return False
         self._stop_between_batches(query)
-        consumed = layouts.merged(layout.starting_offsets, self._consumed(query) or {})
-        new = next_layout(
-            layout,
-            consumed,
-            nxt.name,
-            subscriptions.owned_partitions(sub, mq, layout.mq_index + 1, self.shard),
-        )
-        self._save_layout(sub, new)
-        log.info(
-            "%s shard %d: %s drained; now reading %s", self.name, self.shard, current.name, nxt.name
-        )
+        self._layouts.move(sub, layout, consumed(query.lastProgress))
         return True
-
-    def _may_cross(self, snap, sub, layout: Layout, current, nxt) -> bool:
-        """At the end of `current`, before `nxt` where groups would change shards (a K=1
-        storage topic): record in this shard's reader document that it waits there and whether
-        it has a pending group, and move on only when every shard of the count may
-        (`layouts.may_cross`: all of them drained `current` with no pending group, or went on
-        already). Until then the query keeps running (retries and re-drives go on) and status
-        says why the shard waits. A shard-count change ends the wait otherwise: it moves the
-        pending groups and starts the new shards after the boundary (`varadhi.resharding`)."""
-        pending = int(self._summary.get("blocked_groups", 0))
-        mark = {"index": layout.mq_index, "next": nxt.name, "quiet": pending == 0}
-        owner = self._owner(sub)
-        if layouts.waiting(snap.get(READER_KIND, owner), layout) != mark:
-
-            def change(now):
-                recorded = layouts.current(
-                    now, self.name, sub.shard_count, self.shard, sub.generation
-                )
-                if recorded != layout:
-                    return {}  # replaced meanwhile (a shard-count change or offset reset)
-                return {key(READER_KIND, owner): dict(layout.to_dict(), waiting=mark)}
-
-            self.catalog.mutate(change)
-            snap = self.catalog.snapshot()
-            log.info(
-                "%s shard %d: at the end of %s, waiting before %s (pending groups: %d)",
-                self.name,
-                self.shard,
-                current.name,
-                nxt.name,
-                pending,
-            )
-        docs = {
-            i: snap.get(READER_KIND, layouts.owner(self.name, sub.shard_count, i))
-            for i in range(sub.shard_count)
-        }
-        if layouts.may_cross(docs, sub.shard_count, sub.generation, layout.mq_index):
-            return True
-        self._where["waiting"] = layouts.boundary_wait(
-            self.name, current, nxt, sub.shard_count, pending
-        )
-        return False
 
     def _maybe_tick(self, rq: topics.CompositeTopic, sub) -> None:
         """Wake the query when a parked retry falls due, or a re-drive waits, and no input
@@ -823,8 +722,7 @@ class ShardJob:
     def _close(self) -> None:
         if self._publisher is not None:
             self._publisher.close()
-        if self._offsets_consumer is not None:
-            self._offsets_consumer.close()
+        self._end_offsets.close()
         if self._sender is not None:
             self._sender.close()
         if self._tick_producer is not None:
