@@ -35,6 +35,7 @@ from varadhi import batch as batch_module
 from varadhi import journal, kafka_clients
 from varadhi import messages as m
 from varadhi.batch import BatchContext, ForwardRule, deliver_records
+from varadhi.batch_commit import stat_rows
 from varadhi.policies import ConsumptionPolicy, Endpoint, RetryPolicy, SubscriptionSpec
 from varadhi.settings import Settings
 
@@ -129,7 +130,7 @@ def run(frame: pd.DataFrame, url: str, interval_ms: int, args, topic: str, setti
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     finally:
         batch_module.JournalWriter = original
-    stat = out[out["kind"] == "stat"].iloc[0]["reason"]
+    [stat] = stat_rows(out)
     return {
         "interval_ms": interval_ms,
         "messages": len(frame),

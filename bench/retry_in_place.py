@@ -20,7 +20,6 @@ Writes bench/results/retry_in_place.json. About 25 seconds.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import pandas as pd
 from common import machine, write_results
 from varadhi import messages as m
 from varadhi.batch import BatchContext, ForwardRule, deliver_records
+from varadhi.batch_commit import stat_rows
 from varadhi.policies import ConsumptionPolicy, Endpoint, RetryPolicy, SubscriptionSpec
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retry_in_place.json"
@@ -108,7 +108,7 @@ def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int) -> dict:
     finally:
         proc.terminate()
         proc.wait(10)
-    stat = json.loads(out.loc[out["kind"] == "stat", "reason"].iloc[0])
+    [stat] = stat_rows(out)
     pending = out[out["kind"] == "pending"]
     return {
         "latency_ms": latency_ms,

@@ -16,14 +16,16 @@ A micro-batch runs in one or two Spark jobs (their bodies are the `mapInPandas` 
 A batch that starts with no pending group is phase 1 alone. In both phases a task journals the
 origins of the messages its endpoint accepted (`BatchContext.journal`, `varadhi.journal`), and
 in a batch run again after a crash it sends none of those the crashed run journaled
-(`BatchContext.replayed`). Both phases yield rows of the state table's schema (`STATE_SCHEMA`):
+(`BatchContext.replayed`). Both phases yield rows of `state_rows.RESULT_SCHEMA` (the kinds and
+columns are described in `varadhi.state_rows`):
 
 - `pending` rows: the new state of every group touched;
 - `touched` rows: one per touched group that had state, so the driver drops its old rows;
 - `out` rows: records to write to the RQ or DLQ;
 - `done` rows: delivered ids, for the de-duplication window;
-- one `stat` row per task with its counters (JSON in `reason`), with what its endpoint answered
-  (`http_counts`: responses per status, errors per kind, a latency histogram).
+- one `stat` row per task with its counters (`state_rows.TaskStats`, in `stat_*` columns), with
+  what its endpoint answered (`http_counts`: responses per status, errors per kind, a latency
+  histogram).
 
 Input is binary-safe: keys and headers in any form are read through their text forms
 (`varadhi.record_ids`); a record that cannot be delivered (no value, oversized value) never
@@ -33,12 +35,11 @@ raises: it becomes an entry that is dead-lettered at once with the reason, in it
 from __future__ import annotations
 
 import hashlib
-import json
 import random
 import time
 from collections import defaultdict
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import pandas as pd
 
@@ -47,31 +48,20 @@ from .delivery import LATENCY_BOUNDS_MS, DeliveryStats, HttpDeliverer
 from .group_state import Entry, GroupRun, RunCounts, merge
 from .journal import Accepted, JournalTarget, JournalWriter
 from .policies import SubscriptionSpec
-
-STATE_COLUMNS = [
-    ("kind", "string"),
-    ("group_key", "string"),
-    ("group_id", "string"),
-    ("origin_index", "int"),
-    ("origin_partition", "int"),
-    ("origin_offset", "bigint"),
-    ("msg_id", "string"),
-    ("location", "string"),
-    ("value", "binary"),
-    ("headers", "string"),
-    ("attempts", "int"),
-    ("due_ms", "bigint"),
-    ("first_failure_ms", "bigint"),
-    ("last_failure_ms", "bigint"),
-    ("reason", "string"),
-    ("status", "int"),
-    ("source", "string"),
-    ("target", "string"),
-    ("batch_id", "bigint"),
-    ("app_id", "string"),
-]
-STATE_SCHEMA = ", ".join(f"{name} {kind}" for name, kind in STATE_COLUMNS)
-COLUMN_NAMES = [name for name, _ in STATE_COLUMNS]
+from .state_rows import (
+    RESULT_COLUMNS,
+    Kind,
+    StateRow,
+    TaskStats,
+    done_row,
+    entry_of,
+    frame_of,
+    retry_state,
+    stat_row,
+    state_row,
+    state_rows,
+    touched_row,
+)
 
 # A record a shard writes to its own RQ to wake itself up when a parked retry falls due while
 # no other input arrives (Spark runs a micro-batch only when there is new data).
@@ -87,7 +77,7 @@ class BatchContext:
     mq_indexes: dict[str, int]  # main-topic storage name -> index
     now_ms: int
     seed: int
-    dedup: bool = False  # report delivered ids (kind `done`) for the de-duplication window
+    dedup: bool = False  # report delivered ids (`Kind.DONE`) for the de-duplication window
     max_out_bytes: int | None = None  # the largest record the RQ takes (GroupRun.max_out_bytes)
     # Where the tasks journal accepted messages (`varadhi.journal`); None: not journaled.
     journal: JournalTarget | None = None
@@ -128,11 +118,9 @@ def entry_from_record(row: dict, ctx: BatchContext) -> Entry:
         source=source,
         invalid=problem,
     )
-    if row["kind"] == "rq":
+    if row["kind"] == Kind.RQ:
         try:
-            entry.origin = m.Origin.decode(headers[m.H_ORIGIN])
-            entry.attempts = int(headers.get(m.H_ATTEMPTS, "0"))
-            entry.due_ms = int(headers.get(m.H_DUE_MS, "0"))
+            entry.origin, entry.attempts, entry.due_ms = retry_state(headers)
         except (KeyError, ValueError):
             # Not written by a shard (or damaged): it matches no pending entry, so `merge`
             # drops it as a stale duplicate instead of guessing where it belongs.
@@ -148,65 +136,6 @@ def _headers(row: dict):
     return () if headers is None else headers
 
 
-def entry_from_state(row: dict) -> Entry:
-    """A state row (`pending`, `held` or `fwd`) as an Entry. A `held` or `new` entry never
-    attempted that has a reason is a malformed record (`state_row` keeps `invalid` in `reason`):
-    it gets its `invalid` back, so it is dead-lettered, not sent, when its turn comes."""
-    reason = row["reason"] if isinstance(row["reason"], str) else None
-    attempts = _int(row["attempts"])
-    return Entry(
-        origin=m.Origin(
-            int(row["origin_index"]), int(row["origin_partition"]), int(row["origin_offset"])
-        ),
-        msg_id=row["msg_id"],
-        group_id=row["group_id"] if isinstance(row["group_id"], str) else None,
-        location=row["location"],
-        value=None if row.get("value") is None else bytes(row["value"]),
-        headers=json.loads(row["headers"]) if isinstance(row["headers"], str) else {},
-        attempts=attempts,
-        due_ms=_int(row["due_ms"]),
-        first_failure_ms=_opt_int(row["first_failure_ms"]),
-        last_failure_ms=_opt_int(row["last_failure_ms"]),
-        reason=reason,
-        status=_opt_int(row["status"]),
-        source=row["source"] if isinstance(row["source"], str) else "",
-        invalid=reason if row["location"] in ("held", "new") and attempts == 0 else None,
-    )
-
-
-def _int(v) -> int:
-    return 0 if v is None or pd.isna(v) else int(v)
-
-
-def _opt_int(v) -> int | None:
-    return None if v is None or pd.isna(v) else int(v)
-
-
-def state_row(kind: str, key: str, e: Entry, target: str | None = None) -> dict:
-    return {
-        "kind": kind,
-        "group_key": key,
-        "group_id": e.group_id,
-        "origin_index": e.origin.index,
-        "origin_partition": e.origin.partition,
-        "origin_offset": e.origin.offset,
-        "msg_id": e.msg_id,
-        "location": e.location,
-        "value": e.value if (kind in ("out", "fwd") or e.location == "held") else None,
-        "headers": json.dumps(e.headers, sort_keys=True),
-        "attempts": e.attempts,
-        "due_ms": e.due_ms,
-        "first_failure_ms": e.first_failure_ms,
-        "last_failure_ms": e.last_failure_ms,
-        "reason": e.reason if e.reason is not None else e.invalid,
-        "status": e.status,
-        "source": e.source,
-        "target": target,
-        "batch_id": None,
-        "app_id": None,
-    }
-
-
 def deliver_records(
     frames: Iterator[pd.DataFrame], ctx: BatchContext, forward: ForwardRule
 ) -> Iterator[pd.DataFrame]:
@@ -216,40 +145,43 @@ def deliver_records(
     started = time.monotonic()
     counts = RunCounts()
     records = routed = 0
-    rows: list[dict] = []
+    rows: list[StateRow | dict] = []
     candidates: dict[str, list[Entry]] = defaultdict(list)
     for frame in frames:
         for row in rows_of(frame):
             records += 1
-            routed += row["kind"] == "mq"
-            if row["kind"] == "rq" and _is_tick(row):
+            routed += row["kind"] == Kind.MQ
+            if row["kind"] == Kind.RQ and _is_tick(row):
                 continue
             e = entry_from_record(row, ctx)
             key = row["group_key"]
             if forward.applies(row["kind"], key):
-                rows.append(state_row("fwd", key, e))
+                rows.append(state_row(Kind.FWD, key, e))
             else:
                 candidates[key].append(e)
     groups, http = _deliver(candidates, {}, ctx, counts, rows)
-    rows.append(_stat_row(counts, started, records=records, routed=routed, groups=groups, **http))
-    yield to_frame(rows)
+    stats = TaskStats.of(
+        counts, time.monotonic() - started, http, records=records, routed=routed, groups=groups
+    )
+    rows.append(stat_row(stats))
+    yield frame_of(rows, RESULT_COLUMNS)
 
 
 def process_partition(
-    frames: Iterator[pd.DataFrame], ctx: BatchContext, pending: dict[str, list[dict]]
+    frames: Iterator[pd.DataFrame], ctx: BatchContext, pending: dict[str, list[StateRow]]
 ) -> Iterator[pd.DataFrame]:
     """Phase 2 over forwarded (`fwd`) and parked (`held`) rows brought together by group key.
     `pending` maps group key -> that group's pending state rows (no bodies)."""
     started = time.monotonic()
     counts = RunCounts()
-    rows: list[dict] = []
+    rows: list[StateRow | dict] = []
     candidates: dict[str, list[Entry]] = defaultdict(list)
     for frame in frames:
-        for row in rows_of(frame):
-            candidates[row["group_key"]].append(entry_from_state(row))
+        for row in state_rows(frame):
+            candidates[row.group_key].append(entry_of(row))
     groups, http = _deliver(candidates, pending, ctx, counts, rows)
-    rows.append(_stat_row(counts, started, groups=groups, **http))
-    yield to_frame(rows)
+    rows.append(stat_row(TaskStats.of(counts, time.monotonic() - started, http, groups=groups)))
+    yield frame_of(rows, RESULT_COLUMNS)
 
 
 @dataclass(frozen=True)
@@ -261,15 +193,15 @@ class ForwardRule:
     blocked: frozenset[str] = frozenset()
 
     def applies(self, kind: str, group_key: str) -> bool:
-        return (self.rq and kind == "rq") or group_key in self.blocked
+        return (self.rq and kind == Kind.RQ) or group_key in self.blocked
 
 
 def _deliver(
     candidates: dict[str, list[Entry]],
-    pending: dict[str, list[dict]],
+    pending: dict[str, list[StateRow]],
     ctx: BatchContext,
     counts: RunCounts,
-    rows: list[dict],
+    rows: list[StateRow | dict],
 ) -> tuple[int, dict[str, int]]:
     """Merge each group's candidates with its pending state, deliver all groups concurrently
     (in order within each), and append the result rows to `rows`. Returns how many groups ran
@@ -279,7 +211,7 @@ def _deliver(
     runs: list[tuple[str, GroupRun]] = []
     answered: DeliveryStats | None = None
     for key, found in candidates.items():
-        old = [entry_from_state(r) for r in pending.get(key, ())]
+        old = [entry_of(r) for r in pending.get(key, ())]
         queue = merge(old, found, counts)
         run = GroupRun(
             queue,
@@ -308,24 +240,22 @@ def _deliver(
 
     for key, run in runs:
         if key in pending:
-            rows.append({"kind": "touched", "group_key": key})
+            rows.append(touched_row(key))
         for e in run.remaining():
             if e.location == "held" and e.value is None and e.invalid is None:
                 raise AssertionError(f"group {key}: held entry {e.msg_id} has no body")
-            rows.append(state_row("pending", key, e))
+            rows.append(state_row(Kind.PENDING, key, e))
         for out in run.outs:
-            rows.append(state_row("out", key, out.entry, target=out.target))
+            rows.append(state_row(Kind.OUT, key, out.entry, target=out.target))
         if ctx.dedup:
             now = _now_ms()
-            rows.extend(
-                {"kind": "done", "msg_id": dedup_id(e), "due_ms": now} for e in run.delivered
-            )
+            rows.extend(done_row(dedup_id(e), now) for e in run.delivered)
     return len(runs), http_counts(answered)
 
 
 def http_counts(stats: DeliveryStats | None) -> dict[str, int]:
-    """A task's endpoint answers as flat integer `stat` row fields (pure), so the driver's sum
-    of the tasks' counters adds them up: `status_<code>` (responses per HTTP status),
+    """A task's endpoint answers as flat integer counters (pure; `TaskStats.http`), so the
+    driver's sum of the tasks' counters adds them up: `status_<code>` (responses per HTTP status),
     `error_<kind>` (requests without a response per error kind), `latency_le_<ms>` and
     `latency_le_inf` (requests per latency bucket of `LATENCY_BOUNDS_MS`, not cumulative, empty
     buckets left out) and `latency_sum_us` (their total time). Empty without a run."""
@@ -340,12 +270,6 @@ def http_counts(stats: DeliveryStats | None) -> dict[str, int]:
     }
 
 
-def _stat_row(counts: RunCounts, started: float, **extra: int) -> dict:
-    stat = asdict(counts) | {"records": 0, "routed": 0} | extra
-    stat["seconds"] = round(time.monotonic() - started, 3)
-    return {"kind": "stat", "reason": json.dumps(stat)}
-
-
 def rows_of(frame: pd.DataFrame) -> list[dict]:
     """A frame's rows as dicts, as `frame.to_dict("records")` but several times faster (no
     per-value boxing): values are what `Series.tolist()` gives (Python ints, bytes, None, and
@@ -353,23 +277,6 @@ def rows_of(frame: pd.DataFrame) -> list[dict]:
     columns = list(frame.columns)
     values = zip(*(frame[c].tolist() for c in columns), strict=True)
     return [dict(zip(columns, row, strict=True)) for row in values]
-
-
-def to_frame(rows: list[dict]) -> pd.DataFrame:
-    """Rows as a frame Arrow converts to `STATE_SCHEMA`. Text and binary columns must be object
-    columns holding None (an all-missing column would otherwise be float NaN, which pyspark's
-    Arrow conversion rejects)."""
-    return none_for_missing(pd.DataFrame(rows, columns=COLUMN_NAMES))
-
-
-def none_for_missing(frame: pd.DataFrame) -> pd.DataFrame:
-    """Make `frame`'s text and binary state columns object columns holding None for missing
-    values (in place; returns `frame`)."""
-    for name, kind in STATE_COLUMNS:
-        if kind in ("string", "binary"):
-            column = frame[name].astype(object)
-            frame[name] = column.where(column.notna(), None)
-    return frame
 
 
 def dedup_id(e: Entry) -> str:

@@ -40,7 +40,6 @@ port call by tests/unit/test_batch_commit.py):
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from typing import Any, Protocol
 import pandas as pd
 
 from .faults import crash_point
+from .state_rows import Kind, StateRow, task_stats
 
 log = logging.getLogger("varadhi.shard")
 
@@ -61,7 +61,7 @@ class StatePort(Protocol):
         """(app_id, batch_id) of the table's last commit."""
         ...
 
-    def pending(self) -> dict[str, list[dict]]:
+    def pending(self) -> dict[str, list[StateRow]]:
         """Group key -> its pending rows (without bodies)."""
         ...
 
@@ -94,9 +94,9 @@ class BatchWork(Protocol):
         """Apply pending DLQ re-drives to the state copy; whether any are pending."""
         ...
 
-    def deliver(self, pending: dict[str, list[dict]]) -> pd.DataFrame:
+    def deliver(self, pending: dict[str, list[StateRow]]) -> pd.DataFrame:
         """Deliver the batch given the groups' pending state; every result row
-        (`varadhi.batch`: pending, touched, out, done, stat)."""
+        (`state_rows.RESULT_SCHEMA`: pending, touched, out, done, stat)."""
         ...
 
     def after_delivery(self, result: pd.DataFrame) -> list[dict[str, int]]:
@@ -117,7 +117,7 @@ class Outcome:
     resent: bool
     counts: dict[str, Any] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)
-    pending: dict[str, list[dict]] = field(default_factory=dict)
+    pending: dict[str, list[StateRow]] = field(default_factory=dict)
 
 
 @dataclass
@@ -167,17 +167,17 @@ class BatchCommit:
 
 
 def stat_rows(result: pd.DataFrame) -> list[dict[str, Any]]:
-    """The counters of every task (`stat` rows, JSON in `reason`) (pure)."""
-    return [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
+    """The counters of every task (`stat` rows: `state_rows.TaskStats.counters`) (pure)."""
+    return [s.counters() for s in task_stats(result)]
 
 
 def changes(result: pd.DataFrame, app_id: str, batch_id: int) -> tuple[set[str], pd.DataFrame]:
     """The state change a delivery result asks for (pure): the touched groups (their old rows
     go) and the new rows (`pending`, and `out` rows stamped with the batch)."""
-    touched = set(result.loc[result["kind"] == "touched", "group_key"])
-    new_rows = result[result["kind"].isin(["pending", "out"])].copy()
-    new_rows.loc[new_rows["kind"] == "out", "batch_id"] = batch_id
-    new_rows.loc[new_rows["kind"] == "out", "app_id"] = app_id
+    touched = set(result.loc[result["kind"] == Kind.TOUCHED, "group_key"])
+    new_rows = result[result["kind"].isin([Kind.PENDING, Kind.OUT])].copy()
+    new_rows.loc[new_rows["kind"] == Kind.OUT, "batch_id"] = batch_id
+    new_rows.loc[new_rows["kind"] == Kind.OUT, "app_id"] = app_id
     return touched, new_rows
 
 

@@ -23,6 +23,7 @@ from pyspark.sql import functions as F
 
 from . import messages as m
 from .record_ids import header_column, text_id_column
+from .state_rows import Kind
 
 log = logging.getLogger("varadhi.dedup")
 SCHEMA = "msg_id string, delivered_ms bigint"
@@ -55,9 +56,10 @@ class DedupWindow:
         )
 
     def filter(self, records: DataFrame, now_ms: int) -> tuple[DataFrame, list[str]]:
-        """Drop main-topic records (`kind = 'mq'`, column `dedup_id`) delivered within the window
+        """Drop main-topic records (`Kind.MQ`, column `dedup_id`) delivered within the window
         or repeated in this batch. Returns the kept records and the dropped ids."""
-        mq = records.filter("kind = 'mq'")
+        main = F.col("kind") == F.lit(Kind.MQ.value)
+        mq = records.filter(main)
         first = Window.partitionBy("dedup_id").orderBy("topic", "partition", "offset")
         ranked = mq.withColumn("_n", F.row_number().over(first))
         repeated = ranked.filter("_n > 1").drop("_n")
@@ -72,7 +74,7 @@ class DedupWindow:
         dropped = [r[0] for r in dropped_seen.unionByName(repeated).select("dedup_id").collect()]
         if dropped:
             log.info("dropped %d duplicate messages: %s", len(dropped), dropped[:20])
-        return fresh.unionByName(records.filter("kind != 'mq'")), dropped
+        return fresh.unionByName(records.filter(~main)), dropped
 
     def remember(self, ids: list[tuple[str, int]], app_id: str, batch_id: int) -> None:
         """Record delivered ids (idempotent per batch); evict expired ones now and then."""

@@ -29,7 +29,6 @@ an applied re-drive covers it in that way.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 import uuid
@@ -45,7 +44,9 @@ from . import kafka_clients, subscriptions, topics
 from . import messages as m
 from .catalog import Catalog, Snapshot, key
 from .errors import InvalidArgument, VaradhiError
+from .group_state import Entry
 from .record_ids import header_value, text_id
+from .state_rows import Kind, Scanned, StateRow, state_row
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +196,6 @@ def _int(v: str | None) -> int | None:
         return None
 
 
-Scanned = dict[str, dict[str, int]]  # DLQ storage topic -> partition (as text) -> end offset
 CHUNK_RECORDS = 500
 
 
@@ -491,8 +491,8 @@ def merged_scanned(base: Scanned, newer: Scanned) -> Scanned:
     return out
 
 
-def redrive_rows(parked: Iterable[Parked], grouped: bool) -> list[dict[str, Any]]:
-    """Parked messages as `held` state rows at their origin, attempts reset (pure)."""
+def redrive_rows(parked: Iterable[Parked], grouped: bool) -> list[StateRow]:
+    """Parked messages as `held` pending state rows at their origin, attempts reset (pure)."""
     rows = []
     seen = set()
     for p in parked:
@@ -514,21 +514,8 @@ def redrive_rows(parked: Iterable[Parked], grouped: bool) -> list[dict[str, Any]
         seen.add(origin)
         headers = {k: v for k, v in p.headers.items() if k not in RETRY_HEADERS}
         group_key = p.group_id if (grouped and p.group_id) else f"~{p.msg_id}"
-        rows.append(
-            {
-                "kind": "pending",
-                "group_key": group_key,
-                "group_id": p.group_id,
-                "origin_index": origin.index,
-                "origin_partition": origin.partition,
-                "origin_offset": origin.offset,
-                "msg_id": p.msg_id,
-                "location": "held",
-                "value": p.value,
-                "headers": json.dumps(headers, sort_keys=True),
-                "attempts": 0,
-                "due_ms": 0,
-                "source": f"{p.topic}/{p.partition}/{p.offset}",
-            }
+        entry = Entry(
+            origin, p.msg_id, p.group_id, "held", p.value, headers, source=where
         )
+        rows.append(state_row(Kind.PENDING, group_key, entry))
     return rows

@@ -1,8 +1,9 @@
 """The Kafka records a shard (or a shard-count change) writes to a subscription's RQ and DLQ.
 
-An `out` row of the state table (`varadhi.batch.state_row`) becomes one record: key = the text
-form of the group id, value = the body, headers = the message's headers plus the retry headers
-of `varadhi.messages` (origin, attempts, due and failure times, reason, status).
+An `out` row of the state table (`varadhi.state_rows.state_row`) becomes one record: key = the
+text form of the group id, value = the body, headers = the message's headers plus the retry
+headers of `varadhi.messages` (origin, attempts, due and failure times, reason, status:
+`state_rows.retry_headers`).
 
 Size. The broker refuses a record larger than the topic's `max.message.bytes`; refused after
 the state commit, it would fail the batch on every replay. Retries never get that far (a group
@@ -15,11 +16,11 @@ again if it comes back, re-drive leaves it where it is); replay re-reads the ori
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from . import messages as m
 from .errors import VaradhiError
+from .state_rows import retry_headers
 
 # The largest request the product's producers send (their `max_request_size`): the limit of a
 # record wherever the topic allows more.
@@ -51,23 +52,7 @@ class OutRecord:
 
 def out_headers(row: dict) -> list[tuple[str, bytes]]:
     """The headers of an `out` row's record."""
-    headers = json.loads(row["headers"]) if isinstance(row["headers"], str) else {}
-    origin = m.Origin(
-        int(row["origin_index"]), int(row["origin_partition"]), int(row["origin_offset"])
-    )
-    headers.setdefault(m.H_MSG_ID, row["msg_id"])  # keeps the group key of id-less messages
-    headers.update(
-        {
-            m.H_ORIGIN: origin.encode(),
-            m.H_ATTEMPTS: str(int(row["attempts"])),
-            m.H_DUE_MS: str(int(row["due_ms"] or 0)),
-            m.H_FIRST_FAILURE_MS: _opt(row["first_failure_ms"]),
-            m.H_LAST_FAILURE_MS: _opt(row["last_failure_ms"]),
-            m.H_REASON: row["reason"] if isinstance(row["reason"], str) else None,
-            m.H_STATUS: _opt(row["status"]),
-        }
-    )
-    return m.dict_to_headers(headers)
+    return m.dict_to_headers(retry_headers(row))
 
 
 def out_record(row: dict, limit: int | None) -> OutRecord:
@@ -99,10 +84,3 @@ def truncated(record: OutRecord, limit: int) -> OutRecord:
         bare = OutRecord(record.key, b"", headers)
     room = max(0, limit - bare.size)
     return OutRecord(record.key, (record.value or b"")[:room], headers)
-
-
-def _opt(v) -> str | None:
-    try:
-        return None if v is None or v != v else str(int(v))
-    except (TypeError, ValueError):
-        return None

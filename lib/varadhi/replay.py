@@ -86,6 +86,7 @@ from .errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from .group_state import Entry, http_headers
 from .policies import RetryPolicy, SubscriptionSpec
 from .retry import decide
+from .state_rows import Kind, frame_of, nullable_ints
 from .topics import CompositeTopic
 
 if TYPE_CHECKING:
@@ -398,9 +399,11 @@ class ReplayContext:
     seed: int
 
 
+# A replay task's counters: its `stat` row's `stat_<name>` columns.
+TASK_COUNTS = ("records", "groups", "delivered", "failed", "not_delivered", "attempts")
 RESULT_COLUMNS = [
-    ("kind", "string"),  # "stat" (one per task, JSON counts in `detail`) or "failure"
-    ("group_id", "string"),
+    ("kind", "string"),  # `Kind.FAILURE` (one per failed group) or `Kind.STAT` (one per task)
+    ("group_id", "string"),  # a failure's columns: `Failure`'s fields
     ("msg_id", "string"),
     ("origin", "string"),
     ("source", "string"),
@@ -408,7 +411,7 @@ RESULT_COLUMNS = [
     ("status", "int"),
     ("reason", "string"),
     ("not_delivered", "int"),
-    ("detail", "string"),
+    *[(f"stat_{name}", "bigint") for name in TASK_COUNTS],
 ]
 RESULT_SCHEMA = ", ".join(f"{name} {kind}" for name, kind in RESULT_COLUMNS)
 
@@ -449,15 +452,9 @@ def deliver_partition(
         "not_delivered": sum(f.not_delivered for f in failures),
         "attempts": sum(g.attempts for g in groups),
     }
-    rows: list[dict[str, Any]] = [{"kind": "failure", **asdict(f)} for f in failures]
-    rows.append({"kind": "stat", "detail": json.dumps(stat)})
-    frame = pd.DataFrame(rows, columns=[name for name, _ in RESULT_COLUMNS])
-    for name, kind in RESULT_COLUMNS:  # Arrow wants None, not NaN, in missing values
-        if kind == "string":
-            frame[name] = frame[name].astype(object).where(frame[name].notna(), None)
-        else:
-            frame[name] = frame[name].astype("Int32")
-    yield frame
+    rows: list[dict[str, Any]] = [{"kind": Kind.FAILURE, **asdict(f)} for f in failures]
+    rows.append({"kind": Kind.STAT, **{f"stat_{k}": stat[k] for k in TASK_COUNTS}})
+    yield nullable_ints(frame_of(rows, RESULT_COLUMNS), RESULT_COLUMNS)
 
 
 def _now_ms() -> int:
@@ -513,11 +510,11 @@ def summarize(rows: pd.DataFrame) -> tuple[dict[str, int], list[dict[str, Any]]]
     """Totals over the tasks' `stat` rows and the failures in origin order, at most
     `MAX_REPORTED_FAILURES` of them (pure)."""
     counts = dict.fromkeys(COUNTS, 0)
-    for detail in rows.loc[rows["kind"] == "stat", "detail"]:
-        for k, v in json.loads(detail).items():
-            counts[k] = counts.get(k, 0) + int(v)
+    stats = rows[rows["kind"] == Kind.STAT]
+    for name in TASK_COUNTS:
+        counts[name] += int(stats[f"stat_{name}"].fillna(0).sum())
     failures = []
-    for r in rows[rows["kind"] == "failure"].to_dict("records"):
+    for r in rows[rows["kind"] == Kind.FAILURE].to_dict("records"):
         failures.append(
             {
                 "group_id": r["group_id"],

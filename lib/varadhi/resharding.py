@@ -73,6 +73,7 @@ from .checkpoints import Offsets, shard_position
 from .errors import InvalidArgument, NotFound, VaradhiError
 from .layouts import READER_KIND, Layout
 from .leases import Lease
+from .state_rows import Kind
 from .subscriptions import Subscription
 from .topics import CompositeTopic, StorageTopic
 from .warehouse_fs import check_writable, for_path
@@ -462,12 +463,12 @@ def reshard_tables(
     for t in tables:
         if not len(t):
             continue
-        pending.append(t[t["kind"] == "pending"])
-        meta = t[t["kind"] == "meta"]
+        pending.append(t[t["kind"] == Kind.PENDING])
+        meta = t[t["kind"] == Kind.META]
         if len(meta):
             app_id, batch_id = meta.iloc[0]["app_id"], meta.iloc[0]["batch_id"]
             outs.append(
-                t[(t["kind"] == "out") & (t["app_id"] == app_id) & (t["batch_id"] == batch_id)]
+                t[(t["kind"] == Kind.OUT) & (t["app_id"] == app_id) & (t["batch_id"] == batch_id)]
             )
     columns = list(tables[0].columns) if tables else []
     rows = pd.concat(pending, ignore_index=True) if pending else pd.DataFrame(columns=columns)
@@ -656,8 +657,8 @@ class ChangeShards:
         )
 
     def _step_state(self, plan: Plan) -> dict[str, Any]:
-        from .batch import STATE_SCHEMA
-        from .state_store import StateStore, normalise
+        from .state_rows import STATE_SCHEMA, normalise
+        from .state_store import StateStore
 
         wh = self.catalog.settings.warehouse
         old = [

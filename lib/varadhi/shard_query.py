@@ -25,6 +25,7 @@ from . import filters, subscriptions, topics
 from .dedup import dedup_id
 from .layouts import Layout
 from .record_ids import group_id_column, group_key_column, msg_id_column
+from .state_rows import Kind
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,15 @@ class Source:
 
 
 def batch_records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
-    """The batch's Kafka records with `kind` (mq/rq), `group_key` (what orders them) and the
-    text forms of their ids (`group_id`, `msg_id`: `varadhi.record_ids`). Every string column
-    is valid UTF-8 whatever the producer wrote, so Arrow never fails to convert a batch."""
+    """The batch's Kafka records with `kind` (`Kind.MQ`, `Kind.RQ`), `group_key` (what orders
+    them) and the text forms of their ids (`group_id`, `msg_id`: `varadhi.record_ids`). Every
+    string column is valid UTF-8 whatever the producer wrote, so Arrow never fails to convert a
+    batch."""
     mq_names = [st.name for st in mq.storage_topics]
     return df.select(
-        F.when(F.col("topic").isin(mq_names), F.lit("mq")).otherwise(F.lit("rq")).alias("kind"),
+        F.when(F.col("topic").isin(mq_names), F.lit(Kind.MQ.value))
+        .otherwise(F.lit(Kind.RQ.value))
+        .alias("kind"),
         group_key_column(sub.spec.grouped).alias("group_key"),
         group_id_column().alias("group_id"),
         msg_id_column().alias("msg_id"),
@@ -109,7 +113,7 @@ def filter_records(
     if filt is None:
         return records, None
     observed = Observation()  # a unique name: one per batch, never shared between queries
-    main = F.col("kind") == F.lit("mq")
+    main = F.col("kind") == F.lit(Kind.MQ.value)
     keep = "_varadhi_keep"
     kept = (
         records.withColumn(keep, filters.column(filt, F.col("key"), F.col("kheaders")))

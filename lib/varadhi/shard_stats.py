@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .layouts import Layout
+from .state_rows import StateRow
 
 # How many blocked groups a progress document lists by name (`summarize`); the count is exact.
 LISTED_BLOCKED_GROUPS = 100
@@ -113,24 +114,26 @@ class Rates:
         }
 
 
-def parked_heads(pending: dict[str, list[dict]]) -> dict[str, int]:
+def parked_heads(pending: dict[str, list[StateRow]]) -> dict[str, int]:
     """Group key -> due time, for groups whose head (smallest origin) is parked here (pure)."""
     out = {}
     for g, rows in pending.items():
-        head = min(
-            rows, key=lambda r: (r["origin_index"], r["origin_partition"], r["origin_offset"])
-        )
-        if head["location"] == "held":
-            out[g] = int(head["due_ms"] or 0)
+        head = min(rows, key=_origin)
+        if head.location == "held":
+            out[g] = int(head.due_ms or 0)
     return out
 
 
-def due_heads(pending: dict[str, list[dict]], now_ms: int) -> list[str]:
+def _origin(row: StateRow):
+    return row.origin
+
+
+def due_heads(pending: dict[str, list[StateRow]], now_ms: int) -> list[str]:
     """Groups whose head is a parked (held) message that is due now (pure)."""
     return [g for g, due in parked_heads(pending).items() if due <= now_ms]
 
 
-def next_due(pending: dict[str, list[dict]]) -> int | None:
+def next_due(pending: dict[str, list[StateRow]]) -> int | None:
     """The earliest due time of a parked head (pure); None when nothing is parked."""
     return min(parked_heads(pending).values(), default=None)
 
@@ -156,25 +159,22 @@ def where_reading(
     return where
 
 
-def summarize(pending: dict[str, list[dict]]) -> dict[str, Any]:
+def summarize(pending: dict[str, list[StateRow]]) -> dict[str, Any]:
     """What status shows of a shard's GroupState (pure): blocked groups and pending messages
     by where they wait, and the first `LISTED_BLOCKED_GROUPS` blocked groups (by key) with
     their head: its message id, where it waits (`rq`: a retry; `dlq`: a dead letter blocking
     the group; `held`: parked here), its reason and how many of the group's messages wait."""
-    where = [r["location"] for rows in pending.values() for r in rows]
+    where = [r.location for rows in pending.values() for r in rows]
     listed = []
     for group in sorted(pending)[:LISTED_BLOCKED_GROUPS]:
         rows = pending[group]
-        head = min(
-            rows, key=lambda r: (r["origin_index"], r["origin_partition"], r["origin_offset"])
-        )
-        reason = head.get("reason")
+        head = min(rows, key=_origin)
         listed.append(
             {
                 "group": group,
-                "head": head["msg_id"],
-                "where": head["location"],
-                "reason": reason if isinstance(reason, str) else None,
+                "head": head.msg_id,
+                "where": head.location,
+                "reason": head.reason,
                 "waiting": len(rows),
             }
         )

@@ -1,6 +1,7 @@
 """A shard's GroupState table in Delta, with the driver's in-memory copy of it.
 
-The table (one per subscription, shard count and shard) holds rows of `batch.STATE_SCHEMA`:
+The table (one per subscription, shard count and shard) holds rows of
+`state_rows.STATE_SCHEMA` (kinds and columns: `varadhi.state_rows`):
 
 - `pending`: one per pending message of a non-healthy group (see `varadhi.group_state`);
 - `out`:     the RQ/DLQ records of the last committed batch (a transactional outbox: they are
@@ -9,6 +10,9 @@ The table (one per subscription, shard count and shard) holds rows of `batch.STA
 - `redrive`: a DLQ re-drive applied in this table and not yet marked done in the catalog
              (`msg_id`: the operation id, `headers`: the end offsets its DLQ scan covered, as
              JSON; see `varadhi.dlq`).
+
+A table is read into `STATE_COLUMNS` whatever columns it was written with (`normalise`): a
+column it lacks reads as null, one it has beyond them is dropped.
 
 It is small by design (healthy groups have no rows), so a shard keeps a copy in driver memory,
 loaded when its query starts, and replaces the whole table when a batch changed it: one Delta
@@ -20,25 +24,24 @@ committed, is skipped silently by Delta) and reloads the table if it did not.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 
 import pandas as pd
 from pyspark.sql import SparkSession
 
-from .batch import COLUMN_NAMES, STATE_COLUMNS, STATE_SCHEMA, none_for_missing, rows_of
-
-_INT_KINDS = {"int": "Int32", "bigint": "Int64"}
-
-
-def normalise(frame: pd.DataFrame) -> pd.DataFrame:
-    """Column types that convert to STATE_SCHEMA exactly: nullable ints, text and binary as object
-    columns holding None (vectorised: this runs on every state commit)."""
-    frame = none_for_missing(frame.reindex(columns=COLUMN_NAMES).reset_index(drop=True))
-    for name, kind in STATE_COLUMNS:
-        if kind in _INT_KINDS:
-            frame[name] = pd.array(frame[name], dtype=_INT_KINDS[kind])
-    return frame
+from .state_rows import (
+    COLUMN_NAMES,
+    STATE_SCHEMA,
+    Kind,
+    Scanned,
+    StateRow,
+    decode_scanned,
+    frame_of,
+    meta_row,
+    normalise,
+    redrive_row,
+    state_rows,
+)
 
 
 class StateStore:
@@ -48,6 +51,7 @@ class StateStore:
         self.spark = spark
         self.path = path
         self.writer = writer
+        self._pending: tuple[pd.DataFrame, dict[str, list[StateRow]]] | None = None
         self.frame = self._load()
 
     def _load(self) -> pd.DataFrame:
@@ -55,81 +59,82 @@ class StateStore:
 
         if DeltaTable.isDeltaTable(self.spark, self.path):
             return normalise(self.spark.read.format("delta").load(self.path).toPandas())
-        return normalise(pd.DataFrame(columns=[c for c, _ in STATE_COLUMNS]))
+        return normalise(pd.DataFrame(columns=COLUMN_NAMES))
 
     def reload(self) -> None:
         self.frame = self._load()
 
     # -- reading --------------------------------------------------------------------------
     def meta(self) -> tuple[str | None, int | None]:
-        rows = self.frame[self.frame["kind"] == "meta"]
+        rows = self.frame[self.frame["kind"] == Kind.META]
         if not len(rows):
             return None, None
         row = rows.iloc[0]
         return row["app_id"], (None if pd.isna(row["batch_id"]) else int(row["batch_id"]))
 
-    def pending(self) -> dict[str, list[dict]]:
-        """Group key -> its pending rows, without bodies (what executors need to decide)."""
-        rows = self.frame[self.frame["kind"] == "pending"].drop(columns=["value"])
-        out: dict[str, list[dict]] = {}
-        for row in rows_of(rows):
-            out.setdefault(row["group_key"], []).append(row)
+    def pending(self) -> dict[str, list[StateRow]]:
+        """Group key -> its pending rows, without bodies (what executors need to decide).
+        Decoded once per content of the copy: do not change the rows returned."""
+        if self._pending is not None and self._pending[0] is self.frame:
+            return self._pending[1]
+        rows = self.frame[self.frame["kind"] == Kind.PENDING].drop(columns=["value"])
+        out: dict[str, list[StateRow]] = {}
+        for row in state_rows(rows):
+            out.setdefault(row.group_key, []).append(row)
+        self._pending = (self.frame, out)
         return out
 
     def held_groups(self) -> set[str]:
         f = self.frame
-        return set(f.loc[(f["kind"] == "pending") & (f["location"] == "held"), "group_key"])
+        return set(f.loc[(f["kind"] == Kind.PENDING) & (f["location"] == "held"), "group_key"])
 
     def held_rows(self, keys: Iterable[str]) -> pd.DataFrame:
         f = self.frame
         rows = f[
-            (f["kind"] == "pending") & (f["location"] == "held") & f["group_key"].isin(set(keys))
+            (f["kind"] == Kind.PENDING)
+            & (f["location"] == "held")
+            & f["group_key"].isin(set(keys))
         ]
-        return rows.assign(kind="held")
+        return rows.assign(kind=Kind.HELD)
 
     def outs(self, app_id: str, batch_id: int) -> pd.DataFrame:
         f = self.frame
-        return f[(f["kind"] == "out") & (f["app_id"] == app_id) & (f["batch_id"] == batch_id)]
+        return f[(f["kind"] == Kind.OUT) & (f["app_id"] == app_id) & (f["batch_id"] == batch_id)]
 
-    def redrives_applied(self) -> dict[str, dict[str, dict[str, int]]]:
+    def redrives_applied(self) -> dict[str, Scanned]:
         """Re-drive operation id -> the DLQ end offsets its scan covered, for the `redrive`
         rows of the copy."""
         f = self.frame
-        rows = f[f["kind"] == "redrive"]
+        rows = f[f["kind"] == Kind.REDRIVE]
         return {
-            str(op_id): json.loads(scanned)
+            str(op_id): decode_scanned(scanned)
             for op_id, scanned in zip(rows["msg_id"], rows["headers"], strict=True)
         }
 
     # -- writing --------------------------------------------------------------------------
-    def record_redrives(self, scanned: dict[str, dict[str, dict[str, int]]]) -> None:
+    def record_redrives(self, scanned: dict[str, Scanned]) -> None:
         """Add a `redrive` row per operation (in memory; the next `commit` persists them)."""
         if not scanned:
             return
-        rows = pd.DataFrame(
-            [
-                {"kind": "redrive", "msg_id": op_id, "headers": json.dumps(sc, sort_keys=True)}
-                for op_id, sc in scanned.items()
-            ]
-        )
+        rows = frame_of([redrive_row(op_id, sc) for op_id, sc in scanned.items()])
         self.frame = normalise(pd.concat([self.frame, rows], ignore_index=True))
 
     def forget_redrives(self, op_ids: Iterable[str]) -> None:
         """Drop the `redrive` rows of these operations (in memory; the next `commit`)."""
         ids = set(op_ids)
         f = self.frame
-        gone = (f["kind"] == "redrive") & f["msg_id"].isin(ids)
+        gone = (f["kind"] == Kind.REDRIVE) & f["msg_id"].isin(ids)
         if ids and gone.any():
             self.frame = normalise(f[~gone])
 
-    def redrive(self, rows: list[dict]) -> int:
+    def redrive(self, rows: list[StateRow]) -> int:
         """Put re-driven DLQ messages back as `held` entries (in memory; the next `commit`
         persists them). A `dlq` entry at the same origin is replaced; a message that is pending
         anyway is left alone. Returns how many entries were added or replaced."""
         if not rows:
             return 0
         f = self.frame
-        pending = f["kind"] == "pending"
+        pending = f["kind"] == Kind.PENDING
         at = {
             (g, i, p, o): idx
             for idx, g, i, p, o in zip(
@@ -143,21 +148,14 @@ class StateStore:
         }
         drop, add = [], []
         for row in rows:
-            idx = at.get(
-                (
-                    row["group_key"],
-                    row["origin_index"],
-                    row["origin_partition"],
-                    row["origin_offset"],
-                )
-            )
+            idx = at.get((row.group_key, row.origin_index, row.origin_partition, row.origin_offset))
             if idx is None:
                 add.append(row)
             elif f.at[idx, "location"] == "dlq":
                 drop.append(idx)
                 add.append(row)
         self.frame = normalise(
-            pd.concat([f.drop(index=drop), pd.DataFrame(add)], ignore_index=True)
+            pd.concat([f.drop(index=drop), frame_of(add)], ignore_index=True)
         )
         return len(add)
 
@@ -176,7 +174,7 @@ class StateStore:
             )
         )
         hit = [
-            kind == "pending" and where == location and tuple(int(x) for x in k) in origins
+            kind == Kind.PENDING and where == location and tuple(int(x) for x in k) in origins
             for kind, where, k in zip(f["kind"], f["location"], keys, strict=True)
         ]
         if not any(hit):
@@ -195,9 +193,10 @@ class StateStore:
         """
         f = self.frame
         kept = f[
-            ((f["kind"] == "pending") & ~f["group_key"].isin(touched)) | (f["kind"] == "redrive")
+            ((f["kind"] == Kind.PENDING) & ~f["group_key"].isin(touched))
+            | (f["kind"] == Kind.REDRIVE)
         ]
-        meta = pd.DataFrame([{"kind": "meta", "app_id": app_id, "batch_id": batch_id}])
+        meta = frame_of([meta_row(app_id, batch_id)])
         parts = [p for p in (kept, new_rows, meta) if len(p)]
         frame = normalise(pd.concat(parts, ignore_index=True))
         stamp = f"{self.writer}/{app_id}/{batch_id}"

@@ -4,8 +4,6 @@ forwarded groups in order with their pending state."""
 
 from __future__ import annotations
 
-import json
-
 import pandas as pd
 
 from varadhi import messages as m
@@ -14,9 +12,10 @@ from varadhi.batch import (
     ForwardRule,
     deliver_records,
     process_partition,
-    state_row,
 )
+from varadhi.batch_commit import stat_rows
 from varadhi.group_state import Entry
+from varadhi.state_rows import Kind, state_row
 from varadhi.subscriptions import parse_spec
 from varadhi.testing.endpoint import TestEndpoint
 
@@ -49,7 +48,7 @@ def _rows(frames) -> pd.DataFrame:
 
 
 def _stat(result: pd.DataFrame) -> dict:
-    [stat] = [json.loads(r) for r in result.loc[result["kind"] == "stat", "reason"]]
+    [stat] = stat_rows(result)
     return stat
 
 
@@ -97,7 +96,7 @@ def test_phase_two_finishes_forwarded_groups_in_order_with_their_pending_state()
         waiting = Entry(
             origin=m.Origin(0, 0, 1), msg_id="b-1", group_id="b", location="rq", attempts=1
         )
-        pending = {"b": [state_row("pending", "b", waiting)]}
+        pending = {"b": [state_row(Kind.PENDING, "b", waiting)]}
         forwarded = phase_one[phase_one["kind"] == "fwd"]
         result = _rows(process_partition(iter([forwarded]), ctx, pending))
         delivered = [(r.message_id, r.attempt) for r in endpoint.records()]

@@ -14,7 +14,6 @@ committed and before the batch returned.
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ import pandas as pd
 import pytest
 
 from varadhi.batch_commit import BatchCommit, changes, sum_counts
+from varadhi.state_rows import STAT_COLUMNS, TaskStats, stat_row
 
 APP = "sub.g1.s1.shard-0.L0"
 
@@ -235,7 +235,7 @@ class FakeWork:
             ]
         counts["records"] = len(self.input.mq) + len(self.input.rq)
         counts["skipped_replayed"] = len(replayed)
-        rows.append({"kind": "stat", "reason": json.dumps(dict(counts))})
+        rows.append(stat_row(TaskStats(**counts)))
         self.step("deliver.done")
         return pd.DataFrame(rows, columns=COLUMNS, dtype=object)  # ints stay ints
 
@@ -256,7 +256,7 @@ class FakeWork:
 
 
 COLUMNS = ["kind", "group_key", "msg_id", "location", "attempts", "origin", "target"]
-COLUMNS += ["app_id", "batch_id", "reason"]
+COLUMNS += ["app_id", "batch_id", "reason", *(name for name, _ in STAT_COLUMNS)]
 
 # Batch 0: a delivers, b1 fails (RQ), c1 is dead-lettered (its group blocks).
 # Batch 1: b1's RQ record comes back and succeeds, b2 waited behind it; c1 is re-driven and
@@ -329,14 +329,9 @@ def test_one_clean_run_delivers_retries_dead_letters_and_redrives():
         {"kind": "meta", "app_id": APP, "batch_id": 1}
     ]
     assert [o.resent for o in CLEAN.outcomes] == [False, False, False]
-    assert CLEAN.outcomes[0].counts == {
-        "delivered": 2,
-        "retried": 1,
-        "dead_lettered": 1,
-        "records": 4,
-        "skipped_replayed": 0,
-        "deduplicated": 0,
-    }
+    assert CLEAN.outcomes[0].counts == TaskStats(
+        delivered=2, retried=1, dead_lettered=1, records=4
+    ).counters() | {"deduplicated": 0}
     assert set(CLEAN.outcomes[0].pending) == {"b", "c"}
     assert CLEAN.outcomes[1].pending == {}
     # The healthy batch writes nothing: no state commit, no Kafka transaction.

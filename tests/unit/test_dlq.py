@@ -108,7 +108,7 @@ def test_list_state_of_a_record():
 
 def test_redrive_rows_keep_one_entry_per_origin():
     rows = redrive_rows([parked("a", offset=0), parked("a", offset=3, origin="0:0:0")], True)
-    assert [(r["msg_id"], r["location"], r["attempts"]) for r in rows] == [("a", "held", 0)]
+    assert [(r.msg_id, r.location, r.attempts) for r in rows] == [("a", "held", 0)]
 
 
 def test_scanned_offsets_merge_per_partition():
@@ -137,4 +137,4 @@ def test_truncated_copies_and_records_without_an_origin_are_not_re_driven():
     truncated = replace(parked("a", offset=1), headers={m.H_TRUNCATED: "5000000"})
     foreign = parked("b", offset=2, origin="junk")
     fine = parked("c", offset=3)
-    assert [r["msg_id"] for r in redrive_rows([truncated, foreign, fine], True)] == ["c"]
+    assert [r.msg_id for r in redrive_rows([truncated, foreign, fine], True)] == ["c"]

@@ -17,7 +17,6 @@ from dataclasses import replace
 import pytest
 
 from varadhi import messages as m
-from varadhi.batch import COLUMN_NAMES, entry_from_state, state_row
 from varadhi.delivery import Outcome, Wait
 from varadhi.dlq import parked_from_record, redrive_rows
 from varadhi.group_state import (
@@ -32,6 +31,7 @@ from varadhi.group_state import (
 )
 from varadhi.policies import BlockedPolicy, RetryPolicy
 from varadhi.queue_records import out_record
+from varadhi.state_rows import Kind, entry_of, state_row
 
 T0 = 1_800_000_000_000
 # Every retry goes through the RQ (no retries in place), so the hazards of the RQ path show.
@@ -136,8 +136,8 @@ def ids(entries: Iterable[Entry]) -> list[str]:
 def round_trip(entries: Iterable[Entry]) -> list[Entry]:
     """Entries as a batch gets them from the state table: written as pending rows and read back
     without bodies (`StateStore.pending`); parked bodies come separately, as `held` candidates."""
-    rows = [state_row("pending", "g", e) for e in entries]
-    return [entry_from_state({k: v for k, v in row.items() if k != "value"}) for row in rows]
+    rows = [state_row(Kind.PENDING, "g", e) for e in entries]
+    return [entry_of(row._replace(value=None)) for row in rows]
 
 
 # -- merge ------------------------------------------------------------------------------------
@@ -567,13 +567,13 @@ def test_junk_in_the_produced_at_header_is_not_sent_on():
 def dead_letters_to_redrive(outs: Iterable[Out]) -> list[Entry]:
     """What `dlq unsideline --group-ids g` gives back for these DLQ records: each written as the
     shard writes it (`out_record`), read as a DLQ browse reads it and turned into `held` state
-    rows (`varadhi.dlq`), then read by a batch (`entry_from_state`)."""
+    rows (`varadhi.dlq`), then read by a batch (`entry_of`)."""
     parked = []
     for n, out in enumerate(outs):
-        record = out_record(state_row("out", "g", out.entry, target="dlq"), None)
+        record = out_record(state_row(Kind.OUT, "g", out.entry, target="dlq")._asdict(), None)
         parked.append(parked_from_record("s.dlq.0", 0, n, record.key, record.value, record.headers))
     rows = redrive_rows(parked, grouped=True)
-    return [entry_from_state({c: row.get(c) for c in COLUMN_NAMES}) for row in rows]
+    return [entry_of(row) for row in rows]
 
 
 def blocked_run(entries: list[Entry], clock: Clock, limit: BlockedPolicy) -> GroupRun:

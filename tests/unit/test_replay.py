@@ -26,6 +26,8 @@ from varadhi.policies import Endpoint, RetryPolicy, SubscriptionSpec
 from varadhi.replay import (
     HTTP_REPLAY,
     MAX_REPORTED_FAILURES,
+    RESULT_COLUMNS,
+    TASK_COUNTS,
     NothingToReplay,
     PartitionRange,
     ReplayContext,
@@ -42,6 +44,7 @@ from varadhi.replay import (
     resolve_range,
     summarize,
 )
+from varadhi.state_rows import frame_of
 from varadhi.topics import add_storage, new_topic, switch_produce
 
 NOW = 1_800_000_000_000  # 2027-01-15T08:00:00Z
@@ -422,7 +425,7 @@ def test_deliver_partition_orders_groups_by_origin_and_reports_failures():
     assert engine.runs == 1
     assert [s[0] for s in engine.sent if s[0].startswith("a")] == ["a1", "a2"]
     assert {s[2] for s in engine.sent} == {"rid"}
-    stat = json.loads(out.loc[out["kind"] == "stat", "detail"].item())
+    stat = stat_of(out)
     assert stat == {
         "records": 6,
         "groups": 3,
@@ -462,7 +465,8 @@ def run_partition(rows, script) -> tuple[FakeEngine, pd.DataFrame]:
 
 
 def stat_of(out: pd.DataFrame) -> dict:
-    return json.loads(out.loc[out["kind"] == "stat", "detail"].item())
+    [stat] = out.loc[out["kind"] == "stat", [f"stat_{n}" for n in TASK_COUNTS]].to_dict("records")
+    return {name[len("stat_") :]: int(v) for name, v in stat.items()}
 
 
 def test_a_group_waiting_for_its_retry_does_not_hold_up_the_other_groups():
@@ -515,7 +519,7 @@ def test_an_empty_partition_opens_no_connection():
         raise AssertionError("no engine for an empty task")
 
     (out,) = deliver_partition(iter([]), ReplayContext("rid", spec(), {}, 1), factory, Clock())
-    assert json.loads(out["detail"].item())["records"] == 0
+    assert stat_of(out)["records"] == 0
 
 
 # -- results ----------------------------------------------------------------------------------
@@ -558,7 +562,7 @@ def test_result_document_and_text():
 
 def test_only_the_first_failures_are_listed_all_are_counted():
     n = MAX_REPORTED_FAILURES + 5
-    rows = pd.DataFrame(
+    rows = frame_of(
         [
             {
                 "kind": "failure",
@@ -570,11 +574,11 @@ def test_only_the_first_failures_are_listed_all_are_counted():
                 "status": 404,
                 "reason": "fatal response 404",
                 "not_delivered": 0,
-                "detail": None,
             }
             for i in range(n)
         ]
-        + [{"kind": "stat", "detail": json.dumps({"records": n, "failed": n})}]
+        + [{"kind": "stat", "stat_records": n, "stat_failed": n}],
+        RESULT_COLUMNS,
     )
     counts, listed = summarize(rows)
     assert counts["failed"] == n and len(listed) == MAX_REPORTED_FAILURES

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
 from varadhi.shard_stats import LISTED_BLOCKED_GROUPS, ShardStats, summarize
+from varadhi.state_rows import Kind, StateRow, state_rows
 
 
 def row(offset: int, location: str, reason: str | None = None, msg_id: str | None = None):
-    return {
-        "origin_index": 0,
-        "origin_partition": 1,
-        "origin_offset": offset,
-        "msg_id": msg_id or f"m{offset}",
-        "location": location,
-        "reason": reason,
-    }
+    return StateRow(
+        Kind.PENDING,
+        origin_index=0,
+        origin_partition=1,
+        origin_offset=offset,
+        msg_id=msg_id or f"m{offset}",
+        location=location,
+        reason=reason,
+    )
 
 
 def test_summary_counts_and_names_blocked_groups_by_their_head():
@@ -37,7 +41,10 @@ def test_summary_counts_and_names_blocked_groups_by_their_head():
 
 
 def test_the_list_of_blocked_groups_is_bounded_but_the_count_is_not():
-    pending = {f"g{i:04d}": [row(i, "rq", float("nan"))] for i in range(LISTED_BLOCKED_GROUPS + 5)}
+    # As the state table reads them: a missing reason read from Delta is NaN in the frame.
+    frame = pd.DataFrame([row(i, "rq")._asdict() for i in range(LISTED_BLOCKED_GROUPS + 5)])
+    frame["reason"] = float("nan")
+    pending = {f"g{r.origin_offset:04d}": [r] for r in state_rows(frame)}
     summary = summarize(pending)
     assert summary["blocked_groups"] == LISTED_BLOCKED_GROUPS + 5
     assert len(summary["blocked"]) == LISTED_BLOCKED_GROUPS
