@@ -32,7 +32,6 @@ import zlib
 from typing import Any
 
 import pandas as pd
-from kafka import KafkaProducer
 from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, Observation, SparkSession
 
@@ -50,7 +49,7 @@ from . import (
 )
 from . import dlq as dlq_ops
 from .batch import (
-    TICK_HEADER,
+    STATE_SCHEMA,
     BatchContext,
     ForwardRule,
     deliver_records,
@@ -70,9 +69,9 @@ from .shard_query import Source, batch_records, filter_records
 from .shard_reading import EndOffsets, LayoutMoves, caught_up, consumed
 from .shard_sender import QueueSender
 from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
+from .shard_ticks import Ticks
 from .startup import StartupClock
-from .state_rows import RESULT_SCHEMA, STATE_SCHEMA, Kind, StateRow, delivered_ids, normalise
-from .state_store import StateStore
+from .state_store import StateStore, normalise
 from .status import ProgressPublisher, latest_progress
 from .stop_signals import StopSignals
 
@@ -121,16 +120,14 @@ class ShardJob:
         self._stopping = False
         self._signal = threading.Event()
         self._last_batch_end = time.monotonic()
-        self._last_batch_start_ms = -1  # before any batch: a due time of 0 still gets a tick
         self._circuit = CircuitBreaker(CircuitPolicy())  # configured from the spec
         self._query_circuit = "closed"  # the circuit state the running query was started in
         self._aborted: tuple[str, int] | None = None  # (checkpoint, batch) refused unstarted
         self._query_checkpoint = ""
         self._completed = ("", -1)  # (checkpoint, batch) this process last completed
-        self._next_due_ms: int | None = None
+        self._ticks = Ticks(self.settings, shard)  # wake the query for due retries
         self._query = None
         self._sender: QueueSender | None = None  # RQ/DLQ records (`varadhi.shard_sender`)
-        self._tick_producer: KafkaProducer | None = None
         self._store: StateStore | None = None
         self._dedup: DedupWindow | None = None
         self._summary: dict[str, Any] = {}
@@ -362,7 +359,7 @@ class ShardJob:
         # Parked retries that fall due before any new input arrives need a tick to run; status
         # shows what waits from the start, not only after the first batch.
         pending = self._store.pending()
-        self._next_due_ms = next_due(pending)
+        self._ticks.next_due_ms = next_due(pending)
         self._summary = summarize(pending)
         self._startup.mark("state table read")
         ctx_base = dict(
@@ -439,11 +436,12 @@ class ShardJob:
                 moved = self._maybe_next_layout(query, sub, layout)
                 if moved:
                     return QueryEnd.LAYOUT
-                self._maybe_tick(rq, sub)
+                redrives = dlq_ops.pending_for(self.catalog.snapshot(), self.name, self.shard)
+                self._ticks.maybe_tick(rq, sub, redrive_waiting=bool(redrives))
                 self._publish("running", query)
                 if (
                     self.stop_when_idle_s is not None
-                    and self._next_due_ms is None
+                    and self._ticks.next_due_ms is None
                     and not self._batch_lock.locked()  # a batch is running: not idle
                     and time.monotonic() - self._last_batch_end > self.stop_when_idle_s
                     and caught_up(consumed(query.lastProgress), assign, self._end_offsets(assign))
@@ -500,7 +498,7 @@ class ShardJob:
             time.sleep(0.02)
         query.stop()
 
-    # -- layouts and ticks -----------------------------------------------------------------
+    # -- layouts -----------------------------------------------------------------------------
     def _maybe_next_layout(self, query, sub, layout: Layout) -> bool:
         """Stop the query and save the next layout when the shard may move to the next
         main-topic storage topic (`shard_reading.LayoutMoves`); status says why it waits at a
@@ -517,34 +515,12 @@ class ShardJob:
         self._layouts.move(sub, layout, consumed(query.lastProgress))
         return True
 
-    def _maybe_tick(self, rq: topics.CompositeTopic, sub) -> None:
-        """Wake the query when a parked retry falls due, or a re-drive waits, and no input
-        would trigger a batch."""
-        now = int(time.time() * 1000)
-        due = self._next_due_ms
-        if dlq_ops.pending_for(self.catalog.snapshot(), self.name, self.shard):
-            if now - self._last_batch_start_ms < 2_000:
-                return
-        elif due is None or now < due or self._last_batch_start_ms >= due:
-            return
-        st = rq.produce_topic
-        parts = subscriptions.internal_partitions(sub, rq, rq.produce_pointer, self.shard)
-        if not parts:
-            return
-        if self._tick_producer is None:
-            self._tick_producer = kafka_clients.producer(self.settings, linger_ms=0)
-        self._tick_producer.send(
-            st.name, value=b"", partition=parts[0], headers=[(TICK_HEADER, b"1")]
-        )
-        self._tick_producer.flush(5)
-        self._last_batch_start_ms = int(time.time() * 1000)  # one tick per due time
-
     # -- the micro-batch ------------------------------------------------------------------
     def _on_batch(self, df: DataFrame, batch_id: int, **ctx) -> None:
         self._refuse_if_stopping(batch_id)
         with self._batch_lock:
             self._refuse_if_stopping(batch_id)
-            self._last_batch_start_ms = int(time.time() * 1000)
+            self._ticks.batch_started()
             self._startup.mark("first batch planned")
             try:
                 self._process(df, batch_id, **ctx)
@@ -584,7 +560,7 @@ class ShardJob:
         records: DataFrame,
         ctx: BatchContext,
         store: StateStore,
-        pending: dict[str, list[StateRow]],
+        pending: dict[str, list[dict]],
         due_groups: list[str],
     ) -> pd.DataFrame:
         """Deliver the batch on executors in one or two Spark jobs (see `varadhi.batch`) and
@@ -599,11 +575,11 @@ class ShardJob:
             records = records.coalesce(concurrency)
         forward = ForwardRule(rq=True, blocked=frozenset(pending)) if pending else ForwardRule()
         first = records.mapInPandas(
-            lambda it: deliver_records(it, ctx, forward), RESULT_SCHEMA
+            lambda it: deliver_records(it, ctx, forward), STATE_SCHEMA
         ).toPandas()
         if not pending:
             return first
-        is_fwd = first["kind"] == Kind.FWD
+        is_fwd = first["kind"] == "fwd"
         forwarded = first[is_fwd]
         held = store.held_rows(
             set(due_groups) | (set(forwarded["group_key"]) & store.held_groups())
@@ -616,7 +592,7 @@ class ShardJob:
         second = (
             records.sparkSession.createDataFrame(rows, STATE_SCHEMA)
             .repartition(concurrency, "group_key")
-            .mapInPandas(lambda it: process_partition(it, ctx, involved), RESULT_SCHEMA)
+            .mapInPandas(lambda it: process_partition(it, ctx, involved), STATE_SCHEMA)
             .toPandas()
         )
         return pd.concat([first[~is_fwd], second], ignore_index=True)
@@ -697,7 +673,7 @@ class ShardJob:
     def _finish_batch(self, batch_id, n_records, counts, started, pending, phases) -> None:
         s = self.stats
         s.add_batch(batch_id, n_records, counts, time.monotonic() - started, phases)
-        self._next_due_ms = next_due(pending)
+        self._ticks.next_due_ms = next_due(pending)
         self._summary = summarize(pending)
         attempts, failures = int(counts.get("attempts", 0)), int(counts.get("failures", 0))
         before = self._circuit.state
@@ -725,11 +701,7 @@ class ShardJob:
         self._end_offsets.close()
         if self._sender is not None:
             self._sender.close()
-        if self._tick_producer is not None:
-            try:
-                self._tick_producer.close(timeout=2)
-            except Exception:  # noqa: BLE001 - closing is best-effort at exit
-                pass
+        self._ticks.close()
         self.catalog.close()
 
 
@@ -760,7 +732,7 @@ class _Batch:
             log.info("%s shard %d: re-driving %d parked messages", job.name, job.shard, redriven)
         return bool(self.redrive_ops)
 
-    def deliver(self, pending: dict[str, list[StateRow]]) -> pd.DataFrame:
+    def deliver(self, pending: dict[str, list[dict]]) -> pd.DataFrame:
         job, sub, mq, rq = self.job, self.sub, self.mq, self.rq
         app_id, batch_id = self.app_id, self.batch_id
         now_ms = int(time.time() * 1000)
@@ -768,7 +740,7 @@ class _Batch:
         probes = job._circuit.due_limit()  # half-open: only a few parked retries
         if probes is not None and len(due_groups) > probes:
             due_groups = due_groups[:probes]
-            job._last_batch_start_ms = -1  # the others are due already: tick for them
+            job._ticks.tick_again()  # the others are due already: tick for them
         records, self.filtered = filter_records(batch_records(self.df, sub, mq), self.filter)
         if sub.spec.dedup_window_ms:
             window = job._dedup_window(self.df.sparkSession, sub)
@@ -789,8 +761,10 @@ class _Batch:
     def after_delivery(self, result: pd.DataFrame) -> list[dict[str, int]]:
         stats = []
         if self.sub.spec.dedup_window_ms:
+            done = result[result["kind"] == "done"]
+            ids = [(str(i), int(t)) for i, t in zip(done["msg_id"], done["due_ms"], strict=True)]
             window = self.job._dedup_window(self.df.sparkSession, self.sub)
-            window.remember(delivered_ids(result), self.app_id, self.batch_id)
+            window.remember(ids, self.app_id, self.batch_id)
             stats.append({"deduplicated": len(self.dropped)})
         if self.filtered is not None:  # computed with the batch's first job (delivery or dedup)
             stats.append({"filtered": int(self.filtered.get["filtered"])})
