@@ -49,7 +49,6 @@ from . import (
 )
 from . import dlq as dlq_ops
 from .batch import (
-    STATE_SCHEMA,
     BatchContext,
     ForwardRule,
     deliver_records,
@@ -71,7 +70,8 @@ from .shard_sender import QueueSender
 from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
 from .shard_ticks import Ticks
 from .startup import StartupClock
-from .state_store import StateStore, normalise
+from .state_rows import RESULT_SCHEMA, STATE_SCHEMA, Kind, StateRow, delivered_ids, normalise
+from .state_store import StateStore
 from .status import ProgressPublisher, latest_progress
 from .stop_signals import StopSignals
 
@@ -560,7 +560,7 @@ class ShardJob:
         records: DataFrame,
         ctx: BatchContext,
         store: StateStore,
-        pending: dict[str, list[dict]],
+        pending: dict[str, list[StateRow]],
         due_groups: list[str],
     ) -> pd.DataFrame:
         """Deliver the batch on executors in one or two Spark jobs (see `varadhi.batch`) and
@@ -575,11 +575,11 @@ class ShardJob:
             records = records.coalesce(concurrency)
         forward = ForwardRule(rq=True, blocked=frozenset(pending)) if pending else ForwardRule()
         first = records.mapInPandas(
-            lambda it: deliver_records(it, ctx, forward), STATE_SCHEMA
+            lambda it: deliver_records(it, ctx, forward), RESULT_SCHEMA
         ).toPandas()
         if not pending:
             return first
-        is_fwd = first["kind"] == "fwd"
+        is_fwd = first["kind"] == Kind.FWD
         forwarded = first[is_fwd]
         held = store.held_rows(
             set(due_groups) | (set(forwarded["group_key"]) & store.held_groups())
@@ -592,7 +592,7 @@ class ShardJob:
         second = (
             records.sparkSession.createDataFrame(rows, STATE_SCHEMA)
             .repartition(concurrency, "group_key")
-            .mapInPandas(lambda it: process_partition(it, ctx, involved), STATE_SCHEMA)
+            .mapInPandas(lambda it: process_partition(it, ctx, involved), RESULT_SCHEMA)
             .toPandas()
         )
         return pd.concat([first[~is_fwd], second], ignore_index=True)
@@ -732,7 +732,7 @@ class _Batch:
             log.info("%s shard %d: re-driving %d parked messages", job.name, job.shard, redriven)
         return bool(self.redrive_ops)
 
-    def deliver(self, pending: dict[str, list[dict]]) -> pd.DataFrame:
+    def deliver(self, pending: dict[str, list[StateRow]]) -> pd.DataFrame:
         job, sub, mq, rq = self.job, self.sub, self.mq, self.rq
         app_id, batch_id = self.app_id, self.batch_id
         now_ms = int(time.time() * 1000)
@@ -761,10 +761,8 @@ class _Batch:
     def after_delivery(self, result: pd.DataFrame) -> list[dict[str, int]]:
         stats = []
         if self.sub.spec.dedup_window_ms:
-            done = result[result["kind"] == "done"]
-            ids = [(str(i), int(t)) for i, t in zip(done["msg_id"], done["due_ms"], strict=True)]
             window = self.job._dedup_window(self.df.sparkSession, self.sub)
-            window.remember(ids, self.app_id, self.batch_id)
+            window.remember(delivered_ids(result), self.app_id, self.batch_id)
             stats.append({"deduplicated": len(self.dropped)})
         if self.filtered is not None:  # computed with the batch's first job (delivery or dedup)
             stats.append({"filtered": int(self.filtered.get["filtered"])})
