@@ -32,13 +32,11 @@ import zlib
 from typing import Any
 
 import pandas as pd
-from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, Observation, SparkSession
 
 from . import (
     checkpoints,
     filters,
-    journal,
     jvm_errors,
     kafka_clients,
     layouts,
@@ -63,6 +61,7 @@ from .layouts import Layout
 from .policies import CircuitPolicy
 from .settings import Settings
 from .shard_ends import QueryEnd, Verdict, judge
+from .shard_journal import ShardJournal
 from .shard_lease import ShardLease
 from .shard_query import Source, batch_records, filter_records
 from .shard_reading import EndOffsets, LayoutMoves, caught_up, consumed
@@ -139,8 +138,7 @@ class ShardJob:
         self._partitions_read = 0  # main-topic partitions of the running query
         # The delivery journal (`varadhi.journal`): its partition count once the topic exists,
         # and the batch a crashed run left uncommitted, which the running query runs first.
-        self._journal_partitions: int | None = None
-        self._replay: tuple[str, int, int] | None = None  # (checkpoint, batch id, planned ms)
+        self._journal = ShardJournal(self.settings, name, shard)
         # Called after each completed micro-batch as hook(last_batch, summary) (`summarize`),
         # on the batch's thread: `varadhi.metrics` feeds its exporter and JSON log from it.
         self.batch_hooks: list[Any] = []
@@ -375,9 +373,8 @@ class ShardJob:
         forget = aborted and aborted[0] == checkpoint
         if forget and checkpoints.forget_planned_batch(*aborted, self._fs):
             log.info("%s shard %d: batch %d planned again", self.name, self.shard, aborted[1])
-        replay = checkpoints.uncommitted_batch(checkpoint, self._fs)
-        self._replay = (checkpoint, *replay) if replay else None
-        self._ensure_journal(sub)
+        self._journal.plan_replay(checkpoint, checkpoints.uncommitted_batch(checkpoint, self._fs))
+        self._journal.ensure(sub)
         self._startup.mark("checkpoint and journal checked")
         options = source.options(kafka_clients.spark_options(self.settings), limit)
         query = (
@@ -597,71 +594,7 @@ class ShardJob:
         )
         return pd.concat([first[~is_fwd], second], ignore_index=True)
 
-    # -- the delivery journal (`varadhi.journal`) --------------------------------------------
-    def _ensure_journal(self, sub: subscriptions.Subscription) -> None:
-        """Create the subscription's journal topic once per process when the journal is on.
-        Kafka failing here leaves the journal off for this query: deliveries go on."""
-        if sub.spec.consumption.journal_interval_ms <= 0 or self._journal_partitions:
-            return
-        try:
-            self._journal_partitions = journal.ensure_topic(
-                self.settings, journal.topic_name(self.name), sub.shard_count
-            )
-        except (KafkaError, VaradhiError) as e:
-            log.warning("%s shard %d: no delivery journal: %s", self.name, self.shard, e)
-
-    def _journal_target(self, sub, app_id: str, batch_id: int) -> journal.JournalTarget | None:
-        interval = sub.spec.consumption.journal_interval_ms
-        if interval <= 0 or not self._journal_partitions:
-            return None
-        return journal.JournalTarget(
-            bootstrap=self.settings.bootstrap,
-            topic=journal.topic_name(self.name),
-            partition=journal.partition_of(self.shard, self._journal_partitions),
-            key=journal.batch_key(app_id, batch_id, sub.created_ms),
-            interval_ms=interval,
-            kafka=kafka_clients.config_of(self.settings),
-        )
-
-    def _replayed(self, sub, app_id: str, batch_id: int) -> journal.Accepted | None:
-        """For the query's first batch when an earlier run planned it and never committed it:
-        the origins that run journaled as accepted (None for every other batch)."""
-        replay, self._replay = self._replay, None  # only the first batch can be a replay
-        if replay is None or replay[:2] != (self._query_checkpoint, batch_id):
-            return None
-        target = self._journal_target(sub, app_id, batch_id)
-        if target is None:
-            return None
-        started = time.monotonic()
-        try:
-            accepted = journal.read(
-                self.settings,
-                target.topic,
-                target.partition,
-                target.key,
-                since_ms=replay[2] - journal.LOOKBACK_MS,
-            )
-        except (KafkaError, VaradhiError) as e:
-            log.warning(
-                "%s shard %d: batch %d re-runs; its journal cannot be read (%s): it is "
-                "delivered again whole",
-                self.name,
-                self.shard,
-                batch_id,
-                e,
-            )
-            return None
-        log.info(
-            "%s shard %d: batch %d re-runs a batch an earlier run started; %d of its messages "
-            "were accepted then and are not sent again (journal read in %.2f s)",
-            self.name,
-            self.shard,
-            batch_id,
-            len(accepted),
-            time.monotonic() - started,
-        )
-        return accepted or None
-
+    # -- the journal hand-over and the dedup window ----------------------------------------
     def _dedup_window(self, spark, sub) -> DedupWindow:
         if self._dedup is None:
             path = (
@@ -753,8 +686,8 @@ class _Batch:
             seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),
             dedup=bool(sub.spec.dedup_window_ms),
             max_out_bytes=job._sender.limit(rq.produce_topic.name),
-            journal=job._journal_target(sub, app_id, batch_id),
-            replayed=job._replayed(sub, app_id, batch_id),
+            journal=job._journal.target(sub, app_id, batch_id),
+            replayed=job._journal.replayed(sub, app_id, batch_id),
         )
         return job._deliver(records, ctx, self.store, pending, due_groups)
 
