@@ -5,10 +5,12 @@
 
 Needs: the local Kafka broker (`scripts/kafka start`), the Spark jars (`scripts/setup`), Debian's
 nginx (`apt-get install nginx-light`: the endpoint of every run; without it the bench says so and
-stops) and wrk (`apt-get install wrk`: the endpoint's ceiling; skipped with a message if
-missing). Everything listens on 127.0.0.1 only. The bench uses its own catalog topic, warehouse
-and topics, deletes them at the end (`--keep` keeps them), and stops every process it starts
-(nginx, spark-submit). About 13 minutes on 2 cores.
+stops), wrk (`apt-get install wrk`: the endpoint's ceiling; skipped with a message if missing)
+and, for the peer rows, a JDK 17 and Maven (`apt-get install openjdk-17-jdk-headless maven`: the
+peer is built on first use by bench/peers/parallel-consumer/build, its dependencies from Maven
+Central; skipped with a message if missing). Everything listens on 127.0.0.1 only. The bench
+uses its own catalog topic, warehouse and topics, deletes them at the end (`--keep` keeps them),
+and stops every process it starts (nginx, spark-submit, java). About 15 minutes on 2 cores.
 
 What runs, in this order (`--only` picks some):
 
@@ -17,6 +19,9 @@ What runs, in this order (`--only` picks some):
 | `ceiling`    | wrk (one thread, 64 connections, 1 KiB POST) against the same nginx config     |
 | `baseline`   | a hand-written kafka-python consumer (consumer group, manual commit after each |
 |              | poll batch), per-key order with `HttpDeliverer` (one Stream per key), no retry  |
+| `peer`       | what users pick instead: Confluent Parallel Consumer with its Vert.x client    |
+|              | (bench/peers/parallel-consumer), key order, 64 in flight, retry after 1 s, 0%  |
+|              | and 10% failures, stopping once drained (as `--stop-when-idle`)                |
 | `shard`      | `./spark-submit.sh SUB i --stop-when-idle` for 1 and 2 shards (two processes),  |
 |              | grouped (10,000 groups) and ungrouped, 0% and 10% failures, draining a backlog  |
 | `latency`    | 1 shard, trigger 100 ms, concurrency 1, warmed up, then a producer pacing       |
@@ -25,17 +30,18 @@ What runs, in this order (`--only` picks some):
 |              | moments (one run per `--crash-seeds` value) and restarted: duplicate deliveries |
 
 The backlog (`--messages` values of 1 KiB, over `--groups` group ids) is produced once with the
-varadhi producer and read by every run: each is a fresh subscription on the same main topic
-(ungrouped = `grouped: false`, which ignores the group id). `--journal-intervals` runs the shard
-and crash runs once per `consumption.journal_interval` (0: no delivery journal), `--repeat`
-the shard runs several times, interleaved. A different `--fail-messages` gives
-the runs with failures a backlog of their own. The nginx endpoint answers 204; for the 10% runs, `split_clients` on (message id,
-attempt) answers 500 for 5% and 503 (no Retry-After) for 5% of requests, so every attempt fails
-independently with 10% probability and the same messages fail in every run. Retries use the
-default policy: backoff 1 s, exponential, 20% jitter, and `retry.in_place_window` 2 s (a retry
-due that soon after the first failure waits in the delivery task, later ones go through the RQ);
-`--in-place-windows 2000 0` adds runs with every retry through the RQ. `retry.max_attempts` is
-raised to 10 so that no message is dead-lettered by bad luck (10%^10).
+varadhi producer and read by every run (baseline and peer in consumer groups of their own); each
+shard run is a fresh subscription on the same main topic (ungrouped = `grouped: false`, which
+ignores the group id). `--journal-intervals` runs the shard and crash runs once per
+`consumption.journal_interval` (0: no delivery journal), `--repeat` the shard runs several times,
+interleaved. A different `--fail-messages` gives the runs with failures a backlog of their own. The
+nginx endpoint answers 204; for the 10% runs, `split_clients` on (message id, attempt) answers 500
+for 5% and 503 (no Retry-After) for 5% of requests, so every attempt fails independently with 10%
+probability and the same messages fail in every run. Retries use the default policy: backoff 1 s,
+exponential, 20% jitter, and `retry.in_place_window` 2 s (a retry due that soon after the first
+failure waits in the delivery task, later ones go through the RQ); `--in-place-windows 2000 0` adds
+runs with every retry through the RQ. `retry.max_attempts` is raised to 10 so that no message is
+dead-lettered by bad luck (10%^10).
 
 Measurements come from nginx's access log (`$msec`, status, `X-Varadhi-Produced-At`, message id
 and attempt of every request), so shard and baseline are measured the same way:
@@ -47,7 +53,9 @@ and attempt of every request), so shard and baseline are measured the same way:
 - `cycle` (shards): the later batches' records over the time between their log lines;
 - CPU per message in the steady window, per process kind (JVM, Python workers, other Python),
   sampled from /proc: on a shared machine it moves much less than the rates;
-- latency: nginx's `$msec` - the producer's `varadhi-produced-ms`, per successful delivery.
+- latency: nginx's `$msec` - the producer's `varadhi-produced-ms`, per successful delivery;
+- ratios: every row's steady rate over the same consumer's without failures, the best baseline's,
+  the peer's at the same failure rate and the ceiling's.
 
 The shards' per-batch log lines (records, seconds, counters) are kept in the results for
 diagnosis. Two cores are shared by Kafka, nginx, the Spark JVM(s), their Python workers and
@@ -61,6 +69,7 @@ from __future__ import annotations
 import argparse
 import ast
 import itertools
+import json
 import os
 import random
 import re
@@ -95,7 +104,8 @@ from varadhi.topics import TopicService, end_offsets
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "delivery.json"
-RUNS = ("ceiling", "baseline", "shard", "latency", "crash")
+RUNS = ("ceiling", "baseline", "peer", "shard", "latency", "crash")
+PEER_DIR = ROOT / "bench" / "peers" / "parallel-consumer"
 DEFAULT_IN_PLACE_MS = RetryPolicy().in_place_window_ms
 DEFAULT_JOURNAL_MS = ConsumptionPolicy().journal_interval_ms
 
@@ -950,6 +960,101 @@ def cpu_figures(seconds: dict[str, float], delivered: int, consumer: str) -> dic
     }
 
 
+# -- the peer: Confluent Parallel Consumer --------------------------------------------------------
+
+
+def build_peer() -> tuple[Path, str] | str:
+    """(the peer's jar, its Parallel Consumer version), built by bench/peers/parallel-consumer/build
+    if it is not already; or why not (no java, no mvn, a failed build)."""
+    if not shutil.which("java"):
+        return "no java (apt-get install openjdk-17-jdk-headless)"
+    done = subprocess.run(
+        [str(PEER_DIR / "build")], capture_output=True, text=True, timeout=1800, check=False
+    )
+    if done.returncode != 0:
+        return f"its build failed:\n{done.stderr.strip()}"
+    pom = (PEER_DIR / "pom.xml").read_text()
+    version = re.search(r"<parallel-consumer.version>([^<]+)<", pom)
+    return Path(done.stdout.strip().splitlines()[-1]), version.group(1) if version else "?"
+
+
+def run_peer(
+    env: Env,
+    nginx_bin: str,
+    peer: tuple[Path, str],
+    storage_topic: str,
+    messages: int,
+    fail_rate: float,
+    args,
+    logdir: Path,
+) -> dict:
+    """The peer (bench/peers/parallel-consumer: key order, `--max-in-flight` records in flight,
+    retry after 1 s) drains `storage_topic` from the start in a consumer group of its own and
+    stops once drained for `--idle-s`; measured from nginx's log like every other run, CPU from
+    /proc (its one JVM)."""
+    jar, version = peer
+    name = f"bench-{env.tag}-pc-f{round(fail_rate * 100)}"
+    log = logdir / f"{name}.log"
+    report = logdir / f"{name}.json"
+    with nginx(nginx_bin, fail_rate) as endpoint:
+        load = os.getloadavg()[0]
+        started = time.time() * 1000
+        with open(log, "w") as out:
+            proc = subprocess.Popen(
+                ["java", "-jar", str(jar), "--bootstrap", env.settings.bootstrap]
+                + ["--topic", storage_topic, "--group", name, "--url", endpoint.url]
+                + ["--max-concurrency", str(args.max_in_flight), "--retry-delay-ms", "1000"]
+                + ["--stop-when-idle", str(args.idle_s), "--report", str(report)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        roots = {
+            "peer": [proc.pid],
+            "nginx": [endpoint.proc.pid],
+            "kafka": [pid for pid in [broker_pid()] if pid],
+        }
+        try:
+            with CpuSampler(roots) as cpu:
+                try:
+                    code = proc.wait(args.run_timeout_s)
+                except subprocess.TimeoutExpired:
+                    code = None
+                pressure = cpu_pressure()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        ended = time.time() * 1000
+        hits = endpoint.hits(logdir if args.keep or args.keep_logs else None, name)
+    summary = summarise(hits, messages, started)
+    # key order: records behind a failed one wait for it, so there is no "first pass" (as grouped)
+    summary.pop("first_pass_msg_s", None)
+    summary.pop("retry_tail_s", None)
+    result = {
+        "run": f"peer: Parallel Consumer, key order, {fail_rate:.0%} fail",
+        "peer": f"parallel-consumer-vertx {version}",
+        "fail_rate": fail_rate,
+        "max_concurrency": args.max_in_flight,
+        "retry_delay_ms": 1000,
+        "exit_code": code,
+        "wall_s": round((ended - started) / 1000, 1),
+        **summary,
+        **cpu_figures(cpu.seconds(), summary["delivered_unique"], "peer"),
+        **steady_cpu(cpu, "peer", summary),
+        "peer_report": json.loads(report.read_text()) if report.exists() else None,
+        "load_1m_at_start": round(load, 2),
+        "cpu_pressure_at_end": pressure,
+    }
+    if code != 0 or not result["complete"]:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        print(
+            f"{result['run']}: exit code {code}, complete={result['complete']}\n{tail}",
+            file=sys.stderr,
+        )
+    return result
+
+
 # -- latency at a fixed offered load -------------------------------------------------------------
 
 
@@ -1072,9 +1177,9 @@ def print_table(doc: dict) -> None:
     print(
         "msg/s: overall = process start to last delivery; deliver = first to last delivery; "
         "steady = 10th to\n90th percent delivered. cpu/1k = CPU ms of the consumer's processes "
-        "(shard: JVM, Python driver\nand workers; baseline: its process) per 1,000 messages in the "
-        "steady window. p50/p99 = end-to-end\nlatency, ms. load = 1-minute load average at the "
-        "start of the run (2 cores)."
+        "(shard: JVM, Python driver\nand workers; baseline: its process; peer: its JVM) per 1,000 "
+        "messages in the steady window.\np50/p99 = end-to-end latency, ms. load = 1-minute load "
+        "average at the start of the run (2 cores)."
     )
     for name, t in doc.get("targets", {}).items():
         print(f"target {name}: {t['verdict']} ({t['detail']})")
@@ -1113,23 +1218,15 @@ def targets(rows: list[dict]) -> dict:
         }
     ratios, others = [], []
     for r in rows:
-        if not r.get("fail_rate") or not r.get("steady_msg_s"):
+        if "shards" not in r or not r.get("fail_rate") or not r.get("steady_msg_s"):
             continue
-        same = [
-            x
-            for x in rows
-            if x.get("shards") == r["shards"]
-            and x.get("grouped") == r["grouped"]
-            and x.get("fail_rate") == 0
-            and x.get("journal_interval_ms") == r.get("journal_interval_ms")
-            and x.get("steady_msg_s")
-        ]
-        if same:
+        twin = no_failure_twin(r, rows)
+        if twin:
             name = f"{r['shards']} shard{'s' if r['shards'] > 1 else ''} " + (
                 "grouped" if r["grouped"] else "ungrouped"
             )
-            steady = r["steady_msg_s"] / same[0]["steady_msg_s"]
-            delivering = r["delivering_msg_s"] / same[0]["delivering_msg_s"]
+            steady = r["steady_msg_s"] / twin["steady_msg_s"]
+            delivering = r["delivering_msg_s"] / twin["delivering_msg_s"]
             if r.get("in_place_window_ms", DEFAULT_IN_PLACE_MS) == DEFAULT_IN_PLACE_MS:
                 ratios.append((name, steady, delivering))
             else:
@@ -1146,6 +1243,75 @@ def targets(rows: list[dict]) -> dict:
             + ("; not judged (policy not the default): " + ", ".join(others) if others else ""),
         }
     return out
+
+
+def _consumer(row: dict) -> tuple | None:
+    """What a row's no-failure twin shares with it: the consumer and its settings (not the
+    failure rate, nor the retry policy); None for rows that have no twin."""
+    if row.get("peer"):
+        return ("peer", row["peer"])
+    if "shards" in row:
+        return ("shard", row["shards"], row["grouped"], row.get("journal_interval_ms"))
+    return None
+
+
+def no_failure_twin(row: dict, rows: list[dict]) -> dict | None:
+    """The first row of the same consumer (`_consumer`) without failures that has a steady rate."""
+    key = _consumer(row)
+    if key is None:
+        return None
+    return next(
+        (
+            x
+            for x in rows
+            if x.get("fail_rate") == 0 and x.get("steady_msg_s") and _consumer(x) == key
+        ),
+        None,
+    )
+
+
+def ratios(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Each row's steady rate over the steady rate of: the same consumer without failures
+    (`no_failures`, rows with failures only), the best baseline (`baseline`), the peer at the same
+    failure rate (`peer`; the baseline counts as 0%) and wrk's ceiling (`ceiling`), by the row's
+    `run`, two decimals. A reference is left out of its own ratios; rows without a steady rate
+    (latency, crash) and the ceiling have none."""
+
+    def steady(r: dict) -> int | None:
+        return r.get("steady_msg_s")
+
+    ceiling = next((r for r in rows if r["run"].startswith("ceiling") and steady(r)), None)
+    base = max(
+        (r for r in rows if r["run"].startswith("baseline") and steady(r)), key=steady, default=None
+    )
+    out: dict[str, dict[str, float]] = {}
+    for r in rows:
+        if not steady(r) or r is ceiling:
+            continue
+        fail = r.get("fail_rate", 0)
+        peer = next(
+            (x for x in rows if x.get("peer") and x["fail_rate"] == fail and steady(x)), None
+        )
+        twin = no_failure_twin(r, rows) if fail else None
+        refs = {"no_failures": twin, "baseline": base, "peer": peer, "ceiling": ceiling}
+        mine = {k: round(steady(r) / steady(x), 2) for k, x in refs.items() if x and x is not r}
+        if mine:
+            out[r["run"]] = mine
+    return out
+
+
+def print_ratios(by_run: dict[str, dict[str, float]]) -> None:
+    if not by_run:
+        return
+    columns = ("no_failures", "baseline", "peer", "ceiling")
+    print()
+    print(f"{'steady msg/s over:':<52} " + " ".join(f"{c:>11}" for c in columns))
+    for run, mine in by_run.items():
+        print(f"{run[:52]:<52} " + " ".join(f"{mine.get(c, '-'):>11}" for c in columns))
+    print(
+        "no_failures = the same consumer without failures; baseline = the best baseline (no "
+        "failures);\npeer = Parallel Consumer at the same failure rate; ceiling = wrk's req/s."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1284,8 +1450,16 @@ def main(argv: list[str] | None = None) -> int:
         },
         "rows": rows,
     }
+    peer: tuple[Path, str] | str | None = None
+    if "peer" in args.only:  # built first: a failed build is seen before the backlog
+        peer = build_peer()
+        if isinstance(peer, str):
+            print(f"skipping the peer rows: {peer}", file=sys.stderr)
+        else:
+            jar = peer[0].relative_to(ROOT) if peer[0].is_relative_to(ROOT) else peer[0]
+            doc["peer"] = {"jar": str(jar), "parallel_consumer": peer[1]}
     try:
-        needs_backlog = {"baseline", "shard", "crash"} & set(args.only)
+        needs_backlog = {"baseline", "peer", "shard", "crash"} & set(args.only)
         if needs_backlog:
             topic = f"bench-{env.tag}-backlog"
             TopicService(env.catalog).create(topic, args.partitions)
@@ -1294,6 +1468,20 @@ def main(argv: list[str] | None = None) -> int:
                 f"backlog: {args.messages:,} messages in {doc['backlog']['seconds']} s", flush=True
             )
             storage = f"{topic}.0"
+
+        def backlog_for(fail_rate: float) -> tuple[str, int]:
+            """(varadhi topic, messages) a run with this failure rate reads: the main backlog,
+            or with failures and a different `--fail-messages`, its own (produced once)."""
+            if fail_rate == 0 or args.fail_messages == args.messages:
+                return topic, args.messages
+            fail_topic = f"bench-{env.tag}-backlog-f"
+            if "fail_backlog" not in doc:
+                TopicService(env.catalog).create(fail_topic, args.partitions)
+                doc["fail_backlog"] = produce_backlog(
+                    env, fail_topic, args.fail_messages, args.groups
+                )
+            return fail_topic, args.fail_messages
+
         if "ceiling" in args.only:
             if wrk_bin:
                 with nginx(nginx_bin) as endpoint:
@@ -1315,17 +1503,15 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_baseline(env, nginx_bin, storage, args.messages, poll, args)
                 rows.append(row)
                 print(f"{row['run']}: steady {row.get('steady_msg_s')} msg/s", flush=True)
-        if "shard" in args.only:
-            fail_topic = None
+        if isinstance(peer, tuple):
             for fail_rate in args.fail_rates:
-                size, source = args.messages, topic
-                if fail_rate > 0 and args.fail_messages != args.messages:
-                    size = args.fail_messages
-                    if fail_topic is None:
-                        fail_topic = f"bench-{env.tag}-backlog-f"
-                        TopicService(env.catalog).create(fail_topic, args.partitions)
-                        doc["fail_backlog"] = produce_backlog(env, fail_topic, size, args.groups)
-                    source = fail_topic
+                source, size = backlog_for(fail_rate)
+                row = run_peer(env, nginx_bin, peer, f"{source}.0", size, fail_rate, args, logdir)
+                rows.append(row)
+                print(f"{row['run']}: steady {row.get('steady_msg_s')} msg/s", flush=True)
+        if "shard" in args.only:
+            for fail_rate in args.fail_rates:
+                source, size = backlog_for(fail_rate)
                 windows = args.in_place_windows if fail_rate > 0 else [DEFAULT_IN_PLACE_MS]
                 for repeat, window, shards, mode, journal_ms in itertools.product(
                     range(args.repeat), windows, args.shards, args.modes, args.journal_intervals
@@ -1373,7 +1559,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"kept logs in {logdir}")
     doc["targets"] = targets(rows)
+    doc["ratios"] = ratios(rows)
     print_table(doc)
+    print_ratios(doc["ratios"])
     write_results(args.out, doc)
     return 0
 
