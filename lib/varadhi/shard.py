@@ -2,17 +2,19 @@
 
 One shard = one query reading, with the Kafka source's `assign`, exactly the main-topic (MQ) and
 retry-queue (RQ) partitions it owns (`varadhi.shard_query.Source`), and delivering with
-`foreachBatch`. `ShardJob` is the control loop: it takes the lease (or stands by for it), turns
-SIGINT/SIGTERM into a stop between batches, waits while the subscription is paused or its circuit
-is open, picks the reader layout, runs the query and stops it for a `QueryEnd` reason, ticks
-parked retries and publishes progress (`varadhi.shard_stats`).
+`foreachBatch`. `ShardJob` is the control loop and the wiring of the driver's parts: it takes the
+lease or stands by for it (`varadhi.shard_lease`), turns SIGINT/SIGTERM into a stop between
+batches, waits while the subscription is paused or its circuit is open, picks the reader layout
+and moves to the next (`varadhi.shard_reading`), runs the query and stops it for a `QueryEnd`
+reason or judges its failure (`varadhi.shard_ends`), ticks parked retries (`varadhi.shard_ticks`)
+and publishes progress (`varadhi.shard_stats`).
 
 Each micro-batch runs the batch-commit protocol (`varadhi.batch_commit.BatchCommit`: lease check,
 re-send of a batch committed already, delivery on executors, one idempotent GroupState commit,
 RQ/DLQ records in one Kafka transaction, lease check) with the shard's ports: the `StateStore`,
-the `Lease`, the RQ/DLQ sender (`varadhi.shard_sender`: the shard's transactional producer) and
-`_Batch` (the catalog, re-drives, filter, dedup window, delivery). What a crash between two
-steps leaves is documented there.
+the `ShardLease`, the RQ/DLQ sender (`varadhi.shard_sender`: the shard's transactional producer)
+and `_Batch` (the catalog, re-drives, filter, dedup window, delivery with the delivery journal:
+`varadhi.shard_journal`). What a crash between two steps leaves is documented there.
 
 Reader layouts (DESIGN hazard 3). A shard reads one main-topic storage topic at a time: it moves
 from T_i to T_i+1 only when produce has moved off T_i more than a grace period ago (producers poll
@@ -108,8 +110,8 @@ class ShardJob:
         self.name = name
         self.shard = shard
         self.stop_when_idle_s = stop_when_idle_s
-        # Failover (`varadhi.leases`): the lease's TTL, and whether this instance waits for the
-        # active one's lease to expire instead of taking it at once.
+        # Failover (`varadhi.shard_lease`): the lease's TTL, and whether this instance waits for
+        # the active one's lease to expire instead of taking it at once.
         self.standby = standby
         self.lease_ttl_ms = lease_ttl_ms or leases.ttl_from_env()
         self._spark = spark
@@ -136,8 +138,7 @@ class ShardJob:
         self._end_offsets = EndOffsets(self.settings)  # idle checks and layout moves
         self._layouts = LayoutMoves(self.catalog, name, shard, self._end_offsets)
         self._partitions_read = 0  # main-topic partitions of the running query
-        # The delivery journal (`varadhi.journal`): its partition count once the topic exists,
-        # and the batch a crashed run left uncommitted, which the running query runs first.
+        # The delivery journal: its topic, and what a batch a crashed run left uncommitted skips.
         self._journal = ShardJournal(self.settings, name, shard)
         # Called after each completed micro-batch as hook(last_batch, summary) (`summarize`),
         # on the batch's thread: `varadhi.metrics` feeds its exporter and JSON log from it.
