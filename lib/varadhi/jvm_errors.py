@@ -189,16 +189,16 @@ def facts(chain: tuple[Link, ...], text: str) -> tuple[Fact, ...]:
 #: leader changed; the client retries), `FencedInstanceIdException`, `TransactionCoordinator-
 #: FencedException` say nothing about this shard's instance.
 FENCED_JAVA = frozenset({"org.apache.kafka.common.errors.ProducerFencedException"})
-#: The same as Python names them in a traceback line (`module.Class: message`, as a batch
-#: function's error comes back inside the Java `PythonException`): the product's lease fence
-#: (`varadhi.errors.Fenced`) and kafka-python's producer fence, which kafka-python also reports
-#: as the cause of a transactional call refused afterwards ("in an error state: [Error 90]
-#: ProducerFencedError"; 90 is Kafka's PRODUCER_FENCED), and the Java class by its full name.
+#: The same by fully qualified name, as a whole word of the text (a Python traceback's
+#: `module.Class: message` line, as a batch function's error comes back inside the Java
+#: `PythonException`; a Java trace's class): the product's lease fence (`varadhi.errors.Fenced`),
+#: kafka-python's producer fence, which kafka-python also reports as the cause of a transactional
+#: call refused afterwards ("in an error state: [Error 90] ProducerFencedError"; 90 is Kafka's
+#: PRODUCER_FENCED), and the Java class.
 _FENCED_TEXT = re.compile(
-    r"^(?:varadhi\.errors\.Fenced|kafka\.errors\.ProducerFencedError)(?::|$)"
-    r"|in an error state: \[Error 90\] ProducerFencedError\b"
-    r"|\borg\.apache\.kafka\.common\.errors\.ProducerFencedException\b",
-    re.MULTILINE,
+    r"(?<![\w.])(?:varadhi\.errors\.Fenced|kafka\.errors\.ProducerFencedError"
+    r"|org\.apache\.kafka\.common\.errors\.ProducerFencedException)(?!\w)"
+    r"|in an error state: \[Error 90\] ProducerFencedError(?!\w)"
 )
 
 

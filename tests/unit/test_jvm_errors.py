@@ -252,6 +252,11 @@ def test_a_fenced_kafka_python_producer_in_each_form():
     text_only = ServerError(STREAM_FAILED, "Caused by: org.apache.kafka.common.errors."
                              "ProducerFencedException: There is a newer producer")  # fmt: skip
     assert Fenced in jvm_errors.classify(text_only)
+    # Wherever a message puts the qualified name (not only at the start of a line), and never
+    # a longer name that starts with it.
+    inline = "terminated with exception: varadhi.errors.Fenced: lease s/0: fenced"
+    assert Fenced in jvm_errors.classify(RuntimeError(inline))
+    assert Fenced not in jvm_errors.classify(RuntimeError("varadhi.errors.FencedLater: x"))
 
 
 @pytest.mark.parametrize(
