@@ -5,8 +5,8 @@ against single mode (one message per request), in the same run.
     .venv/bin/python bench/batch_delivery.py [--messages 20000] [--groups 1000] [--repeat 2]
         [--latency-ms 0]
 
-A backlog of `--messages` 1 KiB messages over `--groups` groups is produced once (bench/filter.py's
-producer). Each run is a fresh grouped subscription (one shard, run in this process as
+A backlog of `--messages` 1 KiB messages over `--groups` groups is produced once (bench/harness.py's
+`produce`). Each run is a fresh grouped subscription (one shard, run in this process as
 `ShardJob`, local Spark, default consumption policy: 2 delivery tasks of 64 requests in flight)
 on that backlog, delivering to the project's test endpoint (`python -m varadhi.testing.endpoint`,
 its own process on 127.0.0.1, answering 200 after `--latency-ms`): `single`, `batch10`
@@ -26,20 +26,15 @@ Results: a table on stdout, JSON in bench/results/batch_delivery.json. A few min
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
-from common import machine, write_results
+from common import machine, print_table, results_head, write_results
 from delivery import Env
-from filter import TimedShard, produce, start_endpoint
-from varadhi.subscriptions import SubscriptionService, parse_spec
-from varadhi.topics import TopicService
+from harness import backlog_runs, backlog_settings, drain, parser
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "batch_delivery.json"
@@ -48,6 +43,15 @@ MODES = {
     "batch10": {"mode": "batch", "max_messages": 10},
     "batch100": {"mode": "batch", "max_messages": 100},
 }
+COLUMNS = [
+    ("run", "run", 9, ""),
+    ("batches", "batches", 8, ""),
+    ("drain s", "drain_s", 8, ""),
+    ("delivered", "delivered", 10, ","),
+    ("deliv/s", "delivered_per_s", 8, ","),
+    ("requests", "requests", 9, ","),
+    ("msg/req", "messages_per_request", 8, ""),
+]
 
 
 def requests_so_far(url: str, kind: str) -> int:
@@ -58,26 +62,9 @@ def requests_so_far(url: str, kind: str) -> int:
 
 
 def run(env: Env, spark, topic: str, url: str, kind: str, n: int, args) -> dict:
-    name = f"bench-{env.tag}-{kind}-{n}"
-    doc = {
-        "name": name,
-        "topic": topic,
-        "endpoint": {"url": url},
-        "consumption": {"max_messages_per_batch": args.batch, "trigger_interval": 0},
-        "delivery": MODES[kind],
-    }
-    SubscriptionService(env.catalog).create(parse_spec(doc, "bench"))
     before = requests_so_far(url, kind)
-    job = TimedShard(name, 0, env.settings, spark=spark, stop_when_idle_s=3)
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = job.run()
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
-    if code != 0:
-        raise SystemExit(f"run {name} ended with exit code {code}")
-    seconds = job.batches[-1][1] - job.batches[0][0]
+    job = drain(env, spark, topic, url, f"{kind}-{n}", args.batch, delivery=MODES[kind])
+    seconds = job.drain_s
     requests = requests_so_far(url, kind) - before
     s = job.stats
     return {
@@ -93,61 +80,22 @@ def run(env: Env, spark, topic: str, url: str, kind: str, n: int, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--messages", type=int, default=20_000)
-    parser.add_argument("--groups", type=int, default=1_000)
-    parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=100_000, help="max_messages_per_batch")
-    parser.add_argument("--latency-ms", type=int, default=0, help="the endpoint's answer time")
-    parser.add_argument("--repeat", type=int, default=2, help="rounds of the three runs")
-    parser.add_argument("--keep", action="store_true", help="keep the topics and warehouse")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
-
-    from varadhi.spark import get_spark
+    p = parser(__doc__, RESULTS, backlog=20_000)
+    p.add_argument("--latency-ms", type=int, default=0, help="the endpoint's answer time")
+    p.add_argument("--repeat", type=int, default=2, help="rounds of the three runs")
+    args = p.parse_args(argv)
 
     load_at_start = os.getloadavg()
-    env = Env(keep=args.keep)
-    proc = None
-    try:
-        topic = f"bench-{env.tag}"
-        TopicService(env.catalog).create(topic, args.partitions)
-        produced_s = produce(env, topic, args.messages, args.groups)
-        print(f"produced {args.messages:,} messages in {produced_s:.1f} s")
-        proc, url = start_endpoint("--latency-ms", str(args.latency_ms))
-        spark = get_spark("varadhi-bench-batch-delivery")
-        rows = [
-            run(env, spark, topic, url, kind, n, args) for n in range(args.repeat) for kind in MODES
-        ]
-    finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
-        env.close()
-    print(
-        f"{'run':>9} {'batches':>8} {'drain s':>8} {'delivered':>10} {'deliv/s':>8} "
-        f"{'requests':>9} {'msg/req':>8}"
-    )
-    for r in rows:
-        print(
-            f"{r['run']:>9} {r['batches']:>8} {r['drain_s']:>8} {r['delivered']:>10,} "
-            f"{r['delivered_per_s']:>8,} {r['requests']:>9,} {r['messages_per_request']:>8}"
-        )
+    latency = ("--latency-ms", str(args.latency_ms))
+    rows = backlog_runs(args, "varadhi-bench-batch-delivery", MODES, run, *latency)
+    print_table(rows, COLUMNS)
+    load_at_end = [round(x, 2) for x in os.getloadavg()]
     doc = {
-        "benchmark": "batch_delivery",
-        "command": "python bench/batch_delivery.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(
-            load_at_start, load_average_at_end=[round(x, 2) for x in os.getloadavg()]
+        **results_head(
+            "batch_delivery", argv, machine(load_at_start, load_average_at_end=load_at_end)
         ),
         "settings": {
-            "messages": args.messages,
-            "groups": args.groups,
-            "partitions": args.partitions,
-            "max_messages_per_batch": args.batch,
+            **backlog_settings(args),
             "endpoint_latency_ms": args.latency_ms,
             "modes": MODES,
         },

@@ -27,27 +27,35 @@ Results: a table on stdout, JSON in bench/results/blocked_group.json.
 
 from __future__ import annotations
 
-import argparse
 import multiprocessing
 import os
-import signal
 import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 
-from common import machine, write_results
-from delivery import Env
-from filter import start_endpoint
+from common import endpoint_process, machine, print_table, results_head, write_results
+from harness import bench_topic, parser, run_shard
 from varadhi.shard import ShardJob
 from varadhi.subscriptions import SubscriptionService, parse_spec
-from varadhi.topics import TopicService
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "blocked_group.json"
 MAX_MESSAGE_BYTES = 2048
 BLOCKED = "blocked"
+COLUMNS = [
+    ("from s", "from_s", 6, ".0f"),
+    ("batches", "batches", 7, ""),
+    ("records", "records", 8, ","),
+    ("batch s", "batch_s_median", 7, ""),
+    ("max s", "batch_s_max", 6, ""),
+    ("state rows", "state_rows", 10, ","),
+    ("blocked", "blocked_rows", 7, ","),
+    ("state MiB", "state_mib", 9, ""),
+    ("RSS MiB", "driver_rss_mib", 8, ""),
+    ("JVM MiB", "jvm_heap_mib", 8, ""),
+]
 
 
 def rss_bytes() -> int:
@@ -135,29 +143,18 @@ def buckets(samples: list[dict], width: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--minutes", type=float, default=10)
-    parser.add_argument("--rate", type=int, default=1000, help="msg/s to the other groups")
-    parser.add_argument("--blocked-rate", type=int, default=100, help="msg/s to the blocked group")
-    parser.add_argument("--groups", type=int, default=1000)
-    parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--max-held", type=int, default=None, help="blocked.max_held")
-    parser.add_argument("--bucket", type=float, default=60, help="report every so many seconds")
-    parser.add_argument("--keep", action="store_true", help="keep the topics and warehouse")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args(argv)
+    p = parser(__doc__, RESULTS)
+    p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--rate", type=int, default=1000, help="msg/s to the other groups")
+    p.add_argument("--blocked-rate", type=int, default=100, help="msg/s to the blocked group")
+    p.add_argument("--max-held", type=int, default=None, help="blocked.max_held")
+    p.add_argument("--bucket", type=float, default=60, help="report every so many seconds")
+    args = p.parse_args(argv)
 
     from varadhi.spark import get_spark
 
     load_at_start = os.getloadavg()
-    env = Env(keep=args.keep)
-    proc = producer = None
-    try:
-        topic = f"bench-{env.tag}"
-        TopicService(env.catalog).create(topic, args.partitions)
-        proc, url = start_endpoint()
+    with bench_topic(args) as (env, topic), endpoint_process() as url:
         name = f"bench-{env.tag}-blocked"
         doc = {
             "name": name,
@@ -177,44 +174,22 @@ def main(argv: list[str] | None = None) -> int:
             args=(env.spark_env(), topic, args.rate, args.blocked_rate, args.groups, seconds),
         )
         producer.start()
-        # The shard runs in the main thread (it installs signal handlers); a timer stops it
-        # a little after the producer's last message.
-        threading.Timer(seconds + 15, job.request_stop).start()
-        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            code = job.run()
+            # The shard runs in the main thread (it installs signal handlers); a timer stops it
+            # a little after the producer's last message.
+            threading.Timer(seconds + 15, job.request_stop).start()
+            run_shard(job, "the shard")
+            producer.join(60)
         finally:
-            for s, handler in saved.items():
-                signal.signal(s, handler)
-        if code != 0:
-            raise SystemExit(f"the shard ended with exit code {code}")
-        producer.join(60)
-    finally:
-        if producer is not None and producer.is_alive():
-            producer.terminate()
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
-        env.close()
+            if producer.is_alive():
+                producer.terminate()
     rows = buckets(job.samples, args.bucket)
     s = job.stats
-    print(
-        f"{'from s':>6} {'batches':>7} {'records':>8} {'batch s':>7} {'max s':>6} "
-        f"{'state rows':>10} {'blocked':>7} {'state MiB':>9} {'RSS MiB':>8} {'JVM MiB':>8}"
-    )
-    for r in rows:
-        print(
-            f"{r['from_s']:>6.0f} {r['batches']:>7} {r['records']:>8,} {r['batch_s_median']:>7} "
-            f"{r['batch_s_max']:>6} {r['state_rows']:>10,} {r['blocked_rows']:>7,} "
-            f"{r['state_mib']:>9} {r['driver_rss_mib']:>8} {r['jvm_heap_mib']:>8}"
-        )
+    print_table(rows, COLUMNS)
     print(f"delivered {s.delivered:,}, dead-lettered {s.dead_lettered:,}, batches {s.batches}")
+    load_at_end = [round(x, 2) for x in os.getloadavg()]
     result = {
-        "benchmark": "blocked_group",
-        "command": "python bench/blocked_group.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(load_at_start, load_at_end=[round(x, 2) for x in os.getloadavg()]),
+        **results_head("blocked_group", argv, machine(load_at_start, load_at_end=load_at_end)),
         "settings": {
             "minutes": args.minutes,
             "rate": args.rate,

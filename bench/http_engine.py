@@ -35,14 +35,14 @@ from pathlib import Path
 
 import pycurl
 
-from common import machine, nginx_binary, write_results
+from common import endpoint_process, machine, nginx_binary, stop_process, write_results
 from varadhi.delivery import DeliveryStats, HttpDeliverer, Outcome, Request
 from varadhi.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_IDEMPOTENCY_KEY, HTTP_MESSAGE_ID
 from varadhi.policies import Endpoint
 
 BODY = b"x" * 1024
 RESULTS = Path(__file__).resolve().parent / "results" / "http_engine.json"
-ROOT = Path(__file__).resolve().parent.parent
+_stop = stop_process  # the name bench/delivery.py imports it by
 
 
 class _Group:
@@ -92,34 +92,6 @@ def _wait_listening(port: int, proc: subprocess.Popen, what: str) -> None:
     raise RuntimeError(f"{what} did not listen on {port} within 10 s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
-@contextmanager
-def test_endpoint() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "varadhi.testing.endpoint", "--port", "0", "--ok-status", "204"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "lib")},
-    )
-    try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().strip()
-        if not url:
-            raise RuntimeError("the test endpoint printed no URL")
-        yield url
-    finally:
-        _stop(proc)
-
-
 NGINX_CONF = """\
 worker_processes 1;
 daemon off;
@@ -158,7 +130,7 @@ def nginx(binary: str) -> Iterator[str]:
             _wait_listening(port, proc, "nginx")
             yield f"http://127.0.0.1:{port}/"
         finally:
-            _stop(proc)
+            stop_process(proc)
 
 
 def run_engine(url: str, requests: int, groups: int, max_in_flight: int) -> dict:
@@ -223,7 +195,7 @@ def main() -> int:
     wrk_bin = shutil.which("wrk")
     common = {"body_bytes": len(BODY), "max_in_flight": args.max_in_flight}
 
-    with test_endpoint() as url:
+    with endpoint_process("--port", "0", "--ok-status", "204") as url:
         result = run_engine(url, args.endpoint_requests, args.groups, args.max_in_flight)
         rows.append({"target": "test-endpoint", "client": "HttpDeliverer", **common, **result})
         if wrk_bin:

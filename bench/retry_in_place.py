@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pandas as pd
 
-from common import machine, write_results
+from common import endpoint_process, machine, results_head, write_results
 from varadhi import messages as m
 from varadhi.batch import BatchContext, ForwardRule, deliver_records
 from varadhi.batch_commit import stat_rows
@@ -54,6 +53,8 @@ def records(groups: int, per_group: int) -> pd.DataFrame:
                 {
                     "kind": "mq",
                     "group_key": f"g{g}",
+                    "group_id": f"g{g}",
+                    "msg_id": f"g{g}.{n}",
                     "topic": TOPIC,
                     "partition": 0,
                     "offset": offset,
@@ -65,36 +66,9 @@ def records(groups: int, per_group: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def start_endpoint(args, latency_ms: int) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "varadhi.testing.endpoint",
-            "--fail-rate",
-            str(args.fail_rate),
-            "--mix",
-            "500=1",
-            "--seed",
-            "7",
-            "--latency-ms",
-            str(latency_ms),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert proc.stdout is not None
-    url = proc.stdout.readline().strip()
-    if not url.startswith("http://127.0.0.1:"):
-        proc.kill()
-        raise SystemExit(f"the test endpoint did not start (said {url!r})")
-    return proc, url
-
-
 def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int) -> dict:
-    proc, url = start_endpoint(args, latency_ms)
-    try:
+    options = ("--fail-rate", str(args.fail_rate), "--mix", "500=1", "--seed", "7")
+    with endpoint_process(*options, "--latency-ms", str(latency_ms)) as url:
         spec = SubscriptionSpec(
             name="bench",
             topic="bench",
@@ -105,9 +79,6 @@ def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int) -> dict:
         started = time.perf_counter()
         [out] = deliver_records(iter([frame]), ctx, ForwardRule())
         seconds = time.perf_counter() - started
-    finally:
-        proc.terminate()
-        proc.wait(10)
     [stat] = stat_rows(out)
     pending = out[out["kind"] == "pending"]
     return {
@@ -152,11 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['groups_blocked']:>8,} {r['parked']:>7,}"
         )
     doc = {
-        "benchmark": "retry_in_place",
-        "command": "python bench/retry_in_place.py "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine(load_at_start),
+        **results_head("retry_in_place", argv, machine(load_at_start)),
         "settings": {
             "groups": args.groups,
             "per_group": args.per_group,
