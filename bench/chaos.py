@@ -10,6 +10,9 @@ broker can be killed without touching anyone else's):
 1. A local endpoint (varadhi.testing.endpoint) that fails `--fail-rate` of attempts: 500s, 503s
    with Retry-After, and answers slower than the request timeout; plus *poison*: `--poison`
    messages it always refuses with 422 and as many records with no value (both dead-lettered).
+   It runs in a process of its own (`python -m varadhi.testing.endpoint`), so the load of this
+   one (producer, supervisor, kills) cannot stall its reading of requests, and writes a record
+   of every request to a file in the work folder, which the judge reads at the end.
 2. A 12-partition topic and a grouped subscription (2 shards, `on_dead_letter: skip`, enough
    attempts that random failures never exhaust a message), shards run with ./spark-submit.sh
    under a supervisor that restarts a shard whose process ended.
@@ -47,6 +50,7 @@ copied to `<out stem>-logs/`. Needs scripts/setup; sends nothing anywhere but 12
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -62,13 +66,13 @@ from pathlib import Path
 
 from kafka import KafkaProducer
 
-from common import machine, write_results
+from common import endpoint_process, machine, write_results
 from varadhi import dlq, resharding, status, subscriptions, topics
 from varadhi.catalog import Catalog
 from varadhi.producer import Producer
 from varadhi.settings import Settings
 from varadhi.subscriptions import SubscriptionService, parse_spec
-from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.endpoint import read_records
 from varadhi.topics import TopicService
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,6 +80,8 @@ PARTITIONS = 12
 RETRY = {"max_attempts": 12, "min_backoff_ms": 200, "max_backoff_ms": 2_000, "retry_after_s": 1}
 REQUEST_TIMEOUT_MS = 1_000
 CLOCK_SLACK_MS = 5  # the endpoint stamps arrival after reading the request
+MIX = {"500": 0.4, "503": 0.4, "slow": 0.2}  # the endpoint's failures, by weight
+POISON_ANSWERS = [422] * 20  # more than `max_attempts`: a poison message never succeeds
 
 
 def log(t0: float, text: str) -> None:
@@ -247,6 +253,21 @@ class Producing(threading.Thread):
                 self.resent += len(failed)
                 time.sleep(1)
             todo = failed
+
+
+def endpoint_options(fail_rate: float, seed: int, script: Path, record: Path) -> list[str]:
+    """The test endpoint's command line for the run (pure): it fails `fail_rate` of attempts
+    (`MIX`, drawn from `seed`), answers "slow" past the request timeout, sends the policy's
+    Retry-After on 503, answers `script` (a JSON file of answers by message id: the poison), and
+    records every request with its headers (the evidence of a failed figure) to `record`."""
+    return [
+        *("--fail-rate", str(fail_rate), "--seed", str(seed)),
+        *("--mix", ",".join(f"{answer}={weight}" for answer, weight in MIX.items())),
+        *("--slow-ms", str(REQUEST_TIMEOUT_MS + 500)),
+        *("--retry-after", str(RETRY["retry_after_s"])),
+        *("--script", str(script)),
+        *("--record", str(record), "--record-headers"),
+    ]
 
 
 def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0) -> dict:
@@ -466,6 +487,87 @@ def keep_logs(logs: Path, out: Path) -> str:
     return str(target)
 
 
+def create_subscription(catalog: Catalog, topic: str, name: str, url: str) -> None:
+    """The run's topic and its grouped subscription to `url` (2 shards, dead letters skipped,
+    `RETRY` without jitter, no circuit breaker)."""
+    TopicService(catalog).create(topic, PARTITIONS)
+    SubscriptionService(catalog).create(
+        parse_spec(
+            {
+                "name": name,
+                "topic": topic,
+                "endpoint": {"url": url, "request_timeout": f"{REQUEST_TIMEOUT_MS}ms"},
+                "shards": 2,
+                "on_dead_letter": "skip",
+                "retry": {
+                    "max_attempts": RETRY["max_attempts"],
+                    "min_backoff": f"{RETRY['min_backoff_ms']}ms",
+                    "max_backoff": f"{RETRY['max_backoff_ms']}ms",
+                    "jitter": 0,
+                },
+                "consumption": {"trigger_interval": "500ms", "max_messages_per_batch": 20_000},
+                # Failures are the subject: the breaker would only slow the run down.
+                "circuit_breaker": {"enabled": False},
+            }
+        )
+    )
+
+
+def send_malformed(settings: Settings, topic: str, run: str) -> list[str]:
+    """Records no producer library would write: no value (dead-lettered as malformed); returns
+    their message ids."""
+    raw = KafkaProducer(bootstrap_servers=settings.bootstrap)
+    malformed = []
+    for i in range(3):
+        msg_id = f"{run}-malformed-{i}"
+        raw.send(
+            f"{topic}.0",
+            key=f"m{i}".encode(),
+            value=None,
+            headers=[("varadhi-msg-id", msg_id.encode())],
+        ).get(30)
+        malformed.append(msg_id)
+    raw.close()
+    return malformed
+
+
+def disrupt(args, rng, broker: Broker, catalog: Catalog, shards: Shards, name, env, t0) -> list:
+    """While producing goes on, at seeded random moments of `--produce-seconds`: `--kills` shard
+    SIGKILLs, the broker's SIGKILL and restart (at half time), and the shard-count changes
+    2 -> 4 -> 3 (at 30% and 70%); returns the events as they happened."""
+    span = args.produce_seconds
+    timeline = sorted(
+        [(rng.uniform(0.1, 0.9) * span, "kill") for _ in range(args.kills)]
+        + [(0.3 * span, "change:4"), (0.5 * span, "broker"), (0.7 * span, "change:3")]
+    )
+    events = []
+    produce_started = time.monotonic()
+    for at, what in timeline:
+        delay = produce_started + at - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        now = round(time.monotonic() - t0, 1)
+        if what == "kill":
+            shard = shards.kill(rng)
+            log(t0, f"SIGKILL shard {shard}")
+            events.append({"t": now, "event": "kill", "shard": shard})
+        elif what == "broker":
+            log(t0, "SIGKILL the broker; restart in 5 s")
+            broker.kill_and_restart(5)
+            events.append({"t": now, "event": "broker restart"})
+        else:
+            to = int(what.split(":")[1])
+            log(t0, f"changing the shard count to {to}")
+            events.append(
+                {
+                    "t": now,
+                    "event": "change-shards",
+                    **change_shards(catalog, shards, name, to, env, t0),
+                }
+            )
+    return events
+
+
 def main() -> int:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -513,107 +615,37 @@ def main() -> int:
     )
     all_ids = list(producing.ids())
     poison = sorted(m for m, _, _ in rng.sample(all_ids, args.poison))
-    mix = {"500": 0.4, "503": 0.4, "slow": 0.2}
-    endpoint = TestEndpoint(
-        fail_rate=args.fail_rate,
-        seed=args.seed,
-        mix=mix,
-        slow_ms=REQUEST_TIMEOUT_MS + 500,
-        retry_after_s=RETRY["retry_after_s"],
-        script={m: [422] * 20 for m in poison},
-        record_headers=True,  # the evidence of a failed figure (`evidence`)
-    )
-    url = endpoint.start()
+    script, received = work / "poison.json", work / "received.jsonl"
+    script.write_text(json.dumps({m: POISON_ANSWERS for m in poison}))
     topic, name = f"chaos-{run}", f"chaos-http-{run}"
-    TopicService(catalog).create(topic, PARTITIONS)
-    SubscriptionService(catalog).create(
-        parse_spec(
-            {
-                "name": name,
-                "topic": topic,
-                "endpoint": {"url": url, "request_timeout": f"{REQUEST_TIMEOUT_MS}ms"},
-                "shards": 2,
-                "on_dead_letter": "skip",
-                "retry": {
-                    "max_attempts": RETRY["max_attempts"],
-                    "min_backoff": f"{RETRY['min_backoff_ms']}ms",
-                    "max_backoff": f"{RETRY['max_backoff_ms']}ms",
-                    "jitter": 0,
-                },
-                "consumption": {"trigger_interval": "500ms", "max_messages_per_batch": 20_000},
-                # Failures are the subject: the breaker would only slow the run down.
-                "circuit_breaker": {"enabled": False},
-            }
+    with endpoint_process(*endpoint_options(args.fail_rate, args.seed, script, received)) as url:
+        create_subscription(catalog, topic, name, url)
+        malformed = send_malformed(settings, topic, run)
+        shards = Shards(name, env, logs, t0)
+        shards.start(2)
+        producing.start()
+        log(
+            t0,
+            f"{args.messages} messages over {args.groups} groups in {args.produce_seconds:.0f} s; endpoint fails {args.fail_rate:.0%}; poison {len(poison)} + {len(malformed)} malformed",
         )
-    )
-    # Records no producer library would write: no value (dead-lettered as malformed).
-    raw = KafkaProducer(bootstrap_servers=settings.bootstrap)
-    malformed = []
-    for i in range(3):
-        msg_id = f"{run}-malformed-{i}"
-        raw.send(
-            f"{topic}.0",
-            key=f"m{i}".encode(),
-            value=None,
-            headers=[("varadhi-msg-id", msg_id.encode())],
-        ).get(30)
-        malformed.append(msg_id)
-    raw.close()
+        events = disrupt(args, rng, broker, catalog, shards, name, env, t0)
+        producing.join()
+        if producing.error is not None:
+            raise producing.error
+        log(
+            t0,
+            f"producing done: {len(producing.acked)} acknowledged, {producing.resent} sends repeated",
+        )
 
-    shards = Shards(name, env, logs, t0)
-    shards.start(2)
-    producing.start()
-    log(
-        t0,
-        f"{args.messages} messages over {args.groups} groups in {args.produce_seconds:.0f} s; endpoint fails {args.fail_rate:.0%}; poison {len(poison)} + {len(malformed)} malformed",
-    )
-
-    span = args.produce_seconds
-    timeline = sorted(
-        [(rng.uniform(0.1, 0.9) * span, "kill") for _ in range(args.kills)]
-        + [(0.3 * span, "change:4"), (0.5 * span, "broker"), (0.7 * span, "change:3")]
-    )
-    events = []
-    produce_started = time.monotonic()
-    for at, what in timeline:
-        delay = produce_started + at - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        now = round(time.monotonic() - t0, 1)
-        if what == "kill":
-            shard = shards.kill(rng)
-            log(t0, f"SIGKILL shard {shard}")
-            events.append({"t": now, "event": "kill", "shard": shard})
-        elif what == "broker":
-            log(t0, "SIGKILL the broker; restart in 5 s")
-            broker.kill_and_restart(5)
-            events.append({"t": now, "event": "broker restart"})
-        else:
-            to = int(what.split(":")[1])
-            log(t0, f"changing the shard count to {to}")
-            events.append(
-                {
-                    "t": now,
-                    "event": "change-shards",
-                    **change_shards(catalog, shards, name, to, env, t0),
-                }
-            )
-    producing.join()
-    if producing.error is not None:
-        raise producing.error
-    log(
-        t0,
-        f"producing done: {len(producing.acked)} acknowledged, {producing.resent} sends repeated",
-    )
-
-    shards.stop()
-    count = status.collect(catalog, name)["shard_count"]
-    shards.start(count, ("--stop-when-idle", "20"))
-    drain_codes = shards.wait()
-    log(t0, f"drained; shards exited {drain_codes}")
+        shards.stop()
+        count = status.collect(catalog, name)["shard_count"]
+        shards.start(count, ("--stop-when-idle", "20"))
+        drain_codes = shards.wait()
+        log(t0, f"drained; shards exited {drain_codes}")
+    # The endpoint process has ended: its file holds every request it read.
+    records = read_records(str(received))
 
     parked = {p["msg_id"] for p in dlq.list_parked(catalog, name, limit=0)}
-    records = endpoint.records()
     verdict = judge(records, producing.acked, parked, poison + malformed, start_ms)
     verdict.update(
         seconds=round(time.monotonic() - t0, 1),
@@ -636,7 +668,6 @@ def main() -> int:
             ),
             "shard_logs": keep_logs(logs, Path(args.out)),
         }
-    endpoint.stop()
     catalog.close()
     broker.wipe()
     shutil.rmtree(work, ignore_errors=True)

@@ -1,14 +1,16 @@
-"""bench/chaos.py's judge: the early-retry figure and the evidence it keeps (no service)."""
+"""bench/chaos.py's judge: the early-retry figure and the evidence it keeps; the endpoint's
+command line and record file it runs and judges by (no service)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
 import pytest
 
-from varadhi.testing.endpoint import Record
+from varadhi.testing.endpoint import Record, TestEndpoint, from_command_line, read_records
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -133,3 +135,78 @@ def test_a_dead_letter_is_told_apart_by_whether_every_attempt_failed(chaos):
     assert verdict["unexpected_dead_letters"] == ["b", "t"]
     assert verdict["unexpected_dead_letters_every_attempt_failed"] == ["t"]
     assert verdict["early_retries"] == 0
+
+
+def test_the_endpoint_process_answers_as_the_in_process_one_did(chaos, tmp_path):
+    """The run's endpoint moved to a process of its own: its command line gives an endpoint that
+    answers every delivery as the in-process one configured before did (failures drawn from the
+    same seed and mix, the poison refused, slow answers past the timeout, Retry-After), keeps
+    the headers and records to the file the judge reads."""
+    poison = ["r-g3-0", "r-g7-2"]
+    script = tmp_path / "poison.json"
+    script.write_text(json.dumps({m: chaos.POISON_ANSWERS for m in poison}))
+    record = tmp_path / "received.jsonl"
+    before = TestEndpoint(
+        fail_rate=0.2,
+        seed=5,
+        mix={"500": 0.4, "503": 0.4, "slow": 0.2},
+        slow_ms=chaos.REQUEST_TIMEOUT_MS + 500,
+        retry_after_s=chaos.RETRY["retry_after_s"],
+        script={m: [422] * 20 for m in poison},
+        record_headers=True,
+    )
+    now = from_command_line(chaos.endpoint_options(0.2, 5, script, record))
+    ids = [f"r-g{g}-{n}" for g in range(50) for n in range(4)]
+    answers = [(m, n, before._answer(m, 0, n)) for m in ids for n in range(13)]
+    assert [now._answer(m, 0, n) for m, n, _ in answers] == [a for _, _, a in answers]
+    assert {a for _, _, a in answers} == {200, 422, 500, 503, "slow"}
+    assert (now.slow_ms, now.retry_after_s, now.record_headers) == (1_500, 1, True)
+    assert now._record_path == str(record)
+
+
+def test_the_judge_reads_from_the_record_file_what_the_endpoint_recorded(chaos, tmp_path):
+    """Every field the judge and the evidence use comes back from the endpoint's record file as
+    it was recorded (headers, `client_gone`, fractional milliseconds), so the verdict and the
+    evidence are those of the records themselves."""
+    records = [
+        rec(0, "a", 1, 500, 1_000.25),
+        rec(1, "a", 2, 503, 1_150.5),
+        rec(2, "a", 3, 200, 1_600.125, gone=True),
+        rec(3, "dead", 1, 500, 1_700),
+        Record(
+            seq=4,
+            connection=2,
+            method="POST",
+            path="/",
+            message_id="dead",
+            group_id="g",
+            attempt=2,
+            body_bytes=4,
+            received_ms=2_100.0,
+            status=200,
+            delay_ms=1_500,
+            headers=None,
+            batch=3,
+        ),
+    ]
+    path = tmp_path / "received.jsonl"
+    path.write_text("".join(json.dumps(r.to_json()) + "\n" for r in records))
+    back = read_records(str(path))
+    assert back == records
+    verdict = chaos.judge(back, {"a": ("g", 0)}, {"dead"}, [], 0)
+    assert verdict == chaos.judge(records, {"a": ("g", 0)}, {"dead"}, [], 0)
+    assert verdict["early_retries"] == 1
+    assert chaos.evidence(back, verdict) == chaos.evidence(records, verdict)
+
+
+def test_the_endpoint_refuses_a_script_that_is_not_answer_lists(tmp_path, capsys):
+    bad = tmp_path / "script.json"
+    bad.write_text(json.dumps({"m": 422}))
+    with pytest.raises(SystemExit) as refused:
+        from_command_line(["--script", str(bad)])
+    assert refused.value.code == 2
+    assert "a script is a JSON object of answer lists" in capsys.readouterr().err
+    bad.write_text(json.dumps({"m": [422, "later"]}))
+    with pytest.raises(SystemExit):
+        from_command_line(["--script", str(bad)])
+    assert "an answer is an HTTP status" in capsys.readouterr().err

@@ -30,7 +30,10 @@ fail the same way in every run.
 
 `GET /stats` answers JSON counts, `GET /received[?since=N]` the records (from the N-th on).
 Run standalone with `python -m varadhi.testing.endpoint --port 18080 --fail-rate 0.1`; it prints
-its URL on the first line of stdout.
+its URL on the first line of stdout. In a process of its own it shares no interpreter lock with
+the program under test, so that program's load does not delay when it reads requests; with
+`--record FILE` (and `--record-headers`) its records reach the caller through the file, which
+`read_records` reads back, complete once the process has ended (SIGTERM: it stops, then exits).
 """
 
 from __future__ import annotations
@@ -87,6 +90,13 @@ class Record:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def read_records(path: str) -> list[Record]:
+    """The records a `record_file` (`--record`) holds, in the order written (arrival order for
+    single requests). Read it after the endpoint stopped: a record is written as it arrives."""
+    with open(path, encoding="utf-8") as f:
+        return [Record(**json.loads(line)) for line in f if line.strip()]
 
 
 class TestEndpoint:
@@ -505,7 +515,22 @@ def _parse_mix(text: str) -> dict[str, float]:
         ) from None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _read_script(path: str) -> dict[str, list[Answer]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            script = json.load(f)
+    except (OSError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"cannot read the script {path}: {e}") from None
+    if not isinstance(script, dict) or not all(isinstance(a, list) for a in script.values()):
+        raise argparse.ArgumentTypeError(
+            f'a script is a JSON object of answer lists ({{"msg-1": [500, 200]}}), in {path}'
+        )
+    return script
+
+
+def from_command_line(argv: Sequence[str] | None = None) -> TestEndpoint:
+    """The endpoint `python -m varadhi.testing.endpoint ARGV` runs (not started); a bad option
+    exits 2 with argparse's message."""
     parser = argparse.ArgumentParser(
         prog="python -m varadhi.testing.endpoint",
         description="A recording, failure-injecting HTTP endpoint on loopback.",
@@ -522,22 +547,38 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--slow-ms", type=int, default=3_000)
     parser.add_argument("--latency-ms", type=int, default=0)
     parser.add_argument("--record", metavar="FILE.jsonl", help="append every record to FILE")
+    parser.add_argument(
+        "--record-headers", action="store_true", help="keep every request's headers in its record"
+    )
+    parser.add_argument(
+        "--script",
+        type=_read_script,
+        default=None,
+        metavar="FILE.json",
+        help='scripted answers by message id, e.g. {"msg-1": [500, 503, 200]}',
+    )
     args = parser.parse_args(argv)
     try:
-        endpoint = TestEndpoint(
+        return TestEndpoint(
             fail_rate=args.fail_rate,
             seed=args.seed,
             mix=args.mix,
+            script=args.script,
             host=args.host,
             port=args.port,
             ok_status=args.ok_status,
             retry_after_s=args.retry_after,
             slow_ms=args.slow_ms,
             latency_ms=args.latency_ms,
+            record_headers=args.record_headers,
             record_file=args.record,
         )
     except ValueError as e:
         parser.error(str(e))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    endpoint = from_command_line(argv)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
