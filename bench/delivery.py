@@ -91,8 +91,8 @@ from kafka.admin import KafkaAdminClient
 from kafka.errors import KafkaError
 from kafka.record import util as record_util
 
-from common import machine, nginx_binary, write_results
-from http_engine import _free_port, _stop, _wait_listening, run_wrk
+from common import machine, nginx_binary, stop_process, write_results
+from http_engine import _free_port, _wait_listening, run_wrk
 from varadhi import messages as m
 from varadhi.catalog import Catalog
 from varadhi.delivery import HttpDeliverer, Outcome, Request
@@ -154,7 +154,7 @@ class Nginx:
         """Stop nginx (it flushes its buffered access log on exit) and read the log; with
         `keep_in`, copy the log there first."""
         if self.proc.poll() is None:
-            _stop(self.proc)
+            stop_process(self.proc)
         if keep_in is not None:
             shutil.copy(self.log, keep_in / f"{name}-access.log")
         return read_log(self.log)
@@ -180,7 +180,7 @@ def nginx(binary: str, fail_rate: float = 0.0) -> Iterator[Nginx]:
             yield Nginx(f"http://127.0.0.1:{port}/", Path(tmp) / "access.log", proc)
         finally:
             if proc.poll() is None:
-                _stop(proc)
+                stop_process(proc)
 
 
 @dataclass

@@ -42,7 +42,6 @@ from varadhi.policies import Endpoint
 
 BODY = b"x" * 1024
 RESULTS = Path(__file__).resolve().parent / "results" / "http_engine.json"
-_stop = stop_process  # the name bench/delivery.py imports it by
 
 
 class _Group:
