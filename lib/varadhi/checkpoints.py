@@ -61,16 +61,33 @@ def uncommitted_batch(checkpoint: str, fs: WarehouseFS) -> tuple[int, int] | Non
     first, again: an earlier run started it and may have delivered part of it
     (`varadhi.journal`). The time is Spark's `batchTimestampMs`, kept when the batch re-runs;
     0 when the plan does not say."""
+    plan = uncommitted_plan(checkpoint, fs)
+    return None if plan is None else (plan[0], plan[1])
+
+
+def uncommitted_plan(checkpoint: str, fs: WarehouseFS) -> tuple[int, int, Offsets] | None:
+    """`uncommitted_batch` with the end offsets of that batch's plan (what it reads up to, per
+    storage topic and partition; {} when the plan does not say), or None."""
     offsets = child(checkpoint, "offsets")
     planned = max(_batches(fs, offsets), default=-1)
     if planned < 0 or fs.exists(child(child(checkpoint, "commits"), str(planned))):
         return None
     try:
         lines = fs.read_text(child(offsets, str(planned))).splitlines()
+    except OSError:
+        lines = []
+    try:
         planned_ms = int(json.loads(lines[1]).get("batchTimestampMs", 0))
-    except (OSError, IndexError, ValueError, AttributeError):
+    except (IndexError, ValueError, AttributeError):
         planned_ms = 0
-    return planned, planned_ms
+    try:
+        ends = {
+            t: {str(p): int(o) for p, o in parts.items()}
+            for t, parts in json.loads(lines[2]).items()
+        }
+    except (IndexError, ValueError, AttributeError, TypeError):
+        ends = {}
+    return planned, planned_ms, ends
 
 
 def forget_planned_batch(checkpoint: str, batch_id: int, fs: WarehouseFS) -> bool:

@@ -38,6 +38,31 @@ The topic is created like the product's other topics (`varadhi.topic.[journal.]*
 cluster configuration, `kafka_config`), and the tasks reach Kafka with the cluster's client
 configuration, carried in `JournalTarget` as the Spark Kafka source's options carry it.
 
+Across a shard-count change (`varadhi.resharding`). The new shards have new checkpoints and
+app ids: none of them re-runs an old shard's uncommitted batch, so `read` above never finds its
+records, while the new shards start from the old shards' committed positions and read that
+batch's messages again. `subscription change-shards` therefore hands the journal over in its
+`state` step, for every old shard whose checkpoint holds a batch planned and never committed
+(`UncommittedBatch`: where it started, where its plan ends, what its journal holds):
+
+- GroupState: in each old table, per group, the leading pending entries (origin order) that
+  the journal names are dropped before the entries move (`resharding.drop_delivered`): retries
+  and parked followers the crashed batch delivered (the state commit it never made). Their RQ
+  records, copied by the feeders, then match no entry and are dropped as stale duplicates;
+- main-topic messages: the accepted origins inside the ranges the batch read (`covered`, from
+  its start to its planned end) go to the new shard that now reads each partition, as a
+  `HandOver` document (`handover/<sub>/s<S>/<shard>` in the catalog, bound to the new reader
+  layout's generation and seq). A new shard passes them to its tasks with every batch
+  (`BatchContext.replayed`, the same skipping as above) until its positions (its layout's
+  starting offsets and its committed offsets) reach the batch's planned end on every partition
+  (`HandOver.accepted_below`). An offset reset starts a new generation, and with it layouts
+  that no hand-over names: a rewind delivers those messages again.
+
+Accepted origins of neither kind (none, in a consistent catalog) are left alone. A hand-over is
+a subset of what the endpoint accepted, so any part of it lost (a journal that cannot be read:
+a warning, then re-delivery as before; more than `MAX_HANDOVER_NUMBERS` offsets for one new
+shard: the rest is delivered again) costs duplicates, never a message or the order.
+
 Hazards. `read` finds a batch's records by time: records of a batch whose crashed run started
 longer ago than the topic's retention (`RETENTION_MS`) are gone, and the batch is delivered
 again whole. The checkpoint is read through the local file system (`varadhi.checkpoints`); where
@@ -54,8 +79,9 @@ import os
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kafka import KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
@@ -159,6 +185,38 @@ class Accepted:
 
     def __bool__(self) -> bool:
         return bool(self._starts)
+
+    def runs(self) -> list[tuple[int, int, int, int]]:
+        """The set as sorted (index, partition, first offset, last offset) runs."""
+        return [
+            (index, partition, s, e)
+            for (index, partition), starts in sorted(self._starts.items())
+            for s, e in zip(starts, self._ends[(index, partition)], strict=True)
+        ]
+
+    def within(self, ranges: Iterable[tuple[int, int, int, int]]) -> Accepted:
+        """The origins of this set that lie in `ranges`, (index, partition, first, last)."""
+        out = []
+        for index, partition, first, last in ranges:
+            starts = self._starts.get((index, partition), [])
+            ends = self._ends.get((index, partition), [])
+            i = bisect.bisect_left(ends, first)  # the first run that ends at or after `first`
+            while i < len(starts) and starts[i] <= last:
+                out.append((index, partition, max(starts[i], first), min(ends[i], last)))
+                i += 1
+        return Accepted.of_runs(out)
+
+    def __or__(self, other: Accepted) -> Accepted:
+        return Accepted.of_runs(self.runs() + other.runs())
+
+
+def joined(*sets: Accepted | None) -> Accepted | None:
+    """The union of the sets given (None: none, or all empty)."""
+    out = Accepted()
+    for one in sets:
+        if one:
+            out = out | one
+    return out or None
 
 
 def runs_of(origins: Iterable[m.Origin]) -> list[tuple[int, int, int, int]]:
@@ -405,3 +463,160 @@ def read(
     finally:
         consumer.close()
     return Accepted.of_runs(runs)
+
+
+def read_shard(
+    settings: kafka_clients.HasKafka, subscription: str, shard: int, key: str, since_ms: int
+) -> Accepted:
+    """`read` of the journal partition shard `shard` writes to (`partition_of` the topic's
+    partition count); empty when the subscription has no journal topic. Raises what `read`
+    raises."""
+    topic = topic_name(subscription)
+    consumer = kafka_clients.consumer(
+        settings, enable_auto_commit=False, client_id="varadhi-journal-read"
+    )
+    try:
+        partitions = consumer.partitions_for_topic(topic)
+    finally:
+        consumer.close()
+    if not partitions:
+        return Accepted()
+    return read(settings, topic, partition_of(shard, len(partitions)), key, since_ms)
+
+
+# -- the hand-over across a shard-count change (see the module docstring) ----------------------
+
+HANDOVER_KIND = "handover"
+# Offsets (run starts and ends) in one new shard's hand-over document: about 150 KB of JSON in
+# the catalog at most. Runs past it are left out (their messages are delivered again).
+MAX_HANDOVER_NUMBERS = 20_000
+
+Run = tuple[int, int, int, int]  # (storage topic index, partition, first offset, last offset)
+Positions = dict[str, dict[str, int]]  # storage topic -> partition (as text) -> offset
+
+
+@dataclass(frozen=True)
+class UncommittedBatch:
+    """An old shard's batch that was planned and never committed when its shard count changed:
+    where it started (`start`: the shard's committed position, or its layout's starting offsets;
+    negative: from the beginning), where its plan ends (`end`, exclusive, as Spark planned it,
+    RQ partitions included), and the origins its journal names as accepted."""
+
+    shard: int
+    batch_id: int
+    start: Positions
+    end: Positions
+    accepted: Accepted
+
+    def covered(self, names: Sequence[str]) -> list[Run]:
+        """The main-topic ranges the batch read, as runs (pure). `names`: the main topic's
+        storage topics by index; other topics of the plan (the RQ's) are left out."""
+        index = {name: i for i, name in enumerate(names)}
+        out = []
+        for topic, parts in self.end.items():
+            if topic not in index:
+                continue
+            for partition, end in parts.items():
+                first = max(int(self.start.get(topic, {}).get(str(partition), -2)), 0)
+                if int(end) > first:
+                    out.append((index[topic], int(partition), first, int(end) - 1))
+        return sorted(out)
+
+
+@dataclass(frozen=True)
+class HandOver:
+    """What a shard-count change hands one new shard: main-topic origins an old shard's
+    uncommitted batch delivered (`runs`), to be taken as delivered while the shard reads below
+    `until` (storage topic -> partition -> the old batch's planned end) on any partition named
+    there. It belongs to the new shard's reader layout (`generation`, `seq`) and the layouts
+    after it in that generation."""
+
+    generation: int
+    seq: int
+    runs: tuple[Run, ...]
+    until: Positions
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "generation": self.generation,
+            "seq": self.seq,
+            "runs": [list(r) for r in self.runs],
+            "until": self.until,
+        }
+
+    @classmethod
+    def from_dict(cls, doc: Mapping[str, Any]) -> HandOver:
+        return cls(
+            int(doc["generation"]),
+            int(doc["seq"]),
+            tuple(tuple(int(x) for x in r) for r in doc["runs"]),  # type: ignore[misc]
+            {t: {str(p): int(o) for p, o in parts.items()} for t, parts in doc["until"].items()},
+        )
+
+    @classmethod
+    def of_layout(cls, doc: Mapping[str, Any] | None, generation: int, seq: int) -> HandOver | None:
+        """The hand-over in catalog document `doc` if it applies to the reader layout
+        (`generation`, `seq`): same generation, at or after its layout. None otherwise, also
+        for a document that is not one (logged): it is best-effort (pure)."""
+        if not doc:
+            return None
+        try:
+            handover = cls.from_dict(doc)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            log.warning("ignoring a hand-over document that is not one: %s", e)
+            return None
+        if handover.generation != generation or seq < handover.seq:
+            return None
+        return handover
+
+    def accepted_below(self, positions: Positions) -> Accepted | None:
+        """The handed-over origins while the shard's `positions` (its layout's starting offsets
+        merged with its committed ones; negative: from the beginning) are below `until` on
+        some partition, else None: the shard has committed past every message of it (pure)."""
+        below = any(
+            int(positions.get(topic, {}).get(p, -2)) < end
+            for topic, parts in self.until.items()
+            for p, end in parts.items()
+        )
+        return Accepted.of_runs(self.runs) if below and self.runs else None
+
+
+def hand_over(
+    batches: Sequence[UncommittedBatch],
+    names: Sequence[str],
+    after: Sequence[Mapping[str, Sequence[int]]],
+    generation: int,
+    seq: int,
+) -> tuple[dict[int, HandOver], int]:
+    """The hand-over documents of the new shards (pure): per new shard `j` (reading partitions
+    `after[j]`: storage topic -> partitions), the accepted origins of `batches` inside the
+    ranges they covered on its partitions, with their planned ends; only shards that get some.
+    Also how many accepted offsets were left out over `MAX_HANDOVER_NUMBERS`."""
+    index = {name: i for i, name in enumerate(names)}
+    owner = {
+        (index[topic], p): j
+        for j, parts in enumerate(after)
+        for topic, partitions in parts.items()
+        if topic in index
+        for p in partitions
+    }
+    runs: dict[int, list[Run]] = defaultdict(list)
+    for batch in batches:
+        for run in batch.accepted.within(batch.covered(names)).runs():
+            j = owner.get(run[:2])
+            if j is not None:
+                runs[j].append(run)
+    out, left_out = {}, 0
+    for j, found in sorted(runs.items()):
+        kept = Accepted.of_runs(found).runs()
+        left_out += sum(e - s + 1 for _, _, s, e in kept[MAX_HANDOVER_NUMBERS // 2 :])
+        kept = kept[: MAX_HANDOVER_NUMBERS // 2]
+        read = {run[:2] for run in kept}
+        until: Positions = defaultdict(dict)
+        for batch in batches:
+            for topic, parts in batch.end.items():
+                for p, end in parts.items():
+                    if (index.get(topic), int(p)) in read:
+                        until[topic][str(p)] = int(end)
+        out[j] = HandOver(generation, seq, tuple(kept), dict(until))
+    return out, left_out

@@ -16,7 +16,11 @@ crash resumes at the recorded step (every step is idempotent):
                carried, so the new shards' first batch is not taken for a replay). The `out`
                rows of each old table's last batch are re-sent to the new queues (a shard that
                crashed between its commit and its send never sent them), in one Kafka
-               transaction, skipped when the new queues already hold a committed record;
+               transaction, skipped when the new queues already hold a committed record.
+               An old shard's batch planned and never committed (it died or was fenced in
+               it) has its delivery journal handed over (`varadhi.journal`): the pending
+               entries it delivered are dropped (`drop_delivered`), and the main-topic
+               messages it delivered go to the new shards as `HandOver` documents;
 4. `layouts`:  the new shards' reader layouts: the lowest main-topic storage topic any old shard
                still reads, or past it when they consumed it and it is sealed (`first_unread`:
                old shards waiting at a K=1 boundary), starting where the old shards stopped
@@ -33,8 +37,8 @@ crash resumes at the recorded step (every step is idempotent):
 7. `done`:     the same command run again then does nothing (`finished`).
 
 A crash after any step, then the same command again, ends where one clean run does (the
-subscription, operation and reader-layout documents, the new GroupState tables and the records
-of the new RQ/DLQ storage topics: `tests/integration/test_change_shards_crash.py`).
+subscription, operation, reader-layout and hand-over documents, the new GroupState tables and the
+records of the new RQ/DLQ storage topics: `tests/integration/test_change_shards_crash.py`).
 
 Why new shards may read the new RQ while feeders still run (seed 000 lets them wait): here an RQ
 record is matched to its GroupState entry by (origin, attempts) and a group's delivery order
@@ -59,20 +63,22 @@ storage topic and every pending group moves to the shard that reads its next mes
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pandas as pd
 from kafka import TopicPartition
 
-from . import kafka_clients, layouts, routing, status, subscriptions, topics
+from . import checkpoints, journal, kafka_clients, layouts, routing, status, subscriptions, topics
 from .catalog import Catalog, Snapshot, key
 from .checkpoints import Offsets, shard_position
 from .errors import InvalidArgument, NotFound, VaradhiError
 from .layouts import READER_KIND, Layout
 from .leases import Lease
+from .messages import Origin
 from .state_rows import Kind
 from .subscriptions import Subscription
 from .topics import CompositeTopic, StorageTopic
@@ -83,6 +89,8 @@ KIND = "change-shards"
 STEPS = ("fence", "queues", "state", "layouts", "activate", "feed", "done")
 FeederMode = Literal["in-process", "external"]
 Queue = Literal["rq", "dlq"]
+
+log = logging.getLogger(__name__)
 
 
 def operation_name(name: str) -> str:
@@ -199,7 +207,8 @@ class Plan:
 STEP_TEXT = {
     "fence": "take the old shards' leases (an old instance still alive stops)",
     "queues": "add the new RQ and DLQ storage topics and switch their produce pointers",
-    "state": "reshard GroupState to the new shards' tables; re-send last-batch RQ/DLQ records",
+    "state": "reshard GroupState to the new shards' tables; re-send last-batch RQ/DLQ records; "
+    "hand over what uncommitted batches delivered (journal)",
     "layouts": "write the new shards' reader layouts (positions carried over)",
     "activate": "set the shard count (state and spec), rq_from and dlq_from of the subscription",
     "feed": "copy the old RQ/DLQ storage topics into the new ones (feeders)",
@@ -478,6 +487,27 @@ def reshard_tables(
     return new, out
 
 
+def drop_delivered(table: pd.DataFrame, accepted: Container[Origin]) -> pd.DataFrame:
+    """An old shard's state table without the pending entries its uncommitted batch delivered
+    (pure): per group, the leading entries in origin order whose origin is in `accepted` (what
+    the batch's journal names). Only a leading run is dropped, so a group never loses an entry
+    while one before it stays pending; every other row is kept."""
+    if not len(table) or not accepted:
+        return table
+    columns = ["group_key", "origin_index", "origin_partition", "origin_offset"]
+    pending = table.loc[table["kind"] == Kind.PENDING, columns].sort_values(columns)
+    drop, blocked = [], set()
+    for row in pending.itertuples():
+        if row.group_key in blocked:
+            continue
+        origin = Origin(int(row.origin_index), int(row.origin_partition), int(row.origin_offset))
+        if origin in accepted:
+            drop.append(row.Index)
+        else:
+            blocked.add(row.group_key)
+    return table.drop(index=drop)
+
+
 def text_plan(plan: Plan) -> str:
     """The dry run as text."""
     lines = [
@@ -667,7 +697,21 @@ class ChangeShards:
             ).frame
             for i in range(plan.from_shards)
         ]
-        new, outs = reshard_tables(old, plan.new_shard_of, plan.to_shards)
+        # The hand-over (`varadhi.journal`): what old shards' uncommitted batches delivered.
+        batches = self._uncommitted_batches(plan)
+        accepted = {b.shard: b.accepted for b in batches}
+        kept = [drop_delivered(t, accepted.get(i, journal.Accepted())) for i, t in enumerate(old)]
+        dropped = sum(len(t) - len(k) for t, k in zip(old, kept, strict=True))
+        snap = self.catalog.snapshot()
+        mq = topics.from_snapshot(snap, subscriptions.from_snapshot(snap, plan.name).spec.topic)
+        handed, left_out = journal.hand_over(
+            batches,
+            [st.name for st in mq.storage_topics],
+            plan.after,
+            plan.generation,
+            plan.layout_seq,
+        )
+        new, outs = reshard_tables(kept, plan.new_shard_of, plan.to_shards)
         for j, frame in enumerate(new):
             (
                 self.spark.createDataFrame(normalise(frame), STATE_SCHEMA)
@@ -677,6 +721,7 @@ class ChangeShards:
                 .save(layouts.state_path(wh, plan.name, plan.to_shards, j))
             )
         self._resend(plan, outs)
+        self._write_handover(plan, handed)
         moved = {
             "pending": sum(len(f) for f in new),
             "groups": sum(f["group_key"].nunique() for f in new),
@@ -686,7 +731,85 @@ class ChangeShards:
             f"state: {moved['pending']} pending entries of {moved['groups']} groups moved to "
             f"{plan.to_shards} shards; {moved['resent']} last-batch records re-sent"
         )
+        if batches:
+            over = {j: len(journal.Accepted.of_runs(h.runs)) for j, h in handed.items()}
+            moved["handover"] = {
+                "batches": [
+                    {"shard": b.shard, "batch": b.batch_id, "accepted": len(b.accepted)}
+                    for b in batches
+                ],
+                "pending_dropped": dropped,
+                "handed_over": {str(j): n for j, n in over.items()},
+                "left_out": left_out,
+            }
+            self.log(
+                f"state: hand-over of {len(batches)} uncommitted batches: "
+                f"{sum(len(b.accepted) for b in batches)} messages their journals name as "
+                f"accepted; {dropped} of them dropped from GroupState, {sum(over.values())} "
+                f"handed to the new shards"
+                + (f", {left_out} left out (to be delivered again)" if left_out else "")
+            )
         return {"state": moved}
+
+    def _uncommitted_batches(self, plan: Plan) -> list[journal.UncommittedBatch]:
+        """Every old shard's batch planned and never committed, with the origins its journal
+        names as accepted (`varadhi.journal`: the hand-over); batches with none are left out.
+        Best-effort: a checkpoint or journal that cannot be read is a warning, and that batch's
+        messages are delivered again. Nothing reads them while the journal is off."""
+        sub = subscriptions.from_snapshot(self.catalog.snapshot(), plan.name)
+        if sub.spec.consumption.journal_interval_ms <= 0:
+            return []
+        settings = self.catalog.settings
+        fs = for_path(settings.warehouse, lambda: self.spark)
+        out = []
+        for shard in range(plan.from_shards):
+            try:
+                layout, start = shard_position(self.catalog, sub, shard, fs)
+                path = layouts.checkpoint_path(
+                    settings.warehouse, plan.name, plan.from_shards, shard, layout
+                )
+                planned = checkpoints.uncommitted_plan(path, fs)
+                if planned is None:
+                    continue
+                batch_id, planned_ms, end = planned
+                app_id = layouts.app_id(plan.name, plan.from_shards, shard, layout)
+                accepted = journal.read_shard(
+                    settings,
+                    plan.name,
+                    shard,
+                    journal.batch_key(app_id, batch_id, sub.created_ms),
+                    since_ms=planned_ms - journal.LOOKBACK_MS,
+                )
+            except Exception as e:  # noqa: BLE001 - best-effort (OSError, Py4J, Kafka errors)
+                line = (
+                    f"warning: the journal of old shard {shard} cannot be read ({e}); what its "
+                    "uncommitted batch delivered is delivered again"
+                )
+                log.warning("%s: %s", plan.name, line)
+                self.log(line)
+                continue
+            if accepted:
+                out.append(journal.UncommittedBatch(shard, batch_id, start, end, accepted))
+        return out
+
+    def _write_handover(self, plan: Plan, handed: Mapping[int, journal.HandOver]) -> None:
+        """One catalog write: every new shard's hand-over document (`handover/<sub>/s<S>/<j>`),
+        deleting one left by an earlier change for a shard that gets none now, and the old
+        shards' (their shards are retired). Idempotent: a re-run writes the same."""
+        name = plan.name
+        kind = journal.HANDOVER_KIND
+
+        def change(snap: Snapshot):
+            old = [layouts.owner(name, plan.from_shards, i) for i in range(plan.from_shards)]
+            new = [layouts.owner(name, plan.to_shards, j) for j in range(plan.to_shards)]
+            writes: dict[str, Any] = {
+                key(kind, owner): None for owner in old + new if snap.get(kind, owner) is not None
+            }
+            for j, handover in handed.items():
+                writes[key(kind, new[j])] = handover.to_dict()
+            return writes
+
+        self.catalog.mutate(change)
 
     def _resend(self, plan: Plan, outs: pd.DataFrame) -> None:
         """Send the old tables' last-batch records to the new queues, once: in one Kafka

@@ -39,6 +39,7 @@ from pyspark.sql import DataFrame, Observation, SparkSession
 from . import (
     checkpoints,
     filters,
+    journal,
     jvm_errors,
     kafka_clients,
     layouts,
@@ -140,6 +141,8 @@ class ShardJob:
         self._partitions_read = 0  # main-topic partitions of the running query
         # The delivery journal: its topic, and what a batch a crashed run left uncommitted skips.
         self._journal = ShardJournal(self.settings, name, shard)
+        # What a shard-count change handed this shard's layout (`journal.HandOver`), if any.
+        self._handover: tuple[journal.HandOver, Layout] | None = None
         # Called after each completed micro-batch as hook(last_batch, summary) (`summarize`),
         # on the batch's thread: `varadhi.metrics` feeds its exporter and JSON log from it.
         self.batch_hooks: list[Any] = []
@@ -375,6 +378,9 @@ class ShardJob:
         if forget and checkpoints.forget_planned_batch(*aborted, self._fs):
             log.info("%s shard %d: batch %d planned again", self.name, self.shard, aborted[1])
         self._journal.plan_replay(checkpoint, checkpoints.uncommitted_batch(checkpoint, self._fs))
+        doc = self.catalog.get(journal.HANDOVER_KIND, self._owner(sub))
+        handover = journal.HandOver.of_layout(doc, layout.generation, layout.seq)
+        self._handover = (handover, layout) if handover else None
         self._journal.ensure(sub)
         self._startup.mark("checkpoint and journal checked")
         options = source.options(kafka_clients.spark_options(self.settings), limit)
@@ -596,6 +602,27 @@ class ShardJob:
         return pd.concat([first[~is_fwd], second], ignore_index=True)
 
     # -- the journal hand-over and the dedup window ----------------------------------------
+    def _handed_over(self) -> journal.Accepted | None:
+        """The origins a shard-count change handed this shard (`journal.HandOver`: messages an
+        old shard's uncommitted batch delivered) while the query reads below them; forgotten
+        once it has committed past them all."""
+        if self._handover is None:
+            return None
+        handover, layout = self._handover
+        committed = checkpoints.committed_offsets(self._query_checkpoint, self._fs) or {}
+        accepted = handover.accepted_below(layouts.merged(layout.starting_offsets, committed))
+        if accepted is None:
+            self._handover = None
+            return None
+        log.info(
+            "%s shard %d: %d messages an old shard delivered before the shard-count change "
+            "are not sent again when this batch reads them (hand-over)",
+            self.name,
+            self.shard,
+            len(accepted),
+        )
+        return accepted
+
     def _dedup_window(self, spark, sub) -> DedupWindow:
         if self._dedup is None:
             path = (
@@ -688,7 +715,9 @@ class _Batch:
             dedup=bool(sub.spec.dedup_window_ms),
             max_out_bytes=job._sender.limit(rq.produce_topic.name),
             journal=job._journal.target(sub, app_id, batch_id),
-            replayed=job._journal.replayed(sub, app_id, batch_id),
+            replayed=journal.joined(
+                job._journal.replayed(sub, app_id, batch_id), job._handed_over()
+            ),
         )
         return job._deliver(records, ctx, self.store, pending, due_groups)
 

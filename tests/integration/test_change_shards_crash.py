@@ -4,10 +4,12 @@ the new GroupState tables and the records in the new RQ/DLQ storage topics.
 
 The state before the change is built once (two shards run against an endpoint until a retry
 waits in the RQ for an hour and two groups are blocked on dead letters, so both old tables hold
-pending rows and last-batch records to re-send) and cloned for every run: a clone is another
-subscription of the same main topic with copies of the old RQ/DLQ records, of the GroupState
-tables and of the shards' positions. Crashes are exceptions raised right after a step's work
-(`crash_after`), as in the offset-reset tests."""
+pending rows and last-batch records to re-send; then shard 0 is fenced in the middle of a slow
+batch, which it delivered and never committed: its journal is handed over) and cloned for every
+run: a clone is another subscription of the same main topic with copies of the old RQ/DLQ
+records, of the GroupState tables, of the shards' positions, of shard 0's uncommitted plan and
+of its journal records (under the clone's keys). Crashes are exceptions raised right after a
+step's work (`crash_after`), as in the offset-reset tests."""
 
 from __future__ import annotations
 
@@ -16,21 +18,24 @@ import shutil
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from varadhi import layouts, resharding, routing, subscriptions, topics
+from varadhi import journal, layouts, resharding, routing, subscriptions, topics
 from varadhi.catalog import key
-from varadhi.checkpoints import shard_position
+from varadhi.checkpoints import shard_position, uncommitted_plan
 from varadhi.cli import main as cli
 from varadhi.layouts import READER_KIND, Layout
+from varadhi.leases import Lease
 from varadhi.shard import ShardJob
 from varadhi.state_store import StateStore
 from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import produce, wait_for
 from varadhi.topics import TopicService
+from varadhi.warehouse_fs import LocalFS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
@@ -119,11 +124,18 @@ def source(settings, spark, catalog):
         produce(settings, topic, [(dead0, "d0-0"), (dead1, "d1-0")])
         wait_for(lambda: seen("d0-0", "d1-0"), 120, "dead letters")
         time.sleep(3)
-        for j in jobs:
-            j.request_stop()
+        # Shard 0 takes a slow batch (0.7 s a message, in order) and is fenced in it, as
+        # change-shards' fence step would: it delivers the batch and commits nothing.
+        endpoint.latency_ms = 700
+        produce(settings, topic, [(healthy[0], f"s-{n}") for n in range(4)])
+        wait_for(lambda: seen("s-0"), 120, "the slow batch")
+        fence = Lease(catalog, layouts.owner(name, FROM, 0))
+        fence.acquire()
+        fence.close()
+        jobs[1].request_stop()
         for t in threads:
             t.join(150)
-        assert codes == {0: 0, 1: 0}
+        assert codes == {0: 3, 1: 0}
     produce(settings, topic, [(dead0, "d0-1"), (retry_g, "r-2"), (healthy[1], "h-1")])
     wh = settings.warehouse
     for i in range(FROM):
@@ -160,7 +172,37 @@ def _clone(settings, catalog, source: tuple[str, str], label: str) -> str:
         clone = Layout(layout.generation, layout.seq, layout.mq_index, starting)
         writes[key(READER_KIND, layouts.owner(name, FROM, i))] = clone.to_dict()
     catalog.mutate(lambda _snap: writes)
+    _clone_uncommitted(settings, catalog, src, name)
     return name
+
+
+def _clone_uncommitted(settings, catalog, src: str, name: str) -> None:
+    """Shard 0's uncommitted plan into the clone's checkpoint (with the clone's RQ name), and
+    the source's journal records under the clone's keys (its app ids and creation time)."""
+    wh, sub = settings.warehouse, subscriptions.from_snapshot(catalog.snapshot(), src)
+    layout = layouts.current(catalog.snapshot(), src, FROM, 0, sub.generation)
+    src_cp = layouts.checkpoint_path(wh, src, FROM, 0, layout)
+    batch_id, _, _ = uncommitted_plan(src_cp, LocalFS())
+    plan = (Path(src_cp) / "offsets" / str(batch_id)).read_text()
+    clone_offsets = Path(layouts.checkpoint_path(wh, name, FROM, 0, layout)) / "offsets"
+    clone_offsets.mkdir(parents=True)
+    (clone_offsets / str(batch_id)).write_text(plan.replace(f"{src}.", f"{name}."))
+    created = {
+        s: subscriptions.from_snapshot(catalog.snapshot(), s).created_ms for s in (src, name)
+    }
+    partitions = journal.ensure_topic(settings, journal.topic_name(name), FROM)
+    producer = KafkaProducer(bootstrap_servers=settings.bootstrap, acks="all")
+    for r in _read(settings.bootstrap, journal.topic_name(src)):
+        k = r.key.decode().replace(f"{src}.", f"{name}.")
+        k = k.replace(f"@{created[src]}", f"@{created[name]}")
+        producer.send(
+            journal.topic_name(name),
+            key=k.encode(),
+            value=r.value,
+            partition=r.partition % partitions,
+        )
+    producer.flush()
+    producer.close()
 
 
 _TIMES = {"updated_ms", "created_ms", "done_ms", "switched_at_ms"}
@@ -201,6 +243,9 @@ def outcome(settings, spark, catalog, name: str) -> dict:
             "subscription": snap.get(subscriptions.KIND, name),
             "operation": snap.get(resharding.OPERATION, resharding.operation_name(name)),
             "readers": {j: snap.get(READER_KIND, layouts.owner(name, TO, j)) for j in range(TO)},
+            "handover": {
+                j: snap.get(journal.HANDOVER_KIND, layouts.owner(name, TO, j)) for j in range(TO)
+            },
             "tables": tables,
             "queues": queues,
         },
@@ -235,7 +280,7 @@ CRASH_POINTS = {
     "fence": (CS, "_step_fence", 1, False),
     "queues": (CS, "_step_queues", 1, False),
     "state-written": (CS, "_resend", 1, True),  # new tables written, records not re-sent
-    "state": (CS, "_step_state", 1, False),
+    "state": (CS, "_step_state", 1, False),  # tables, records and hand-over written
     "layouts": (CS, "_step_layouts", 1, False),
     "activate": (CS, "_step_activate", 1, False),
     "fed-unmarked": (resharding, "_mark_fed", 1, True),  # RQ copied, not marked
@@ -254,6 +299,12 @@ def clean(settings, spark, catalog, source):
     assert [f["records"] for f in op["feeders"]] == [1, 2]  # the held retry's record; 2 dead
     # Both dead letters once: the feeder found the copies the state step had re-sent.
     assert len(result["queues"]["SUB.dlq.1"]) == 2
+    # Shard 0's fenced batch: the messages it delivered go to the new shard that reads them.
+    handover = op["state"]["handover"]
+    [batch] = handover["batches"]
+    assert batch["shard"] == 0 and batch["accepted"] >= 1 and handover["left_out"] == 0
+    docs = {j: doc for j, doc in result["handover"].items() if doc}
+    assert len(docs) == 1 and sum(handover["handed_over"].values()) == batch["accepted"], docs
     return result
 
 

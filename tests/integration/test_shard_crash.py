@@ -29,22 +29,24 @@ import signal
 import subprocess
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from varadhi import layouts
+from varadhi import layouts, resharding, status, subscriptions
 from varadhi import messages as m
 from varadhi.batch import TICK_HEADER
 from varadhi.catalog import Catalog
+from varadhi.cli import main as cli
 from varadhi.layouts import Layout
 from varadhi.producer import Producer
 from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import Record, TestEndpoint
-from varadhi.testing.harness import read_queue
+from varadhi.testing.harness import read_queue, run_until_idle
 from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
@@ -212,6 +214,12 @@ class Scenario:
     def state_path(self) -> str:
         return layouts.state_path(self.settings.warehouse, self.name, 1, 0)
 
+    def state_paths(self) -> list[str]:
+        """The GroupState tables of the subscription's shards at its current shard count."""
+        count = subscriptions.from_snapshot(self.catalog.snapshot(), self.name).shard_count
+        wh = self.settings.warehouse
+        return [layouts.state_path(wh, self.name, count, i) for i in range(count)]
+
 
 @pytest.fixture
 def scenario(settings, catalog, tmp_path):
@@ -303,10 +311,11 @@ def assert_contract(sc: Scenario, spark, duplicate_rule=None) -> None:
         for earlier, later in zip(copies, copies[1:], strict=False):
             duplicate_rule(msg_id, earlier, later)
 
-    # GroupState and the queues agree: nothing pending once the shard went idle.
-    state = spark.read.format("delta").load(sc.state_path()).toPandas()
-    pending = state[state["kind"] == "pending"]
-    assert pending.empty, pending[["msg_id", "location", "attempts"]].to_string()
+    # GroupState and the queues agree: nothing pending once the shards went idle.
+    for path in sc.state_paths():
+        state = spark.read.format("delta").load(path).toPandas()
+        pending = state[state["kind"] == "pending"]
+        assert pending.empty, pending[["msg_id", "location", "attempts"]].to_string()
 
 
 # -- 7. crash points and SIGKILL ------------------------------------------------------------------
@@ -540,3 +549,48 @@ def test_a_crash_in_a_large_batch_re_delivers_only_what_its_journal_lacks(scenar
     assert all(age <= bound_ms for age in late.values()), sorted(late.items(), key=lambda x: -x[1])
     assert len(twice) <= delivered_before_kill // 3, (len(twice), delivered_before_kill)
     assert_contract(sc, spark)
+
+
+def test_a_shard_count_change_after_a_crash_re_delivers_nothing_the_journal_names(
+    scenario, spark, monkeypatch
+):
+    """A shard dies right after delivering a micro-batch (crash point `after_delivery`), before
+    committing it: the retry of a group with pending state, the group's parked followers and
+    new messages. Then the shard count changes from 1 to 2 and the new shards run. They start
+    from the old shard's committed position, so they read that batch again (and the fed RQ
+    brings the retry back); the hand-over (`varadhi.journal`) must keep them from delivering
+    anything the crashed batch's journal names: nothing is delivered twice, nothing is lost,
+    every group keeps its order. Before it, the new shards sent the whole batch again, the
+    retry's attempt 2 included. (That an offset reset rewinding afterwards skips nothing is
+    tests/unit/test_journal_handover.py's: a hand-over names the change's generation only.)"""
+    sc = scenario
+    sc.endpoint.fail_rate = 0.0
+    # At most 40 records a batch: batch 0 holds the first messages of every partition, batch 1
+    # the next ones and the RQ record of batch 0's failure; the new shards need several batches.
+    consumption = {"trigger_interval": "100ms", "throttle": "0ms", "max_messages_per_batch": 40}
+    sc.create(consumption=consumption)
+    produced = sc.produce(groups=12, per_group=8)
+    head = produced[0]  # g00's first message: fails once, so g00 has pending state after batch 0
+    sc.endpoint.set_script(head, [503])
+    monkeypatch.setenv("VARADHI_LEASE_TTL_MS", "3000")  # the dead shard's lease expires soon
+    run = sc.start(crash_at="after_delivery@2")  # batch 0 commits; batch 1 delivers and dies
+    monkeypatch.delenv("VARADHI_LEASE_TTL_MS")
+    assert sc.wait(run) == CRASHED, run.tail()
+    assert [r.attempt for r in sc.endpoint.records() if r.message_id == head] == [1, 2]
+    # change-shards refuses while the shard may run: wait until status shows it dead.
+    sc.wait_for("the lease to expire", lambda: not status.shards_running(sc.catalog, sc.name))
+
+    assert cli(["subscription", "change-shards", sc.name, "--to", "2"]) == 0
+    with ThreadPoolExecutor(2) as pool:  # the new shards, in this process, until idle
+        list(pool.map(lambda shard: run_until_idle(sc.settings, spark, sc.name, shard), (0, 1)))
+
+    successes = Counter(r.message_id for r in sc.endpoint.records() if ok(r))
+    twice = sorted(i for i, n in successes.items() if n > 1)
+    assert not twice, f"delivered again after the shard-count change: {twice}"
+    assert_contract(sc, spark)
+    op = sc.catalog.get(resharding.OPERATION, resharding.operation_name(sc.name))
+    handover = op["state"]["handover"]
+    print(handover)  # shown when the test fails
+    assert [b["batch"] for b in handover["batches"]] == [1]
+    assert handover["pending_dropped"] >= 2  # g00's retry and at least one parked follower
+    assert sum(handover["handed_over"].values()) > 0 and handover["left_out"] == 0
