@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 
 from common import machine, nginx_binary, write_results
 from delivery import nginx
@@ -126,11 +127,11 @@ def run(frame: pd.DataFrame, url: str, interval_ms: int, args, topic: str, setti
     try:
         with watch:
             cpu0, wall0 = time.process_time(), time.perf_counter()
-            out = pd.concat(list(deliver_records(iter([frame]), ctx, ForwardRule())))
+            [batch] = deliver_records(iter([pa.RecordBatch.from_pandas(frame)]), ctx, ForwardRule())
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     finally:
         batch_module.JournalWriter = original
-    [stat] = stat_rows(out)
+    [stat] = stat_rows(batch.to_pandas())
     return {
         "interval_ms": interval_ms,
         "messages": len(frame),

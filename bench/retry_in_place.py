@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 
 from common import endpoint_process, machine, results_head, write_results
 from varadhi import messages as m
@@ -77,7 +78,8 @@ def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int) -> dict:
         )
         ctx = BatchContext(spec, {TOPIC: 0}, int(time.time() * 1000), seed=1)
         started = time.perf_counter()
-        [out] = deliver_records(iter([frame]), ctx, ForwardRule())
+        [batch] = deliver_records(iter([pa.RecordBatch.from_pandas(frame)]), ctx, ForwardRule())
+        out = batch.to_pandas()
         seconds = time.perf_counter() - started
     [stat] = stat_rows(out)
     pending = out[out["kind"] == "pending"]

@@ -66,7 +66,7 @@ from .settings import Settings
 from .shard_ends import QueryEnd, Verdict, judge
 from .shard_journal import ShardJournal
 from .shard_lease import ShardLease
-from .shard_query import Source, batch_records, filter_records
+from .shard_query import DELIVERY_COLUMNS, Source, batch_records, filter_records
 from .shard_reading import EndOffsets, LayoutMoves, caught_up, consumed
 from .shard_sender import QueueSender
 from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
@@ -573,12 +573,13 @@ class ShardJob:
         groups have pending state, its forwarded rows come back here, are joined by the parked
         bodies their groups (and groups whose parked head is due) need, and go to phase 2."""
         concurrency = ctx.spec.consumption.concurrency
+        records = records.select(*DELIVERY_COLUMNS)  # what the tasks read, nothing more
         if concurrency > self._partitions_read:
             records = records.repartition(concurrency, "group_key")
         else:  # a group's records stay in one task, in order: no shuffle, fewer task start-ups
             records = records.coalesce(concurrency)
         forward = ForwardRule(rq=True, blocked=frozenset(pending)) if pending else ForwardRule()
-        first = records.mapInPandas(
+        first = records.mapInArrow(
             lambda it: deliver_records(it, ctx, forward), RESULT_SCHEMA
         ).toPandas()
         if not pending:

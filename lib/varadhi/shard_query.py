@@ -4,7 +4,8 @@
   assignment: its partitions of the layout's main-topic storage topic and of the current RQ
   storage topics (`assign`), where it starts on each (`startingOffsets`: carried over from the
   previous layout, -2 = earliest), and the Kafka source options (`options`);
-- `batch_records`: a micro-batch's Kafka records with their kind, group key and ids;
+- `batch_records`: a micro-batch's Kafka records with their kind, group key and ids
+  (`DELIVERY_COLUMNS`: those of its columns the delivery tasks read);
 - `filter_records`: without the main-topic records the subscription's filter drops, counted in
   the Spark plan.
 
@@ -74,6 +75,22 @@ class Source:
             "kafka.isolation.level": "read_committed",
             "maxOffsetsPerTrigger": str(limit),
         }
+
+
+# The columns of `batch_records` a delivery task reads (`varadhi.batch.deliver_records`), in
+# the order it gets them: `key` (read by filters) and `dedup_id` (by the de-duplication window)
+# are used in the Spark plan only, so they never cost an Arrow conversion.
+DELIVERY_COLUMNS = (
+    "kind",
+    "group_key",
+    "group_id",
+    "msg_id",
+    "topic",
+    "partition",
+    "offset",
+    "value",
+    "kheaders",
+)
 
 
 def batch_records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:

@@ -5,6 +5,7 @@ forwarded groups in order with their pending state."""
 from __future__ import annotations
 
 import pandas as pd
+import pyarrow as pa
 
 from varadhi import messages as m
 from varadhi.batch import (
@@ -37,14 +38,36 @@ def _record(offset: int, group: str, kind: str = "mq", value: bytes | None = b"{
         "topic": MQ if kind == "mq" else "s-rq.0",
         "partition": 0,
         "offset": offset,
-        "key": group.encode(),
         "value": value,
         "kheaders": [{"key": k, "value": v.encode()} for k, v in headers.items()],
     }
 
 
+# What Spark hands phase 1 (`mapInArrow`): the Arrow types of `shard_query.DELIVERY_COLUMNS`.
+RECORDS = pa.schema(
+    [
+        ("kind", pa.string()),
+        ("group_key", pa.string()),
+        ("group_id", pa.string()),
+        ("msg_id", pa.string()),
+        ("topic", pa.string()),
+        ("partition", pa.int32()),
+        ("offset", pa.int64()),
+        ("value", pa.binary()),
+        ("kheaders", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
+    ]
+)
+
+
+def _batch(records: list[dict]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist(records, schema=RECORDS)
+
+
 def _rows(frames) -> pd.DataFrame:
-    return pd.concat(list(frames), ignore_index=True)
+    """A phase's output (Arrow batches from phase 1, frames from phase 2) as one frame."""
+    return pd.concat(
+        [f.to_pandas() if isinstance(f, pa.RecordBatch) else f for f in frames], ignore_index=True
+    )
 
 
 def _stat(result: pd.DataFrame) -> dict:
@@ -62,7 +85,7 @@ def test_phase_one_delivers_healthy_groups_and_forwards_the_rest():
     ]
     rule = ForwardRule(rq=True, blocked=frozenset({"b"}))
     with TestEndpoint() as endpoint:
-        result = _rows(deliver_records(iter([pd.DataFrame(records)]), _ctx(endpoint.url), rule))
+        result = _rows(deliver_records(iter([_batch(records)]), _ctx(endpoint.url), rule))
         delivered = [r.message_id for r in endpoint.records()]
 
     assert delivered == ["a-0", "a-2"]
@@ -88,7 +111,7 @@ def test_phase_two_finishes_forwarded_groups_in_order_with_their_pending_state()
         ctx = _ctx(endpoint.url, on_dead_letter="skip")
         phase_one = _rows(
             deliver_records(
-                iter([pd.DataFrame([_record(2, "b", value=None), _record(3, "b"), retry])]),
+                iter([_batch([_record(2, "b", value=None), _record(3, "b"), retry])]),
                 ctx,
                 ForwardRule(rq=True, blocked=frozenset({"b"})),
             )
@@ -137,7 +160,7 @@ def test_a_replayed_batch_sends_only_what_its_journal_lacks_and_journals_the_res
             # but b-3 was not (accepted after the last journal record): b-5 waits its turn.
             replayed=journal.Accepted.of(m.Origin(0, 0, x) for x in (0, 2, 4, 1, 5)),
         )
-        result = _rows(deliver_records(iter([pd.DataFrame(records)]), ctx, ForwardRule()))
+        result = _rows(deliver_records(iter([_batch(records)]), ctx, ForwardRule()))
         delivered = [r.message_id for r in endpoint.records()]
 
     assert sorted(delivered) == ["a-6", "b-3", "b-7"]
