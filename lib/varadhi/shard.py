@@ -591,7 +591,7 @@ class ShardJob:
         )
         if not len(forwarded) and not len(held):
             return first
-        rows = normalise(pd.concat([forwarded, held]))
+        rows = normalise(pd.concat([normalise(forwarded), held]))  # in the state's column types
         # Only the state of the groups that take part travels with the tasks.
         involved = {k: pending[k] for k in set(rows["group_key"]) if k in pending}
         second = (

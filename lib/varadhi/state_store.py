@@ -116,7 +116,7 @@ class StateStore:
         """Add a `redrive` row per operation (in memory; the next `commit` persists them)."""
         if not scanned:
             return
-        rows = frame_of([redrive_row(op_id, sc) for op_id, sc in scanned.items()])
+        rows = normalise(frame_of([redrive_row(op_id, sc) for op_id, sc in scanned.items()]))
         self.frame = normalise(pd.concat([self.frame, rows], ignore_index=True))
 
     def forget_redrives(self, op_ids: Iterable[str]) -> None:
@@ -155,7 +155,7 @@ class StateStore:
                 drop.append(idx)
                 add.append(row)
         self.frame = normalise(
-            pd.concat([f.drop(index=drop), frame_of(add)], ignore_index=True)
+            pd.concat([f.drop(index=drop), normalise(frame_of(add))], ignore_index=True)
         )
         return len(add)
 
@@ -196,8 +196,10 @@ class StateStore:
             ((f["kind"] == Kind.PENDING) & ~f["group_key"].isin(touched))
             | (f["kind"] == Kind.REDRIVE)
         ]
-        meta = frame_of([meta_row(app_id, batch_id)])
-        parts = [p for p in (kept, new_rows, meta) if len(p)]
+        # Every part in the copy's column types (here and above): pandas warns of (and will
+        # change) concatenating all-null columns of other types.
+        meta = normalise(frame_of([meta_row(app_id, batch_id)]))
+        parts = [p for p in (kept, normalise(new_rows), meta) if len(p)]
         frame = normalise(pd.concat(parts, ignore_index=True))
         stamp = f"{self.writer}/{app_id}/{batch_id}"
         (
