@@ -216,11 +216,13 @@ def running_shards(
     """The shards of `sub` that may still be running, with their state (pure): not those that
     said they stopped or were fenced, never started, are dead by their lease or silent
     (`shard_state`: a killed process cannot say it stopped), nor those paused while the
-    subscription is paused. Operations that need the shards stopped refuse while any is."""
+    subscription is paused. A progress document of another shard count is an earlier era's
+    shard of that number, not this one. Operations that need the shards stopped refuse while
+    any is."""
     running = {}
     for shard in range(sub.shard_count):
         doc = progress.get(shard)
-        if not doc:
+        if not doc or doc.get("shard_count", sub.shard_count) != sub.shard_count:
             continue
         age = now_ms - int(doc["updated_ms"]) if doc.get("updated_ms") else None
         state, _ = shard_state(dict(doc), age, leases.get(shard))

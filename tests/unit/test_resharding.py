@@ -317,6 +317,18 @@ def test_a_shard_dead_by_its_lease_does_not_hold_an_operation_back():
         rs.check_stopped(sub, {0: quiet}, now, {0: dict(expired, expired=False)})
 
 
+def test_a_shard_of_an_earlier_shard_count_does_not_hold_an_operation_back():
+    # 1 -> 2 ran after shard 0 (of 1) died saying "running"; nothing runs at 2 shards yet, so
+    # 2 -> 3 goes ahead at once: shard 0's progress document is the old count's (it held the
+    # second change back until the old document went silent, 60 s).
+    now = 1_000_000
+    sub = subscription(2)
+    dead = {"state": "running", "updated_ms": now - 5_000, "shard_count": 1}
+    rs.check_stopped(sub, {0: dead}, now)
+    with pytest.raises(rs.ShardsRunning):
+        rs.check_stopped(sub, {0: dict(dead, shard_count=2)}, now)
+
+
 def test_next_layout_seq_skips_a_previous_era_at_the_same_count():
     snap = Snapshot(
         {
