@@ -616,7 +616,7 @@ def hand_over(
         for batch in batches:
             for topic, parts in batch.end.items():
                 for p, end in parts.items():
-                    if (index.get(topic), int(p)) in read:
-                        until[topic][str(p)] = int(end)
+                    if (index.get(topic), int(p)) in read:  # the furthest plan of any batch
+                        until[topic][str(p)] = max(int(end), until[topic].get(str(p), 0))
         out[j] = HandOver(generation, seq, tuple(kept), dict(until))
     return out, left_out

@@ -20,7 +20,9 @@ crash resumes at the recorded step (every step is idempotent):
                An old shard's batch planned and never committed (it died or was fenced in
                it) has its delivery journal handed over (`varadhi.journal`): the pending
                entries it delivered are dropped (`drop_delivered`), and the main-topic
-               messages it delivered go to the new shards as `HandOver` documents;
+               messages it delivered go to the new shards as `HandOver` documents, with
+               what an earlier change handed an old shard and it has not yet read past
+               (two changes in a row: its messages must not be delivered again either);
 4. `layouts`:  the new shards' reader layouts: the lowest main-topic storage topic any old shard
                still reads, or past it when they consumed it and it is sealed (`first_unread`:
                old shards waiting at a K=1 boundary), starting where the old shards stopped
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -487,6 +490,22 @@ def reshard_tables(
     return new, out
 
 
+def carried(
+    shard: int, layout: Layout, position: Offsets, doc: Mapping[str, Any] | None
+) -> journal.UncommittedBatch | None:
+    """What an earlier change handed old shard `shard` (its hand-over document `doc`) that it
+    has not committed past yet, as an uncommitted batch of its own (`batch_id` -1) from its
+    `position` (layout starting offsets merged with its committed ones) to the hand-over's
+    planned ends, so that this change hands it on; None when there is none or it is spent
+    (pure). Without it, two changes in a row before the shards read past an old crash deliver
+    that crash's messages again."""
+    handover = journal.HandOver.of_layout(doc, layout.generation, layout.seq)
+    live = handover.accepted_below(position) if handover else None
+    if handover is None or live is None:
+        return None
+    return journal.UncommittedBatch(shard, -1, position, handover.until, live)
+
+
 def drop_delivered(table: pd.DataFrame, accepted: Container[Origin]) -> pd.DataFrame:
     """An old shard's state table without the pending entries its uncommitted batch delivered
     (pure): per group, the leading entries in origin order whose origin is in `accepted` (what
@@ -699,8 +718,10 @@ class ChangeShards:
         ]
         # The hand-over (`varadhi.journal`): what old shards' uncommitted batches delivered.
         batches = self._uncommitted_batches(plan)
-        accepted = {b.shard: b.accepted for b in batches}
-        kept = [drop_delivered(t, accepted.get(i, journal.Accepted())) for i, t in enumerate(old)]
+        accepted: dict[int, journal.Accepted] = defaultdict(journal.Accepted)
+        for b in batches:
+            accepted[b.shard] = accepted[b.shard] | b.accepted
+        kept = [drop_delivered(t, accepted[i]) for i, t in enumerate(old)]
         dropped = sum(len(t) - len(k) for t, k in zip(old, kept, strict=True))
         snap = self.catalog.snapshot()
         mq = topics.from_snapshot(snap, subscriptions.from_snapshot(snap, plan.name).spec.topic)
@@ -754,9 +775,12 @@ class ChangeShards:
     def _uncommitted_batches(self, plan: Plan) -> list[journal.UncommittedBatch]:
         """Every old shard's batch planned and never committed, with the origins its journal
         names as accepted (`varadhi.journal`: the hand-over); batches with none are left out.
-        Best-effort: a checkpoint or journal that cannot be read is a warning, and that batch's
-        messages are delivered again. Nothing reads them while the journal is off."""
-        sub = subscriptions.from_snapshot(self.catalog.snapshot(), plan.name)
+        Also, as a batch of its own (`batch_id` -1), what an earlier change handed an old
+        shard that it has not committed past yet (`carried`). Best-effort: a checkpoint or
+        journal that cannot be read is a warning, and that batch's messages are delivered
+        again. Nothing reads them while the journal is off."""
+        snap = self.catalog.snapshot()
+        sub = subscriptions.from_snapshot(snap, plan.name)
         if sub.spec.consumption.journal_interval_ms <= 0:
             return []
         settings = self.catalog.settings
@@ -765,6 +789,12 @@ class ChangeShards:
         for shard in range(plan.from_shards):
             try:
                 layout, start = shard_position(self.catalog, sub, shard, fs)
+                doc = snap.get(
+                    journal.HANDOVER_KIND, layouts.owner(plan.name, plan.from_shards, shard)
+                )
+                earlier = carried(shard, layout, start, doc)
+                if earlier is not None:
+                    out.append(earlier)
                 path = layouts.checkpoint_path(
                     settings.warehouse, plan.name, plan.from_shards, shard, layout
                 )
@@ -794,16 +824,17 @@ class ChangeShards:
 
     def _write_handover(self, plan: Plan, handed: Mapping[int, journal.HandOver]) -> None:
         """One catalog write: every new shard's hand-over document (`handover/<sub>/s<S>/<j>`),
-        deleting one left by an earlier change for a shard that gets none now, and the old
-        shards' (their shards are retired). Idempotent: a re-run writes the same."""
+        deleting one left by an earlier change for a shard that gets none now. The old shards'
+        documents stay (their shards are retired; a later change to their shard count replaces
+        or deletes them): a re-run of this step after a crash reads them again (`carried`).
+        Idempotent: a re-run writes the same."""
         name = plan.name
         kind = journal.HANDOVER_KIND
 
         def change(snap: Snapshot):
-            old = [layouts.owner(name, plan.from_shards, i) for i in range(plan.from_shards)]
             new = [layouts.owner(name, plan.to_shards, j) for j in range(plan.to_shards)]
             writes: dict[str, Any] = {
-                key(kind, owner): None for owner in old + new if snap.get(kind, owner) is not None
+                key(kind, owner): None for owner in new if snap.get(kind, owner) is not None
             }
             for j, handover in handed.items():
                 writes[key(kind, new[j])] = handover.to_dict()

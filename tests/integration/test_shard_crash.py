@@ -561,7 +561,10 @@ def test_a_shard_count_change_after_a_crash_re_delivers_nothing_the_journal_name
     brings the retry back); the hand-over (`varadhi.journal`) must keep them from delivering
     anything the crashed batch's journal names: nothing is delivered twice, nothing is lost,
     every group keeps its order. Before it, the new shards sent the whole batch again, the
-    retry's attempt 2 included. (That an offset reset rewinding afterwards skips nothing is
+    retry's attempt 2 included. The count changes twice, 1 -> 2 -> 4, before any new shard
+    runs (as when the 2 new shards die before committing, as a chaos run had them): the
+    second change must hand on what the first handed over. Before that, the 4 shards sent
+    the crashed batch again. (That an offset reset rewinding afterwards skips nothing is
     tests/unit/test_journal_handover.py's: a hand-over names the change's generation only.)"""
     sc = scenario
     sc.endpoint.fail_rate = 0.0
@@ -581,16 +584,24 @@ def test_a_shard_count_change_after_a_crash_re_delivers_nothing_the_journal_name
     sc.wait_for("the lease to expire", lambda: not status.shards_running(sc.catalog, sc.name))
 
     assert cli(["subscription", "change-shards", sc.name, "--to", "2"]) == 0
-    with ThreadPoolExecutor(2) as pool:  # the new shards, in this process, until idle
-        list(pool.map(lambda shard: run_until_idle(sc.settings, spark, sc.name, shard), (0, 1)))
+    first = sc.catalog.get(resharding.OPERATION, resharding.operation_name(sc.name))
+    assert cli(["subscription", "change-shards", sc.name, "--to", "4"]) == 0
+    with ThreadPoolExecutor(4) as pool:  # the new shards, in this process, until idle
+        shards = (0, 1, 2, 3)
+        list(pool.map(lambda shard: run_until_idle(sc.settings, spark, sc.name, shard), shards))
 
     successes = Counter(r.message_id for r in sc.endpoint.records() if ok(r))
     twice = sorted(i for i, n in successes.items() if n > 1)
     assert not twice, f"delivered again after the shard-count change: {twice}"
     assert_contract(sc, spark)
-    op = sc.catalog.get(resharding.OPERATION, resharding.operation_name(sc.name))
-    handover = op["state"]["handover"]
+    handover = first["state"]["handover"]
     print(handover)  # shown when the test fails
     assert [b["batch"] for b in handover["batches"]] == [1]
     assert handover["pending_dropped"] >= 2  # g00's retry and at least one parked follower
     assert sum(handover["handed_over"].values()) > 0 and handover["left_out"] == 0
+    op = sc.catalog.get(resharding.OPERATION, resharding.operation_name(sc.name))
+    again = op["state"]["handover"]
+    print(again)
+    # the 2 shards never ran: what they were handed is handed on whole (batch -1: carried)
+    assert {b["batch"] for b in again["batches"]} == {-1}
+    assert sum(again["handed_over"].values()) == sum(handover["handed_over"].values())

@@ -136,6 +136,26 @@ def test_a_hand_over_applies_until_the_shard_has_read_past_every_planned_end():
     assert HandOver(0, 0, (), {"t.0": {"0": 10}}).accepted_below({}) is None
 
 
+def test_a_second_change_hands_on_what_the_first_handed_an_old_shard_and_it_has_not_read():
+    # 2 -> 4 handed new shard 0 (layout generation 0, seq 1) offsets 10-14 of t.0/0; it then
+    # crashed again in a batch from 10 that delivered 20-22 (it skipped 10-14, so its journal
+    # names only 20-22). The 4 -> 2 change must hand on both, bounded by the furthest plan.
+    layout = rs.Layout(0, 1, 0, {"t.0": {"0": 10}})
+    doc = HandOver(0, 1, ((0, 0, 10, 14),), {"t.0": {"0": 15}}).to_dict()
+    earlier = rs.carried(0, layout, {"t.0": {"0": 10}}, doc)
+    assert earlier == UncommittedBatch(
+        0, -1, {"t.0": {"0": 10}}, {"t.0": {"0": 15}}, Accepted.of_runs([(0, 0, 10, 14)])
+    )
+    again = crashed(0, {"t.0": {"0": 10}}, {"t.0": {"0": 30}}, [(0, 0, 20, 22)])
+    docs, _ = journal.hand_over([earlier, again], NAMES, [{"t.0": [0, 1]}], 0, 2)
+    assert docs == {0: HandOver(0, 2, ((0, 0, 10, 14), (0, 0, 20, 22)), {"t.0": {"0": 30}})}
+    assert journal.hand_over([again, earlier], NAMES, [{"t.0": [0, 1]}], 0, 2)[0] == docs
+    # once the old shard read past it, or for another layout era, nothing is carried
+    assert rs.carried(0, layout, {"t.0": {"0": 15}}, doc) is None
+    assert rs.carried(0, rs.Layout(1, 0, 0), {"t.0": {"0": 10}}, doc) is None
+    assert rs.carried(0, layout, {"t.0": {"0": 10}}, None) is None
+
+
 # -- the planned end of an uncommitted batch --------------------------------------------------------
 
 
