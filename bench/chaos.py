@@ -44,7 +44,10 @@ figure is not; the run's work folder is deleted, so --out then also holds the ev
 `evidence`, every request the endpoint saw of each early-retry message and each unexpected dead
 letter (arrival order, attempt, status, the headers the shard sent, among them the record it was
 read from), those dead letters' DLQ records (reason, attempts, headers), and the shards' logs are
-copied to `<out stem>-logs/`. Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
+copied to `<out stem>-logs/` (with each change-shards command's output). The same is kept, for up
+to 20 re-delivered messages (`redelivered_examples`), when re-deliveries exceed the 2% target.
+Each change-shards event carries what the hand-over of the old shards' uncommitted batches
+did (`handover`). Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ PARTITIONS = 12
 RETRY = {"max_attempts": 12, "min_backoff_ms": 200, "max_backoff_ms": 2_000, "retry_after_s": 1}
 REQUEST_TIMEOUT_MS = 1_000
 CLOCK_SLACK_MS = 5  # the endpoint stamps arrival after reading the request
+REDELIVERY_TARGET = 0.02  # issue 12's target for re-delivered duplicates (not a must-be-zero)
 MIX = {"500": 0.4, "503": 0.4, "slow": 0.2}  # the endpoint's failures, by weight
 POISON_ANSWERS = [422] * 20  # more than `max_attempts`: a poison message never succeeds
 
@@ -277,12 +281,14 @@ def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0)
     started = time.monotonic()
     subprocess.run([*varadhi, "subscription", "pause", name], env=env, check=True)
     shards.stop()
-    subprocess.run(
+    output = subprocess.run(
         [*varadhi, "subscription", "change-shards", name, "--to", str(to), "--feeders", "external"],
         env=env,
         check=True,
         capture_output=True,
+        text=True,
     )
+    (shards.logs / f"change-shards-to-{to}.log").write_text(output.stdout + output.stderr)
     op = catalog.snapshot().get("operation", resharding.operation_name(name)) or {}
     sources = [f["source"] for f in op.get("feeders", []) if not f.get("done")]
     feeders = [
@@ -311,6 +317,8 @@ def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0)
         "feeders": len(sources),
         "feeder_exits": codes,
         "seconds": round(time.monotonic() - started, 1),
+        # what the old shards' uncommitted batches handed over (`varadhi.journal`)
+        "handover": (op.get("state") or {}).get("handover"),
     }
 
 
@@ -378,6 +386,8 @@ def evidence(records, verdict: dict) -> dict[str, list[dict]]:
     request headers the product sent. Empty when those figures are zero."""
     wanted = {e["message"] for e in verdict["early_retry_pairs"]}
     wanted |= set(verdict["unexpected_dead_letters"])
+    if verdict["redelivered_share"] > REDELIVERY_TARGET:
+        wanted |= set(verdict["redelivered_examples"])
     out: dict[str, list[dict]] = {m: [] for m in sorted(wanted)}
     for r in sorted(records, key=lambda r: r.seq):
         if r.message_id in wanted:
@@ -408,6 +418,7 @@ def judge(records, acked, parked_ids, poison, start_ms: float) -> dict:
     after_timeout = 0
     redelivered_at: dict[int, int] = defaultdict(int)  # 10 s bucket since start -> count
     gaps_s: list[float] = []  # re-delivery minus the success before it
+    redelivered: list[str] = []  # message ids, in the order of their re-deliveries
     order: dict[str, list[int]] = defaultdict(list)
     by_msg: dict[str, list] = defaultdict(list)
     for r in records:
@@ -422,6 +433,7 @@ def judge(records, acked, parked_ids, poison, start_ms: float) -> dict:
             elif before is not None:
                 redelivered_at[int((r.received_ms - start_ms) // 10_000) * 10] += 1
                 gaps_s.append((r.received_ms - before.received_ms) / 1000)
+                redelivered.append(r.message_id)
             last_ok[r.message_id] = r
             if ok_count[r.message_id] == 1 and r.message_id in acked:
                 order[acked[r.message_id][0]].append(acked[r.message_id][1])
@@ -456,6 +468,8 @@ def judge(records, acked, parked_ids, poison, start_ms: float) -> dict:
         "duplicates_redelivered": duplicates - after_timeout,
         "redelivered_share": round((duplicates - after_timeout) / share, 4),
         "redelivered_by_10s_since_start": dict(sorted(redelivered_at.items())),
+        # up to 20, spread over the run: the evidence when the share is over the target
+        "redelivered_examples": redelivered[:: max(len(redelivered) // 20, 1)][:20],
         "redelivery_gap_s": {
             q: round(gaps_s[int(q * (len(gaps_s) - 1))], 1) for q in (0.1, 0.5, 0.9, 1.0)
         }
@@ -660,7 +674,8 @@ def main() -> int:
         or not verdict["dead_letters_are_the_poison"]
     )
     kept: dict = {}
-    if bad:  # the work folder goes: keep what explains the failed figure
+    if bad or verdict["redelivered_share"] > REDELIVERY_TARGET:
+        # the work folder goes: keep what explains the failed figure or the re-deliveries
         kept = {
             "endpoint_records": evidence(records, verdict),
             "dead_letter_records": dead_letter_records(

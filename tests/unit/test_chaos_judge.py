@@ -210,3 +210,14 @@ def test_the_endpoint_refuses_a_script_that_is_not_answer_lists(tmp_path, capsys
     with pytest.raises(SystemExit):
         from_command_line(["--script", str(bad)])
     assert "an answer is an HTTP status" in capsys.readouterr().err
+
+
+def test_re_deliveries_over_the_target_keep_examples_as_evidence(chaos):
+    # "r" was accepted, then the same attempt came again 5 s later (a re-run batch): a
+    # re-delivery; "ok" was accepted once. Over the 2% target, "r"'s records are evidence.
+    records = [rec(0, "r", 1, 200, 1_000), rec(1, "ok", 1, 200, 1_010), rec(2, "r", 1, 200, 6_000)]
+    verdict = chaos.judge(records, {}, set(), [], 0)
+    assert verdict["duplicates_redelivered"] == 1 and verdict["redelivered_examples"] == ["r"]
+    assert [r["seq"] for r in chaos.evidence(records, verdict)["r"]] == [0, 2]
+    quiet = dict(verdict, redelivered_share=chaos.REDELIVERY_TARGET)
+    assert chaos.evidence(records, quiet) == {}
