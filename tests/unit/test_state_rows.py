@@ -10,6 +10,7 @@ import pyarrow as pa
 import pytest
 
 from varadhi import messages as m
+from varadhi.batch import _ARROW_TYPES as ARROW_TYPES  # the types Spark hands Arrow over in
 from varadhi.group_state import Entry, RunCounts
 from varadhi.state_rows import (
     COLUMN_NAMES,
@@ -36,20 +37,11 @@ from varadhi.state_rows import (
     touched_row,
 )
 
-ARROW = {
-    "string": pa.string(),
-    "binary": pa.binary(),
-    "int": pa.int32(),
-    "bigint": pa.int64(),
-    "double": pa.float64(),
-    "map<string,bigint>": pa.map_(pa.string(), pa.int64()),
-}
-
 
 def through_arrow(frame: pd.DataFrame, columns) -> pd.DataFrame:
     """`frame` converted to the Spark schema's Arrow types and back, as a Spark job hands it over
     (a null int comes back as a float NaN)."""
-    schema = pa.schema([(name, ARROW[kind]) for name, kind in columns])
+    schema = pa.schema([(name, ARROW_TYPES[kind]) for name, kind in columns])
     return pa.Table.from_pandas(frame, schema=schema, preserve_index=False).to_pandas()
 
 
