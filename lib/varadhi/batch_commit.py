@@ -181,16 +181,11 @@ def changes(result: pd.DataFrame, app_id: str, batch_id: int) -> tuple[set[str],
     return touched, new_rows
 
 
-def sum_counts(stats: list[dict]) -> dict[str, Any]:
-    """The tasks' `stat` rows summed key by key (pure); a dict of counts (`batch.http_counts`)
-    is summed per inner key."""
-    total: dict[str, Any] = {}
+def sum_counts(stats: list[dict[str, int]]) -> dict[str, int]:
+    """The tasks' counters (`TaskStats.counters`: flat, the endpoint's answers among them)
+    summed key by key (pure)."""
+    total: dict[str, int] = {}
     for s in stats:
         for k, v in s.items():
-            if isinstance(v, int):
-                total[k] = total.get(k, 0) + v
-            elif isinstance(v, dict):
-                inner = total.setdefault(k, {})
-                for kk, n in v.items():
-                    inner[kk] = inner.get(kk, 0) + int(n)
+            total[k] = total.get(k, 0) + int(v)
     return total
