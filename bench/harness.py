@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -92,14 +91,9 @@ class TimedShard(ShardJob):
 
 
 def run_shard(job: ShardJob, what: str) -> None:
-    """Run `job` in this process to its end; exits naming `what` unless it ended with 0. The
-    shard installs SIGINT/SIGTERM handlers for its run; the bench's are put back afterwards."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        code = job.run()
-    finally:
-        for s, handler in saved.items():
-            signal.signal(s, handler)
+    """Run `job` in this process to its end; exits naming `what` unless it ended with 0. (The
+    shard's SIGINT/SIGTERM handlers are its run's only: `ShardJob.run` puts the bench's back.)"""
+    code = job.run()
     if code != 0:
         raise SystemExit(f"{what} ended with exit code {code}")
 
