@@ -205,26 +205,35 @@ class ShardJob:
         self.catalog.ensure_segment_roll()  # lease renewals must be compacted away
         self._startup.mark("warehouse and catalog checked")
         lease = ShardLease(self.catalog, self.name, self.shard, self.lease_ttl_ms)
-        if self.standby:
-            # Spark is started ahead of time; the lease is taken only once the active instance's
-            # has expired (nothing before it may fence the active one: no producer yet).
-            signals = self._install_signals()
-            try:
-                took = self._stand_by(lease)
-            except BaseException:
+        # Whatever ends the run, from here on, restores the signal handlers it installed: a
+        # standby that took the lease and then fails to read the catalog or start the heartbeat
+        # too (the process may go on: a test, a notebook, bench/harness.py).
+        signals: StopSignals | None = None
+        try:
+            if self.standby:
+                # Spark is started ahead of time; the lease is taken only once the active
+                # instance's has expired (nothing before it may fence the active one: no
+                # producer yet).
+                signals = self._install_signals()
+                if not self._stand_by(lease):
+                    return 0
+                sub, _, _, _ = self._load()
+            else:
+                lease.take(self._owner(sub))
+            self._startup.mark("lease taken")
+            lease.start_heartbeat()
+            self._lease = lease
+            if signals is None:
+                signals = self._install_signals()
+            return self._hold(sub, lease)
+        finally:
+            if signals is not None:
                 signals.restore()
-                raise
-            if not took:
-                signals.restore()
-                return 0
-            sub, _, _, _ = self._load()
-        else:
-            lease.take(self._owner(sub))
-        self._startup.mark("lease taken")
-        lease.start_heartbeat()
-        self._lease = lease
-        if not self.standby:
-            signals = self._install_signals()
+            lease.close()  # `_hold` closed it already, unless the run failed before it
+
+    def _hold(self, sub: subscriptions.Subscription, lease: ShardLease) -> int:
+        """The control loop once the lease is held and renewed: until stopped (0), fenced (3)
+        or failed (raises); releases the lease and closes the shard's clients on every exit."""
         clean = False  # stopped on request (a signal) or idle, not fenced or failed
         try:
             self._sender = QueueSender.start(
@@ -281,7 +290,6 @@ class ShardJob:
             self._publish("stopped", force=True)
             lease.close()
             self._close()
-            signals.restore()
 
     def _stand_by(self, lease: ShardLease) -> bool:
         """Stand by for the shard's lease (`ShardLease.stand_by`), reporting under this
