@@ -73,6 +73,7 @@ Python worker process (`_producer`), since a Spark worker runs many tasks one af
 from __future__ import annotations
 
 import bisect
+import itertools
 import json
 import logging
 import os
@@ -84,7 +85,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kafka import KafkaProducer, TopicPartition
-from kafka.errors import KafkaError
+from kafka.errors import KafkaTimeoutError
 
 from . import kafka_clients
 from . import messages as m
@@ -100,8 +101,11 @@ MAX_NUMBERS_PER_RECORD = 40_000
 # broker may differ (records carry the broker's append time).
 LOOKBACK_MS = 10 * 60 * 1000
 RETENTION_MS = 3 * 24 * 3600 * 1000
-# How long a task waits for its last journal records, and `read` for the topic, at most.
-CLOSE_TIMEOUT_S = 10.0
+# How long a task waits, at most, for the broker to acknowledge its last journal records (a
+# broker that died during the task and restarts), how long a send may block for the partition's
+# metadata, and how long `read` reads the topic.
+CLOSE_TIMEOUT_S = 60.0
+SEND_BLOCK_MS = 10_000
 READ_TIMEOUT_S = 30.0
 
 
@@ -296,7 +300,7 @@ def _producer(target: JournalTarget) -> KafkaProducer:
                 target,
                 acks=1,
                 linger_ms=0,
-                max_block_ms=int(CLOSE_TIMEOUT_S * 1000),
+                max_block_ms=SEND_BLOCK_MS,
                 client_id="varadhi-journal",
             )
             _producers[key] = producer
@@ -307,9 +311,14 @@ class JournalWriter:
     """Records a task's accepted origins under `target.key` (see the module docstring).
 
     `accepted` is the hot path (one deque append); a daemon thread sends every `interval_ms`,
-    or sooner when `FLUSH_MESSAGES` wait. `close` sends what is left and waits for the broker
-    (at most `CLOSE_TIMEOUT_S`). Never raises for Kafka's sake. `producer_factory` (target
-    -> producer) is for tests."""
+    or sooner when `FLUSH_MESSAGES` wait. Nothing is given up while the task runs: a record
+    Kafka did not take (no producer yet because the broker is down, a send that raised, a send
+    the broker never acknowledged) is kept and sent again at the next interval, so a broker
+    that dies and comes back during the task costs no journal entry. `close` sends what is left
+    and waits until the broker acknowledged every record, re-sending failures, for at most
+    `CLOSE_TIMEOUT_S`; what is still not acknowledged then is counted in `unjournaled` and
+    logged (a crash before the batch commits delivers those messages again). Never raises for
+    Kafka's sake. `producer_factory` (target -> producer) is for tests."""
 
     def __init__(
         self,
@@ -320,11 +329,19 @@ class JournalWriter:
         self._factory = producer_factory or _producer
         self._producer: KafkaProducer | None = None
         self._queue: deque[m.Origin] = deque()
+        # Record values to send (again): Kafka did not take them. Appended from the producer's
+        # thread too (a failed future), hence a deque.
+        self._unsent: deque[bytes] = deque()
+        self._in_flight: dict[int, bytes] = {}  # records sent and not answered yet, by token
+        self._tokens = itertools.count()
+        self._lock = threading.Lock()  # `_in_flight` and the counters (the producer's thread)
+        self._sending = threading.Lock()  # one `_flush` at a time
         self._wake = threading.Event()
         self._closing = False
-        self._failed = False
-        self.sent_records = 0
+        self._warned = False
+        self.sent_records = 0  # acknowledged by the broker
         self.sent_origins = 0
+        self.unjournaled = 0  # origins still not acknowledged when `close` gave up
         self._thread = threading.Thread(target=self._loop, name="varadhi-journal", daemon=True)
         self._thread.start()
 
@@ -336,18 +353,42 @@ class JournalWriter:
     def close(self) -> None:
         self._closing = True
         self._wake.set()
+        deadline = time.monotonic() + CLOSE_TIMEOUT_S
         self._thread.join(CLOSE_TIMEOUT_S)
-        if self._producer is not None and not self._failed:
-            try:
-                self._producer.flush(timeout=CLOSE_TIMEOUT_S)
-            except KafkaError as e:
-                self._fail(e)
+        while True:
+            self._flush()  # what the thread left, and records that failed since
+            if self._producer is not None:  # waits for the broker's answers
+                try:
+                    self._producer.flush(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+                except Exception as e:  # noqa: BLE001 - timed out: try again until the deadline
+                    self._warn(e)
+            if self._done() or time.monotonic() >= deadline:
+                break
+            # a failed send or no producer: Kafka is away, try again shortly; else the producer's
+            # thread is still calling back
+            pause = 0.5 if self._unsent or self._producer is None else 0.01
+            time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
+        if not self._done():
+            with self._lock:
+                values = list(self._unsent) + list(self._in_flight.values())
+            self.unjournaled = len(self._queue) + sum(_count(v) for v in values)
+            log.warning(
+                "delivery journal %s: %d accepted messages not journaled after %.0f s (Kafka "
+                "did not acknowledge them); a crash before this batch commits delivers them again",
+                self.target.topic,
+                self.unjournaled,
+                CLOSE_TIMEOUT_S,
+            )
 
     def __enter__(self) -> JournalWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _done(self) -> bool:
+        with self._lock:
+            return not self._queue and not self._unsent and not self._in_flight
 
     def _loop(self) -> None:
         interval_s = self.target.interval_ms / 1000
@@ -360,33 +401,59 @@ class JournalWriter:
                 return
 
     def _flush(self) -> None:
-        n = len(self._queue)
-        if not n:
-            return
-        origins = [self._queue.popleft() for _ in range(n)]
-        if self._failed:
-            return
-        try:
-            if self._producer is None:
-                self._producer = self._factory(self.target)
-            key = self.target.key.encode()
-            for value in encode(origins):
-                self._producer.send(
-                    self.target.topic, key=key, value=value, partition=self.target.partition
-                )
-                self.sent_records += 1
-            self.sent_origins += n
-        except Exception as e:  # noqa: BLE001 - best-effort: never fail a delivery task
-            self._fail(e)
+        with self._sending:  # the thread and `close` may both flush
+            values = [self._unsent.popleft() for _ in range(len(self._unsent))]
+            n = len(self._queue)
+            if n:
+                values += encode([self._queue.popleft() for _ in range(n)])
+            for i, value in enumerate(values):
+                try:
+                    if self._producer is None:
+                        self._producer = self._factory(self.target)
+                    future = self._producer.send(
+                        self.target.topic,
+                        key=self.target.key.encode(),
+                        value=value,
+                        partition=self.target.partition,
+                    )
+                except Exception as e:  # noqa: BLE001 - kept and sent again: never fail a task
+                    self._unsent.extend(values[i:])
+                    self._warn(e)
+                    return
+                token = next(self._tokens)
+                with self._lock:
+                    self._in_flight[token] = value
+                # An answered future calls back at once (on this thread): the lock is not held.
+                future.add_callback(self._acknowledged, token)
+                future.add_errback(self._not_acknowledged, token)
 
-    def _fail(self, error: Exception) -> None:
-        if not self._failed:
+    def _acknowledged(self, token: int, _metadata: object) -> None:
+        with self._lock:
+            value = self._in_flight.pop(token, None)
+            if value is not None:
+                self.sent_records += 1
+                self.sent_origins += _count(value)
+
+    def _not_acknowledged(self, token: int, error: Exception) -> None:
+        with self._lock:
+            value = self._in_flight.pop(token, None)
+        if value is not None:
+            self._unsent.append(value)
+            self._warn(error)
+
+    def _warn(self, error: Exception) -> None:
+        if not self._warned:
             log.warning(
-                "delivery journal %s: %s; this task's deliveries are no longer journaled",
+                "delivery journal %s: %s; keeping this task's entries and sending them again",
                 self.target.topic,
                 error,
             )
-        self._failed = True
+        self._warned = True
+
+
+def _count(value: bytes) -> int:
+    """How many origins one journal record value names (pure)."""
+    return sum(end - start + 1 for _, _, start, end in decode(value))
 
 
 # -- topic and reading (driver) -------------------------------------------------------------
@@ -434,10 +501,12 @@ def read(
     key: str,
     since_ms: int,
     timeout_s: float = READ_TIMEOUT_S,
+    whole: bool = False,
 ) -> Accepted:
     """The origins journaled under `key` in records appended to `topic`/`partition` at or after
     `since_ms` (broker time). What was read by `timeout_s` if the partition cannot be read to
-    its end by then (a partial set is still correct: every entry is a success)."""
+    its end by then (a partial set is still correct: every entry is a success); with `whole`,
+    `KafkaTimeoutError` instead (the hand-over, which must not hand over a part silently)."""
     want = key.encode()
     runs: list[tuple[int, int, int, int]] = []
     consumer = kafka_clients.consumer(
@@ -454,6 +523,10 @@ def read(
         deadline = time.monotonic() + timeout_s
         while consumer.position(tp) < end:
             if time.monotonic() > deadline:
+                if whole:
+                    raise KafkaTimeoutError(
+                        f"journal {topic}/{partition} not read to its end in {timeout_s:.0f} s"
+                    )
                 log.warning("journal %s/%d: read timed out; using what was read", topic, partition)
                 break
             for batch in consumer.poll(timeout_ms=500).values():
@@ -468,20 +541,23 @@ def read(
 def read_shard(
     settings: kafka_clients.HasKafka, subscription: str, shard: int, key: str, since_ms: int
 ) -> Accepted:
-    """`read` of the journal partition shard `shard` writes to (`partition_of` the topic's
-    partition count); empty when the subscription has no journal topic. Raises what `read`
-    raises."""
+    """Every origin journaled under `key` in the journal partition shard `shard` writes to
+    (`partition_of` the topic's partition count), read to the partition's end (`read` with
+    `whole`); empty when the subscription has no journal topic (nothing was ever journaled).
+    Raises `KafkaError` or `KafkaUnavailable` when the topic's metadata or the partition cannot
+    be read: a cluster that cannot answer is never taken for an empty journal."""
     topic = topic_name(subscription)
-    consumer = kafka_clients.consumer(
-        settings, enable_auto_commit=False, client_id="varadhi-journal-read"
-    )
+    admin = kafka_clients.admin(settings, client_id="varadhi-journal-read")
     try:
-        partitions = consumer.partitions_for_topic(topic)
+        if topic not in admin.list_topics():
+            return Accepted()
+        found = admin.describe_topics([topic])[0]
     finally:
-        consumer.close()
-    if not partitions:
-        return Accepted()
-    return read(settings, topic, partition_of(shard, len(partitions)), key, since_ms)
+        admin.close()
+    partitions = found.get("partitions") or []
+    if found.get("error_code") or not partitions:
+        raise KafkaTimeoutError(f"the metadata of {topic} cannot be read: {found}")
+    return read(settings, topic, partition_of(shard, len(partitions)), key, since_ms, whole=True)
 
 
 # -- the hand-over across a shard-count change (see the module docstring) ----------------------

@@ -90,6 +90,11 @@ from .warehouse_fs import check_writable, for_path
 OPERATION = "operation"
 KIND = "change-shards"
 STEPS = ("fence", "queues", "state", "layouts", "activate", "feed", "done")
+# Reading an old shard's uncommitted batch (checkpoint and journal) is tried this many times,
+# this far apart, before the change refuses (`HandOverUnreadable`): a broker that just
+# restarted answers within seconds.
+HANDOVER_READS = 3
+HANDOVER_RETRY_S = 5.0
 FeederMode = Literal["in-process", "external"]
 Queue = Literal["rq", "dlq"]
 
@@ -112,6 +117,29 @@ class ShardsRunning(InvalidArgument):
             "paused, then run change-shards again"
         )
         self.shards = dict(shards)
+
+
+class HandOverUnreadable(VaradhiError):
+    """What an old shard's uncommitted batch delivered cannot be found out (its checkpoint or
+    its delivery journal cannot be read, e.g. Kafka just restarted): handing over nothing would
+    make the new shards deliver that batch's messages again, so the change stops and says so.
+    Exit code 2 when raised before the change's first step (nothing changed), 1 when raised at
+    its `state` step (the operation resumes there when the same command runs again)."""
+
+    def __init__(self, name: str, shard: int, error: BaseException, started: bool):
+        where = (
+            "the change stopped before its state step; run the same command again once it "
+            "can be read (it resumes there)"
+            if started
+            else "nothing was changed; run the same command again once it can be read"
+        )
+        super().__init__(
+            f"change-shards {name}: what old shard {shard}'s uncommitted batch delivered cannot "
+            f"be read ({type(error).__name__}: {error}); the new shards would deliver it again: "
+            f"{where}"
+        )
+        self.exit_code = 1 if started else 2
+        self.shard = shard
 
 
 # -- pure decisions ---------------------------------------------------------------------------
@@ -650,6 +678,9 @@ class ChangeShards:
             self.log(f"resuming the change {op['from']} -> {op['to']} at step {op['step']}")
         else:
             plan = self.plan(name, to, allow_uneven)
+            # Refuse before the first step if an uncommitted batch's journal cannot be read
+            # (the state step reads it again once the old shards are fenced).
+            self._uncommitted_batches(plan, started=False)
             op = plan.operation_doc("fence", feeders)
             self._write_op(name, op)
             for w in plan.warnings:
@@ -710,14 +741,15 @@ class ChangeShards:
         from .state_store import StateStore
 
         wh = self.catalog.settings.warehouse
+        # The hand-over (`varadhi.journal`): what old shards' uncommitted batches delivered,
+        # read first: a journal that cannot be read stops the step before it writes anything.
+        batches = self._uncommitted_batches(plan, started=True)
         old = [
             StateStore(
                 self.spark, layouts.state_path(wh, plan.name, plan.from_shards, i), "-"
             ).frame
             for i in range(plan.from_shards)
         ]
-        # The hand-over (`varadhi.journal`): what old shards' uncommitted batches delivered.
-        batches = self._uncommitted_batches(plan)
         accepted: dict[int, journal.Accepted] = defaultdict(journal.Accepted)
         for b in batches:
             accepted[b.shard] = accepted[b.shard] | b.accepted
@@ -772,13 +804,16 @@ class ChangeShards:
             )
         return {"state": moved}
 
-    def _uncommitted_batches(self, plan: Plan) -> list[journal.UncommittedBatch]:
+    def _uncommitted_batches(
+        self, plan: Plan, started: bool = True
+    ) -> list[journal.UncommittedBatch]:
         """Every old shard's batch planned and never committed, with the origins its journal
         names as accepted (`varadhi.journal`: the hand-over); batches with none are left out.
         Also, as a batch of its own (`batch_id` -1), what an earlier change handed an old
-        shard that it has not committed past yet (`carried`). Best-effort: a checkpoint or
-        journal that cannot be read is a warning, and that batch's messages are delivered
-        again. Nothing reads them while the journal is off."""
+        shard that it has not committed past yet (`carried`). Nothing reads them while the
+        journal is off. A checkpoint or journal that cannot be read (after `HANDOVER_READS`
+        tries) raises `HandOverUnreadable` (`started`: whether the change's steps began): the
+        command refuses rather than hand over nothing, which would deliver that batch again."""
         snap = self.catalog.snapshot()
         sub = subscriptions.from_snapshot(snap, plan.name)
         if sub.spec.consumption.journal_interval_ms <= 0:
@@ -787,39 +822,51 @@ class ChangeShards:
         fs = for_path(settings.warehouse, lambda: self.spark)
         out = []
         for shard in range(plan.from_shards):
-            try:
-                layout, start = shard_position(self.catalog, sub, shard, fs)
-                doc = snap.get(
-                    journal.HANDOVER_KIND, layouts.owner(plan.name, plan.from_shards, shard)
-                )
-                earlier = carried(shard, layout, start, doc)
-                if earlier is not None:
-                    out.append(earlier)
-                path = layouts.checkpoint_path(
-                    settings.warehouse, plan.name, plan.from_shards, shard, layout
-                )
-                planned = checkpoints.uncommitted_plan(path, fs)
-                if planned is None:
-                    continue
-                batch_id, planned_ms, end = planned
-                app_id = layouts.app_id(plan.name, plan.from_shards, shard, layout)
-                accepted = journal.read_shard(
-                    settings,
-                    plan.name,
-                    shard,
-                    journal.batch_key(app_id, batch_id, sub.created_ms),
-                    since_ms=planned_ms - journal.LOOKBACK_MS,
-                )
-            except Exception as e:  # noqa: BLE001 - best-effort (OSError, Py4J, Kafka errors)
-                line = (
-                    f"warning: the journal of old shard {shard} cannot be read ({e}); what its "
-                    "uncommitted batch delivered is delivered again"
-                )
-                log.warning("%s: %s", plan.name, line)
-                self.log(line)
-                continue
-            if accepted:
-                out.append(journal.UncommittedBatch(shard, batch_id, start, end, accepted))
+            for attempt in range(1, HANDOVER_READS + 1):
+                try:
+                    found = self._uncommitted_of(plan, sub, snap, shard, fs)
+                    break
+                except Exception as e:  # noqa: BLE001 - OSError, Py4J, Kafka errors
+                    if attempt == HANDOVER_READS:
+                        raise HandOverUnreadable(plan.name, shard, e, started) from e
+                    log.warning(
+                        "%s: reading old shard %d's uncommitted batch failed (%s); again",
+                        plan.name,
+                        shard,
+                        e,
+                    )
+                    time.sleep(HANDOVER_RETRY_S)
+            out.extend(found)
+        return out
+
+    def _uncommitted_of(
+        self, plan: Plan, sub: Subscription, snap: Snapshot, shard: int, fs
+    ) -> list[journal.UncommittedBatch]:
+        """Old shard `shard`'s part of `_uncommitted_batches`; raises what reading raises."""
+        settings = self.catalog.settings
+        out = []
+        layout, start = shard_position(self.catalog, sub, shard, fs)
+        doc = snap.get(journal.HANDOVER_KIND, layouts.owner(plan.name, plan.from_shards, shard))
+        earlier = carried(shard, layout, start, doc)
+        if earlier is not None:
+            out.append(earlier)
+        path = layouts.checkpoint_path(
+            settings.warehouse, plan.name, plan.from_shards, shard, layout
+        )
+        planned = checkpoints.uncommitted_plan(path, fs)
+        if planned is None:
+            return out
+        batch_id, planned_ms, end = planned
+        app_id = layouts.app_id(plan.name, plan.from_shards, shard, layout)
+        accepted = journal.read_shard(
+            settings,
+            plan.name,
+            shard,
+            journal.batch_key(app_id, batch_id, sub.created_ms),
+            since_ms=planned_ms - journal.LOOKBACK_MS,
+        )
+        if accepted:
+            out.append(journal.UncommittedBatch(shard, batch_id, start, end, accepted))
         return out
 
     def _write_handover(self, plan: Plan, handed: Mapping[int, journal.HandOver]) -> None:

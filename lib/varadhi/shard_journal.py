@@ -2,13 +2,19 @@
 each batch's tasks journal what the endpoint accepted, and what a re-run batch skips.
 
 - `ensure(sub)`: create the subscription's journal topic once per process when the journal is
-  on (`consumption.journal_interval` > 0). Kafka failing here leaves the journal off for the
-  query (logged): deliveries go on, a crash then re-delivers as without a journal.
+  on (`consumption.journal_interval` > 0). Kafka failing here (a shard started while the broker
+  is down or restarting) is logged and tried again before every batch (`target`), so the
+  journal is off only for the batches that start while Kafka cannot take the topic, never for
+  the rest of the query. Such a batch is delivered unjournaled (logged) rather than refused:
+  a topic that can never be made (a missing ACL, a pre-created topic that does not fit) would
+  otherwise stop delivery for good, and a batch that read its records from Kafka meets a
+  reachable cluster in nearly every other case.
 - `plan_replay(checkpoint, uncommitted)`: at a query's start, the batch a crashed run planned
   in the query's `checkpoint` and never committed (`checkpoints.uncommitted_batch`: batch id,
   planning time), which the query runs first.
 - `target(sub, app_id, batch_id)`: where a batch's tasks journal (`journal.JournalTarget`: the
-  shard's partition of the topic, the batch's key), or None with the journal off.
+  shard's partition of the topic, the batch's key), or None with the journal off or its topic
+  still not reachable (after one more `ensure`).
 - `replayed(sub, app_id, batch_id)`: for the query's first batch only, and only when it is the
   planned uncommitted one, the origins the crashed run journaled as accepted (read from
   its planning time minus `journal.LOOKBACK_MS`); None for every other batch, or when the journal
@@ -59,7 +65,13 @@ class ShardJournal:
                 self.settings, journal.topic_name(self.name), sub.shard_count
             )
         except (KafkaError, VaradhiError) as e:
-            log.warning("%s shard %d: no delivery journal: %s", self.name, self.shard, e)
+            log.warning(
+                "%s shard %d: the delivery journal's topic cannot be reached (%s); tried again "
+                "before the next batch",
+                self.name,
+                self.shard,
+                e,
+            )
 
     def plan_replay(self, checkpoint: str, uncommitted: tuple[int, int] | None) -> None:
         self._replay = (checkpoint, *uncommitted) if uncommitted else None
@@ -68,7 +80,17 @@ class ShardJournal:
         self, sub: subscriptions.Subscription, app_id: str, batch_id: int
     ) -> journal.JournalTarget | None:
         interval = sub.spec.consumption.journal_interval_ms
-        if interval <= 0 or not self.partitions:
+        if interval <= 0:
+            return None
+        self.ensure(sub)  # not made yet: Kafka was away when the query started
+        if not self.partitions:
+            log.warning(
+                "%s shard %d: batch %d is not journaled (no journal topic yet): a crash before "
+                "it commits delivers it again whole",
+                self.name,
+                self.shard,
+                batch_id,
+            )
             return None
         return journal.JournalTarget(
             bootstrap=self.settings.bootstrap,

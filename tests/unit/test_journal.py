@@ -11,6 +11,8 @@ import time
 from dataclasses import replace
 
 import pytest
+from kafka.errors import KafkaTimeoutError
+from kafka.future import Future
 
 from varadhi import checkpoints, journal
 from varadhi import messages as m
@@ -74,17 +76,25 @@ def test_decode_skips_what_is_not_a_journal_record():
 
 
 class FakeProducer:
-    def __init__(self, fail: bool = False):
+    """A producer whose sends the broker acknowledges at once, or: `fail` raises from `send`,
+    `refuse` answers that many sends with a failed future (the broker did not take them)."""
+
+    def __init__(self, fail: bool = False, refuse: int = 0):
         self.sent: list[tuple[str, bytes, bytes, int]] = []
         self.flushed = 0
         self.fail = fail
+        self.refuse = refuse
         self.lock = threading.Lock()
 
     def send(self, topic, key, value, partition):
         if self.fail:
             raise RuntimeError("broker gone")
         with self.lock:
+            if self.refuse:
+                self.refuse -= 1
+                return Future().failure(KafkaTimeoutError("not acknowledged"))
             self.sent.append((topic, key, value, partition))
+        return Future().success(None)
 
     def flush(self, timeout=None):
         self.flushed += 1
@@ -133,16 +143,59 @@ def test_writer_sends_early_once_enough_messages_wait(monkeypatch):
     writer.close()
 
 
-def test_a_failing_journal_never_fails_the_task(caplog):
+def test_a_failing_journal_never_fails_the_task_and_says_what_it_did_not_journal(
+    caplog, monkeypatch
+):
+    monkeypatch.setattr(journal, "CLOSE_TIMEOUT_S", 0.3)
     producer = FakeProducer(fail=True)
     writer = JournalWriter(target(interval_ms=60_000), lambda _bootstrap: producer)
-    writer.accepted(o(1))
+    for x in range(3):
+        writer.accepted(o(x))
     with caplog.at_level("WARNING", logger="varadhi.journal"):
         writer.close()
-    assert "no longer journaled" in caplog.text
+    assert writer.unjournaled == 3
+    assert "3 accepted messages not journaled" in caplog.text
     unreachable = JournalWriter(target(interval_ms=60_000), lambda _b: 1 / 0)
     unreachable.accepted(o(1))
     unreachable.close()
+    assert unreachable.unjournaled == 1
+
+
+def test_a_broker_down_when_the_task_starts_costs_no_journal_entry():
+    """The producer cannot be made at first (the broker is down, or restarting): the writer
+    keeps the entries and sends them once it can. Before, its first failure turned the journal
+    off for the rest of the task."""
+    producer, tries = FakeProducer(), []
+
+    def factory(_target):
+        tries.append(1)
+        if len(tries) < 3:
+            raise KafkaTimeoutError("broker down")
+        return producer
+
+    writer = JournalWriter(target(interval_ms=20), factory)
+    for x in range(5):
+        writer.accepted(o(x))
+    deadline = time.monotonic() + 10
+    while len(tries) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for x in range(5, 10):
+        writer.accepted(o(x))
+    writer.close()
+    assert producer.origins() == Accepted.of([o(x) for x in range(10)])
+    assert writer.unjournaled == 0 and writer.sent_origins == 10
+
+
+def test_a_record_the_broker_did_not_acknowledge_is_sent_again():
+    """A send the broker never acknowledged (the broker died with it in flight, or the
+    producer's delivery timeout passed) is sent again. Before, futures were not looked at."""
+    producer = FakeProducer(refuse=2)
+    writer = JournalWriter(target(interval_ms=60_000), lambda _bootstrap: producer)
+    for x in range(4):
+        writer.accepted(o(x))
+    writer.close()
+    assert producer.origins() == Accepted.of([o(x) for x in range(4)])
+    assert writer.unjournaled == 0 and writer.sent_origins == 4
 
 
 # -- a replayed batch: GroupRun(replayed=...) ---------------------------------------------------

@@ -8,17 +8,23 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from pathlib import Path
 
 import pandas as pd
 import pytest
+from kafka.errors import KafkaTimeoutError
 
-from varadhi import checkpoints, journal
+from varadhi import checkpoints, journal, layouts
 from varadhi import messages as m
 from varadhi import resharding as rs
+from varadhi import subscriptions as subs
+from varadhi.catalog import Snapshot
 from varadhi.delivery import Outcome
 from varadhi.group_state import Entry, GroupRun, RunCounts, merge
 from varadhi.journal import Accepted, HandOver, UncommittedBatch
 from varadhi.policies import RetryPolicy
+from varadhi.settings import Settings
+from varadhi.topics import new_topic
 from varadhi.warehouse_fs import LocalFS
 
 NAMES = ["t.0", "t.1"]  # the main topic's storage topics, by index
@@ -176,6 +182,93 @@ def test_uncommitted_plan_has_the_planned_end_offsets(tmp_path):
     assert checkpoints.uncommitted_batch(str(cp), LocalFS()) == (1, 1_000)
     (cp / "offsets" / "1").write_text("v1\n")  # a plan that says nothing
     assert checkpoints.uncommitted_plan(str(cp), LocalFS()) == (1, 0, {})
+
+
+# -- change-shards refuses rather than hand over nothing ------------------------------------------
+
+
+class _Catalog:
+    """What `ChangeShards._uncommitted_batches` reads of the catalog: a snapshot and settings."""
+
+    def __init__(self, warehouse: str, sub: rs.Subscription):
+        self.settings = Settings(bootstrap="127.0.0.1:1", warehouse=warehouse)
+        self._snap = Snapshot({f"subscription/{sub.name}": sub.to_dict()})
+
+    def snapshot(self) -> Snapshot:
+        return self._snap
+
+
+def _change_with_a_crashed_shard(tmp_path, monkeypatch, read):
+    """Two old shards going to three; old shard 1 crashed in batch 4 (planned, not committed);
+    `read` stands in for the journal (`journal.read_shard`)."""
+    spec = subs.parse_spec(
+        {
+            "name": "orders-http",
+            "topic": "orders",
+            "endpoint": {"url": "http://127.0.0.1:9/"},
+            "shards": 2,
+        },
+        source="test.yaml",
+    )
+    sub = rs.Subscription(spec, shard_count=2, created_ms=7)
+    mq = new_topic("orders", 6)
+    rq, dlq = (
+        new_topic("orders-http.rq", 4, internal=True),
+        new_topic("orders-http.dlq", 2, internal=True),
+    )
+    positions = {
+        s: (rs.Layout(0, 0, 0, {}), {"orders.0": {str(p): 0 for p in range(s * 3, s * 3 + 3)}})
+        for s in range(2)
+    }
+    plan = rs.plan_change(sub, mq, rq, dlq, positions, 3)
+    cp = Path(layouts.checkpoint_path(str(tmp_path), sub.name, 2, 1, rs.Layout(0, 0, 0, {})))
+    (cp / "offsets").mkdir(parents=True)
+    (cp / "commits").mkdir()
+    meta = json.dumps({"batchWatermarkMs": 0, "batchTimestampMs": 50_000, "conf": {}})
+    (cp / "offsets" / "4").write_text(f'v1\n{meta}\n{{"orders.0":{{"3":20,"4":20,"5":20}}}}\n')
+    monkeypatch.setattr(rs, "HANDOVER_RETRY_S", 0)
+    monkeypatch.setattr(rs.journal, "read_shard", read)
+    return rs.ChangeShards(_Catalog(str(tmp_path), sub)), plan
+
+
+def test_change_shards_refuses_when_an_uncommitted_batch_s_journal_cannot_be_read(
+    tmp_path, monkeypatch
+):
+    """Right after a broker restart (or any Kafka failure) the journal of old shard 1's
+    uncommitted batch cannot be read. Before, change-shards warned and handed over nothing,
+    and the new shards delivered everything that batch had delivered again (the 7.4% chaos
+    run). Now it refuses, in one line, with an exit code."""
+    reads = []
+
+    def unreadable(settings, name, shard, key, since_ms):
+        reads.append((shard, key, since_ms))
+        raise KafkaTimeoutError("journal orders-http.journal/1 not read to its end in 30 s")
+
+    change, plan = _change_with_a_crashed_shard(tmp_path, monkeypatch, unreadable)
+    with pytest.raises(rs.HandOverUnreadable) as e:
+        change._uncommitted_batches(plan)
+    assert e.value.exit_code == 1 and e.value.shard == 1  # at the state step: it resumes there
+    assert "old shard 1" in str(e.value) and "\n" not in str(e.value)
+    assert reads == [(1, "orders-http.g0.s2.1.L0/4@7", 50_000 - journal.LOOKBACK_MS)] * 3
+    with pytest.raises(rs.HandOverUnreadable) as e:
+        change._uncommitted_batches(plan, started=False)  # before the first step
+    assert e.value.exit_code == 2 and "nothing was changed" in str(e.value)
+
+
+def test_change_shards_reads_again_after_a_failed_journal_read(tmp_path, monkeypatch):
+    calls = []
+
+    def once_unreadable(settings, name, shard, key, since_ms):
+        calls.append(shard)
+        if len(calls) == 1:
+            raise KafkaTimeoutError("broker restarting")
+        return Accepted.of_runs([(0, 4, 0, 9)])
+
+    change, plan = _change_with_a_crashed_shard(tmp_path, monkeypatch, once_unreadable)
+    [batch] = change._uncommitted_batches(plan)
+    assert (batch.shard, batch.batch_id, len(batch.accepted)) == (1, 4, 10)
+    assert batch.end == {"orders.0": {"3": 20, "4": 20, "5": 20}}
+    assert calls == [1, 1]  # shard 0 has no uncommitted batch: nothing read for it
 
 
 # -- GroupState: the entries the crashed batch delivered ----------------------------------------------

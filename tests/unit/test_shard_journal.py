@@ -57,7 +57,6 @@ def shard_journal(reader=None, partitions=2):
 def test_the_topic_is_made_once_and_a_batch_journals_to_the_shard_s_partition():
     sub = sub_of(250)
     j, created = shard_journal()
-    assert j.target(sub, "app", 7) is None  # no topic yet
     j.ensure(sub)
     j.ensure(sub)
     assert created == [("orders-http.journal", 4)]
@@ -93,3 +92,28 @@ def test_an_unreadable_or_empty_journal_means_the_batch_is_delivered_again_whole
         j.ensure(sub)
         j.plan_replay("/ck/L1", (7, 50_000))
         assert j.replayed(sub, "app", 7) is None
+
+
+def test_a_journal_topic_kafka_could_not_take_at_the_start_is_tried_again_before_each_batch():
+    """A shard started while the broker is down (or restarting): `ensure` fails at the query's
+    start. The next batch tries again, journals, and a re-run batch reads what a crashed run
+    journaled. Before, the journal stayed off for the whole query: no batch of it journaled
+    anything, and its re-run batch was delivered again whole."""
+    sub, reader, calls = sub_of(250), Reader(), []
+
+    def ensure(settings, topic, count):
+        calls.append(topic)
+        if len(calls) <= 2:
+            raise KafkaTimeoutError("broker down")
+        return 2
+
+    j = ShardJournal(Settings(bootstrap="127.0.0.1:1"), "orders-http", 3, ensure, reader)
+    j.ensure(sub)  # the query's start: Kafka is away
+    j.plan_replay("/ck/L1", (7, 50_000))
+    assert j.target(sub, "app", 7) is None  # still away at the first batch: tried, logged
+    target = j.target(sub, "app", 7)  # back
+    assert target is not None and target.partition == 1
+    assert j.replayed(sub, "app", 7) is ACCEPTED
+    assert len(calls) == 3
+    j.target(sub, "app", 8)
+    assert len(calls) == 3  # made: not asked again
