@@ -1,7 +1,8 @@
 """The exception hierarchy. Every exception carries the data a caller needs to react to it.
 
 `VaradhiError` is the root; the CLI turns any of them into a one-line message and exit code 2
-(bad input or state: nothing was changed) or 1 (an operation failed part way).
+(bad input or state: nothing was changed) or 1 (an operation failed part way). `StopRequested` is
+no failure and no `VaradhiError`: the shard's refusal of a batch while it stops.
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ class Fenced(VaradhiError):
         super().__init__(f"{what}: fenced (my epoch {mine}, current epoch {current})")
         self.mine = mine
         self.current = current
+
+
+class StopRequested(Exception):
+    """Raised inside `foreachBatch` when the shard driver is stopping (`varadhi.shard`): the
+    batch does nothing and is replayed by the next query run. The query then ends with it,
+    which `varadhi.jvm_errors` recognises by this class's qualified name, not as a failure."""
 
 
 class KafkaUnavailable(VaradhiError):

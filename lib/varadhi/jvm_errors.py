@@ -14,11 +14,17 @@ the message of the Java `PythonException` that carried it.
 message, top stack frames), the text everything says, and the typed facts found in them:
 
 - `Denied`: a missing Kafka ACL (`kafka_clients.refusal` makes the `NotAuthorized` error of it);
-- `StopRequested`: the shard's own exception, raised by a batch function;
+- `StopRequested`: the shard's own exception (`varadhi.errors.StopRequested`), raised by a batch
+  function, by its class's qualified name (`_named`);
 - `Fenced`: the shard's lease fence raised by a batch function, or its transactional producer
   fenced, by exact exception class (`fenced`; Kafka's `FencedLeaderEpochException` is not one);
 - `ZombieCheckpointWriter`: another query wrote the checkpoint's offset or commit log first;
 - `KafkaMetricsNPE`: SPARK-55271, Spark 4.1's Kafka source failing after a re-run batch.
+
+The product's own exceptions come back from a batch function as the text of a Python traceback,
+so they are recognised there by their fully qualified class name as a whole word (taken from the
+classes, not spelled here), never by a substring a message may hold ("StopRequested" in a
+record's error text is no stop).
 
 Contracts: `classify` never raises (a JVM that is gone leaves only the text Python already has) and
 needs no JVM for errors built without one; the facts are pure functions of the links and text, so
@@ -35,6 +41,10 @@ import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+from kafka.errors import ProducerFencedError
+
+from . import errors
 
 #: Stack frames read per Java throwable through Py4J (one round trip each): the frames that
 #: identify a failure are at the top.
@@ -73,7 +83,7 @@ class Denied:
 @dataclass(frozen=True)
 class StopRequested:
     """The shard's batch function refused a batch planned after it was asked to stop
-    (`varadhi.shard.StopRequested`): the query ended on purpose."""
+    (`varadhi.errors.StopRequested`): the query ended on purpose."""
 
 
 @dataclass(frozen=True)
@@ -170,7 +180,7 @@ def headline(error: BaseException) -> str:
 def facts(chain: tuple[Link, ...], text: str) -> tuple[Fact, ...]:
     """The facts that `chain` and `text` report, each once, in a fixed order."""
     found: list[Fact] = []
-    if "StopRequested" in text:
+    if _STOP_TEXT.search(text):
         found.append(StopRequested())
     if fenced(chain, text):
         found.append(Fenced())
@@ -184,6 +194,17 @@ def facts(chain: tuple[Link, ...], text: str) -> tuple[Fact, ...]:
     return tuple(found)
 
 
+def _named(*classes: type) -> str:
+    """A pattern of the fully qualified names of `classes` as a whole word: as a Python
+    traceback's `module.Class[: message]` line or a Java trace names them; not inside a longer
+    name (`varadhi.errors.FencedLater`, `x.varadhi.errors.Fenced`)."""
+    names = "|".join(re.escape(f"{c.__module__}.{c.__qualname__}") for c in classes)
+    return rf"(?<![\w.])(?:{names})(?!\w)"
+
+
+#: The shard's refusal of a batch while it stops, by class.
+_STOP_TEXT = re.compile(_named(errors.StopRequested))
+
 #: Java exceptions that say a newer instance holds the shard: its transactional producer's id was
 #: taken over. Not Kafka's other "fenced" errors: `FencedLeaderEpochException` (a partition's
 #: leader changed; the client retries), `FencedInstanceIdException`, `TransactionCoordinator-
@@ -196,9 +217,9 @@ FENCED_JAVA = frozenset({"org.apache.kafka.common.errors.ProducerFencedException
 #: call refused afterwards ("in an error state: [Error 90] ProducerFencedError"; 90 is Kafka's
 #: PRODUCER_FENCED), and the Java class.
 _FENCED_TEXT = re.compile(
-    r"(?<![\w.])(?:varadhi\.errors\.Fenced|kafka\.errors\.ProducerFencedError"
-    r"|org\.apache\.kafka\.common\.errors\.ProducerFencedException)(?!\w)"
-    r"|in an error state: \[Error 90\] ProducerFencedError(?!\w)"
+    _named(errors.Fenced, ProducerFencedError)
+    + "".join(rf"|(?<![\w.]){re.escape(name)}(?!\w)" for name in sorted(FENCED_JAVA))
+    + r"|in an error state: \[Error 90\] ProducerFencedError(?!\w)"
 )
 
 

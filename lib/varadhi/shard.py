@@ -59,7 +59,7 @@ from .batch_commit import BatchCommit
 from .catalog import Catalog
 from .circuit import CircuitBreaker
 from .dedup import DedupWindow
-from .errors import Fenced, InvalidArgument, VaradhiError
+from .errors import Fenced, InvalidArgument, StopRequested, VaradhiError
 from .layouts import Layout
 from .policies import CircuitPolicy
 from .settings import Settings
@@ -82,11 +82,6 @@ log = logging.getLogger("varadhi.shard")
 # Producers learn of a switch within a second and give up on a record after 30 s
 # (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
 SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
-
-
-class StopRequested(Exception):
-    """Raised inside foreachBatch when the driver is stopping: the batch does nothing and is
-    replayed by the next query run."""
 
 
 class ShardJob:

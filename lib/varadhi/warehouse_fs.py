@@ -195,7 +195,7 @@ def for_path(path: str, spark: Any = None, purpose: str = "varadhi") -> Warehous
     except Exception as e:  # noqa: BLE001 - any failure to start Spark is one line to the user
         raise InvalidArgument(
             f"the warehouse {path} is not a local path and Spark could not be started to "
-            f"reach it ({str(e).splitlines()[0] if str(e) else type(e).__name__})",
+            f"reach it ({jvm_errors.headline(e)})",
             field="warehouse",
         ) from None
 

@@ -9,6 +9,7 @@ from py4j.protocol import Py4JJavaError, escape_new_line
 from pyspark.errors.exceptions.captured import StreamingQueryException, UnknownException
 
 from varadhi import jvm_errors
+from varadhi.errors import StopRequested as StopRequestedError
 from varadhi.jvm_errors import (
     Denied,
     Fenced,
@@ -40,7 +41,7 @@ STOPPED = (
     "[STREAM_FAILED] Query [id = 5f1] terminated with exception: An exception was raised by the"
     ' Python Proxy. Return Message: Traceback (most recent call last):\n  File "/x/py4j/'
     'clientserver.py", line 644, in _call_proxy\n  File "/x/varadhi/shard.py", line 781, in '
-    "_on_batch\nvaradhi.shard.StopRequested\n"
+    "_on_batch\nvaradhi.errors.StopRequested\n"
 )
 
 
@@ -206,11 +207,41 @@ def test_a_spark_connect_error_is_read_from_the_server_s_stack_trace():
 def test_the_shard_s_own_errors_raised_in_a_batch():
     stopped = jvm_errors.classify(captured(StreamingQueryException, STOPPED, ""))
     assert StopRequested in stopped and Fenced not in stopped
-    fenced = STOPPED.replace("varadhi.shard.StopRequested", "varadhi.errors.Fenced: lease s/0: "
+    fenced = STOPPED.replace("varadhi.errors.StopRequested", "varadhi.errors.Fenced: lease s/0: "
                              "fenced (my epoch 3, current epoch 4)")  # fmt: skip
     assert jvm_errors.classify(captured(StreamingQueryException, fenced, "")).facts == (Fenced(),)
     producer = JavaObject("org.apache.kafka.common.errors.ProducerFencedException", "epoch")
     assert Fenced in jvm_errors.classify(py4j_error(producer))
+
+
+def test_a_stop_is_recognised_by_its_class_not_by_a_word_in_a_message():
+    # Raised here (as the batch function does), and as the cause of another error.
+    try:
+        raise StopRequestedError()
+    except StopRequestedError as e:
+        raised = e
+    assert jvm_errors.classify(raised).facts == (StopRequested(),)
+    try:
+        raise RuntimeError("the batch ended") from raised
+    except RuntimeError as e:
+        assert StopRequested in jvm_errors.classify(e)
+    # The Java chain of a Py4J error whose PythonException carries the batch function's traceback.
+    carried = JavaObject("org.apache.spark.api.python.PythonException", STOPPED)
+    job = JavaObject("org.apache.spark.SparkException", "Job aborted", (), carried)
+    assert StopRequested in jvm_errors.classify(py4j_error(job))
+    # The word alone, in an endpoint's answer or a record's error text, or a longer class name,
+    # is a failure: the query did not end on purpose.
+    for text in (
+        "HTTP 500: StopRequested by upstream",
+        "java.lang.IllegalStateException: StopRequested",
+        "varadhi.errors.StopRequestedLater: x",
+        "my.varadhi.errors.StopRequested",
+    ):
+        assert StopRequested not in jvm_errors.classify(RuntimeError(text)), text
+        answer = STOPPED.replace("varadhi.errors.StopRequested", f"RuntimeError: {text}")
+        assert StopRequested not in jvm_errors.classify(
+            captured(StreamingQueryException, answer, "")
+        )
 
 
 class ServerError(Exception):
@@ -237,7 +268,7 @@ def test_kafka_s_other_fenced_errors_are_not_a_fence_of_the_shard():
     assert jvm_errors.classify(ServerError(STREAM_FAILED, job.trace())).facts == ()
     for name in ("FencedLeaderEpochError", "FencedInstanceIdError",
                  "TransactionCoordinatorFencedError"):  # fmt: skip
-        python = STOPPED.replace("varadhi.shard.StopRequested", f"kafka.errors.{name}: [Error 74]")
+        python = STOPPED.replace("varadhi.errors.StopRequested", f"kafka.errors.{name}: [Error 74]")
         assert Fenced not in jvm_errors.classify(captured(StreamingQueryException, python, ""))
 
 

@@ -46,8 +46,11 @@ def test_the_shard_s_own_fence_and_a_fenced_producer_are_fences():
 
 def test_a_refused_batch_or_no_failure_is_no_verdict():
     assert judge(None, replayed=True) is None
-    stopped = failure(text=PYTHON.format("varadhi.shard.StopRequested"))
+    stopped = failure(text=PYTHON.format("varadhi.errors.StopRequested"))
     assert judge(stopped, replayed=True) is None
+    # The word in a message is no stop (it was matched as a substring of any text before).
+    word = failure(text=PYTHON.format("RuntimeError: HTTP 500 StopRequested"))
+    assert judge(word, replayed=True) is Verdict.FAILED
 
 
 def test_restarts_and_the_other_failures():
