@@ -30,9 +30,11 @@ What is still delivered twice after a crash: the messages accepted within the la
 then (the endpoint may or may not have processed them). A crash after the deliveries (before
 the state commit or Spark's commit) re-delivers nothing: each task waited for its last record.
 
-The journal is best-effort by design: a record that fails to reach Kafka is logged and
-dropped (its messages may then be delivered twice, as without a journal); it never fails a
-batch. `interval_ms` 0 turns it off (no thread, no records, no read).
+The journal never fails a batch: a record that fails to reach Kafka (the broker down or
+restarting) is logged, kept and sent again until the task ends (`JournalWriter`); what the broker
+still has not acknowledged by then (`CLOSE_TIMEOUT_S`) is counted and logged, and may be
+delivered twice, as without a journal. `interval_ms` 0 turns it off (no thread, no records, no
+read).
 
 The topic is created like the product's other topics (`varadhi.topic.[journal.]*` settings of the
 cluster configuration, `kafka_config`), and the tasks reach Kafka with the cluster's client
@@ -59,9 +61,10 @@ batch's messages again. `subscription change-shards` therefore hands the journal
   that no hand-over names: a rewind delivers those messages again.
 
 Accepted origins of neither kind (none, in a consistent catalog) are left alone. A hand-over is
-a subset of what the endpoint accepted, so any part of it lost (a journal that cannot be read:
-a warning, then re-delivery as before; more than `MAX_HANDOVER_NUMBERS` offsets for one new
-shard: the rest is delivered again) costs duplicates, never a message or the order.
+a subset of what the endpoint accepted, so any part of it lost (more than `MAX_HANDOVER_NUMBERS`
+offsets for one new shard: the rest is delivered again) costs duplicates, never a message or
+the order. A journal that cannot be read is never taken for an empty one (`read_shard` reads
+to the partition's end or raises): the change refuses (`resharding.HandOverUnreadable`).
 
 Hazards. `read` finds a batch's records by time: records of a batch whose crashed run started
 longer ago than the topic's retention (`RETENTION_MS`) are gone, and the batch is delivered

@@ -22,7 +22,9 @@ crash resumes at the recorded step (every step is idempotent):
                entries it delivered are dropped (`drop_delivered`), and the main-topic
                messages it delivered go to the new shards as `HandOver` documents, with
                what an earlier change handed an old shard and it has not yet read past
-               (two changes in a row: its messages must not be delivered again either);
+               (two changes in a row: its messages must not be delivered again either).
+               A journal that cannot be read stops the change (`HandOverUnreadable`), here
+               before the step writes anything and, before the `fence` step, in `execute`;
 4. `layouts`:  the new shards' reader layouts: the lowest main-topic storage topic any old shard
                still reads, or past it when they consumed it and it is sealed (`first_unread`:
                old shards waiting at a K=1 boundary), starting where the old shards stopped
