@@ -1,0 +1,89 @@
+"""The delivery journal's writer against a broker that dies and comes back while a task delivers
+(`varadhi.journal.JournalWriter`), on a broker of its own (scripts/kafka on port 29396, its data
+folder in tmp; the shared broker on 19092 is never touched). A task that starts while the broker
+is down journals nothing until it is back; none of its entries may be lost for that: the batch's
+re-run and a shard-count change's hand-over read them (docs/architecture.md, "Delivery journal").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from varadhi import journal
+from varadhi import messages as m
+from varadhi.settings import Settings
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kafka"
+PORT = 29396  # its controller listens on 29397
+
+
+class Broker:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.bootstrap = f"127.0.0.1:{PORT}"
+        self.env = {
+            **os.environ,
+            "VARADHI_KAFKA_PORT": str(PORT),
+            "VARADHI_KAFKA_DIR": str(folder),
+            "VARADHI_KAFKA_HEAP": "-Xmx256m -Xms64m",
+        }
+
+    def run(self, command: str) -> None:
+        done = subprocess.run(
+            [str(SCRIPT), command], env=self.env, capture_output=True, text=True, timeout=180
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def kill(self) -> None:
+        os.kill(int((self.folder / "broker.pid").read_text().strip()), signal.SIGKILL)
+        while self.listening():
+            time.sleep(0.1)
+
+    def listening(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", PORT), timeout=1):
+                return True
+        except OSError:
+            return False
+
+
+@pytest.fixture
+def broker(tmp_path):
+    for port in (PORT, PORT + 1):
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is taken"
+    made = Broker(tmp_path / "kafka")
+    made.run("start")
+    yield made
+    made.run("wipe")
+
+
+def test_a_task_that_starts_while_the_broker_is_down_loses_no_journal_entry(broker):
+    """The broker is SIGKILLed; a task starts and delivers (its journal producer cannot even be
+    made); the broker comes back before the task ends. Every accepted message is in the
+    journal. Before, the writer's first failure turned its journal off for the whole task."""
+    settings = Settings(bootstrap=broker.bootstrap)
+    topic = journal.topic_name("restart-http")
+    partition = journal.partition_of(0, journal.ensure_topic(settings, topic, 1))
+    key = journal.batch_key("restart-http.g0.s1.0.L0", 3, 1)
+    target = journal.JournalTarget(broker.bootstrap, topic, partition, key, interval_ms=50)
+
+    broker.kill()
+    writer = journal.JournalWriter(target)
+    for offset in range(300):  # accepted while the broker is away
+        writer.accepted(m.Origin(0, 0, offset))
+    broker.run("start")
+    for offset in range(300, 400):
+        writer.accepted(m.Origin(0, 0, offset))
+    writer.close()
+
+    found = journal.read(settings, topic, partition, key, since_ms=0)
+    assert found.runs() == [(0, 0, 0, 399)]
+    assert writer.unjournaled == 0
