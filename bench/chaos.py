@@ -47,7 +47,9 @@ read from), those dead letters' DLQ records (reason, attempts, headers), and the
 copied to `<out stem>-logs/` (with each change-shards command's output). The same is kept, for up
 to 20 re-delivered messages (`redelivered_examples`), when re-deliveries exceed the 2% target.
 Each change-shards event carries what the hand-over of the old shards' uncommitted batches
-did (`handover`). Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
+did (`handover`), and the command's refusals before it ran (`refusals`: an old shard's journal
+it could not read yet, e.g. right after the broker's restart; it is run again 10 s later, up to
+`CHANGE_TRIES` times, as docs/operations.md tells an operator to). Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ RETRY = {"max_attempts": 12, "min_backoff_ms": 200, "max_backoff_ms": 2_000, "re
 REQUEST_TIMEOUT_MS = 1_000
 CLOCK_SLACK_MS = 5  # the endpoint stamps arrival after reading the request
 REDELIVERY_TARGET = 0.02  # issue 12's target for re-delivered duplicates (not a must-be-zero)
+CHANGE_TRIES = 6  # change-shards runs, 10 s apart, while it cannot read an old shard's journal
 MIX = {"500": 0.4, "503": 0.4, "slow": 0.2}  # the endpoint's failures, by weight
 POISON_ANSWERS = [422] * 20  # more than `max_attempts`: a poison message never succeeds
 
@@ -281,14 +284,22 @@ def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0)
     started = time.monotonic()
     subprocess.run([*varadhi, "subscription", "pause", name], env=env, check=True)
     shards.stop()
-    output = subprocess.run(
-        [*varadhi, "subscription", "change-shards", name, "--to", str(to), "--feeders", "external"],
-        env=env,
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    (shards.logs / f"change-shards-to-{to}.log").write_text(output.stdout + output.stderr)
+    command = [*varadhi, "subscription", "change-shards", name, "--to", str(to)]
+    refusals = []
+    for _ in range(CHANGE_TRIES):
+        output = subprocess.run(
+            [*command, "--feeders", "external"], env=env, capture_output=True, text=True
+        )
+        with open(shards.logs / f"change-shards-to-{to}.log", "a") as f:
+            f.write(output.stdout + output.stderr)
+        # An old shard's uncommitted batch that cannot be read yet (the broker just restarted):
+        # the command refuses rather than hand over nothing; run it again, as an operator would.
+        if output.returncode == 0 or "cannot be read" not in output.stderr:
+            break
+        refusals.append(output.stderr.strip())
+        log(t0, f"change-shards refused ({output.returncode}); again in 10 s")
+        time.sleep(10)
+    output.check_returncode()
     op = catalog.snapshot().get("operation", resharding.operation_name(name)) or {}
     sources = [f["source"] for f in op.get("feeders", []) if not f.get("done")]
     feeders = [
@@ -319,6 +330,8 @@ def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0)
         "seconds": round(time.monotonic() - started, 1),
         # what the old shards' uncommitted batches handed over (`varadhi.journal`)
         "handover": (op.get("state") or {}).get("handover"),
+        # the command's refusals before that (a journal it could not read yet)
+        "refusals": refusals,
     }
 
 
