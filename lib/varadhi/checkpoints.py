@@ -90,17 +90,25 @@ def uncommitted_plan(checkpoint: str, fs: WarehouseFS) -> tuple[int, int, Offset
     return planned, planned_ms, ends
 
 
-def forget_planned_batch(checkpoint: str, batch_id: int, fs: WarehouseFS) -> bool:
-    """Delete the plan of batch `batch_id` (`offsets/<id>`) if it is the newest plan and was
-    never committed, so that the next query on the checkpoint plans that batch again under its
-    own limits (`maxOffsetsPerTrigger`) instead of re-running the planned range. Only for a
-    batch whose `foreachBatch` did nothing (a shard refuses a batch planned while it stops its
-    query); a batch that may have had effects must be re-run as planned. Returns whether a plan
-    was deleted."""
+def forget_planned_batch(
+    checkpoint: str, batch_id: int, fs: WarehouseFS, planned_since_ms: int
+) -> bool:
+    """Delete the plan of batch `batch_id` (`offsets/<id>`) if it is the newest plan, was
+    never committed, and was planned at or after `planned_since_ms` (its `batchTimestampMs`),
+    so that the next query on the checkpoint plans that batch again under its own limits
+    (`maxOffsetsPerTrigger`) instead of re-running the planned range. Only for a batch whose
+    `foreachBatch` did nothing (a shard refuses a batch planned while it stops its query); a
+    batch that may have had effects must be re-run as planned. `planned_since_ms` is the start
+    of the query that refused it: a plan older than that is one an earlier run left (it crashed
+    in that batch, which delivered messages), and its re-run is what reads that run's delivery
+    journal (`uncommitted_batch`), so it is kept. Returns whether a plan was deleted."""
     offsets = child(checkpoint, "offsets")
     if max(_batches(fs, offsets), default=-1) != batch_id:
         return False
     if fs.exists(child(child(checkpoint, "commits"), str(batch_id))):
+        return False
+    planned = uncommitted_batch(checkpoint, fs)
+    if planned is None or planned[1] < planned_since_ms:
         return False
     for name in (str(batch_id), f".{batch_id}.crc"):  # the plan and Hadoop's checksum of it
         fs.delete(child(offsets, name))

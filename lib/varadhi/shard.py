@@ -119,8 +119,10 @@ class ShardJob:
         self._last_batch_end = time.monotonic()
         self._circuit = CircuitBreaker(CircuitPolicy())  # configured from the spec
         self._query_circuit = "closed"  # the circuit state the running query was started in
-        self._aborted: tuple[str, int] | None = None  # (checkpoint, batch) refused unstarted
+        # (checkpoint, batch, its query's start in ms) refused unstarted
+        self._aborted: tuple[str, int, int] | None = None
         self._query_checkpoint = ""
+        self._query_started_ms = 0  # wall clock, as Spark's batchTimestampMs
         self._completed = ("", -1)  # (checkpoint, batch) this process last completed
         self._ticks = Ticks(self.settings, shard)  # wake the query for due retries
         self._query = None
@@ -377,8 +379,12 @@ class ShardJob:
         normal = sub.spec.consumption.max_messages_per_batch
         limit = self._circuit.read_limit(normal) or normal
         aborted, self._aborted, self._query_checkpoint = self._aborted, None, checkpoint
+        self._query_started_ms = int(time.time() * 1000)
         forget = aborted and aborted[0] == checkpoint
-        if forget and checkpoints.forget_planned_batch(*aborted, self._fs):
+        # only a plan the refusing query made: one an earlier run left is re-run, journal read
+        if forget and checkpoints.forget_planned_batch(
+            checkpoint, aborted[1], self._fs, planned_since_ms=aborted[2]
+        ):
             log.info("%s shard %d: batch %d planned again", self.name, self.shard, aborted[1])
         self._journal.plan_replay(checkpoint, checkpoints.uncommitted_batch(checkpoint, self._fs))
         doc = self.catalog.get(journal.HANDOVER_KIND, self._owner(sub))
@@ -540,7 +546,7 @@ class ShardJob:
         """A batch Spark planned while the driver stops the query, or after the circuit moved
         (it opened: send nothing; a probe decided: read with other limits), does nothing."""
         if self._stopping or self._circuit.state != self._query_circuit:
-            self._aborted = (self._query_checkpoint, batch_id)
+            self._aborted = (self._query_checkpoint, batch_id, self._query_started_ms)
             raise StopRequested()
 
     def _process(

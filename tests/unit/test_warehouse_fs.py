@@ -64,15 +64,30 @@ def test_committed_offsets_are_the_newest_committed_plan(tmp_path):
 
 def test_forget_planned_batch_only_removes_the_newest_uncommitted_plan(tmp_path):
     cp, fs = tmp_path / "cp", LocalFS()
-    assert not checkpoints.forget_planned_batch(str(cp), 0, fs)  # no checkpoint
+    assert not checkpoints.forget_planned_batch(str(cp), 0, fs, 0)  # no checkpoint
     plan(cp, 0, {"t.0": {"0": 1}})
     commit(cp, 0)
     plan(cp, 1, {"t.0": {"0": 5}})
-    assert not checkpoints.forget_planned_batch(str(cp), 0, fs)  # committed
-    assert not checkpoints.forget_planned_batch(str(cp), 2, fs)  # not the newest plan
-    assert checkpoints.forget_planned_batch(str(cp), 1, fs)
+    assert not checkpoints.forget_planned_batch(str(cp), 0, fs, 0)  # committed
+    assert not checkpoints.forget_planned_batch(str(cp), 2, fs, 0)  # not the newest plan
+    assert checkpoints.forget_planned_batch(str(cp), 1, fs, 1_000)
     assert sorted(p.name for p in (cp / "offsets").iterdir()) == [".0.crc", "0"]
     assert checkpoints.uncommitted_batch(str(cp), fs) is None
+
+
+def test_a_plan_an_earlier_run_left_is_never_forgotten(tmp_path):
+    """A shard restarted after a crash in batch 1 refuses its re-run (it was paused as its
+    query started), then runs a new query in the same process. Deleting that plan made the
+    new query plan batch 1 afresh, with no re-run to read the crashed run's journal: what it
+    had delivered was delivered again. Only a plan the refusing query made itself goes."""
+    cp, fs = tmp_path / "cp", LocalFS()
+    plan(cp, 0, {"t.0": {"0": 1}})
+    commit(cp, 0)
+    plan(cp, 1, {"t.0": {"0": 5}}, planned_ms=1_000)  # the crashed run's plan
+    assert not checkpoints.forget_planned_batch(str(cp), 1, fs, planned_since_ms=5_000)
+    assert checkpoints.uncommitted_batch(str(cp), fs) == (1, 1_000)  # re-run, journal read
+    plan(cp, 1, {"t.0": {"0": 5}}, planned_ms=6_000)  # planned by the query that refused it
+    assert checkpoints.forget_planned_batch(str(cp), 1, fs, planned_since_ms=5_000)
 
 
 def test_await_commit_sees_the_commit_and_gives_up_when_the_query_stops(tmp_path):
