@@ -18,7 +18,8 @@ each batch's tasks journal what the endpoint accepted, and what a re-run batch s
 - `replayed(sub, app_id, batch_id)`: for the query's first batch only, and only when it is the
   planned uncommitted one, the origins the crashed run journaled as accepted (read from
   its planning time minus `journal.LOOKBACK_MS`); None for every other batch, or when the journal
-  cannot be read (logged: the batch is delivered again whole).
+  cannot be read after `REPLAY_READS` tries (logged: the batch is delivered again whole, rather
+  than failing the query: duplicates of one batch against a shard that stops delivering).
 
 Contract: `target` and `replayed` run on the batch's thread, `ensure` and `plan_replay` on the
 control loop's before the query starts. The topic and the reader are injected (unit-tested in
@@ -39,6 +40,12 @@ from .errors import VaradhiError
 from .settings import Settings
 
 log = logging.getLogger("varadhi.shard")
+
+# A re-run batch reads its journal this many times, this far apart, before it is delivered again
+# whole: a shard restarted with the broker (which answers within seconds of its restart) would
+# otherwise re-deliver everything its crashed run delivered.
+REPLAY_READS = 3
+REPLAY_RETRY_S = 5.0
 
 
 class ShardJournal:
@@ -111,24 +118,29 @@ class ShardJournal:
         if target is None:
             return None
         started = time.monotonic()
-        try:
-            accepted = self._read(
-                self.settings,
-                target.topic,
-                target.partition,
-                target.key,
-                since_ms=replay[2] - journal.LOOKBACK_MS,
-            )
-        except (KafkaError, VaradhiError) as e:
-            log.warning(
-                "%s shard %d: batch %d re-runs; its journal cannot be read (%s): it is "
-                "delivered again whole",
-                self.name,
-                self.shard,
-                batch_id,
-                e,
-            )
-            return None
+        for attempt in range(1, REPLAY_READS + 1):
+            try:
+                accepted = self._read(
+                    self.settings,
+                    target.topic,
+                    target.partition,
+                    target.key,
+                    since_ms=replay[2] - journal.LOOKBACK_MS,
+                )
+                break
+            except (KafkaError, VaradhiError) as e:
+                last = attempt == REPLAY_READS
+                log.warning(
+                    "%s shard %d: batch %d re-runs; its journal cannot be read (%s): %s",
+                    self.name,
+                    self.shard,
+                    batch_id,
+                    e,
+                    "it is delivered again whole" if last else f"again in {REPLAY_RETRY_S:.0f} s",
+                )
+                if last:
+                    return None
+                time.sleep(REPLAY_RETRY_S)
         log.info(
             "%s shard %d: batch %d re-runs a batch an earlier run started; %d of its messages "
             "were accepted then and are not sent again (journal read in %.2f s)",

@@ -9,6 +9,7 @@ from dataclasses import replace
 from kafka.errors import KafkaTimeoutError
 
 from varadhi import journal
+from varadhi import shard_journal as shard_journal_module
 from varadhi import subscriptions as subs
 from varadhi.settings import Settings
 from varadhi.shard_journal import ShardJournal
@@ -85,13 +86,35 @@ def test_only_the_query_s_first_batch_reads_and_only_when_it_is_the_one_a_crashe
     assert len(reader.calls) == 1
 
 
-def test_an_unreadable_or_empty_journal_means_the_batch_is_delivered_again_whole():
+def test_an_unreadable_or_empty_journal_means_the_batch_is_delivered_again_whole(monkeypatch):
+    monkeypatch.setattr(shard_journal_module, "REPLAY_RETRY_S", 0, raising=False)
     sub = sub_of(250)
     for result in (KafkaTimeoutError("journal read timed out"), journal.Accepted()):
-        j, _ = shard_journal(Reader(result))
+        reader = Reader(result)
+        j, _ = shard_journal(reader)
         j.ensure(sub)
         j.plan_replay("/ck/L1", (7, 50_000))
         assert j.replayed(sub, "app", 7) is None
+        assert len(reader.calls) == (3 if isinstance(result, Exception) else 1)
+
+
+def test_a_re_run_reads_its_journal_again_after_a_failed_read(monkeypatch):
+    """A shard restarted together with the broker: the first read fails, the broker answers
+    the next. Before, the first failure had the batch delivered again whole."""
+    monkeypatch.setattr(shard_journal_module, "REPLAY_RETRY_S", 0, raising=False)
+    sub, calls = sub_of(250), []
+
+    def reader(settings, topic, partition, key, since_ms):
+        calls.append(key)
+        if len(calls) == 1:
+            raise KafkaTimeoutError("broker restarting")
+        return ACCEPTED
+
+    j, _ = shard_journal(reader)
+    j.ensure(sub)
+    j.plan_replay("/ck/L1", (7, 50_000))
+    assert j.replayed(sub, "app", 7) is ACCEPTED
+    assert len(calls) == 2
 
 
 def test_a_journal_topic_kafka_could_not_take_at_the_start_is_tried_again_before_each_batch():
