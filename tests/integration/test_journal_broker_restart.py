@@ -68,7 +68,8 @@ def broker(tmp_path):
 def test_a_task_that_starts_while_the_broker_is_down_loses_no_journal_entry(broker):
     """The broker is SIGKILLed; a task starts and delivers (its journal producer cannot even be
     made); the broker comes back before the task ends. Every accepted message is in the
-    journal. Before, the writer's first failure turned its journal off for the whole task."""
+    journal, and still is, for the hand-over's read, right after a second SIGKILL and restart.
+    Before, the writer's first failure turned its journal off for the whole task."""
     settings = Settings(bootstrap=broker.bootstrap)
     topic = journal.topic_name("restart-http")
     partition = journal.partition_of(0, journal.ensure_topic(settings, topic, 1))
@@ -87,3 +88,12 @@ def test_a_task_that_starts_while_the_broker_is_down_loses_no_journal_entry(brok
     found = journal.read(settings, topic, partition, key, since_ms=0)
     assert found.runs() == [(0, 0, 0, 399)]
     assert writer.unjournaled == 0
+
+    # The broker SIGKILLed again and restarted: a shard-count change's hand-over reads the
+    # records acknowledged before the kill (to the partition's end, or it raises).
+    broker.kill()
+    broker.run("start")
+    handed = journal.read_shard(
+        settings, "restart-http", 0, key, since_ms=int(time.time() * 1000) - journal.LOOKBACK_MS
+    )
+    assert handed.runs() == [(0, 0, 0, 399)]
