@@ -110,6 +110,12 @@ RETENTION_MS = 3 * 24 * 3600 * 1000
 CLOSE_TIMEOUT_S = 60.0
 SEND_BLOCK_MS = 10_000
 READ_TIMEOUT_S = 30.0
+# A task sends no new request while accepted messages have waited longer than this for the
+# broker's acknowledgement of their journal record (Kafka away: `JournalWriter.behind`), so a
+# crash then re-delivers about this much; after `LAG_GIVE_UP_S` of that it delivers on
+# unjournaled (logged) rather than stall the batch for good.
+LAG_LIMIT_S = 5.0
+LAG_GIVE_UP_S = 60.0
 
 
 def topic_name(subscription: str) -> str:
@@ -321,7 +327,10 @@ class JournalWriter:
     and waits until the broker acknowledged every record, re-sending failures, for at most
     `CLOSE_TIMEOUT_S`; what is still not acknowledged then is counted in `unjournaled` and
     logged (a crash before the batch commits delivers those messages again). Never raises for
-    Kafka's sake. `producer_factory` (target -> producer) is for tests."""
+    Kafka's sake. While messages wait longer than `LAG_LIMIT_S` for their record's
+    acknowledgement, `behind` tells the task's group runs to send no new request (for at most
+    `LAG_GIVE_UP_S`), so a crash while Kafka is away re-delivers seconds of deliveries, not
+    everything since it went away. `producer_factory` (target -> producer) is for tests."""
 
     def __init__(
         self,
@@ -334,8 +343,16 @@ class JournalWriter:
         self._queue: deque[m.Origin] = deque()
         # Record values to send (again): Kafka did not take them. Appended from the producer's
         # thread too (a failed future), hence a deque.
-        self._unsent: deque[bytes] = deque()
-        self._in_flight: dict[int, bytes] = {}  # records sent and not answered yet, by token
+        # Each with when its oldest origin was accepted (monotonic), for `behind`.
+        self._unsent: deque[tuple[bytes, float]] = deque()
+        self._in_flight: dict[int, tuple[bytes, float]] = {}  # sent, not answered, by token
+        self._queued_since: float | None = None  # when the oldest origin in `_queue` came
+        self._behind = False
+        self._behind_from: float | None = None  # since when it has been behind
+        self._gave_up = False  # behind for `LAG_GIVE_UP_S`: delivering on unjournaled
+        # While a flush runs: when the oldest origin it sends was accepted (a flush blocks
+        # while Kafka is away: no producer can be made, no metadata comes).
+        self._flushing_since: float | None = None
         self._tokens = itertools.count()
         self._lock = threading.Lock()  # `_in_flight` and the counters (the producer's thread)
         self._sending = threading.Lock()  # one `_flush` at a time
@@ -350,8 +367,51 @@ class JournalWriter:
 
     def accepted(self, origin: m.Origin) -> None:
         self._queue.append(origin)
+        if self._queued_since is None:
+            self._queued_since = time.monotonic()
         if len(self._queue) >= FLUSH_MESSAGES:
             self._wake.set()
+
+    def behind(self) -> bool:
+        """Whether the task should send no new request for now: a message it accepted more
+        than `LAG_LIMIT_S` ago is not journaled yet (the broker is down or restarting), for
+        less than `LAG_GIVE_UP_S` so far. Kept by the writer's thread every interval, and
+        seen here while that thread is stuck in a flush; called before every request, so it
+        costs an attribute read or two."""
+        if self._behind:
+            return True
+        since = self._flushing_since
+        return since is not None and not self._gave_up and time.monotonic() - since > self._limit()
+
+    def _limit(self) -> float:
+        return max(LAG_LIMIT_S, 8 * self.target.interval_ms / 1000)
+
+    def _update_behind(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            times = [t for _, t in self._unsent] + [t for _, t in self._in_flight.values()]
+        if self._queued_since is not None:
+            times.append(self._queued_since)
+        if not times or now - min(times) <= self._limit():
+            self._behind, self._behind_from, self._gave_up = False, None, False
+            return
+        if self._behind_from is None:
+            self._behind_from = min(times) + self._limit()
+            log.warning(
+                "delivery journal %s: not acknowledged for %.0f s; no new request until it is",
+                self.target.topic,
+                now - min(times),
+            )
+        was = not self._gave_up
+        self._gave_up = now - self._behind_from >= LAG_GIVE_UP_S
+        self._behind = not self._gave_up
+        if was and self._gave_up:
+            log.warning(
+                "delivery journal %s: still not acknowledged after %.0f s more; delivering on "
+                "unjournaled (a crash before this batch commits delivers those messages again)",
+                self.target.topic,
+                LAG_GIVE_UP_S,
+            )
 
     def close(self) -> None:
         self._closing = True
@@ -373,7 +433,7 @@ class JournalWriter:
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         if not self._done():
             with self._lock:
-                values = list(self._unsent) + list(self._in_flight.values())
+                values = [v for v, _ in self._unsent] + [v for v, _ in self._in_flight.values()]
             self.unjournaled = len(self._queue) + sum(_count(v) for v in values)
             log.warning(
                 "delivery journal %s: %d accepted messages not journaled after %.0f s (Kafka "
@@ -399,49 +459,62 @@ class JournalWriter:
             self._wake.wait(interval_s)
             self._wake.clear()
             closing = self._closing  # read before the flush: what came before close is sent
+            self._update_behind()  # before a flush that may block while Kafka is away
             self._flush()
+            self._update_behind()
             if closing:
+                self._behind = False
                 return
 
     def _flush(self) -> None:
         with self._sending:  # the thread and `close` may both flush
             values = [self._unsent.popleft() for _ in range(len(self._unsent))]
+            since, self._queued_since = self._queued_since, None
             n = len(self._queue)
             if n:
-                values += encode([self._queue.popleft() for _ in range(n)])
-            for i, value in enumerate(values):
-                try:
-                    if self._producer is None:
-                        self._producer = self._factory(self.target)
-                    future = self._producer.send(
-                        self.target.topic,
-                        key=self.target.key.encode(),
-                        value=value,
-                        partition=self.target.partition,
-                    )
-                except Exception as e:  # noqa: BLE001 - kept and sent again: never fail a task
-                    self._unsent.extend(values[i:])
-                    self._warn(e)
-                    return
-                token = next(self._tokens)
-                with self._lock:
-                    self._in_flight[token] = value
-                # An answered future calls back at once (on this thread): the lock is not held.
-                future.add_callback(self._acknowledged, token)
-                future.add_errback(self._not_acknowledged, token)
+                since = since if since is not None else time.monotonic()
+                values += [(v, since) for v in encode([self._queue.popleft() for _ in range(n)])]
+            self._flushing_since = min((t for _, t in values), default=None)
+            try:
+                self._send(values)
+            finally:
+                self._flushing_since = None
+
+    def _send(self, values: list[tuple[bytes, float]]) -> None:
+        """Send each (record value, oldest origin's time); on a failure keep the rest."""
+        for i, (value, since) in enumerate(values):
+            try:
+                if self._producer is None:
+                    self._producer = self._factory(self.target)
+                future = self._producer.send(
+                    self.target.topic,
+                    key=self.target.key.encode(),
+                    value=value,
+                    partition=self.target.partition,
+                )
+            except Exception as e:  # noqa: BLE001 - kept and sent again: never fail a task
+                self._unsent.extend(values[i:])
+                self._warn(e)
+                return
+            token = next(self._tokens)
+            with self._lock:
+                self._in_flight[token] = (value, since)
+            # An answered future calls back at once (on this thread): the lock is not held.
+            future.add_callback(self._acknowledged, token)
+            future.add_errback(self._not_acknowledged, token)
 
     def _acknowledged(self, token: int, _metadata: object) -> None:
         with self._lock:
-            value = self._in_flight.pop(token, None)
-            if value is not None:
+            sent = self._in_flight.pop(token, None)
+            if sent is not None:
                 self.sent_records += 1
-                self.sent_origins += _count(value)
+                self.sent_origins += _count(sent[0])
 
     def _not_acknowledged(self, token: int, error: Exception) -> None:
         with self._lock:
-            value = self._in_flight.pop(token, None)
-        if value is not None:
-            self._unsent.append(value)
+            sent = self._in_flight.pop(token, None)
+        if sent is not None:
+            self._unsent.append(sent)
             self._warn(error)
 
     def _warn(self, error: Exception) -> None:

@@ -16,7 +16,7 @@ from kafka.future import Future
 
 from varadhi import checkpoints, journal
 from varadhi import messages as m
-from varadhi.delivery import Outcome
+from varadhi.delivery import Outcome, Wait
 from varadhi.errors import InvalidArgument
 from varadhi.group_state import Entry, GroupRun, RunCounts, merge
 from varadhi.journal import Accepted, JournalTarget, JournalWriter
@@ -213,13 +213,17 @@ def new(offset: int, group: str = "g") -> Entry:
 
 
 class Recorder:
-    """A fake JournalWriter."""
+    """A fake JournalWriter; `lagging` says what `behind` answers."""
 
-    def __init__(self):
+    def __init__(self, lagging: bool = False):
         self.origins: list[m.Origin] = []
+        self.lagging = lagging
 
     def accepted(self, origin: m.Origin) -> None:
         self.origins.append(origin)
+
+    def behind(self) -> bool:
+        return self.lagging
 
 
 def drive(run: GroupRun, status=lambda msg_id: 200) -> list[str]:
@@ -293,6 +297,87 @@ def test_parked_and_retried_messages_are_skipped_by_origin():
 def test_without_a_journal_nothing_is_skipped():
     run = run_of([new(0), new(1)])
     assert drive(run) == ["m0", "m1"]
+
+
+def test_a_run_sends_nothing_new_while_its_journal_is_behind():
+    """Kafka is away: the journal's records wait for it. A run sends no new request then (the
+    engine asks again after the wait), so a crash re-delivers seconds of deliveries, not
+    everything accepted since the broker went away. Before, delivery went on regardless."""
+    recorder = Recorder(lagging=True)
+    run = run_of([new(0), new(1)], journal_=recorder)
+    answer = run.next_request()
+    assert isinstance(answer, Wait) and not answer.while_busy
+    recorder.lagging = False
+    assert drive(run) == ["m0", "m1"]
+    assert recorder.origins == [o(0), o(1)]
+
+
+class Pending(FakeProducer):
+    """A producer whose sends stay unanswered until `answer()` (the broker is away)."""
+
+    def __init__(self):
+        super().__init__()
+        self.futures: list[Future] = []
+
+    def send(self, topic, key, value, partition):
+        future = Future()
+        with self.lock:
+            self.futures.append(future)
+            self.sent.append((topic, key, value, partition))
+        return future
+
+    def answer(self):
+        with self.lock:
+            futures, self.futures = self.futures, []
+        for future in futures:
+            future.success(None)
+
+
+def wait_until(condition, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_the_writer_is_behind_while_its_records_wait_for_the_broker_and_not_for_ever(
+    monkeypatch,
+):
+    monkeypatch.setattr(journal, "LAG_LIMIT_S", 0.1)
+    monkeypatch.setattr(journal, "LAG_GIVE_UP_S", 60)
+    producer = Pending()
+    writer = JournalWriter(target(interval_ms=10), lambda _bootstrap: producer)
+    writer.accepted(o(1))
+    assert not writer.behind()
+    assert wait_until(writer.behind), "not behind while the broker does not answer"
+    producer.answer()
+    assert wait_until(lambda: not writer.behind())
+    monkeypatch.setattr(journal, "LAG_GIVE_UP_S", 0.3)
+    writer.accepted(o(2))
+    assert wait_until(writer.behind)
+    assert wait_until(lambda: not writer.behind()), "still behind after LAG_GIVE_UP_S"
+    producer.answer()
+    writer.close()
+    assert producer.origins() == Accepted.of([o(1), o(2)]) and writer.unjournaled == 0
+
+
+def test_the_writer_is_behind_while_making_its_producer_hangs(monkeypatch):
+    """No producer can be made while the broker is down (each try blocks for the bootstrap
+    timeout): the task is held back meanwhile, not only once the try has failed."""
+    monkeypatch.setattr(journal, "LAG_LIMIT_S", 0.1)
+    release, producer = threading.Event(), FakeProducer()
+
+    def hanging(_target):
+        release.wait(10)
+        return producer
+
+    writer = JournalWriter(target(interval_ms=10), hanging)
+    writer.accepted(o(1))
+    assert wait_until(writer.behind), "not behind while the producer cannot be made"
+    release.set()
+    assert wait_until(lambda: not writer.behind())
+    writer.close()
+    assert producer.origins() == Accepted.of([o(1)])
 
 
 # -- which batch is a replay --------------------------------------------------------------------
