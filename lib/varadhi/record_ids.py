@@ -126,32 +126,39 @@ def header_column(name: str) -> Column:
     return header_of(F.col("headers"), name)
 
 
-def msg_id_column() -> Column:
+def msg_id_column(header: Column | None = None) -> Column:
     """A record's message id: the text form of its `varadhi-msg-id` header, else
-    `<topic>-<partition>-<offset>`."""
+    `<topic>-<partition>-<offset>`. `header`: that header's value, when a column holds it
+    already (default: looked up in `headers`)."""
     from pyspark.sql import functions as F
 
-    return F.coalesce(
-        text_id_column(header_column(m.H_MSG_ID)), F.concat_ws("-", "topic", "partition", "offset")
-    )
+    header = header_column(m.H_MSG_ID) if header is None else header
+    return F.coalesce(text_id_column(header), F.concat_ws("-", "topic", "partition", "offset"))
 
 
-def group_id_column() -> Column:
+def group_id_column(header: Column | None = None) -> Column:
     """A record's group id: the text form of its `varadhi-group-id` header, else of its key;
-    null when both are absent or empty (the message is ungrouped)."""
+    null when both are absent or empty (the message is ungrouped). `header`: that header's
+    value, when a column holds it already (default: looked up in `headers`)."""
     from pyspark.sql import functions as F
 
-    return F.coalesce(text_id_column(header_column(m.H_GROUP_ID)), text_id_column(F.col("key")))
+    header = header_column(m.H_GROUP_ID) if header is None else header
+    return F.coalesce(text_id_column(header), text_id_column(F.col("key")))
 
 
-def group_key_column(grouped: bool) -> Column:
+def group_key_column(
+    grouped: bool, group_id: Column | None = None, msg_id: Column | None = None
+) -> Column:
     """What orders a Kafka record: its group id, else "~" + its message id; always "~" + message
-    id when the subscription is ungrouped.
+    id when the subscription is ungrouped. `group_id` / `msg_id`: the record's ids as
+    `group_id_column` / `msg_id_column` give them (default: those columns).
 
     Shards, feeders (`varadhi.resharding`) and replay must agree on it: a record's group key
     decides which GroupState entry it belongs to and which shard's partitions a feeder routes it
     to."""
     from pyspark.sql import functions as F
 
-    ungrouped = F.concat(F.lit("~"), msg_id_column())
-    return F.coalesce(group_id_column(), ungrouped) if grouped else ungrouped
+    ungrouped = F.concat(F.lit("~"), msg_id_column() if msg_id is None else msg_id)
+    if not grouped:
+        return ungrouped
+    return F.coalesce(group_id_column() if group_id is None else group_id, ungrouped)

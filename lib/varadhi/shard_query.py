@@ -16,16 +16,19 @@ not a silent skip).
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
+from pyspark import SparkContext
 from pyspark.sql import DataFrame, Observation
 from pyspark.sql import functions as F
 
 from . import filters, subscriptions, topics
 from .dedup import dedup_id
 from .layouts import Layout
-from .record_ids import group_id_column, group_key_column, msg_id_column
+from .messages import H_GROUP_ID, H_MSG_ID
+from .record_ids import group_id_column, group_key_column, header_column, msg_id_column
 from .state_rows import Kind
 
 
@@ -97,23 +100,57 @@ def batch_records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
     """The batch's Kafka records with `kind` (`Kind.MQ`, `Kind.RQ`), `group_key` (what orders
     them) and the text forms of their ids (`group_id`, `msg_id`: `varadhi.record_ids`). Every
     string column is valid UTF-8 whatever the producer wrote, so Arrow never fails to convert a
-    batch."""
-    mq_names = [st.name for st in mq.storage_topics]
-    return df.select(
-        F.when(F.col("topic").isin(mq_names), F.lit(Kind.MQ.value))
+    batch.
+
+    A shard calls this for every micro-batch, so its cost is per batch, whatever the batch's
+    size: the columns are built once per process (`_record_columns`; building them cost some
+    2,000 Py4J round trips each time), and the two headers the ids read are looked up once, in
+    a first projection, instead of in every branch of every id expression, so the plan Spark
+    analyses for each batch stays small (docs/benchmarks.md, "Latency")."""
+    mq_names = tuple(st.name for st in mq.storage_topics)
+    dedup = bool(sub.spec.dedup_window_ms)
+    looked_up, records = _record_columns(
+        bool(sub.spec.grouped), mq_names, dedup, SparkContext._gateway
+    )
+    return df.select(*looked_up).select(*records)
+
+
+@functools.lru_cache(maxsize=32)
+def _record_columns(
+    grouped: bool, mq_names: tuple[str, ...], dedup: bool, _gateway: object
+) -> tuple[tuple, tuple]:
+    """`batch_records`' two projections (Spark columns are plans' building blocks, not bound to
+    a DataFrame, so they are reused). `_gateway`: the JVM they live in (a new one, after a
+    gateway restart, gets its own)."""
+    msg_header, group_header = "_varadhi_msg_header", "_varadhi_group_header"
+    looked_up = (
+        "topic",
+        "partition",
+        "offset",
+        "key",
+        "value",
+        "headers",
+        header_column(H_MSG_ID).alias(msg_header),
+        header_column(H_GROUP_ID).alias(group_header),
+    )
+    msg_id = msg_id_column(F.col(msg_header))
+    group_id = group_id_column(F.col(group_header))
+    records = (
+        F.when(F.col("topic").isin(list(mq_names)), F.lit(Kind.MQ.value))
         .otherwise(F.lit(Kind.RQ.value))
         .alias("kind"),
-        group_key_column(sub.spec.grouped).alias("group_key"),
-        group_id_column().alias("group_id"),
-        msg_id_column().alias("msg_id"),
+        group_key_column(grouped, group_id, msg_id).alias("group_key"),
+        group_id.alias("group_id"),
+        msg_id.alias("msg_id"),
         "topic",
         "partition",
         "offset",
         "key",
         "value",
         F.col("headers").alias("kheaders"),
-        *([dedup_id().alias("dedup_id")] if sub.spec.dedup_window_ms else []),
+        *([dedup_id().alias("dedup_id")] if dedup else []),
     )
+    return looked_up, records
 
 
 def filter_records(

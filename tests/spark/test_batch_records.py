@@ -1,0 +1,87 @@
+"""`varadhi.shard_query.batch_records`, the columns every micro-batch hands to delivery: the ids
+and group keys of Kafka-shaped records of every awkward shape agree with the Python rule
+(`record_ids.text_id` over `record_ids.header_value`), grouped and ungrouped, with and without
+the dedup id, and the same columns serve every batch."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from varadhi import messages as m
+from varadhi.dedup import dedup_id
+from varadhi.record_ids import header_value, text_id
+from varadhi.shard_query import _record_columns, batch_records
+
+SCHEMA = (
+    "key binary, value binary, topic string, partition int, offset long, "
+    "headers array<struct<key:string,value:binary>>"
+)
+MQ, RQ = "orders.0", "orders-sub.rq.0"
+
+# (key, headers, topic); the comments say what the ids come from.
+CORPUS = [
+    (b"k1", [(m.H_MSG_ID, b"m-1"), (m.H_GROUP_ID, b"g-1")], MQ),  # both headers
+    (b"k2", [(m.H_MSG_ID, b"m-2")], MQ),  # group id from the key
+    (None, [(m.H_MSG_ID, b"m-3")], MQ),  # no group id at all
+    (b"", None, MQ),  # nothing: msg id from the position, no group id
+    (b"\xff\xfe", [(m.H_GROUP_ID, b"")], RQ),  # empty group header: the key's b64 form
+    (b"k", [(m.H_MSG_ID, b"\x00\x01abc"), (m.H_GROUP_ID, "größe".encode())], RQ),
+    (b"k", [(m.H_GROUP_ID, b"first"), (m.H_GROUP_ID, b"second")], MQ),  # the first counts
+    (b"k", [(m.H_MSG_ID, b"\xff" * 300), (m.H_GROUP_ID, b"x" * 1025)], MQ),  # sha256 forms
+    (b"k", [("Varadhi-Msg-Id", b"other"), (m.H_MSG_ID, None)], MQ),  # names are exact; null
+]
+
+
+def expected(key, headers, topic, partition, offset, grouped):
+    """The Python rule for one record (`record_ids`)."""
+    msg_id = text_id(header_value(headers, m.H_MSG_ID)) or f"{topic}-{partition}-{offset}"
+    group_id = text_id(header_value(headers, m.H_GROUP_ID)) or text_id(key)
+    group_key = (group_id if grouped else None) or f"~{msg_id}"
+    return {
+        "kind": "mq" if topic == MQ else "rq",
+        "group_key": group_key,
+        "group_id": group_id,
+        "msg_id": msg_id,
+    }
+
+
+@pytest.fixture(scope="module")
+def kafka_records(spark):
+    rows = [(k, b"v%d" % i, t, i % 2, 100 + i, h) for i, (k, h, t) in enumerate(CORPUS)]
+    return spark.createDataFrame(rows, SCHEMA), rows
+
+
+@pytest.mark.parametrize("grouped", [True, False])
+@pytest.mark.parametrize("dedup", [0, 60_000])
+def test_ids_agree_with_the_python_rule(kafka_records, grouped, dedup):
+    frame, rows = kafka_records
+    sub = SimpleNamespace(spec=SimpleNamespace(grouped=grouped, dedup_window_ms=dedup))
+    mq = SimpleNamespace(storage_topics=[SimpleNamespace(name=MQ)])
+    got = batch_records(frame, sub, mq).orderBy("offset").toPandas()
+    assert list(got.columns) == [
+        "kind", "group_key", "group_id", "msg_id", "topic", "partition", "offset", "key",
+        "value", "kheaders", *(["dedup_id"] if dedup else []),
+    ]  # fmt: skip
+    for record, (key, value, topic, partition, offset, headers) in zip(
+        got.to_dict("records"), rows, strict=True
+    ):
+        want = expected(key, headers, topic, partition, offset, grouped)
+        assert {k: record[k] for k in want} == want
+        assert (record["value"], record["offset"]) == (value, offset)
+    if dedup:  # the same id the dedup window computes over the Kafka source's columns
+        direct = frame.select("offset", dedup_id().alias("d")).orderBy("offset").toPandas()
+        assert list(got["dedup_id"]) == list(direct["d"])
+
+
+def test_every_batch_reuses_the_columns(kafka_records):
+    frame, _ = kafka_records
+    sub = SimpleNamespace(spec=SimpleNamespace(grouped=True, dedup_window_ms=0))
+    mq = SimpleNamespace(storage_topics=[SimpleNamespace(name=MQ)])
+    before = _record_columns.cache_info()
+    for _ in range(3):
+        batch_records(frame, sub, mq)
+    after = _record_columns.cache_info()
+    assert after.hits - before.hits >= 2
+    assert after.currsize - before.currsize <= 1
