@@ -25,7 +25,7 @@ from varadhi.state_rows import (
     task_stats,
     touched_row,
 )
-from varadhi.state_store import StateStore
+from varadhi.state_store import TABLE_PROPERTIES, StateStore, commit_stamp
 
 pytestmark = pytest.mark.spark
 
@@ -136,6 +136,61 @@ def test_a_table_written_with_the_old_schema_reads_and_takes_commits(spark, tmp_
     assert again.redrives_applied() == {"redrive-1": {"s.dlq.0": {"0": 4}}}
     schema = spark.read.format("delta").load(path).schema
     assert [(f.name, f.dataType.simpleString()) for f in schema.fields] == OLD_COLUMNS
+    # Loading gave the old table the state table's properties (one commit before batch 4's).
+    assert properties(spark, path).items() >= TABLE_PROPERTIES.items()
+    assert (store.version, again.version) == (2, 2)
+
+
+def properties(spark, path: str) -> dict[str, str]:
+    return spark.sql(f"DESCRIBE DETAIL delta.`{path}`").collect()[0]["properties"]
+
+
+def pending_commit(store: StateStore, msg_id: str, batch_id: int, app_id: str = "app") -> bool:
+    """Commit batch `batch_id` of `app_id`: group g's one pending message is `msg_id`."""
+    entry = Entry(m.Origin(0, 0, batch_id), msg_id, "g", "rq", attempts=1, due_ms=5)
+    result = frame_of([touched_row("g"), state_row(Kind.PENDING, "g", entry)], RESULT_COLUMNS)
+    touched, new_rows = changes(result, app_id, batch_id)
+    return store.commit(touched, new_rows, app_id, batch_id)
+
+
+def test_a_commit_is_verified_from_the_delta_log_and_a_lost_one_reloads(spark, tmp_path):
+    """A new table is created without column statistics; `commit` learns from the commit files
+    after its copy's version whether its write won and is the latest: a write Delta skipped
+    (another writer committed that batch) or another writer's later commit makes it return
+    False with the copy reloaded as the table is."""
+    path = str(tmp_path / "state")
+    a = StateStore(spark, path, "a")
+    assert a.version is None
+    assert pending_commit(a, "m0", 0)
+    assert a.version == 0
+    assert properties(spark, path).items() >= TABLE_PROPERTIES.items()
+    log = tmp_path / "state" / "_delta_log"
+    assert commit_stamp((log / f"{0:020d}.json").read_text()) == "a/app/0"
+    assert '"minValues"' not in (log / f"{0:020d}.json").read_text()  # no column statistics
+
+    b = StateStore(spark, path, "b")  # another instance of the shard
+    assert pending_commit(b, "m1-b", 1)
+    # a's batch 1: Delta skips the write (txnVersion 1 is committed); a takes b's content.
+    assert not pending_commit(a, "m1-a", 1)
+    assert (a.version, a.meta()) == (1, ("app", 1))
+    assert [r.msg_id for r in a.pending()["g"]] == ["m1-b"]
+    assert pending_commit(a, "m2-a", 2)
+    # b's copy is at version 1; its batch 3 is written after a's version 2 and is the latest.
+    assert pending_commit(b, "m3-b", 3)
+    assert (b.version, [r.msg_id for r in b.pending()["g"]]) == (3, ["m3-b"])
+    # A commit after a's copy that is not a's own: a's write of the same batch id again is
+    # skipped and a reloads (it does not take its own older commit, version 2, for the latest).
+    assert not pending_commit(a, "m3-a", 3)
+    assert (a.version, [r.msg_id for r in a.pending()["g"]]) == (3, ["m3-b"])
+    reread = StateStore(spark, path, "c")
+    assert (reread.version, reread.meta()) == (3, ("app", 3))
+
+
+def test_commit_stamp_reads_the_commit_info_line():
+    info = '{"commitInfo":{"timestamp":1,"userMetadata":"w/app/7","operation":"WRITE"}}'
+    assert commit_stamp('{"txn":{"appId":"app","version":7}}\n' + info + "\n") == "w/app/7"
+    assert commit_stamp('{"commitInfo":{"timestamp":1}}') is None
+    assert commit_stamp('{"add":{"path":"x"}}') is None
 
 
 def test_executor_results_come_through_a_spark_job(spark):
