@@ -31,6 +31,7 @@ import os
 import threading
 import time
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
@@ -63,7 +64,7 @@ from .errors import Fenced, InvalidArgument, StopRequested, VaradhiError
 from .layouts import Layout
 from .policies import CircuitPolicy
 from .settings import Settings
-from .shard_ends import QueryEnd, Verdict, judge
+from .shard_ends import QueryEnd, Verdict, catalog_change, idle, judge
 from .shard_journal import ShardJournal
 from .shard_lease import ShardLease
 from .shard_query import DELIVERY_COLUMNS, Source, batch_records, filter_records
@@ -82,6 +83,18 @@ log = logging.getLogger("varadhi.shard")
 # Producers learn of a switch within a second and give up on a record after 30 s
 # (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
 SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
+
+
+@dataclass(frozen=True)
+class _QueryPlan:
+    """One query of a layout (`ShardJob._prepare_query`): what it reads, its state table,
+    checkpoint and idempotency id, and the most records a batch reads."""
+
+    source: Source
+    state_path: str
+    checkpoint: str
+    app_id: str
+    limit: int
 
 
 class ShardJob:
@@ -356,9 +369,27 @@ class ShardJob:
         self._signal.set()
 
     def _run_query(self, sub, mq, rq, dlq, layout: Layout, lease: ShardLease) -> QueryEnd:
-        """Run one query for `layout` until something asks it to stop; say why it stopped."""
+        """Run one query for `layout` until something asks it to stop; say why it stopped. Three
+        steps: what it reads and skips (`_prepare_query`), the query (`_start_query`), then
+        watching it between batches (`_watch`); the query is stopped between batches on every
+        way out."""
+        plan = self._prepare_query(sub, mq, rq, layout)
+        query = self._start_query(sub, layout, plan, dict(
+            sub=sub, mq=mq, rq=rq, dlq=dlq, state_path=plan.state_path, app_id=plan.app_id,
+            lease=lease,
+        ))  # fmt: skip
+        try:
+            return self._watch(query, sub, rq, layout, plan.source.assign, lease)
+        finally:
+            if query.isActive:
+                self._stop_between_batches(query)
+
+    def _prepare_query(self, sub, mq, rq, layout: Layout) -> _QueryPlan:
+        """Before a query of `layout` starts: its source and paths, the state table's parked
+        retries (ticks and status), the circuit it runs in and its read limit, a batch this
+        process refused unstarted forgotten, the delivery journal's re-run set and a
+        shard-count change's hand-over."""
         source = Source.of(sub, mq, rq, layout, self.shard)
-        assign = source.assign
         self._partitions_read = source.mq_partitions
         state_path, checkpoint, app_id = self._paths(sub, layout)
         if self._store is None or self._store.path != state_path:
@@ -369,9 +400,6 @@ class ShardJob:
         self._ticks.next_due_ms = next_due(pending)
         self._summary = summarize(pending)
         self._startup.mark("state table read")
-        ctx_base = dict(
-            sub=sub, mq=mq, rq=rq, dlq=dlq, state_path=state_path, app_id=app_id, lease=lease
-        )
         # Half-open, the query reads a few records (`varadhi.circuit`); the query stops when the
         # circuit moves. A batch this process refused before doing anything is planned again
         # under this query's limit (Spark would re-run it with the range it planned).
@@ -392,13 +420,18 @@ class ShardJob:
         self._handover = (handover, layout) if handover else None
         self._journal.ensure(sub)
         self._startup.mark("checkpoint and journal checked")
-        options = source.options(kafka_clients.spark_options(self.settings), limit)
+        return _QueryPlan(source, state_path, checkpoint, app_id, limit)
+
+    def _start_query(self, sub, layout: Layout, plan: _QueryPlan, ctx: dict[str, Any]):
+        """Start the Structured Streaming query of `plan`, each micro-batch to `_on_batch` with
+        `ctx`; returns it running."""
+        options = plan.source.options(kafka_clients.spark_options(self.settings), plan.limit)
         query = (
             self.spark.readStream.format("kafka")
             .options(**options)
             .load()
-            .writeStream.foreachBatch(lambda df, batch_id: self._on_batch(df, batch_id, **ctx_base))
-            .option("checkpointLocation", checkpoint)
+            .writeStream.foreachBatch(lambda df, batch_id: self._on_batch(df, batch_id, **ctx))
+            .option("checkpointLocation", plan.checkpoint)
             .trigger(processingTime=f"{sub.spec.consumption.trigger_interval_ms} milliseconds")
             .queryName(f"varadhi-{self.name}-{self.shard}-g{layout.generation}-L{layout.seq}")
             .start()
@@ -406,6 +439,7 @@ class ShardJob:
         self._query = query
         self._startup.mark("query started")
         self._stopping = False
+        assign = plan.source.assign
         self._where = where_reading(self._where, sub.shard_count, layout, assign)
         log.info(
             "%s shard %d: reading %s (layout %d, circuit %s, at most %d records a batch)",
@@ -414,57 +448,69 @@ class ShardJob:
             assign,
             layout.seq,
             self._query_circuit,
-            limit,
+            plan.limit,
         )
+        return query
+
+    def _watch(self, query, sub, rq, layout: Layout, assign, lease: ShardLease) -> QueryEnd:
+        """Watch a running query between batches until it ends (`_ended`) or something ends
+        it (`_stop_reason`, idle); meanwhile tick parked retries and publish progress."""
         self._last_batch_end = query_started = time.monotonic()
-        try:
-            while True:
-                if not query.isActive:
-                    failure = jvm_errors.query_failure(query)
-                    verdict = judge(failure, replayed=self._last_batch_end > query_started)
-                    if verdict is not None:
-                        assert failure is not None
-                        return self._failed(verdict, failure, sub, lease)
-                    if self._circuit.state != self._query_circuit:
-                        return QueryEnd.CIRCUIT
-                    return QueryEnd.STOP
-                if self._signal.is_set():
-                    self._stop_between_batches(query)
-                    return QueryEnd.STOP
-                lease.check()
-                if self._circuit.state != self._query_circuit:  # opened, or a probe decided
-                    # Right after the batch that moved it: let Spark commit that batch first,
-                    # or the next query runs it again.
-                    checkpoints.await_commit(*self._completed, lambda: query.isActive, self._fs)
-                    self._stop_between_batches(query)
-                    return QueryEnd.CIRCUIT
-                current = subscriptions.from_snapshot(self.catalog.snapshot(), self.name)
-                self._circuit.configure(current.spec.circuit_breaker)
-                if current.paused:
-                    self._stop_between_batches(query)
-                    return QueryEnd.PAUSED
-                if current.shard_count != sub.shard_count or current.generation != sub.generation:
-                    self._stop_between_batches(query)
-                    return QueryEnd.CHANGED
-                moved = self._maybe_next_layout(query, sub, layout)
-                if moved:
-                    return QueryEnd.LAYOUT
-                redrives = dlq_ops.pending_for(self.catalog.snapshot(), self.name, self.shard)
-                self._ticks.maybe_tick(rq, sub, redrive_waiting=bool(redrives))
-                self._publish("running", query)
-                if (
-                    self.stop_when_idle_s is not None
-                    and self._ticks.next_due_ms is None
-                    and not self._batch_lock.locked()  # a batch is running: not idle
-                    and time.monotonic() - self._last_batch_end > self.stop_when_idle_s
-                    and caught_up(consumed(query.lastProgress), assign, self._end_offsets(assign))
-                ):
-                    self._stop_between_batches(query)
-                    return QueryEnd.IDLE
-                time.sleep(0.5)
-        finally:
-            if query.isActive:
+        while True:
+            if not query.isActive:
+                return self._ended(query, sub, lease, self._last_batch_end > query_started)
+            reason = self._stop_reason(query, sub, layout, lease)
+            if reason is not None:
+                return reason
+            redrives = dlq_ops.pending_for(self.catalog.snapshot(), self.name, self.shard)
+            self._ticks.maybe_tick(rq, sub, redrive_waiting=bool(redrives))
+            self._publish("running", query)
+            if idle(
+                self.stop_when_idle_s,
+                quiet_s=time.monotonic() - self._last_batch_end,
+                retry_waiting=self._ticks.next_due_ms is not None,
+                batch_running=self._batch_lock.locked(),
+                all_read=lambda: caught_up(
+                    consumed(query.lastProgress), assign, self._end_offsets(assign)
+                ),
+            ):
                 self._stop_between_batches(query)
+                return QueryEnd.IDLE
+            time.sleep(0.5)
+
+    def _ended(self, query, sub, lease: ShardLease, replayed: bool) -> QueryEnd:
+        """Why a query that ended by itself ended: its failure's verdict (`shard_ends.judge`,
+        acted on by `_failed`), else the circuit it moved or a stop (a refused batch)."""
+        failure = jvm_errors.query_failure(query)
+        verdict = judge(failure, replayed=replayed)
+        if verdict is not None:
+            assert failure is not None
+            return self._failed(verdict, failure, sub, lease)
+        if self._circuit.state != self._query_circuit:
+            return QueryEnd.CIRCUIT
+        return QueryEnd.STOP
+
+    def _stop_reason(self, query, sub, layout: Layout, lease: ShardLease) -> QueryEnd | None:
+        """One look between batches, in this order: a stop asked for, the lease (raises
+        `Fenced`), the circuit moved, the catalog (`shard_ends.catalog_change`), the next
+        layout. A reason comes with the query stopped between batches; None: go on."""
+        if self._signal.is_set():
+            self._stop_between_batches(query)
+            return QueryEnd.STOP
+        lease.check()
+        if self._circuit.state != self._query_circuit:  # opened, or a probe decided
+            # Right after the batch that moved it: let Spark commit that batch first, or the
+            # next query runs it again.
+            checkpoints.await_commit(*self._completed, lambda: query.isActive, self._fs)
+            self._stop_between_batches(query)
+            return QueryEnd.CIRCUIT
+        current = subscriptions.from_snapshot(self.catalog.snapshot(), self.name)
+        self._circuit.configure(current.spec.circuit_breaker)
+        changed = catalog_change(sub, current)
+        if changed is not None:
+            self._stop_between_batches(query)
+            return changed
+        return QueryEnd.LAYOUT if self._maybe_next_layout(query, sub, layout) else None
 
     def _failed(
         self, verdict: Verdict, failure: jvm_errors.Diagnosis, sub, lease: ShardLease

@@ -16,14 +16,21 @@ them into the shard's verdict, in this order:
 
 Contract: the caller checks its lease before acting on any verdict but `FENCED` (a query that
 died after this instance lost its lease is fenced, not failed: a zombie's Spark may have found
-the new holder's checkpoint files). `judge` is pure (tests/unit/test_shard_ends.py).
+the new holder's checkpoint files). Between batches, the control loop ends a running query for
+what the catalog says (`catalog_change`) and, in a bounded run, when it is idle (`idle`).
+`judge`, `catalog_change` and `idle` are pure (tests/unit/test_shard_ends.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from . import jvm_errors
+
+if TYPE_CHECKING:
+    from .subscriptions import Subscription
 
 
 class QueryEnd(StrEnum):
@@ -64,3 +71,29 @@ def judge(failure: jvm_errors.Diagnosis | None, replayed: bool) -> Verdict | Non
     if jvm_errors.Denied in failure:
         return Verdict.DENIED
     return Verdict.FAILED
+
+
+def catalog_change(started: Subscription, current: Subscription) -> QueryEnd | None:
+    """Why the catalog's `current` subscription ends a query started for `started`: `PAUSED`,
+    `CHANGED` (another shard count or generation: an offset reset), or None (pure)."""
+    if current.paused:
+        return QueryEnd.PAUSED
+    if (current.shard_count, current.generation) != (started.shard_count, started.generation):
+        return QueryEnd.CHANGED
+    return None
+
+
+def idle(
+    after_s: float | None,
+    quiet_s: float,
+    retry_waiting: bool,
+    batch_running: bool,
+    all_read: Callable[[], bool],
+) -> bool:
+    """Whether a run bounded by `stop_when_idle_s` (`after_s`; None: unbounded) ends now: no
+    parked retry waits for a tick, no batch runs, none ended for more than `after_s` (`quiet_s`
+    since the last) and the query has read all its partitions hold. `all_read` is asked last,
+    only when all else holds (it asks Kafka for the end offsets)."""
+    if after_s is None or retry_waiting or batch_running or quiet_s <= after_s:
+        return False
+    return all_read()

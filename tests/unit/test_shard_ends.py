@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from varadhi import jvm_errors
 from varadhi.jvm_errors import Link
-from varadhi.shard_ends import Verdict, judge
+from varadhi.shard_ends import QueryEnd, Verdict, catalog_change, idle, judge
 
 NPE_FRAMES = (("org.apache.spark.sql.kafka010.KafkaMicroBatchStream", "metrics"),)
 # A batch function's own error, as it comes back inside the Java PythonException (shortened).
@@ -67,3 +67,35 @@ def test_restarts_and_the_other_failures():
     assert judge(failure(Link("java.io.IOException", "disk full")), replayed=True) is (
         Verdict.FAILED
     )
+
+
+def test_the_catalog_ends_a_query_when_paused_or_reassigned():
+    from types import SimpleNamespace as Sub
+
+    started = Sub(paused=False, shard_count=2, generation=1)
+    assert catalog_change(started, Sub(paused=False, shard_count=2, generation=1)) is None
+    assert catalog_change(started, Sub(paused=True, shard_count=2, generation=1)) is QueryEnd.PAUSED
+    assert catalog_change(started, Sub(paused=True, shard_count=3, generation=1)) is QueryEnd.PAUSED
+    moved = catalog_change(started, Sub(paused=False, shard_count=3, generation=1))
+    reset = catalog_change(started, Sub(paused=False, shard_count=2, generation=2))
+    assert moved is reset is QueryEnd.CHANGED
+
+
+def test_a_bounded_run_is_idle_only_when_all_holds_and_asks_kafka_last():
+    asked = []
+
+    def all_read(answer):
+        return lambda: asked.append(answer) or answer
+
+    quiet = dict(quiet_s=5.0, retry_waiting=False, batch_running=False)
+    assert idle(2.0, **quiet, all_read=all_read(True))
+    assert not idle(2.0, **quiet, all_read=all_read(False))
+    assert asked == [True, False]
+    for not_yet in (
+        dict(quiet, quiet_s=2.0),  # the last batch ended too recently
+        dict(quiet, retry_waiting=True),  # a parked retry waits for its tick
+        dict(quiet, batch_running=True),
+    ):
+        assert not idle(2.0, **not_yet, all_read=all_read(True))
+    assert not idle(None, **quiet, all_read=all_read(True))  # an unbounded run
+    assert asked == [True, False]  # the end offsets were not asked for
