@@ -1,9 +1,9 @@
 """The Kafka records a shard (or a shard-count change) writes to a subscription's RQ and DLQ.
 
-An `out` row of the state table (`varadhi.state_rows.state_row`) becomes one record: key = the
-text form of the group id, value = the body, headers = the message's headers plus the retry
-headers of `varadhi.messages` (origin, attempts, due and failure times, reason, status:
-`state_rows.retry_headers`).
+An `out` row of the state table, typed (`varadhi.state_rows.OutRow`, from the table's frame by
+`state_rows.out_rows`), becomes one record: key = the text form of the group id, value = the
+body, headers = the message's headers plus the retry headers of `varadhi.messages` (origin,
+attempts, due and failure times, reason, status: `state_rows.retry_headers`).
 
 Size. The broker refuses a record larger than the topic's `max.message.bytes`; refused after
 the state commit, it would fail the batch on every replay. Retries never get that far (a group
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from . import messages as m
 from .errors import VaradhiError
-from .state_rows import retry_headers
+from .state_rows import OutRow, retry_headers
 
 # The largest request the product's producers send (their `max_request_size`): the limit of a
 # record wherever the topic allows more.
@@ -50,22 +50,22 @@ class OutRecord:
         return len(self.key or b"") + len(self.value or b"") + headers + RECORD_OVERHEAD_BYTES
 
 
-def out_headers(row: dict) -> list[tuple[str, bytes]]:
+def out_headers(row: OutRow) -> list[tuple[str, bytes]]:
     """The headers of an `out` row's record."""
     return m.dict_to_headers(retry_headers(row))
 
 
-def out_record(row: dict, limit: int | None) -> OutRecord:
+def out_record(row: OutRow, limit: int | None) -> OutRecord:
     """The record for an `out` row, fitted to `limit` bytes (None: no limit; see the module
     docstring). Raises VaradhiError for a retry that does not fit: the RQ's limit was lowered
     under a running shard."""
-    key = row["group_id"].encode() if isinstance(row["group_id"], str) else None
-    record = OutRecord(key, row["value"], out_headers(row))
+    key = row.group_id.encode() if row.group_id is not None else None
+    record = OutRecord(key, row.value, out_headers(row))
     if limit is None or record.size <= limit:
         return record
-    if row["target"] != "dlq":
+    if row.target != "dlq":
         raise VaradhiError(
-            f"a retry of message {row['msg_id']} ({record.size} bytes) exceeds the RQ's "
+            f"a retry of message {row.msg_id} ({record.size} bytes) exceeds the RQ's "
             f"max.message.bytes ({limit}): raise it back to at least the main topic's"
         )
     return truncated(record, limit)

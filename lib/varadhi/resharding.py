@@ -902,6 +902,7 @@ class ChangeShards:
             return
 
         from .queue_records import MAX_REQUEST_BYTES, out_record
+        from .state_rows import out_rows
 
         targets = {"rq": plan.rq_target, "dlq": plan.dlq_target}
         limits = topics.max_message_bytes(self.catalog, [st.name for st in targets.values()])
@@ -918,8 +919,8 @@ class ChangeShards:
                 return
             producer.begin_transaction()
             futures = []
-            for row in outs.to_dict("records"):
-                st = targets[row["target"]]
+            for row in out_rows(outs):
+                st = targets[row.target]
                 record = out_record(row, min(limits[st.name], MAX_REQUEST_BYTES))
                 futures.append(
                     producer.send(
@@ -927,7 +928,7 @@ class ChangeShards:
                         key=record.key,
                         value=record.value,
                         partition=internal_target(
-                            row["group_key"], plan.route_by, plan.to_shards, st.partitions
+                            row.group_key, plan.route_by, plan.to_shards, st.partitions
                         ),
                         headers=record.headers,
                     )

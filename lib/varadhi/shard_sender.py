@@ -3,8 +3,8 @@
 `QueueSender` holds the shard's transactional producer (transactional id per subscription,
 shard count and shard: `transactional_id`) and the largest record each RQ/DLQ storage topic
 takes. `QueueSender.to(sub, rq, dlq)` is the `varadhi.batch_commit.OutSender` port of one
-micro-batch: `send(outs)` writes every `out` row to the storage topic its `target` names (the
-RQ's or DLQ's produce topic) on the partition of its group among those this shard owns
+micro-batch: `send(outs)` types the batch's `out` rows once (`state_rows.out_rows`) and writes
+each to the storage topic its `target` names (the RQ's or DLQ's produce topic) on the partition of its group among those this shard owns
 (`routing.internal_partition`, so the group's shard reads it again), all in one Kafka
 transaction: all or none are visible to read_committed readers.
 
@@ -36,6 +36,7 @@ from .catalog import Catalog
 from .errors import Fenced
 from .queue_records import MAX_REQUEST_BYTES, OutRecord, out_record
 from .settings import Settings
+from .state_rows import OutRow, out_rows
 
 #: Seconds a send waits for the broker's acknowledgement of each record.
 SEND_TIMEOUT_S = 30
@@ -84,14 +85,14 @@ def targets(
 
 
 def plan(
-    rows: list[dict], where: Targets, limit: Callable[[str], int]
+    rows: list[OutRow], where: Targets, limit: Callable[[str], int]
 ) -> list[tuple[str, int, OutRecord]]:
     """(topic, partition, record) for each `out` row, in order (pure but for `limit`: the
     largest record a storage topic takes). Raises `VaradhiError` for a retry that does not fit."""
     planned = []
     for row in rows:
-        topic, parts = where[row["target"]]
-        partition = routing.internal_partition(routing.group_hash(row["group_key"]), parts)
+        topic, parts = where[row.target]
+        partition = routing.internal_partition(routing.group_hash(row.group_key), parts)
         planned.append((topic, partition, out_record(row, limit(topic))))
     return planned
 
@@ -159,16 +160,16 @@ class QueueSender:
         """The `OutSender` of a batch of `sub` (its RQ and DLQ as the batch's query read them)."""
         return BatchSender(self, sub, rq, dlq)
 
-    def send(self, outs: pd.DataFrame, where: Targets) -> None:
+    def send(self, outs: list[OutRow], where: Targets) -> None:
         """Send the `out` rows `outs` in one Kafka transaction (nothing for none); raises
         `Fenced` when a newer producer of the shard fenced this one."""
-        if not len(outs):
+        if not outs:
             return
         producer = self._producer
         try:
             producer.begin_transaction()
             futures = []
-            for topic, partition, record in plan(outs.to_dict("records"), where, self.limit):
+            for topic, partition, record in plan(outs, where, self.limit):
                 futures.append(
                     producer.send(
                         topic,
@@ -202,7 +203,8 @@ class BatchSender:
 
     def send(self, outs: pd.DataFrame) -> None:
         if len(outs):
-            self.sender.send(outs, targets(self.sub, self.rq, self.dlq, self.sender.shard))
+            where = targets(self.sub, self.rq, self.dlq, self.sender.shard)
+            self.sender.send(out_rows(outs), where)
 
 
 def _close(producer: Producer) -> None:

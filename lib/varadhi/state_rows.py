@@ -53,8 +53,8 @@ The executors' extra columns (`RESULT_COLUMNS` beyond the state's, null on other
 (`stat`): `stat_<counter>` bigint for each counter, `stat_seconds` double, `stat_http`
 map<string,bigint> (what the endpoint answered, `batch.http_counts`).
 
-RQ and DLQ records carry an `out` row in Kafka headers (`retry_headers`, read back by
-`retry_state`). Changing a persisted column's name or type is a format change: tables written
+RQ and DLQ records carry an `out` row in Kafka headers (`retry_headers` of its typed `OutRow`,
+read back by `retry_state`). Changing a persisted column's name or type is a format change: tables written
 by earlier versions must still read (`StateStore` reads a table into `STATE_COLUMNS`).
 """
 
@@ -238,24 +238,72 @@ def decode_scanned(text: str) -> Scanned:
 # -- RQ/DLQ records -----------------------------------------------------------------------------
 
 
-def retry_headers(row: dict[str, Any]) -> dict[str, str | None]:
-    """The headers of an `out` row's record (a dict row, as `DataFrame.to_dict` gives it): the
-    message's own, its id (which keeps the group key of id-less messages) and the retry state
-    (origin, attempts, due and failure times, reason, status; None: left out)."""
-    headers: dict[str, str | None] = dict(decode_headers(row["headers"]))
-    origin = m.Origin(
-        int(row["origin_index"]), int(row["origin_partition"]), int(row["origin_offset"])
-    )
-    headers.setdefault(m.H_MSG_ID, row["msg_id"])
+@dataclass(frozen=True)
+class OutRow:
+    """An `out` row as the RQ/DLQ record it becomes, typed once where the rows leave the table
+    (`out_rows`): its `target` ("rq" or "dlq"), its group (`group_key` places the record on a
+    partition, `group_id` is its key: None for an ungrouped message), and the message with its
+    retry state."""
+
+    target: str
+    group_key: str
+    group_id: str | None
+    msg_id: str
+    origin: m.Origin
+    value: bytes | None
+    headers: dict[str, str]
+    attempts: int
+    due_ms: int
+    first_failure_ms: int | None
+    last_failure_ms: int | None
+    reason: str | None
+    status: int | None
+
+    @classmethod
+    def of(cls, row: StateRow) -> OutRow:
+        """The `out` state row `row` (raises TypeError for one without target, group, id,
+        origin or attempts: no shard writes such a row)."""
+        needed = (row.target, row.group_key, row.msg_id, row.origin_offset, row.attempts)
+        if any(v is None for v in needed):
+            raise TypeError(f"not an out row: {row!r:.200}")
+        return cls(
+            target=row.target,
+            group_key=row.group_key,
+            group_id=row.group_id,
+            msg_id=row.msg_id,
+            origin=row.origin,
+            value=row.value,
+            headers=decode_headers(row.headers),
+            attempts=row.attempts,
+            due_ms=row.due_ms or 0,
+            first_failure_ms=row.first_failure_ms,
+            last_failure_ms=row.last_failure_ms,
+            reason=row.reason,
+            status=row.status,
+        )
+
+
+def out_rows(frame: pd.DataFrame) -> list[OutRow]:
+    """The `out` rows of a state-columns frame (`StateStore.outs`), typed (`state_rows`)."""
+    return [OutRow.of(row) for row in state_rows(frame)]
+
+
+def retry_headers(row: OutRow) -> dict[str, str | None]:
+    """The headers of an `out` row's record: the message's own, its id (which keeps the group
+    key of id-less messages) and the retry state (origin, attempts, due and failure times,
+    reason, status; None: left out). Persisted: RQ/DLQ records written by earlier versions are
+    read back by `retry_state`."""
+    headers: dict[str, str | None] = dict(row.headers)
+    headers.setdefault(m.H_MSG_ID, row.msg_id)
     headers.update(
         {
-            m.H_ORIGIN: origin.encode(),
-            m.H_ATTEMPTS: str(int(row["attempts"])),
-            m.H_DUE_MS: str(int(row["due_ms"] or 0)),
-            m.H_FIRST_FAILURE_MS: _text_int(row["first_failure_ms"]),
-            m.H_LAST_FAILURE_MS: _text_int(row["last_failure_ms"]),
-            m.H_REASON: row["reason"] if isinstance(row["reason"], str) else None,
-            m.H_STATUS: _text_int(row["status"]),
+            m.H_ORIGIN: row.origin.encode(),
+            m.H_ATTEMPTS: str(row.attempts),
+            m.H_DUE_MS: str(row.due_ms),
+            m.H_FIRST_FAILURE_MS: _text(row.first_failure_ms),
+            m.H_LAST_FAILURE_MS: _text(row.last_failure_ms),
+            m.H_REASON: row.reason,
+            m.H_STATUS: _text(row.status),
         }
     )
     return headers
@@ -271,11 +319,8 @@ def retry_state(headers: dict[str, str]) -> tuple[m.Origin, int, int]:
     )
 
 
-def _text_int(v) -> str | None:
-    try:
-        return None if v is None or v != v else str(int(v))
-    except (TypeError, ValueError):
-        return None
+def _text(v: int | None) -> str | None:
+    return None if v is None else str(v)
 
 
 # -- task counters ------------------------------------------------------------------------------

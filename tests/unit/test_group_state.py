@@ -31,7 +31,7 @@ from varadhi.group_state import (
 )
 from varadhi.policies import BlockedPolicy, RetryPolicy
 from varadhi.queue_records import out_record
-from varadhi.state_rows import Kind, entry_of, state_row
+from varadhi.state_rows import Kind, OutRow, entry_of, state_row
 
 T0 = 1_800_000_000_000
 # Every retry goes through the RQ (no retries in place), so the hazards of the RQ path show.
@@ -570,7 +570,7 @@ def dead_letters_to_redrive(outs: Iterable[Out]) -> list[Entry]:
     rows (`varadhi.dlq`), then read by a batch (`entry_of`)."""
     parked = []
     for n, out in enumerate(outs):
-        record = out_record(state_row(Kind.OUT, "g", out.entry, target="dlq")._asdict(), None)
+        record = out_record(OutRow.of(state_row(Kind.OUT, "g", out.entry, target="dlq")), None)
         parked.append(parked_from_record("s.dlq.0", 0, n, record.key, record.value, record.headers))
     rows = redrive_rows(parked, grouped=True)
     return [entry_of(row) for row in rows]

@@ -3,31 +3,74 @@ records another program wrote (`varadhi.catalog.decode_record`)."""
 
 from __future__ import annotations
 
+import json
+
+import pandas as pd
 import pytest
 
 from varadhi import messages as m
 from varadhi.catalog import decode_record
 from varadhi.errors import VaradhiError
 from varadhi.queue_records import OutRecord, out_record
+from varadhi.state_rows import OutRow, StateRow, out_rows
 
 
-def row(target: str, value: bytes, headers: str = "{}") -> dict:
-    return {
-        "target": target,
-        "group_id": "g",
-        "msg_id": "m1",
-        "value": value,
-        "headers": headers,
-        "origin_index": 0,
-        "origin_partition": 3,
-        "origin_offset": 17,
-        "attempts": 2,
-        "due_ms": 0,
-        "first_failure_ms": 1,
-        "last_failure_ms": 2,
-        "reason": "HTTP 500",
-        "status": 500,
-    }
+def row(target: str, value: bytes, headers: str = "{}") -> OutRow:
+    return OutRow(
+        target=target,
+        group_key="g",
+        group_id="g",
+        msg_id="m1",
+        origin=m.Origin(0, 3, 17),
+        value=value,
+        headers=json.loads(headers),
+        attempts=2,
+        due_ms=0,
+        first_failure_ms=1,
+        last_failure_ms=2,
+        reason="HTTP 500",
+        status=500,
+    )
+
+
+def test_an_out_record_s_bytes_are_what_earlier_versions_wrote():
+    """The RQ/DLQ record format is persisted (read back by `retry_state`, by re-drive and by
+    earlier versions' shards): key, value and every header, byte for byte, from a row as the
+    state table's frame holds it (nullable ints, a missing status)."""
+    frame = pd.DataFrame(
+        [
+            StateRow("out", "~m1", None, 0, 3, 17, "m1", "rq", b"body", '{"a": "1", "b": "2"}',
+                     2, 1_700, 1_000, 1_500, "HTTP 503; retry in 200 ms", 503, "t.0/3/17",
+                     "rq", 9, "app")._asdict(),
+            StateRow("out", "g", "g", 1, 0, 5, "m2", "dlq", b"", "{}", 1, 0, 1_000, 1_000,
+                     "timed out", None, "t.1/0/5", "dlq", 9, "app")._asdict(),
+        ]
+    )  # fmt: skip
+    frame["status"] = pd.array(frame["status"], dtype="Int32")
+    first, second = (out_record(r, None) for r in out_rows(frame))
+    assert (first.key, first.value) == (None, b"body")
+    assert first.headers == [
+        ("a", b"1"),
+        ("b", b"2"),
+        ("varadhi-msg-id", b"m1"),
+        ("varadhi-origin", b"0:3:17"),
+        ("varadhi-attempts", b"2"),
+        ("varadhi-due-ms", b"1700"),
+        ("varadhi-first-failure-ms", b"1000"),
+        ("varadhi-last-failure-ms", b"1500"),
+        ("varadhi-reason", b"HTTP 503; retry in 200 ms"),
+        ("varadhi-status", b"503"),
+    ]
+    assert (second.key, second.value) == (b"g", b"")
+    assert second.headers == [
+        ("varadhi-msg-id", b"m2"),
+        ("varadhi-origin", b"1:0:5"),
+        ("varadhi-attempts", b"1"),
+        ("varadhi-due-ms", b"0"),
+        ("varadhi-first-failure-ms", b"1000"),
+        ("varadhi-last-failure-ms", b"1000"),
+        ("varadhi-reason", b"timed out"),
+    ]
 
 
 def test_a_record_that_fits_is_sent_whole():

@@ -17,6 +17,7 @@ from varadhi.errors import Fenced, VaradhiError
 from varadhi.messages import H_TRUNCATED
 from varadhi.queue_records import MAX_REQUEST_BYTES
 from varadhi.shard_sender import QueueSender, plan, targets, transactional_id
+from varadhi.state_rows import out_rows
 from varadhi.topics import CompositeTopic, StorageTopic
 
 
@@ -112,7 +113,7 @@ def test_each_row_goes_to_its_target_on_its_group_s_partition_of_this_shard():
     where = targets(SUB, RQ, DLQ, shard=1)
     assert where == {"rq": (f"{RQ.name}.1", [4, 5, 6, 7]), "dlq": (f"{DLQ.name}.0", [2, 3])}
     rows = [row("rq", "a"), row("dlq", "b"), row("rq", "c")]
-    planned = plan(rows, where, lambda _t: 1_000_000)
+    planned = plan(out_rows(pd.DataFrame(rows)), where, lambda _t: 1_000_000)
     for (t, partition, record), r in zip(planned, rows, strict=True):
         name, parts = where[r["target"]]
         assert t == name

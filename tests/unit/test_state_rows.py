@@ -18,6 +18,7 @@ from varadhi.state_rows import (
     STATE_COLUMNS,
     STATE_SCHEMA,
     Kind,
+    OutRow,
     StateRow,
     TaskStats,
     decode_scanned,
@@ -143,14 +144,14 @@ def test_executor_results_carry_stats_and_delivered_ids_in_their_own_columns():
 
 def test_retry_headers_round_trip_through_a_kafka_record():
     e = ENTRIES["rq"]
-    row = state_row(Kind.OUT, "g", e, target="rq")._asdict()
+    row = OutRow.of(state_row(Kind.OUT, "g", e, target="rq"))
     headers = m.headers_to_dict(m.dict_to_headers(retry_headers(row)))
     assert retry_state(headers) == (e.origin, e.attempts, e.due_ms)
     assert headers["x"] == "é\n" and headers[m.H_MSG_ID] == "m-1"
     assert (headers[m.H_REASON], headers[m.H_STATUS]) == ("HTTP 503", "503")
     assert headers[m.H_FIRST_FAILURE_MS] == "1000"
     # An id-less message keeps its id (its group key when ungrouped) in the record.
-    bare = state_row(Kind.OUT, "~m-1", ENTRIES["ungrouped"], target="dlq")._asdict()
+    bare = OutRow.of(state_row(Kind.OUT, "~m-1", ENTRIES["ungrouped"], target="dlq"))
     assert m.headers_to_dict(m.dict_to_headers(retry_headers(bare)))[m.H_MSG_ID] == "m-1"
     with pytest.raises(KeyError):
         retry_state({})
