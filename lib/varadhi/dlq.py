@@ -43,6 +43,7 @@ from kafka import TopicPartition
 from . import kafka_clients, subscriptions, topics
 from . import messages as m
 from .catalog import Catalog, Snapshot, key
+from .catalog_kinds import DocKind, OpKind
 from .errors import InvalidArgument, VaradhiError
 from .group_state import Entry
 from .record_ids import header_value, text_id
@@ -50,7 +51,7 @@ from .state_rows import Kind, Scanned, StateRow, state_row
 
 log = logging.getLogger(__name__)
 
-OPERATION = "operation"
+OPERATION = DocKind.OPERATION
 RETRY_HEADERS = (
     m.H_ORIGIN,
     m.H_ATTEMPTS,
@@ -298,7 +299,7 @@ def dlq_partitions(
 
 def dlq_start(snapshot: Snapshot, name: str) -> dict[str, dict[str, int]]:
     """Where the DLQ starts for browsing and re-driving, after an offset reset fast-forwarded it."""
-    doc = snapshot.get("subscription", name) or {}
+    doc = snapshot.get(DocKind.SUBSCRIPTION, name) or {}
     return doc.get("state", {}).get("dlq_start", {})
 
 
@@ -448,7 +449,7 @@ def request_unsideline(catalog: Catalog, name: str, selector: Selector) -> str:
     def change(snap: Snapshot):
         subscriptions.from_snapshot(snap, name)  # must exist
         doc = {
-            "kind": "unsideline",
+            "kind": OpKind.UNSIDELINE,
             "selector": selector.to_dict(),
             "created_ms": int(time.time() * 1000),
             "done": [],

@@ -56,6 +56,7 @@ from typing import Any, Literal
 import yaml
 
 from . import spark_lines
+from .catalog_kinds import DocKind, OpKind
 from .errors import InvalidArgument
 from .subscriptions import Subscription
 
@@ -85,8 +86,8 @@ from importlib.metadata import entry_points
 (script,) = entry_points(group="console_scripts", name="varadhi-job")
 sys.exit(script.load()())
 '''
-OPERATION_KIND = "operation"
-CHANGE_SHARDS = "change-shards"
+OPERATION_KIND = DocKind.OPERATION
+CHANGE_SHARDS = OpKind.CHANGE_SHARDS
 FEED_STEP = "feed"  # varadhi.resharding.STEPS: fence, queues, state, layouts, activate, feed, done
 
 # The Kafka source/sink and Delta for the current Spark line (spark-submit's default).

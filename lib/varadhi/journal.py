@@ -92,6 +92,7 @@ from kafka.errors import KafkaTimeoutError
 
 from . import kafka_clients
 from . import messages as m
+from .catalog_kinds import DocKind
 from .kafka_config import PLAINTEXT, KafkaConfig
 
 log = logging.getLogger(__name__)
@@ -638,7 +639,7 @@ def read_shard(
 
 # -- the hand-over across a shard-count change (see the module docstring) ----------------------
 
-HANDOVER_KIND = "handover"
+HANDOVER_KIND = DocKind.HANDOVER
 # Offsets (run starts and ends) in one new shard's hand-over document: about 150 KB of JSON in
 # the catalog at most. Runs past it are left out (their messages are delivered again).
 MAX_HANDOVER_NUMBERS = 20_000

@@ -30,8 +30,9 @@ from math import gcd
 from typing import Any, Protocol
 
 from . import routing
+from .catalog_kinds import DocKind
 
-READER_KIND = "reader"
+READER_KIND = DocKind.READER
 
 
 class _Storage(Protocol):

@@ -41,11 +41,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .catalog import Catalog, Snapshot, key
+from .catalog_kinds import DocKind
 from .errors import Fenced, InvalidArgument, KafkaUnavailable
 
 log = logging.getLogger(__name__)
 
-KIND = "lease"
+KIND = DocKind.LEASE
 DEFAULT_TTL_MS = 15_000
 MIN_TTL_MS = 1_000
 

@@ -38,12 +38,13 @@ from kafka.errors import KafkaError
 
 from . import kafka_clients, status, subscriptions, topics, warehouse_fs
 from .catalog import Catalog, Snapshot, key
+from .catalog_kinds import DocKind, OpKind
 from .errors import InvalidArgument, KafkaUnavailable, NotFound, VaradhiError
 from .warehouse_fs import WarehouseFS
 
 log = logging.getLogger(__name__)
 
-OPERATION = "operation"
+OPERATION = DocKind.OPERATION
 DELETE_OP = "delete"  # operation/<sub>/delete: a subscription delete in progress
 # Warehouse folders other components keep next to subscriptions' (`delta_outbox` checkpoints
 # live in `<warehouse>/checkpoints/delta_outbox/<name>`): a subscription named `checkpoints`
@@ -85,7 +86,7 @@ def operations_in_progress(snapshot: Snapshot, name: str, shard_count: int) -> d
         if rest == delete_op_name(name):
             continue
         op = rest[len(name) + 1 :] or rest
-        if doc.get("kind") == "unsideline" or op.startswith("redrive-"):
+        if doc.get("kind") == OpKind.UNSIDELINE or op.startswith("redrive-"):
             done = {int(s) for s in doc.get("done", [])}
             missing = [s for s in range(shard_count) if s not in done]
             if missing:
@@ -458,7 +459,7 @@ class SubscriptionDeleter:
                 }
             if snap.get(OPERATION, delete_op_name(name)) is None:
                 out[key(OPERATION, delete_op_name(name))] = {
-                    "kind": "delete",
+                    "kind": OpKind.DELETE,
                     "step": "deleting",
                     "started_ms": int(time.time() * 1000),
                 }

@@ -36,6 +36,7 @@ from . import checkpoints, kafka_clients, layouts, status, subscriptions, topics
 from . import dlq as dlq_ops
 from . import messages as m
 from .catalog import Catalog, Snapshot, key
+from .catalog_kinds import DocKind, OpKind
 from .checkpoints import shard_position
 from .errors import InvalidArgument, VaradhiError
 from .layouts import READER_KIND, Layout
@@ -43,7 +44,7 @@ from .warehouse_fs import check_writable, for_path
 
 Queue = Literal["main", "rq", "dlq"]
 Mode = Literal["to-earliest", "to-latest", "to-datetime", "shift-by", "to-storage-topic"]
-OPERATION = "operation"
+OPERATION = DocKind.OPERATION
 
 
 @dataclass(frozen=True)
@@ -489,7 +490,7 @@ class OffsetReset:
         op_key = key(OPERATION, f"{name}/offset-reset")
         op_id = uuid.uuid4().hex
         doc = {
-            "kind": "offset-reset",
+            "kind": OpKind.OFFSET_RESET,
             "step": "advancing-state",
             **plan.summary(),
             "id": op_id,

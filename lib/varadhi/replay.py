@@ -81,6 +81,7 @@ from kafka.errors import KafkaError
 from . import dlq, kafka_clients, messages, subscriptions, topics
 from .batch import BatchContext, entry_from_record
 from .catalog import Catalog, key
+from .catalog_kinds import DocKind, OpKind
 from .delivery import HttpDeliverer, Outcome, Request, Wait
 from .errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from .group_state import Entry, http_headers
@@ -93,7 +94,7 @@ if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
 HTTP_REPLAY = messages.HTTP_REPLAY
-OPERATION = "operation"
+OPERATION = DocKind.OPERATION
 MAX_REPORTED_FAILURES = 100
 """Failed messages listed in a result (all are counted): the result is one catalog record."""
 
@@ -487,7 +488,7 @@ class ReplayResult:
     def to_dict(self) -> dict[str, Any]:
         p = self.plan
         return {
-            "kind": "replay",
+            "kind": OpKind.REPLAY,
             "step": self.state,
             "replay_id": p.replay_id,
             "subscription": p.subscription,

@@ -79,6 +79,7 @@ from kafka import TopicPartition
 
 from . import checkpoints, journal, kafka_clients, layouts, routing, status, subscriptions, topics
 from .catalog import Catalog, Snapshot, key
+from .catalog_kinds import DocKind, OpKind
 from .checkpoints import Offsets, shard_position
 from .errors import InvalidArgument, NotFound, VaradhiError
 from .layouts import READER_KIND, Layout
@@ -89,8 +90,8 @@ from .subscriptions import Subscription
 from .topics import CompositeTopic, StorageTopic
 from .warehouse_fs import check_writable, for_path
 
-OPERATION = "operation"
-KIND = "change-shards"
+OPERATION = DocKind.OPERATION
+KIND = OpKind.CHANGE_SHARDS
 STEPS = ("fence", "queues", "state", "layouts", "activate", "feed", "done")
 # Reading an old shard's uncommitted batch (checkpoint and journal) is tried this many times,
 # this far apart, before the change refuses (`HandOverUnreadable`): a broker that just

@@ -20,6 +20,7 @@ from kafka import TopicPartition
 
 from . import kafka_clients, layouts, subscriptions, topics
 from .catalog import Catalog, decode_record
+from .catalog_kinds import DocKind
 from .leases import KIND as LEASE_KIND
 from .leases import lease_view
 from .settings import Settings
@@ -385,7 +386,7 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
             }
         )
     operations = {
-        k: v for k, v in snap.items("operation").items() if k == name or k.startswith(f"{name}/")
+        k: v for k, v in snap.items(DocKind.OPERATION).items() if k == name or k.startswith(f"{name}/")
     }
     # Counts of the shards a shard-count change retired (`carry_totals`) go on in the totals.
     carried = (snap.get(subscriptions.KIND, name) or {}).get("state", {}).get("carried_totals", {})

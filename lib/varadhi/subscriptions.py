@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 
 from . import batching, filters, messages, routing, topics
 from .catalog import Catalog, Snapshot, key
+from .catalog_kinds import DocKind
 from .circuit import validate_circuit_policy
 from .errors import AlreadyExists, InvalidArgument, NotFound
 from .policies import (
@@ -54,7 +55,7 @@ from .policies import (
 from .retry import validate_retry_policy
 from .topics import CompositeTopic
 
-KIND = "subscription"
+KIND = DocKind.SUBSCRIPTION
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 
 from . import kafka_clients, routing
 from .catalog import Catalog, Snapshot, key
+from .catalog_kinds import DocKind
 from .errors import AlreadyExists, InvalidArgument, KafkaUnavailable, NotFound
 from .kafka_config import TOPIC_CONFIGS, TopicSettings
 from .queue_records import QUEUE_HEADROOM_BYTES
@@ -30,7 +31,7 @@ from .queue_records import QUEUE_HEADROOM_BYTES
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,199}$")
 INTERNAL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,199}\.(rq|dlq)$")
 MAX_PARTITIONS = 10_000
-KIND = "topic"
+KIND = DocKind.TOPIC
 
 
 def validate_name(name: str, internal: bool = False) -> str:
