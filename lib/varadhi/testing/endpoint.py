@@ -7,6 +7,8 @@ connection pooling; it is not fast (a few thousand requests a second).
 
 Every POST/PUT/PATCH, on any path, is a delivery. What it answers, in this order:
 
+0. during an outage (`outage(seconds)`, or `GET /outage?seconds=S` from another process):
+   503 (with `Retry-After: retry_after_s`) to every delivery, scripted or not;
 1. `script[message_id]`: the n-th delivery of a message id gets the n-th scripted answer
    (`{"msg-1": [500, 500, 200]}`); once the list is used up, the message gets `ok_status`.
 2. with probability `fail_rate`, a failure drawn from `mix` (weights by answer, e.g.
@@ -28,7 +30,9 @@ in single mode it is `ok_status`. The draw of 2. is a hash of (seed, message id,
 which deliveries fail does not depend on thread timing: the same seed and the same messages
 fail the same way in every run.
 
-`GET /stats` answers JSON counts, `GET /received[?since=N]` the records (from the N-th on).
+`GET /stats` answers JSON counts, `GET /received[?since=N]` the records (from the N-th on),
+`GET /outage?seconds=S` starts an outage of S seconds now and answers its `from_ms` and
+`until_ms` (epoch ms, the endpoint's clock: the times its records are stamped with).
 Run standalone with `python -m varadhi.testing.endpoint --port 18080 --fail-rate 0.1`; it prints
 its URL on the first line of stdout. In a process of its own it shares no interpreter lock with
 the program under test, so that program's load does not delay when it reads requests; with
@@ -156,6 +160,7 @@ class TestEndpoint:
         self._concurrent = 0
         self._max_concurrent = 0
         self._stopping = threading.Event()
+        self._down_until_ms = 0.0  # answer 503 to every delivery until then (`outage`)
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -230,6 +235,17 @@ class TestEndpoint:
                 "by_status": {str(k): v for k, v in sorted(self._by_status.items())},
             }
 
+    def outage(self, seconds: float) -> tuple[float, float]:
+        """Answer 503 (with Retry-After) to every delivery for `seconds` from now, whatever the
+        script or `fail_rate` say; returns the outage's (from, until) in epoch ms. A delivery
+        read at or after `until` is answered as usual again."""
+        if not seconds >= 0:
+            raise ValueError(f"an outage lasts 0 seconds or more, got {seconds!r}")
+        start = time.time() * 1000
+        with self._lock:
+            self._down_until_ms = start + seconds * 1000
+            return start, self._down_until_ms
+
     def set_script(self, message_id: str, answers: Sequence[Answer]) -> None:
         """Script the next answers for `message_id` (counting from its next delivery)."""
         parsed = [_parse_answer(a) for a in answers]
@@ -249,6 +265,8 @@ class TestEndpoint:
             self._open.discard(sock)
 
     def _answer(self, message_id: str | None, seq: int, n: int) -> Answer:
+        if time.time() * 1000 < self._down_until_ms:
+            return 503
         scripted = self._script.get(message_id) if message_id is not None else None
         if scripted is not None and n < len(scripted):
             return scripted[n]
@@ -399,6 +417,13 @@ class TestEndpoint:
         elif url.path == "/received":
             since = int(parse_qs(url.query).get("since", ["0"])[0])
             payload = [r.to_json() for r in self.records(since)]
+        elif url.path == "/outage":
+            try:
+                start, until = self.outage(float(parse_qs(url.query)["seconds"][0]))
+            except (KeyError, ValueError):
+                _reply(h, 400, None)
+                return
+            payload = {"from_ms": start, "until_ms": until}
         else:
             _reply(h, 404, None)
             return
