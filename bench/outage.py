@@ -374,6 +374,7 @@ def judge(
         "ratio": ratio,
         "meets_target": None if ratio is None else ratio >= TARGET,
         "requests_during_outage": len(in_outage),
+        "retries": sum(1 for r in records if r.attempt is not None and r.attempt > 1),
         "early_sends": len(early),
         "early_send_examples": early[:20],
         "open_periods": len(intervals),
@@ -384,6 +385,20 @@ def judge(
         "order": order,
         "circuit": circuit_timeline(samples, events["healthy_from"]),
     }
+
+
+def circuit_line(run: dict) -> str:
+    """One mode's outage and circuit states over time, in seconds since its healthy window
+    began: `grouped: outage 105.5-135.5 s; circuit closed at -164.8, open 5 s at 145, ...`."""
+    states = []
+    for c in run["circuit"]:
+        held = f" {c['open_s']:g} s" if "open_s" in c else ""
+        states.append(f"{c['state']}{held} at {c['t_s']:g}")
+    ev = run["events_s"]
+    return (
+        f"{run['mode']}: outage {ev['outage_from']:g}-{ev['outage_to']:g} s; "
+        f"circuit {', '.join(states) or 'not sampled'}"
+    )
 
 
 def table_row(mode: str, v: dict) -> dict:
@@ -699,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         if "incomplete" in r:
             print(f"{r['mode']}: {r['incomplete']}")
+        else:
+            print(circuit_line(r))
     load_at_end = [round(x, 2) for x in os.getloadavg()]
     result = {
         **results_head("outage", argv, machine(load_at_start, load_at_end=load_at_end)),

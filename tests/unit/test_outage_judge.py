@@ -143,6 +143,15 @@ def test_requests_inside_an_open_period_and_each_probe_are_counted(outage):
         (17.5, "closed"),
     ]
     assert timeline[2]["open_s"] == 10.0
+    run = {
+        "mode": "grouped",
+        "circuit": timeline,
+        "events_s": {"outage_from": 0.5, "outage_to": 30},
+    }
+    assert outage.circuit_line(run) == (
+        "grouped: outage 0.5-30 s; circuit closed at 0, open 5 s at 1, open 10 s at 7, "
+        "closed at 17.5"
+    )
 
 
 def test_the_judge_composes_one_modes_figures(outage):
@@ -181,7 +190,7 @@ def test_the_judge_composes_one_modes_figures(outage):
     assert v["outage"]["backlog"] >= 9 and v["outage"]["caught_up_s"] is not None
     assert v["ratio"] == round(v["outage"]["msg_s"] / v["control"]["msg_s"], 2)
     assert (v["early_sends"], v["sent_while_open"], v["order_violations"]) == (0, 0, None)
-    assert v["requests_during_outage"] == 10
+    assert (v["requests_during_outage"], v["retries"]) == (10, 16)
     row = outage.table_row("ungrouped", v)
     assert (row["lost"], row["order_violations"]) == ("0", "-")
     assert row["ratio"] == format(v["ratio"], ".2f")
