@@ -77,6 +77,28 @@ def test_no_job_imports_the_cli_even_through_another_module(job):
     assert not {m for m in modules if m == "varadhi.cli" or m.startswith("varadhi.cli.")}
 
 
+#: What only the runner does for a job: its logging, its settings and signal handlers that are
+#: put back (`varadhi.stop_signals`), not a job's own copy of them.
+RUNNER_ONLY = {"logging.basicConfig", "Settings.from_env", "signal.signal"}
+
+
+def calls(module: str) -> set[str]:
+    """The dotted names `module` calls (`a.b(...)` as "a.b")."""
+    path = PACKAGE.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        func = node.func if isinstance(node, ast.Call) else None
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name):
+            found.add(f"{func.value.id}.{func.attr}")
+    return found
+
+
+@pytest.mark.parametrize("job", list(runner.JOBS))
+def test_jobs_log_read_settings_and_take_signals_through_the_runner(job):
+    assert not calls(f"varadhi.jobs.{job}") & RUNNER_ONLY
+    assert RUNNER_ONLY & calls("varadhi.jobs.runner")  # the walk sees calls
+
+
 def test_the_import_walk_sees_relative_and_nested_imports():
     assert "varadhi.jobs.outbox_relay" in reachable("varadhi.cli")
     assert {"varadhi.kafka_clients", "varadhi.jvm_errors"} <= reachable("varadhi.jobs.runner")

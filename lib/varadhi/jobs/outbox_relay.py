@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import threading
 
@@ -22,7 +21,7 @@ from varadhi.errors import InvalidArgument
 from varadhi.jobs import runner
 from varadhi.outbox import DEFAULT_PARTITIONS, DEFAULT_SHARDS, DEFAULT_TABLE_PREFIX, Outbox, Relay
 from varadhi.outbox import connector as make_connector
-from varadhi.settings import Settings
+from varadhi.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +117,7 @@ def run_relay(args: argparse.Namespace) -> int:
     relay = Relay(
         connector_from(args),
         outbox,
-        settings=Settings.from_env(
-            command_config=getattr(args, "command_config", None),
-            bootstrap=getattr(args, "bootstrap", None),
-        ),
+        settings=runner.settings(args),
         shards=args.only_shard,
         batch_size=args.batch_size,
         poll_interval_s=args.poll_interval,
@@ -134,15 +130,10 @@ def run_relay(args: argparse.Namespace) -> int:
             print(f"relayed {n} messages from {', '.join(relay.owned) or 'no table'}")
             return 0
         stop = threading.Event()
-
-        def on_signal(signum, _frame):
-            log.info("outbox relay: signal %d, stopping", signum)
-            stop.set()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
-        log.info("outbox relay %s: polling %s", relay.owner, ", ".join(relay.tables))
-        relay.run_forever(stop)
+        # SIGINT and SIGTERM stop the relay between polls (`varadhi.stop_signals`, no JVM).
+        with StopSignals(None, lambda _signum: stop.set()):
+            log.info("outbox relay %s: polling %s", relay.owner, ", ".join(relay.tables))
+            relay.run_forever(stop)
         return 0
     finally:
         relay.close()
@@ -161,9 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
 @runner.entry_point(prog="outbox_relay")
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING, format=runner.LOG_FORMAT
-    )
+    runner.setup_logging(logging.INFO if args.verbose else logging.WARNING)
     return run_relay(args)
 
 

@@ -136,10 +136,13 @@ def add_options(parser: argparse.ArgumentParser, *names: str) -> None:
 
 def settings(args: argparse.Namespace) -> Settings:
     """The job's settings: the environment's (`Settings.from_env`) with the shared options given
-    (--bootstrap, --warehouse). Raises `KafkaConfigError` (one line, exit code 2 through `run`)
-    for a bad Kafka client configuration ($VARADHI_KAFKA_CONFIG), before any side effect."""
+    (--bootstrap, --warehouse, and --command-config where a command shares the job's code).
+    Raises `KafkaConfigError` (one line, exit code 2 through `run`) for a bad Kafka client
+    configuration ($VARADHI_KAFKA_CONFIG), before any side effect."""
     return Settings.from_env(
-        bootstrap=getattr(args, "bootstrap", None), warehouse=getattr(args, "warehouse", None)
+        command_config=getattr(args, "command_config", None),
+        bootstrap=getattr(args, "bootstrap", None),
+        warehouse=getattr(args, "warehouse", None),
     )
 
 
