@@ -45,3 +45,13 @@ def test_the_batch_commit_protocol_imports_no_spark_kafka_or_other_varadhi_modul
 
 def test_the_driver_uses_its_parts_and_the_walk_sees_relative_imports():
     assert {f"varadhi.{p}" for p in PARTS} <= imports("shard")
+
+
+@pytest.mark.parametrize("module", ["shard_ends", "catalog_kinds"])
+def test_the_driver_s_decisions_and_the_catalog_kinds_import_no_spark_or_kafka(module):
+    """`shard_ends` is pure (the query's end, verdicts, catalog changes, idleness);
+    `catalog_kinds` imports nothing at all, so any module (executors' too) may name a kind."""
+    found = imports(module)
+    assert not {m for m in found if m.split(".")[0] in ("pyspark", "kafka", "py4j")}
+    if module == "catalog_kinds":
+        assert found <= {"__future__", "enum"}
