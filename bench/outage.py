@@ -52,6 +52,7 @@ Results: a table on stdout, JSON in bench/results/outage.json.
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import json
 import logging
@@ -67,12 +68,17 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from common import endpoint_process, machine, print_table, results_head, write_results
 from harness import bench_topic, parser, run_shard
 from varadhi.policies import RetryPolicy
 from varadhi.retry import backoff_ms, classify
 from varadhi.testing.endpoint import Record
+
+if TYPE_CHECKING:  # the run's types; the judge imports no Spark
+    from varadhi.shard import ShardJob
+    from varadhi.subscriptions import SubscriptionService
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "outage.json"
@@ -464,14 +470,14 @@ def read_produced(path: Path) -> list[tuple[float, int]]:
 class Run:
     """What the controller needs of one mode's run."""
 
-    job: object
+    job: ShardJob
     url: str
-    produced: object  # multiprocessing.Value
-    stop_producing: object  # multiprocessing.Event
-    subscriptions: object  # a SubscriptionService of the controller's own catalog client
+    produced: Any  # multiprocessing.Value("q"): the producer's count so far
+    stop_producing: Any  # multiprocessing.Event
+    subscriptions: SubscriptionService  # on the controller's own catalog client
     name: str
-    args: object
-    events: dict
+    args: argparse.Namespace
+    events: dict[str, float]
     note: Callable[[str], None]
 
 
