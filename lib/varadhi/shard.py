@@ -64,7 +64,7 @@ from .errors import Fenced, InvalidArgument, StopRequested, VaradhiError
 from .layouts import Layout
 from .policies import CircuitPolicy
 from .settings import Settings
-from .shard_ends import QueryEnd, Verdict, catalog_change, idle, judge
+from .shard_ends import QueryEnd, RunEnd, Verdict, catalog_change, idle, judge
 from .shard_journal import ShardJournal
 from .shard_lease import ShardLease
 from .shard_query import DELIVERY_COLUMNS, Source, batch_records, filter_records
@@ -100,8 +100,9 @@ class _QueryPlan:
 class ShardJob:
     """Runs shard `shard` of subscription `name` until stopped, fenced or failed.
 
-    `run()` returns the process exit code: 0 stopped on request, 3 fenced by a newer instance,
-    1 failed. `max_batches`/`stop_when_idle_s` bound a run (tests, demo, benchmarks).
+    `run()` returns the process exit code (`shard_ends.RunEnd`): 0 stopped on request or idle,
+    3 fenced by a newer instance; a failure raises (exit code 1 through the job runner).
+    `stop_when_idle_s` bounds a run (tests, demo, benchmarks).
     """
 
     def __init__(
@@ -205,7 +206,7 @@ class ShardJob:
         )
 
     # -- main loop ------------------------------------------------------------------------
-    def run(self) -> int:
+    def run(self) -> RunEnd:
         sub, _, _, _ = self._load()
         self._startup.mark("catalog read")
         # Before the lease (which fences a running instance) and any write: a warehouse Spark
@@ -226,7 +227,7 @@ class ShardJob:
                 # producer yet).
                 signals = self._install_signals()
                 if not self._stand_by(lease):
-                    return 0
+                    return RunEnd.STOPPED
                 sub, _, _, _ = self._load()
             else:
                 lease.take(self._owner(sub))
@@ -241,9 +242,10 @@ class ShardJob:
                 signals.restore()
             lease.close()  # `_hold` closed it already, unless the run failed before it
 
-    def _hold(self, sub: subscriptions.Subscription, lease: ShardLease) -> int:
-        """The control loop once the lease is held and renewed: until stopped (0), fenced (3)
-        or failed (raises); releases the lease and closes the shard's clients on every exit."""
+    def _hold(self, sub: subscriptions.Subscription, lease: ShardLease) -> RunEnd:
+        """The control loop once the lease is held and renewed: until stopped or fenced
+        (`RunEnd`) or failed (raises); releases the lease and closes the shard's clients on every
+        exit."""
         clean = False  # stopped on request (a signal) or idle, not fenced or failed
         try:
             self._sender = QueueSender.start(
@@ -265,25 +267,25 @@ class ShardJob:
                 sub, mq, rq, dlq = self._load()
                 lease.check()
                 if self._signal.is_set():
-                    return 0
+                    return RunEnd.STOPPED
                 if sub.paused:
                     log.info("%s shard %d: paused", self.name, self.shard)
                     self._publish("paused", force=True)
                     if self._wait_while_paused():
-                        return 0
+                        return RunEnd.STOPPED
                     continue
                 self._circuit.configure(sub.spec.circuit_breaker)
                 if self._circuit.poll() == "open":
                     self._publish("circuit open", force=True)
                     if self._wait_while_open():
-                        return 0
+                        return RunEnd.STOPPED
                     self._publish("running", force=True)
                     continue
                 layout = self._layouts.current(sub)
                 outcome = self._run_query(sub, mq, rq, dlq, layout, lease)
                 if outcome in (QueryEnd.STOP, QueryEnd.IDLE):
                     clean = True
-                    return 0
+                    return RunEnd.STOPPED
         except Exception as e:
             # `Fenced`, or any failure after the lease was lost or expired (`fence_reason`).
             why = lease.fence_reason(e)
@@ -292,7 +294,7 @@ class ShardJob:
             self._signal.clear()  # not a clean stop, even if one was asked for meanwhile
             log.warning("%s shard %d: %s; stopping without committing", self.name, self.shard, why)
             self._publish("fenced", force=True)
-            return 3
+            return RunEnd.FENCED
         finally:
             # An operator's stop marks the lease stopped: standbys do not take over (a crash
             # lets it expire).

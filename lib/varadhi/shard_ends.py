@@ -24,7 +24,7 @@ what the catalog says (`catalog_change`) and, in a bounded run, when it is idle 
 from __future__ import annotations
 
 from collections.abc import Callable
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import TYPE_CHECKING
 
 from . import jvm_errors
@@ -45,6 +45,14 @@ class QueryEnd(StrEnum):
     PAUSED = "paused"  # `subscription pause`
     CHANGED = "changed"  # the shard count or generation changed
     LAYOUT = "layout"  # the next main-topic storage topic's layout was saved
+
+
+class RunEnd(IntEnum):
+    """How `ShardJob.run` ended, as the process's exit code. A failure is raised instead (exit
+    code 1 through `varadhi.jobs.runner`)."""
+
+    STOPPED = 0  # on request (a signal; a standby asked to stop before it took over), or idle
+    FENCED = 3  # a newer instance holds the shard: stopped without committing
 
 
 class Verdict(StrEnum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from varadhi import jvm_errors
 from varadhi.jvm_errors import Link
-from varadhi.shard_ends import QueryEnd, Verdict, catalog_change, idle, judge
+from varadhi.shard_ends import QueryEnd, RunEnd, Verdict, catalog_change, idle, judge
 
 NPE_FRAMES = (("org.apache.spark.sql.kafka010.KafkaMicroBatchStream", "metrics"),)
 # A batch function's own error, as it comes back inside the Java PythonException (shortened).
@@ -99,3 +99,8 @@ def test_a_bounded_run_is_idle_only_when_all_holds_and_asks_kafka_last():
         assert not idle(2.0, **not_yet, all_read=all_read(True))
     assert not idle(None, **quiet, all_read=all_read(True))  # an unbounded run
     assert asked == [True, False]  # the end offsets were not asked for
+
+
+def test_a_run_s_end_is_the_process_exit_code():
+    # What supervisors and scripts read (docs/operations.md): 0 stopped, 3 fenced.
+    assert (int(RunEnd.STOPPED), int(RunEnd.FENCED)) == (0, 3)

@@ -14,6 +14,7 @@ from varadhi import warehouse_fs
 from varadhi.errors import InvalidArgument, KafkaUnavailable
 from varadhi.settings import Settings
 from varadhi.shard import ShardJob
+from varadhi.shard_ends import RunEnd
 
 
 class FakeLease:
@@ -103,5 +104,5 @@ def test_a_heartbeat_that_cannot_start_restores_signals_and_closes_the_lease(
 def test_a_standby_asked_to_stop_before_it_took_the_lease_restores_signals(job, monkeypatch):
     monkeypatch.setattr(job, "_stand_by", lambda _lease: False)
     before = handlers()
-    assert job.run() == 0
+    assert job.run() is RunEnd.STOPPED
     assert handlers() == before
