@@ -9,16 +9,20 @@ A micro-batch runs in one or two Spark jobs (their bodies are the functions here
    offset order, so a group with nothing pending (a *healthy* group, the common case) is
    delivered right there. When some groups have pending state, records that need more than
    their partition are *forwarded* instead (kind `fwd`: the record as a state row, with its
-   body): retry-queue records and records of those groups.
+   body): retry-queue records and records of those groups. Ungrouped, a message is a group of
+   its own: an RQ record whose entry just waits for it is merged with that entry right here
+   (`ForwardRule.of`: the entries travel with the tasks), so a batch that reads retries is
+   one job, unless it also needs parked bodies.
 2. `process_partition` runs over the forwarded rows plus the parked bodies their groups need
    (`held` rows of the state table), repartitioned by group key, and merges them with the
    groups' pending state (`varadhi.group_state.merge`). The driver builds its input from what
    phase 1 returned, so it knows which parked bodies to send without a pass over the batch.
 
-A batch that starts with no pending group is phase 1 alone. In both phases a task journals the
-origins of the messages its endpoint accepted (`BatchContext.journal`, `varadhi.journal`), and
-in a batch run again after a crash it sends none of those the crashed run journaled
-(`BatchContext.replayed`). Both phases yield rows of `state_rows.RESULT_SCHEMA` (the kinds and
+A batch that starts with no pending group, or an ungrouped one whose pending groups only wait
+for their RQ records (no parked retry due, no main-topic record of a pending group), is phase 1
+alone. In both phases a task journals the origins of the messages its endpoint accepted
+(`BatchContext.journal`, `varadhi.journal`), and in a batch run again after a crash it sends
+none of those the crashed run journaled (`BatchContext.replayed`). Both phases yield rows of `state_rows.RESULT_SCHEMA` (the kinds and
 columns are described in `varadhi.state_rows`):
 
 - `pending` rows: the new state of every group touched;
@@ -40,8 +44,8 @@ import hashlib
 import random
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, replace
 from itertools import pairwise
 
 import pandas as pd
@@ -194,17 +198,36 @@ def header_dicts(column: pa.ListArray) -> list[dict[str, str]]:
 
 
 def deliver_records(
-    batches: Iterator[pa.RecordBatch], ctx: BatchContext, forward: ForwardRule
+    batches: Iterator[pa.RecordBatch],
+    ctx: BatchContext,
+    forward: ForwardRule,
+    local: dict[str, list[StateRow]] | None = None,
+    parked: dict[str, list[StateRow]] | None = None,
+    first_task: bool | None = None,
 ) -> Iterator[pa.RecordBatch]:
     """Phase 1 (a `mapInArrow` function) over one task's records (whole Kafka partitions, or a
     repartition of them by group key: either way all of a group's records; the columns of
     `shard_query.DELIVERY_COLUMNS`): deliver the groups that need nothing else, forward the
-    rest (see the module docstring). Retry-queue ticks are dropped here."""
+    rest (see the module docstring). Retry-queue ticks are dropped here.
+
+    Ungrouped only (`ForwardRule.local`, `ForwardRule.parked`): `local` holds the pending rows
+    of the groups whose RQ records this task merges itself, and of the `parked` groups;
+    `parked` the parked bodies (`held` rows) of those, which the job's first task (partition
+    0; `first_task` overrides, for tests) delivers with their state, every other task
+    forwarding their records. A main-topic record of a group this task merges is a replay when
+    its origin is pending (dropped here, as `merge` would) and is forwarded otherwise."""
     started = time.monotonic()
     counts = RunCounts()
-    records = routed = 0
+    records = routed = forwarded = 0
     rows: list[StateRow | dict] = []
     candidates: dict[str, list[Entry]] = defaultdict(list)
+    if parked and (_partition_id() == 0 if first_task is None else first_task):
+        forward = forward.taking_parked()
+        for key, held in parked.items():
+            candidates[key].extend(entry_of(r) for r in held)
+    here = forward.local
+    local = {k: v for k, v in (local or {}).items() if k in here}
+    pending_at = {k: {r.origin for r in v} for k, v in local.items()}
     for batch in batches:
         for row, headers in record_rows(batch):
             records += 1
@@ -213,13 +236,22 @@ def deliver_records(
                 continue
             e = record_entry(row, headers, ctx)
             key = row["group_key"]
-            if forward.applies(row["kind"], key):
+            if key in pending_at and row["kind"] == Kind.MQ and e.origin in pending_at[key]:
+                counts.duplicates += 1
+            elif forward.applies(row["kind"], key):
                 rows.append(state_row(Kind.FWD, key, e))
+                forwarded += 1
             else:
                 candidates[key].append(e)
-    groups, http = _deliver(candidates, {}, ctx, counts, rows)
+    groups, http = _deliver(candidates, local, ctx, counts, rows)
     stats = TaskStats.of(
-        counts, time.monotonic() - started, http, records=records, routed=routed, groups=groups
+        counts,
+        time.monotonic() - started,
+        http,
+        records=records,
+        routed=routed,
+        forwarded=forwarded,
+        groups=groups,
     )
     rows.append(stat_row(stats))
     yield arrow_batch(rows, RESULT_COLUMNS)
@@ -245,13 +277,101 @@ def process_partition(
 @dataclass(frozen=True)
 class ForwardRule:
     """Which records phase 1 forwards to phase 2: retry-queue records (`rq`) and records of the
-    `blocked` groups (those with pending state)."""
+    `blocked` groups (those with pending state), but not the RQ records of the `local` groups,
+    which phase 1 merges with their pending state itself (their main-topic records are
+    forwarded)."""
 
     rq: bool = False
     blocked: frozenset[str] = frozenset()
+    local: frozenset[str] = frozenset()
+    parked: frozenset[str] = frozenset()  # of `blocked`: merged by the job's first task
+
+    @classmethod
+    def of(
+        cls, pending: dict[str, list[StateRow]], grouped: bool, due: Iterable[str] = ()
+    ) -> ForwardRule:
+        """The rule for a batch that starts with `pending` (pure); `due`: the groups whose
+        parked head is due (`shard_stats.due_heads`).
+
+        Grouped: every RQ record and every record of a pending group is forwarded (a group's RQ
+        record and its main-topic records sit in different partitions, so in different tasks).
+
+        Ungrouped, a message is a group of its own (its key is its id), so its RQ record needs
+        nothing but its own pending entries: a group whose entries all wait for their RQ records
+        (`rq`) is `local`, and phase 1 merges its RQ record wherever it is read, with those
+        entries shipped to the tasks (all of a key's RQ records sit in one RQ partition, so in
+        one task). An RQ record of no pending group is a stale duplicate that phase 1 drops
+        itself. A group whose parked head is due and that holds no dead letter is `parked`:
+        its bodies travel with the tasks and the job's first task delivers it (the others
+        forward its records). Other groups with parked bodies (`held`) or dead letters are
+        forwarded as grouped ones are. A main-topic record of a local group is forwarded: it
+        may sit in another task than the group's RQ record, and phase 2 goes on from phase
+        1's result (`chained`)."""
+        if not pending:
+            return cls()
+        if grouped:
+            return cls(rq=True, blocked=frozenset(pending))
+        local = frozenset(
+            k for k, rows in pending.items() if rows and all(r.location == "rq" for r in rows)
+        )
+        parked = frozenset(
+            k for k in due if k in pending and all(r.location != "dlq" for r in pending[k])
+        )
+        return cls(blocked=frozenset(pending) - local, local=local, parked=parked)
+
+    def taking_parked(self) -> ForwardRule:
+        """The rule of the task that delivers the `parked` groups: they are local to it."""
+        return replace(
+            self,
+            blocked=self.blocked - self.parked,
+            local=self.local | self.parked,
+            parked=frozenset(),
+        )
 
     def applies(self, kind: str, group_key: str) -> bool:
+        if group_key in self.local:
+            return kind != Kind.RQ
         return (self.rq and kind == Kind.RQ) or group_key in self.blocked
+
+
+def by_group(frame: pd.DataFrame) -> dict[str, list[StateRow]]:
+    """A frame's rows as `StateRow`s by group key, in order (pure)."""
+    out: dict[str, list[StateRow]] = {}
+    for row in state_rows(frame):
+        out.setdefault(row.group_key, []).append(row)
+    return out
+
+
+def ran_parked(first: pd.DataFrame, forward: ForwardRule) -> set[str]:
+    """The `parked` groups phase 1 delivered (pure): those it left a `touched` row for. The
+    others (no task computed partition 0) go to phase 2 as any parked group does."""
+    return set(forward.parked) & set(first.loc[first["kind"] == Kind.TOUCHED, "group_key"])
+
+
+def chained(
+    first: pd.DataFrame, keys: set[str], pending: dict[str, list[StateRow]]
+) -> tuple[pd.DataFrame, dict[str, list[StateRow]]]:
+    """Phase 2's state of the groups `keys` (those of its input) and phase 1's result (without
+    forwarded rows) minus what phase 2 replaces (pure). A group phase 1 already ran (a `local`
+    group: it left a `touched` row) goes on from phase 1's result: its `pending` rows there
+    (bodies included) are its state in phase 2 and leave phase 1's result, whose `touched` row
+    stays (the group's old rows go). Any other group's state is its `pending` one."""
+    ran = keys & set(first.loc[first["kind"] == Kind.TOUCHED, "group_key"])
+    state = {k: pending[k] for k in keys - ran if k in pending}
+    if not ran:
+        return first, state
+    again = (first["kind"] == Kind.PENDING) & first["group_key"].isin(ran)
+    for key, rows in by_group(first[again]).items():
+        state.setdefault(key, []).extend(rows)
+    return first[~again], state
+
+
+def _partition_id() -> int:
+    """The Spark partition this task computes (0 outside Spark)."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    return 0 if context is None else context.partitionId()
 
 
 def _deliver(

@@ -32,7 +32,10 @@ nothing of it is parked. Once the task has no other deliveries, the engine keeps
 at most `in_place_window` more (`varadhi.batch` passes it as the engine's `linger_s`); a retry
 due later than that gets `stop_waiting` and goes to the RQ after all. A retry due later than the
 window after its first failure goes to the RQ at once. Either way the RQ record counts every
-attempt made, and the group follows it.
+attempt made, and the group follows it. A retry read back from the RQ before its due time waits
+in the task the same way when its wait fits the window (`varadhi.retry.waits_in_task`), so it
+costs one batch, not a parking batch and a later one; if the engine stops that wait, or it is
+due later, it is parked as `held` (never written to the RQ again).
 
 `GroupRun` is one group's run through a micro-batch. It implements the delivery engine's Stream
 protocol: the engine asks it for the next request and reports each outcome; the run decides,
@@ -51,7 +54,7 @@ from . import messages as m
 from .delivery import Outcome, Request, Wait
 from .errors import InvalidArgument
 from .policies import BlockedPolicy, RetryPolicy
-from .retry import decide, retries_in_place
+from .retry import decide, retries_in_place, waits_in_task
 
 Location = Literal["new", "held", "rq", "dlq"]
 
@@ -92,6 +95,9 @@ class RunCounts:
     delivered: int = 0
     retried: int = 0  # failed attempts written to the RQ
     retried_in_place: int = 0  # attempts sent again from the task (`retries_in_place`)
+    # Retries read back from the RQ before their due time that waited for it in the task
+    # (`waits_in_task`) instead of being parked.
+    waited_due: int = 0
     dead_lettered: int = 0
     over_limit: int = 0  # of `dead_lettered`: behind a blocked group's limit (`over_limit`)
     duplicates: int = 0
@@ -246,6 +252,7 @@ class GroupRun:
         self.delivered: list[Entry] = []
         self._stopped = False
         self._in_place = False  # the head waits in this task for its retry
+        self._early = False  # the head, read back from the RQ before its due time, waits for it
 
     # -- Stream protocol ------------------------------------------------------------------
     def next_request(self) -> Request | Wait | None:
@@ -267,8 +274,13 @@ class GroupRun:
                 self.counts.skipped_replayed += 1
                 continue
             wait_ms = head.due_ms - self.clock()
-            if wait_ms > 0:  # a retry in place waits here; one read from the RQ early is parked
-                return Wait(wait_ms / 1000, while_busy=True) if self._in_place else None
+            if wait_ms > 0:  # a retry in place waits here; so does one read back from the RQ
+                if self._in_place:  # a little early, while its wait fits the window
+                    return Wait(wait_ms / 1000, while_busy=True)
+                if not waits_in_task(self.policy, wait_ms):
+                    return None  # parked (hazard 2)
+                self._early = True
+                return Wait(wait_ms / 1000, while_busy=True)
             if self.journal is not None and self.journal.behind():
                 return Wait(JOURNAL_WAIT_S)  # Kafka is away: no delivery it could not journal
             try:
@@ -278,6 +290,9 @@ class GroupRun:
                 continue
             if self._in_place:
                 self.counts.retried_in_place += 1
+            if self._early:
+                self.counts.waited_due += 1
+                self._early = False
             return request
         return None
 
@@ -322,7 +337,12 @@ class GroupRun:
     def stop_waiting(self) -> None:
         """The head's wait in place would outlast the task's other deliveries by more than the
         engine lingers: send its retry through the RQ instead, due when it was going to be
-        sent."""
+        sent. A head read back from the RQ before its due time is parked instead, as one due
+        later than the window is (hazard 2: an RQ record is never written again)."""
+        if self._early:
+            self._early = False
+            self._stopped = True
+            return
         self._in_place = False
         self._retry_through_rq(self.entries[0])
 

@@ -192,6 +192,18 @@ def retries_in_place(policy: RetryPolicy, first_failure_ms: int, due_ms: int) ->
     return policy.in_place_window_ms > 0 and due_ms - first_failure_ms <= policy.in_place_window_ms
 
 
+def waits_in_task(policy: RetryPolicy, wait_ms: int) -> bool:
+    """Whether a retry read back from the RQ `wait_ms` before its due time waits for it in the
+    delivery task (as a retry in place does: while the task has other deliveries and at most
+    the window after its last one) instead of being parked in the state until a later batch:
+    when the wait is no longer than `policy.in_place_window_ms`. A window of 0 turns it off.
+
+    Never early: the engine sends it once it is due. Should the task run out of other work
+    first, a wait that would outlast the window is stopped and the retry is parked, exactly as
+    one due later; its RQ record is never written again (DESIGN hazard 2)."""
+    return 0 < wait_ms <= policy.in_place_window_ms
+
+
 def validate_retry_policy(policy: RetryPolicy, prefix: str = "retry") -> None:
     """Raise InvalidArgument, naming the field (`retry.max_attempts`,
     `retry.responses[2].codes`, ...), if `policy` cannot be used. `prefix` is the dotted path of

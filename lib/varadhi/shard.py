@@ -53,8 +53,11 @@ from . import dlq as dlq_ops
 from .batch import (
     BatchContext,
     ForwardRule,
+    by_group,
+    chained,
     deliver_records,
     process_partition,
+    ran_parked,
 )
 from .batch_commit import BatchCommit
 from .catalog import Catalog
@@ -635,29 +638,34 @@ class ShardJob:
             records = records.repartition(concurrency, "group_key")
         else:  # a group's records stay in one task, in order: no shuffle, fewer task start-ups
             records = records.coalesce(concurrency)
-        forward = ForwardRule(rq=True, blocked=frozenset(pending)) if pending else ForwardRule()
+        # Ungrouped: RQ records and due parked retries are merged in phase 1 (`ForwardRule.of`).
+        forward = ForwardRule.of(pending, ctx.spec.grouped, due_groups)
+        local = {k: pending[k] for k in forward.local | forward.parked}
+        parked = by_group(store.held_rows(forward.parked)) if forward.parked else None
         first = records.mapInArrow(
-            lambda it: deliver_records(it, ctx, forward), RESULT_SCHEMA
+            lambda it: deliver_records(it, ctx, forward, local, parked), RESULT_SCHEMA
         ).toPandas()
         if not pending:
             return first
         is_fwd = first["kind"] == Kind.FWD
         forwarded = first[is_fwd]
         held = store.held_rows(
-            set(due_groups) | (set(forwarded["group_key"]) & store.held_groups())
+            (set(due_groups) - ran_parked(first, forward))
+            | (set(forwarded["group_key"]) & store.held_groups())
         )
         if not len(forwarded) and not len(held):
             return first
         rows = normalise(pd.concat([normalise(forwarded), held]))  # in the state's column types
-        # Only the state of the groups that take part travels with the tasks.
-        involved = {k: pending[k] for k in set(rows["group_key"]) if k in pending}
+        # Only the state of the groups that take part travels with the tasks; a group phase 1
+        # ran already goes on from its result there (`batch.chained`).
+        first, involved = chained(first[~is_fwd], set(rows["group_key"]), pending)
         second = (
             records.sparkSession.createDataFrame(rows, STATE_SCHEMA)
             .repartition(concurrency, "group_key")
             .mapInPandas(lambda it: process_partition(it, ctx, involved), RESULT_SCHEMA)
             .toPandas()
         )
-        return pd.concat([first[~is_fwd], second], ignore_index=True)
+        return pd.concat([first, second], ignore_index=True)
 
     # -- the journal hand-over and the dedup window ----------------------------------------
     def _handed_over(self) -> journal.Accepted | None:

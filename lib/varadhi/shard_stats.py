@@ -29,6 +29,7 @@ BATCH_COUNTERS = (
     "delivered",
     "retried",
     "retried_in_place",
+    "waited_due",
     "dead_lettered",
     "duplicates",
     "deduplicated",
@@ -47,6 +48,7 @@ class ShardStats:
     delivered: int = 0
     retried: int = 0
     retried_in_place: int = 0
+    waited_due: int = 0  # RQ records read before due that waited for it in their task
     dead_lettered: int = 0
     duplicates: int = 0
     deduplicated: int = 0

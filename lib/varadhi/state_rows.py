@@ -330,14 +330,17 @@ def _text(v: int | None) -> str | None:
 class TaskStats:
     """One delivery task's counters (a `stat` row): what it read (`records`, of which `routed`
     from the main topic), how many groups ran, the group runs' `RunCounts`, its wall time and
-    what its endpoint answered (`http`: `batch.http_counts`)."""
+    what its endpoint answered (`http`: `batch.http_counts`). `forwarded`: records phase 1
+    forwarded to phase 2 (`batch.ForwardRule`)."""
 
     records: int = 0
     routed: int = 0
+    forwarded: int = 0
     groups: int = 0
     delivered: int = 0
     retried: int = 0
     retried_in_place: int = 0
+    waited_due: int = 0
     dead_lettered: int = 0
     over_limit: int = 0
     duplicates: int = 0

@@ -11,8 +11,10 @@ from varadhi import messages as m
 from varadhi.batch import (
     BatchContext,
     ForwardRule,
+    chained,
     deliver_records,
     process_partition,
+    ran_parked,
 )
 from varadhi.batch_commit import stat_rows
 from varadhi.group_state import Entry
@@ -96,6 +98,7 @@ def test_phase_one_delivers_healthy_groups_and_forwards_the_rest():
     assert fwd["reason"].iloc[1] == "malformed: no value"
     stat = _stat(result)
     assert (stat["records"], stat["routed"], stat["delivered"], stat["groups"]) == (5, 4, 2, 1)
+    assert stat["forwarded"] == 3
 
 
 def test_phase_two_finishes_forwarded_groups_in_order_with_their_pending_state():
@@ -170,3 +173,180 @@ def test_a_replayed_batch_sends_only_what_its_journal_lacks_and_journals_the_res
     assert {(t, k, p) for t, k, _, p in sent} == {("s.journal", b"s.g0.s1.0.L0/3", 0)}
     journaled = journal.Accepted.of_runs(r for *_, v, _ in sent for r in journal.decode(v))
     assert journaled == journal.Accepted.of(m.Origin(0, 0, x) for x in (3, 6, 7))
+
+
+def _rq_record(offset: int, key: str, msg_id: str, origin: int, attempts: int, due_ms: int = 0):
+    """The RQ record of message `msg_id` (ungrouped: key "~" + id), retry of main-topic origin
+    `origin` after `attempts` attempts."""
+    record = _record(offset, key, kind="rq")
+    headers = {
+        m.H_MSG_ID: msg_id,
+        m.H_ORIGIN: m.Origin(0, 0, origin).encode(),
+        m.H_ATTEMPTS: str(attempts),
+        m.H_DUE_MS: str(due_ms),
+    }
+    record.update(group_id=None, msg_id=msg_id, offset=offset)
+    record["kheaders"] = [{"key": k, "value": v.encode()} for k, v in headers.items()]
+    return record
+
+
+def _mq_record(offset: int, msg_id: str) -> dict:
+    """An ungrouped main-topic record (no group id; key "~" + its id)."""
+    record = _record(offset, "~" + msg_id)
+    record.update(group_id=None, msg_id=msg_id)
+    record["kheaders"] = [{"key": m.H_MSG_ID, "value": msg_id.encode()}]
+    return record
+
+
+def _waiting(msg_id: str, origin: int, attempts: int = 1, location: str = "rq", value=None):
+    """A pending row of ungrouped message `msg_id` (its own group)."""
+    entry = Entry(
+        origin=m.Origin(0, 0, origin),
+        msg_id=msg_id,
+        group_id=None,
+        location=location,  # type: ignore[arg-type]
+        value=value,
+        attempts=attempts,
+    )
+    return state_row(Kind.PENDING, "~" + msg_id, entry)
+
+
+def test_ungrouped_phase_one_merges_rq_records_with_their_pending_entries():
+    """Ungrouped, x's entry waits for its RQ record: phase 1 delivers the retry itself (one
+    Spark job for the batch) and drops x's main-topic replay and an RQ record no entry waits
+    for; y has a parked body in the state, so its RQ record is forwarded as before. On the code
+    before (`ForwardRule(rq=True, ...)`), every RQ record was forwarded to a second job."""
+    pending = {"~x": [_waiting("x", 1)], "~y": [_waiting("y", 2, location="held", value=b"{}")]}
+    rule = ForwardRule.of(pending, grouped=False)
+    assert (rule.local, rule.blocked, rule.rq) == (frozenset({"~x"}), frozenset({"~y"}), False)
+    records = [
+        _mq_record(1, "x"),  # x read again: a replay of its pending origin
+        _mq_record(5, "n"),
+        _rq_record(10, "~x", "x", origin=1, attempts=1),
+        _rq_record(11, "~z", "z", origin=3, attempts=1),  # stale: nothing waits for it
+        _rq_record(12, "~y", "y", origin=2, attempts=1),
+    ]
+    local = {k: pending[k] for k in rule.local}
+    with TestEndpoint() as endpoint:
+        ctx = _ctx(endpoint.url, grouped=False)
+        result = _rows(deliver_records(iter([_batch(records)]), ctx, rule, local))
+        delivered = sorted((r.message_id, r.attempt) for r in endpoint.records())
+
+    assert delivered == [("n", 1), ("x", 2)]
+    assert list(result.loc[result["kind"] == "touched", "group_key"]) == ["~x"]
+    assert not (result["kind"] == "pending").any()  # x is done
+    fwd = result[result["kind"] == "fwd"]
+    assert list(fwd["group_key"]) == ["~y"] and list(fwd["location"]) == ["rq"]
+    stat = _stat(result)
+    assert (stat["delivered"], stat["duplicates"], stat["records"]) == (2, 2, 5)
+    assert stat["forwarded"] == 1
+
+
+def test_ungrouped_forward_rule_keeps_grouped_and_parked_groups_as_before():
+    pending = {"~a": [_waiting("a", 1)], "~b": [_waiting("b", 2, location="dlq")]}
+    assert ForwardRule.of({}, grouped=False) == ForwardRule()
+    assert ForwardRule.of(pending, grouped=True) == ForwardRule(
+        rq=True, blocked=frozenset({"~a", "~b"})
+    )
+    rule = ForwardRule.of(pending, grouped=False)
+    assert (rule.local, rule.blocked) == (frozenset({"~a"}), frozenset({"~b"}))
+    assert not rule.applies(Kind.RQ, "~a") and rule.applies(Kind.MQ, "~a")
+    assert rule.applies(Kind.RQ, "~b") and rule.applies(Kind.MQ, "~b")
+    assert not rule.applies(Kind.RQ, "~c") and not rule.applies(Kind.MQ, "~c")
+
+
+def test_phase_two_goes_on_from_phase_one_for_a_group_both_phases_see():
+    """Ungrouped message x (id reused by the producer at a second origin, 4) fails again when
+    its retry comes back in phase 1; its new main-topic record is forwarded. Phase 2 must start
+    from phase 1's result for ~x (the retry waiting in the RQ, attempt 2), not from the state
+    before the batch: the final result holds ~x's rows once, the new copy parked behind the
+    retry, and the retry's RQ record."""
+    pending = {"~x": [_waiting("x", 1)]}
+    rule = ForwardRule.of(pending, grouped=False)
+    records = [_rq_record(10, "~x", "x", origin=1, attempts=1), _mq_record(4, "x")]
+    with TestEndpoint(script={"x": ["500"]}) as endpoint:
+        ctx = _ctx(endpoint.url, grouped=False, retry={"in_place_window": "0s"})
+        first = _rows(deliver_records(iter([_batch(records)]), ctx, rule, dict(pending)))
+        is_fwd = first["kind"] == "fwd"
+        forwarded = first[is_fwd]
+        rest, state = chained(first[~is_fwd], set(forwarded["group_key"]), pending)
+        assert [(r.location, r.attempts) for r in state["~x"]] == [("rq", 2)]
+        second = _rows(process_partition(iter([forwarded]), ctx, state))
+        delivered = [(r.message_id, r.attempt, r.status) for r in endpoint.records()]
+
+    result = pd.concat([rest, second], ignore_index=True)
+    assert delivered == [("x", 2, 500)]
+    assert set(result.loc[result["kind"] == "touched", "group_key"]) == {"~x"}
+    kept = result[result["kind"] == "pending"]
+    assert [(r.origin_offset, r.location, r.attempts) for r in kept.itertuples()] == [
+        (1, "rq", 2),
+        (4, "held", 0),
+    ]
+    [out] = result[result["kind"] == "out"].itertuples()
+    assert (out.msg_id, out.target, out.attempts) == ("x", "rq", 2)
+
+
+def test_chained_leaves_groups_phase_one_did_not_run_to_their_pending_state():
+    pending = {"~a": [_waiting("a", 1)], "~b": [_waiting("b", 2)]}
+    first = pd.DataFrame(
+        [
+            {"kind": "touched", "group_key": "~a"},
+            {
+                "kind": "pending",
+                "group_key": "~a",
+                "location": "rq",
+                "origin_index": 0,
+                "origin_partition": 0,
+                "origin_offset": 1,
+                "attempts": 2,
+                "msg_id": "a",
+            },
+            {
+                "kind": "pending",
+                "group_key": "~c",
+                "location": "rq",
+                "origin_index": 0,
+                "origin_partition": 0,
+                "origin_offset": 3,
+                "attempts": 1,
+                "msg_id": "c",
+            },
+        ]
+    )
+    rest, state = chained(first, {"~b", "~d"}, pending)
+    assert rest is first and state == {"~b": pending["~b"]}
+    rest, state = chained(first, {"~a", "~b"}, pending)
+    assert list(rest["group_key"]) == ["~a", "~c"] and list(rest["kind"]) == ["touched", "pending"]
+    assert state["~b"] == pending["~b"] and [r.attempts for r in state["~a"]] == [2]
+
+
+def test_ungrouped_phase_one_delivers_due_parked_retries_in_its_first_task_only():
+    """Ungrouped p's retry was parked (read back before its due time) and is due now: its body
+    travels with phase 1 (`parked`), and the job's first task delivers it; another task forwards
+    what it reads of p (here a stale copy of its RQ record) to phase 2. A group holding a dead
+    letter (d) is never parked here. On the code before, a due parked retry always took a
+    second Spark job."""
+    body = b"body of p"
+    pending = {"~p": [_waiting("p", 3, location="held")], "~d": [_waiting("d", 4, location="dlq")]}
+    rule = ForwardRule.of(pending, grouped=False, due=["~p", "~d"])
+    assert (rule.parked, rule.blocked, rule.local) == (
+        frozenset({"~p"}),
+        frozenset({"~p", "~d"}),
+        frozenset(),
+    )
+    local = {"~p": pending["~p"]}
+    parked = {"~p": [_waiting("p", 3, location="held", value=body)._replace(kind=Kind.HELD)]}
+    stale = [_rq_record(20, "~p", "p", origin=3, attempts=1)]
+    with TestEndpoint() as endpoint:
+        ctx = _ctx(endpoint.url, grouped=False)
+        first = _rows(deliver_records(iter([_batch(stale)]), ctx, rule, local, parked, True))
+        other = _rows(deliver_records(iter([_batch(stale)]), ctx, rule, local, parked, False))
+        delivered = [(r.message_id, r.attempt) for r in endpoint.records()]
+
+    assert delivered == [("p", 2)]
+    assert list(first.loc[first["kind"] == "touched", "group_key"]) == ["~p"]
+    assert not (first["kind"].isin(["pending", "fwd"])).any()
+    assert _stat(first)["duplicates"] == 1  # the stale copy, dropped where p was merged
+    assert ran_parked(first, rule) == {"~p"} and ran_parked(other, rule) == set()
+    assert list(other.loc[other["kind"] == "fwd", "group_key"]) == ["~p"]
+    assert not (other["kind"] == "touched").any()

@@ -292,16 +292,55 @@ def test_a_fatal_answer_after_a_retry_in_place_dead_letters_with_both_attempts()
     assert out.entry.first_failure_ms == T0
 
 
-def test_an_rq_record_read_early_is_parked_even_when_retries_wait_in_place():
-    """Only a retry decided in this run waits in place; a retry read back from the RQ before
-    its due time is parked as before (hazard 2), or the task would wait for the whole backoff."""
-    clock = Clock()
-    early = replace(new(1), location="rq", attempts=1, due_ms=T0 + 1_500, first_failure_ms=T0)
-    pending = replace(early, value=None)
-    queue = merge([pending], [rq_record(early)], RunCounts())
-    run = run_of(queue, clock, policy=IN_PLACE)
-    assert drive(run, clock=clock) == []
-    assert [(e.msg_id, e.location) for e in run.remaining()] == [("m1", "held")]
+def early_rq_run(due_in_ms: int, policy: RetryPolicy, clock: Clock, counts=None) -> GroupRun:
+    """A run whose head is m1's retry (attempt 2), read back from the RQ `due_in_ms` before its
+    due time, with m2 behind it."""
+    early = replace(
+        new(1), location="rq", attempts=1, due_ms=clock.now + due_in_ms, first_failure_ms=T0
+    )
+    pending = [replace(early, value=None), replace(new(2), location="held")]
+    queue = merge(pending, [rq_record(early)], RunCounts())
+    return run_of(queue, clock, policy=policy, counts=counts)
+
+
+def test_an_rq_record_read_early_waits_in_the_task_when_due_within_the_window():
+    """Read back 1.5 s before its due time (window 2 s): the task waits for it, as for a retry
+    in place, and sends it once due (never earlier), then its group's next message; nothing
+    is parked for a later batch."""
+    clock, counts = Clock(), RunCounts()
+    run = early_rq_run(1_500, IN_PLACE, clock, counts)
+    assert drive(run, clock=clock) == [("wait", 1_500), ("m1", 2), ("m2", 1)]
+    assert run.remaining() == [] and run.outs == []
+    assert (counts.waited_due, counts.retried_in_place, counts.retried) == (1, 0, 0)
+
+
+def test_an_rq_record_read_early_is_parked_when_due_beyond_the_window():
+    """Due 2.5 s later (window 2 s), or with retries in place off: parked as before (hazard 2),
+    so a task never waits longer than the window."""
+    for due_in_ms, policy in ((2_500, IN_PLACE), (1_500, POLICY)):
+        clock, counts = Clock(), RunCounts()
+        run = early_rq_run(due_in_ms, policy, clock, counts)
+        assert drive(run, clock=clock) == []
+        left = run.remaining()
+        assert [(e.msg_id, e.location) for e in left] == [("m1", "held"), ("m2", "held")]
+        assert left[0].value == b"body-1" and run.outs == [] and counts.waited_due == 0
+
+
+def test_an_early_rq_record_whose_wait_the_engine_stops_is_parked_not_written_again():
+    """The task ran out of other work and the wait would outlast the window: the retry is
+    parked with its body (the state keeps it until due), not written to the RQ again."""
+    clock, counts = Clock(), RunCounts()
+    run = early_rq_run(1_500, IN_PLACE, clock, counts)
+    assert run.next_request() == Wait(1.5, while_busy=True)
+    run.stop_waiting()
+    assert run.next_request() is None and run.outs == []
+    left = run.remaining()
+    assert [(e.msg_id, e.location, e.attempts) for e in left] == [
+        ("m1", "held", 1),
+        ("m2", "held", 0),
+    ]
+    assert left[0].value == b"body-1" and left[0].due_ms == T0 + 1_500
+    assert (counts.waited_due, counts.retried) == (0, 0)
 
 
 def test_retry_after_beyond_the_backoff_sets_the_due_time():
