@@ -274,6 +274,13 @@ def process_partition(
     yield frame_of(rows, RESULT_COLUMNS)
 
 
+# The most pending entries phase 1's tasks get for ungrouped RQ records (`ForwardRule.of`):
+# each task unpickles them, about 0.3 KiB each.
+MAX_LOCAL_ENTRIES = 10_000
+# The most bytes of parked bodies they get (`parked_within`).
+MAX_PARKED_BYTES = 4 * 1024 * 1024
+
+
 @dataclass(frozen=True)
 class ForwardRule:
     """Which records phase 1 forwards to phase 2: retry-queue records (`rq`) and records of the
@@ -288,7 +295,11 @@ class ForwardRule:
 
     @classmethod
     def of(
-        cls, pending: dict[str, list[StateRow]], grouped: bool, due: Iterable[str] = ()
+        cls,
+        pending: dict[str, list[StateRow]],
+        grouped: bool,
+        due: Iterable[str] = (),
+        max_local: int = MAX_LOCAL_ENTRIES,
     ) -> ForwardRule:
         """The rule for a batch that starts with `pending` (pure); `due`: the groups whose
         parked head is due (`shard_stats.due_heads`).
@@ -306,14 +317,29 @@ class ForwardRule:
         forward its records). Other groups with parked bodies (`held`) or dead letters are
         forwarded as grouped ones are. A main-topic record of a local group is forwarded: it
         may sit in another task than the group's RQ record, and phase 2 goes on from phase
-        1's result (`chained`)."""
+        1's result (`chained`).
+
+        Every task gets the local entries, so they are bounded: beyond `max_local` entries
+        (an endpoint outage sends every message to the RQ), the groups due first are local
+        (RQ records come back about in the order they were written) and the others are
+        forwarded, as before."""
         if not pending:
             return cls()
         if grouped:
             return cls(rq=True, blocked=frozenset(pending))
-        local = frozenset(
-            k for k, rows in pending.items() if rows and all(r.location == "rq" for r in rows)
-        )
+        waiting = [
+            (min(r.due_ms or 0 for r in rows), k, len(rows))
+            for k, rows in pending.items()
+            if rows and all(r.location == "rq" for r in rows)
+        ]
+        if sum(n for *_, n in waiting) > max_local:
+            waiting.sort()
+            kept = 0
+            while kept < len(waiting) and max_local >= waiting[kept][2]:
+                max_local -= waiting[kept][2]
+                kept += 1
+            waiting = waiting[:kept]
+        local = frozenset(k for _, k, _ in waiting)
         parked = frozenset(
             k for k in due if k in pending and all(r.location != "dlq" for r in pending[k])
         )
@@ -340,6 +366,22 @@ def by_group(frame: pd.DataFrame) -> dict[str, list[StateRow]]:
     for row in state_rows(frame):
         out.setdefault(row.group_key, []).append(row)
     return out
+
+
+def parked_within(
+    bodies: dict[str, list[StateRow]], forward: ForwardRule, max_bytes: int = MAX_PARKED_BYTES
+) -> tuple[dict[str, list[StateRow]], ForwardRule]:
+    """The parked groups' bodies that phase 1's tasks get, at most `max_bytes` of them in the
+    order of `bodies` (every task unpickles them), and the rule with only those `parked` (pure).
+    The others stay blocked and due, so phase 2 delivers them as before."""
+    kept: dict[str, list[StateRow]] = {}
+    size = 0
+    for key, rows in bodies.items():
+        size += sum(len(r.value or b"") for r in rows)
+        if size > max_bytes:
+            break
+        kept[key] = rows
+    return kept, replace(forward, parked=frozenset(kept) & forward.parked)
 
 
 def ran_parked(first: pd.DataFrame, forward: ForwardRule) -> set[str]:

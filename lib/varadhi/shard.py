@@ -56,6 +56,7 @@ from .batch import (
     by_group,
     chained,
     deliver_records,
+    parked_within,
     process_partition,
     ran_parked,
 )
@@ -640,8 +641,10 @@ class ShardJob:
             records = records.coalesce(concurrency)
         # Ungrouped: RQ records and due parked retries are merged in phase 1 (`ForwardRule.of`).
         forward = ForwardRule.of(pending, ctx.spec.grouped, due_groups)
+        parked = None
+        if forward.parked:
+            parked, forward = parked_within(by_group(store.held_rows(forward.parked)), forward)
         local = {k: pending[k] for k in forward.local | forward.parked}
-        parked = by_group(store.held_rows(forward.parked)) if forward.parked else None
         first = records.mapInArrow(
             lambda it: deliver_records(it, ctx, forward, local, parked), RESULT_SCHEMA
         ).toPandas()

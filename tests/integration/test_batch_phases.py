@@ -13,6 +13,7 @@ from varadhi.batch import (
     ForwardRule,
     chained,
     deliver_records,
+    parked_within,
     process_partition,
     ran_parked,
 )
@@ -253,6 +254,28 @@ def test_ungrouped_forward_rule_keeps_grouped_and_parked_groups_as_before():
     assert not rule.applies(Kind.RQ, "~a") and rule.applies(Kind.MQ, "~a")
     assert rule.applies(Kind.RQ, "~b") and rule.applies(Kind.MQ, "~b")
     assert not rule.applies(Kind.RQ, "~c") and not rule.applies(Kind.MQ, "~c")
+
+
+def test_ungrouped_local_entries_are_bounded_by_the_earliest_due():
+    """Beyond `max_local` entries (an outage sent everything to the RQ), the groups due first
+    are merged in phase 1 and the others forwarded, as on the code before."""
+    pending = {f"~m{i}": [_waiting(f"m{i}", i)._replace(due_ms=1_000 - i)] for i in range(5)}
+    rule = ForwardRule.of(pending, grouped=False, max_local=2)
+    assert rule.local == frozenset({"~m4", "~m3"})
+    assert rule.blocked == frozenset({"~m0", "~m1", "~m2"})
+    assert ForwardRule.of(pending, grouped=False, max_local=5).local == frozenset(pending)
+
+
+def test_parked_bodies_phase_one_gets_are_bounded():
+    rows = {k: [_waiting(k[1:], 1, location="held", value=b"x" * 10)] for k in ("~a", "~b", "~c")}
+    rule = ForwardRule.of(
+        {k: [r._replace(value=None) for r in v] for k, v in rows.items()},
+        grouped=False,
+        due=list(rows),
+    )
+    kept, trimmed = parked_within(rows, rule, max_bytes=25)
+    assert list(kept) == ["~a", "~b"] and trimmed.parked == frozenset({"~a", "~b"})
+    assert trimmed.blocked == rule.blocked  # ~c stays blocked and due: phase 2 takes it
 
 
 def test_phase_two_goes_on_from_phase_one_for_a_group_both_phases_see():
