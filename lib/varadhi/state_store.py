@@ -25,8 +25,8 @@ not. Those reads replaced a read of the table's history (a Spark job: 0.1-0.6 s 
 
 The table is always read whole, so Delta's per-column statistics (data skipping) are never
 used: the table is created with `TABLE_PROPERTIES` (no statistics), and a table created without
-them (by an earlier version, a shard-count change or an offset reset) gets them when a shard
-loads it (one `ALTER TABLE` commit). Collecting statistics cost about a third of a commit.
+them (by an earlier version, a shard-count change or an offset reset) gets them before this
+store's first commit to it (one `ALTER TABLE` commit; loading alone writes nothing).
 """
 
 from __future__ import annotations
@@ -69,31 +69,30 @@ class StateStore:
         self._pending: tuple[pd.DataFrame, dict[str, list[StateRow]]] | None = None
         self._fs = HadoopFS(spark)
         self.version: int | None = None  # the table version the copy is (None: no table yet)
+        self._missing: dict[str, str] = {}  # TABLE_PROPERTIES the table lacks
         self.frame = self._load()
 
     def _load(self) -> pd.DataFrame:
-        """Read the table at its latest version (and give it `TABLE_PROPERTIES` first if it
-        lacks them); sets `version`."""
+        """Read the table at its latest version; sets `version` and which `TABLE_PROPERTIES`
+        it lacks."""
         from delta.tables import DeltaTable
 
         if not DeltaTable.isDeltaTable(self.spark, self.path):
             self.version = None
             return normalise(pd.DataFrame(columns=COLUMN_NAMES))
         table = DeltaTable.forPath(self.spark, self.path)
-        self._set_properties(table)
+        have = table.detail().select("properties").collect()[0]["properties"] or {}
+        self._missing = {k: v for k, v in TABLE_PROPERTIES.items() if have.get(k) != v}
         self.version = int(table.history(1).select("version").collect()[0]["version"])
         reader = self.spark.read.format("delta").option("versionAsOf", self.version)
         return normalise(reader.load(self.path).toPandas())
 
-    def _set_properties(self, table) -> None:
-        """Give a table created without them `TABLE_PROPERTIES` (one commit). Best effort: a
-        failure (another writer's commit at the same moment) is a warning; the next load tries
-        again."""
-        have = table.detail().select("properties").collect()[0]["properties"] or {}
-        missing = {k: v for k, v in TABLE_PROPERTIES.items() if have.get(k) != v}
-        if not missing:
-            return
-        settings = ", ".join(f"'{k}' = '{v}'" for k, v in missing.items())
+    def _set_properties(self) -> None:
+        """Give a table created without them the `TABLE_PROPERTIES` it lacks (one commit, which
+        `commit`'s check of the log steps over). Best effort: a failure (another writer's
+        commit at the same moment) is a warning; the next load tries again."""
+        settings = ", ".join(f"'{k}' = '{v}'" for k, v in self._missing.items())
+        self._missing = {}
         try:
             self.spark.sql(f"ALTER TABLE delta.`{self.path}` SET TBLPROPERTIES ({settings})")
         except Exception as e:  # noqa: BLE001 - only a performance setting; reported, not fatal
@@ -250,6 +249,8 @@ class StateStore:
         )
         if self.version is None:  # this write creates the table: with its properties
             writer = writer.options(**TABLE_PROPERTIES)
+        elif self._missing:
+            self._set_properties()
         writer.save(self.path)
         version = self._latest_if_own(-1 if self.version is None else self.version, stamp)
         if version is not None:

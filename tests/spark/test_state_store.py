@@ -87,6 +87,7 @@ def test_a_table_written_with_the_old_schema_reads_and_takes_commits(spark, tmp_
 
     store = StateStore(spark, path, "w1")
     assert store.meta() == ("app", 3)
+    assert (store.version, properties(spark, path)) == (0, {})
     [rq, held] = sorted(store.pending()["g"], key=lambda r: r.origin)
     assert entry_of(rq) == Entry(
         origin=m.Origin(0, 1, 5),
@@ -136,7 +137,8 @@ def test_a_table_written_with_the_old_schema_reads_and_takes_commits(spark, tmp_
     assert again.redrives_applied() == {"redrive-1": {"s.dlq.0": {"0": 4}}}
     schema = spark.read.format("delta").load(path).schema
     assert [(f.name, f.dataType.simpleString()) for f in schema.fields] == OLD_COLUMNS
-    # Loading gave the old table the state table's properties (one commit before batch 4's).
+    # The first commit gave the old table the state table's properties (one commit before
+    # batch 4's); loading alone wrote nothing.
     assert properties(spark, path).items() >= TABLE_PROPERTIES.items()
     assert (store.version, again.version) == (2, 2)
 
