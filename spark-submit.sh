@@ -13,7 +13,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in -h|--help|"") usage; exit 0 ;; esac
 
-if [[ ! -x "$ROOT/.venv/bin/python" || ! -d "$ROOT/.jars/spark" ]]; then
+LOCALFS_JAR="$ROOT/.jars/localfs/varadhi-localfs.jar"
+if [[ ! -x "$ROOT/.venv/bin/python" || ! -d "$ROOT/.jars/spark" || ! -f "$LOCALFS_JAR" ]]; then
   echo "spark-submit.sh: run scripts/setup first" >&2; exit 2
 fi
 if [[ "$1" == "--job" ]]; then
@@ -38,6 +39,19 @@ S3A=()  # hadoop-aws for an s3a:// warehouse: on the JVM class path (docs/object
 if [[ -f "$ROOT/.jars/s3a/.complete" ]]; then
   S3A=(--driver-class-path "$ROOT/.jars/s3a/*" --conf "spark.executor.extraClassPath=$ROOT/.jars/s3a/*")
 fi
+# Hadoop's local file system sets each new file's permission with a `chmod` child process when its
+# native library is missing (pip's pyspark has none); a Ctrl-C or SIGTERM to the process group (or
+# systemd's unit) kills that child, the checkpoint write fails and a stop becomes a failed query.
+# varadhi.hadoop's file systems (jvm/src, built by scripts/setup) set it in the JVM instead. On the
+# class path's end (SPARK_DIST_CLASSPATH): --jars come too late for the file system, and the
+# class-data archive below needs the class path it was built with at the front. Local masters only:
+# a cluster's executors (started by its workers) do not find the class.
+LOCALFS=()
+if [[ "$VARADHI_SPARK_MASTER" == local* ]]; then
+  export SPARK_DIST_CLASSPATH="${SPARK_DIST_CLASSPATH:+$SPARK_DIST_CLASSPATH:}$LOCALFS_JAR"
+  LOCALFS=(--conf spark.hadoop.fs.file.impl=varadhi.hadoop.InProcessLocalFileSystem
+           --conf spark.hadoop.fs.AbstractFileSystem.file.impl=varadhi.hadoop.InProcessLocalFs)
+fi
 # Spark's classes mapped from the class-data archive scripts/setup builds (varadhi.class_archive,
 # whose java_options() these are): a faster, cheaper JVM start; JVM log warnings go to stderr.
 CDS="$ROOT/.jars/cds/spark-$SPARK_VERSION.jsa"
@@ -49,6 +63,7 @@ exec "$SPARK_HOME/bin/spark-submit" \
   --driver-memory "${VARADHI_DRIVER_MEMORY:-2g}" \
   --jars "$JARS" \
   "${S3A[@]}" \
+  "${LOCALFS[@]}" \
   --conf spark.ui.enabled=false \
   --conf spark.log.level=WARN \
   --conf spark.sql.shuffle.partitions=2 \

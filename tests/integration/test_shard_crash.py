@@ -391,10 +391,27 @@ def test_sigkill_at_random_moments_then_restart(scenario, spark):
     assert_contract(sc, spark)
 
 
+def signal_until_committed(sc: Scenario, run: Run, sig: signal.Signals) -> None:
+    """`sig` to the shard's whole process group every 100 ms until the micro-batch in flight
+    has committed its checkpoint (or the shard ended), as an impatient operator's repeated
+    Ctrl-C: it reaches every child process the shard starts while it commits, e.g. the `chmod`
+    Hadoop's local file system would start for each file (one signal rarely meets one; a
+    systemd stop sends SIGTERM once, to every process of the unit)."""
+    first_ms = time.time() * 1000
+    while run.proc.poll() is None and sc.last_commit_ms() <= first_ms:
+        try:
+            os.killpg(run.proc.pid, sig)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+
+
 def test_sigint_or_sigterm_to_the_process_group_stops_between_batches(scenario, spark):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it: the JVM and the Python
-    driver), then SIGTERM to the group, each in the middle of a micro-batch: the batch finishes
-    and is committed, the shard exits 0 without a fatal error, and nothing is delivered twice."""
+    driver), then SIGTERM to the group, each in the middle of a micro-batch and repeated until
+    that batch has committed (so they also reach every process the shard starts meanwhile): the
+    batch finishes and is committed, the shard exits 0 without a fatal error, and nothing is
+    delivered twice."""
     sc = scenario
     sc.endpoint.latency_ms = 400  # 5 messages a group in one batch: a batch lasts >= 2 s
     sc.create()
@@ -410,8 +427,8 @@ def test_sigint_or_sigterm_to_the_process_group_stops_between_batches(scenario, 
             timeout=RUN_TIMEOUT_S,
         )
         assert run.proc.poll() is None, run.tail()
-        os.killpg(run.proc.pid, sig)
         at_signal = len(sc.endpoint.records())
+        signal_until_committed(sc, run, sig)
         assert sc.wait(run) == 0, f"{sig.name}\n{run.tail()}"
         text = run.log.read_text(errors="replace")
         assert "Fatal Python error" not in text and "KeyboardInterrupt" not in text, run.tail()
