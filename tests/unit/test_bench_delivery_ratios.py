@@ -100,7 +100,16 @@ def test_without_references_a_row_has_no_ratios(delivery):
 
 
 def test_the_failure_target_judges_shards_only_with_peer_rows_present(delivery):
-    t = delivery.targets(ROWS)["10% failures >= half"]
+    t = delivery.targets(ROWS)["10% failures >= 0.8x"]
     assert t["verdict"] == "NOT met"
     assert "1 shard grouped 0.25" in t["detail"] and "1 shard ungrouped 0.50" in t["detail"]
     assert "peer" not in t["detail"]
+
+
+def test_the_failure_target_is_issue_13s_four_fifths_of_the_healthy_rate(delivery):
+    def verdict(with_failures):
+        rows = [shard(1, True, 0.0, 10_000), shard(1, True, 0.1, with_failures)]
+        return delivery.targets(rows)["10% failures >= 0.8x"]["verdict"]
+
+    assert verdict(7_999) == "NOT met"  # half or more is no longer enough
+    assert verdict(8_000) == "met"
