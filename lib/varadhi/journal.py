@@ -85,7 +85,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kafka import KafkaProducer, TopicPartition
 from kafka.errors import KafkaTimeoutError
@@ -111,6 +111,11 @@ RETENTION_MS = 3 * 24 * 3600 * 1000
 CLOSE_TIMEOUT_S = 60.0
 SEND_BLOCK_MS = 10_000
 READ_TIMEOUT_S = 30.0
+# A journal read that fails is tried this many times, this far apart, before its caller gives
+# up (`read_again`): a broker that just restarted answers within seconds.
+READ_TRIES = 3
+READ_RETRY_S = 5.0
+_T = TypeVar("_T")
 # A task sends no new request while accepted messages have waited longer than this for the
 # broker's acknowledgement of their journal record (Kafka away: `JournalWriter.behind`), so a
 # crash then re-delivers about this much; after `LAG_GIVE_UP_S` of that it delivers on
@@ -569,6 +574,24 @@ def ensure_topic(settings: kafka_clients.HasKafka, topic: str, partitions: int) 
 
 def partition_of(shard: int, partitions: int) -> int:
     return shard % max(partitions, 1)
+
+
+def read_again(
+    read: Callable[[], _T],
+    errors: tuple[type[Exception], ...],
+    warn: Callable[[Exception], None],
+) -> _T:
+    """`read()`, called again `READ_RETRY_S` apart while it raises one of `errors`, at most
+    `READ_TRIES` times in all; `warn(error)` after each failure but the last, whose error is
+    raised. The one retry of a journal read, for a re-run batch (`ShardJournal.replayed`) and
+    change-shards' hand-over."""
+    for _ in range(READ_TRIES - 1):
+        try:
+            return read()
+        except errors as e:
+            warn(e)
+            time.sleep(READ_RETRY_S)
+    return read()  # the last try: its error is the caller's
 
 
 def read(

@@ -72,6 +72,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import pandas as pd
@@ -93,11 +94,6 @@ from .warehouse_fs import check_writable, for_path
 OPERATION = DocKind.OPERATION
 KIND = OpKind.CHANGE_SHARDS
 STEPS = ("fence", "queues", "state", "layouts", "activate", "feed", "done")
-# Reading an old shard's uncommitted batch (checkpoint and journal) is tried this many times,
-# this far apart, before the change refuses (`HandOverUnreadable`): a broker that just
-# restarted answers within seconds.
-HANDOVER_READS = 3
-HANDOVER_RETRY_S = 5.0
 FeederMode = Literal["in-process", "external"]
 Queue = Literal["rq", "dlq"]
 
@@ -814,8 +810,8 @@ class ChangeShards:
         names as accepted (`varadhi.journal`: the hand-over); batches with none are left out.
         Also, as a batch of its own (`batch_id` -1), what an earlier change handed an old
         shard that it has not committed past yet (`carried`). Nothing reads them while the
-        journal is off. A checkpoint or journal that cannot be read (after `HANDOVER_READS`
-        tries) raises `HandOverUnreadable` (`started`: whether the change's steps began): the
+        journal is off. A checkpoint or journal that cannot be read (after `journal.READ_TRIES`
+        tries, `journal.read_again`) raises `HandOverUnreadable` (`started`: whether the change's steps began): the
         command refuses rather than hand over nothing, which would deliver that batch again."""
         snap = self.catalog.snapshot()
         sub = subscriptions.from_snapshot(snap, plan.name)
@@ -825,22 +821,22 @@ class ChangeShards:
         fs = for_path(settings.warehouse, lambda: self.spark)
         out = []
         for shard in range(plan.from_shards):
-            for attempt in range(1, HANDOVER_READS + 1):
-                try:
-                    found = self._uncommitted_of(plan, sub, snap, shard, fs)
-                    break
-                except Exception as e:  # noqa: BLE001 - OSError, Py4J, Kafka errors
-                    if attempt == HANDOVER_READS:
-                        raise HandOverUnreadable(plan.name, shard, e, started) from e
-                    log.warning(
-                        "%s: reading old shard %d's uncommitted batch failed (%s); again",
-                        plan.name,
-                        shard,
-                        e,
-                    )
-                    time.sleep(HANDOVER_RETRY_S)
+            try:  # OSError, Py4J, Kafka errors
+                found = journal.read_again(
+                    partial(self._uncommitted_of, plan, sub, snap, shard, fs),
+                    (Exception,),
+                    partial(self._cannot_read, plan.name, shard),
+                )
+            except Exception as e:  # noqa: BLE001 - the last try's error, whatever it is
+                raise HandOverUnreadable(plan.name, shard, e, started) from e
             out.extend(found)
         return out
+
+    @staticmethod
+    def _cannot_read(name: str, shard: int, error: Exception) -> None:
+        log.warning(
+            "%s: reading old shard %d's uncommitted batch failed (%s); again", name, shard, error
+        )
 
     def _uncommitted_of(
         self, plan: Plan, sub: Subscription, snap: Snapshot, shard: int, fs

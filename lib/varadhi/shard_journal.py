@@ -18,7 +18,7 @@ each batch's tasks journal what the endpoint accepted, and what a re-run batch s
 - `replayed(sub, app_id, batch_id)`: for the query's first batch only, and only when it is the
   planned uncommitted one, the origins the crashed run journaled as accepted (read from
   its planning time minus `journal.LOOKBACK_MS`); None for every other batch, or when the journal
-  cannot be read after `REPLAY_READS` tries (logged: the batch is delivered again whole, rather
+  cannot be read after `journal.READ_TRIES` tries (`journal.read_again`; logged: the batch is delivered again whole, rather
   than failing the query: duplicates of one batch against a shard that stops delivering).
 
 Contract: `target` and `replayed` run on the batch's thread, `ensure` and `plan_replay` on the
@@ -40,12 +40,6 @@ from .errors import VaradhiError
 from .settings import Settings
 
 log = logging.getLogger("varadhi.shard")
-
-# A re-run batch reads its journal this many times, this far apart, before it is delivered again
-# whole: a shard restarted with the broker (which answers within seconds of its restart) would
-# otherwise re-deliver everything its crashed run delivered.
-REPLAY_READS = 3
-REPLAY_RETRY_S = 5.0
 
 
 class ShardJournal:
@@ -118,29 +112,21 @@ class ShardJournal:
         if target is None:
             return None
         started = time.monotonic()
-        for attempt in range(1, REPLAY_READS + 1):
-            try:
-                accepted = self._read(
+        try:
+            accepted = journal.read_again(
+                lambda: self._read(
                     self.settings,
                     target.topic,
                     target.partition,
                     target.key,
                     since_ms=replay[2] - journal.LOOKBACK_MS,
-                )
-                break
-            except (KafkaError, VaradhiError) as e:
-                last = attempt == REPLAY_READS
-                log.warning(
-                    "%s shard %d: batch %d re-runs; its journal cannot be read (%s): %s",
-                    self.name,
-                    self.shard,
-                    batch_id,
-                    e,
-                    "it is delivered again whole" if last else f"again in {REPLAY_RETRY_S:.0f} s",
-                )
-                if last:
-                    return None
-                time.sleep(REPLAY_RETRY_S)
+                ),
+                (KafkaError, VaradhiError),
+                lambda e: self._cannot_read(batch_id, e, f"again in {journal.READ_RETRY_S:.0f} s"),
+            )
+        except (KafkaError, VaradhiError) as e:
+            self._cannot_read(batch_id, e, "it is delivered again whole")
+            return None
         log.info(
             "%s shard %d: batch %d re-runs a batch an earlier run started; %d of its messages "
             "were accepted then and are not sent again (journal read in %.2f s)",
@@ -151,3 +137,13 @@ class ShardJournal:
             time.monotonic() - started,
         )
         return accepted or None
+
+    def _cannot_read(self, batch_id: int, error: Exception, then: str) -> None:
+        log.warning(
+            "%s shard %d: batch %d re-runs; its journal cannot be read (%s): %s",
+            self.name,
+            self.shard,
+            batch_id,
+            error,
+            then,
+        )

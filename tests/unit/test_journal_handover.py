@@ -226,7 +226,7 @@ def _change_with_a_crashed_shard(tmp_path, monkeypatch, read):
     (cp / "commits").mkdir()
     meta = json.dumps({"batchWatermarkMs": 0, "batchTimestampMs": 50_000, "conf": {}})
     (cp / "offsets" / "4").write_text(f'v1\n{meta}\n{{"orders.0":{{"3":20,"4":20,"5":20}}}}\n')
-    monkeypatch.setattr(rs, "HANDOVER_RETRY_S", 0)
+    monkeypatch.setattr(rs.journal, "READ_RETRY_S", 0)
     monkeypatch.setattr(rs.journal, "read_shard", read)
     return rs.ChangeShards(_Catalog(str(tmp_path), sub)), plan
 

@@ -9,7 +9,6 @@ from dataclasses import replace
 from kafka.errors import KafkaTimeoutError
 
 from varadhi import journal
-from varadhi import shard_journal as shard_journal_module
 from varadhi import subscriptions as subs
 from varadhi.settings import Settings
 from varadhi.shard_journal import ShardJournal
@@ -87,7 +86,7 @@ def test_only_the_query_s_first_batch_reads_and_only_when_it_is_the_one_a_crashe
 
 
 def test_an_unreadable_or_empty_journal_means_the_batch_is_delivered_again_whole(monkeypatch):
-    monkeypatch.setattr(shard_journal_module, "REPLAY_RETRY_S", 0, raising=False)
+    monkeypatch.setattr(journal, "READ_RETRY_S", 0)
     sub = sub_of(250)
     for result in (KafkaTimeoutError("journal read timed out"), journal.Accepted()):
         reader = Reader(result)
@@ -101,7 +100,7 @@ def test_an_unreadable_or_empty_journal_means_the_batch_is_delivered_again_whole
 def test_a_re_run_reads_its_journal_again_after_a_failed_read(monkeypatch):
     """A shard restarted together with the broker: the first read fails, the broker answers
     the next. Before, the first failure had the batch delivered again whole."""
-    monkeypatch.setattr(shard_journal_module, "REPLAY_RETRY_S", 0, raising=False)
+    monkeypatch.setattr(journal, "READ_RETRY_S", 0)
     sub, calls = sub_of(250), []
 
     def reader(settings, topic, partition, key, since_ms):
