@@ -40,7 +40,8 @@ for 5% and 503 (no Retry-After) for 5% of requests, so every attempt fails indep
 probability and the same messages fail in every run. Retries use the default policy: backoff 1 s,
 exponential, 20% jitter, and `retry.in_place_window` 2 s (a retry due that soon after the first
 failure waits in the delivery task, later ones go through the RQ); `--in-place-windows 2000 0` adds
-runs with every retry through the RQ. `retry.max_attempts` is raised to 10 so that no message is
+runs with every retry through the RQ, `--in-place-linger MS` lets a task wait that long past its
+other deliveries for its retries (`retry.in_place_linger`; default the policy's, none). `retry.max_attempts` is raised to 10 so that no message is
 dead-lettered by bad luck (10%^10).
 
 Measurements come from nginx's access log (`$msec`, status, `X-Varadhi-Produced-At`, message id
@@ -107,6 +108,7 @@ RESULTS = ROOT / "bench" / "results" / "delivery.json"
 RUNS = ("ceiling", "baseline", "peer", "shard", "latency", "crash")
 PEER_DIR = ROOT / "bench" / "peers" / "parallel-consumer"
 DEFAULT_IN_PLACE_MS = RetryPolicy().in_place_window_ms
+DEFAULT_LINGER_MS = RetryPolicy().in_place_linger_ms
 DEFAULT_JOURNAL_MS = ConsumptionPolicy().journal_interval_ms
 
 # -- the endpoint ------------------------------------------------------------------------------
@@ -669,6 +671,10 @@ def run_shards(
         label += f" #{repeat + 1}"
         sub += f"-r{repeat}"
     retry = {"max_attempts": 10, "in_place_window": f"{in_place_ms}ms"}
+    if args.in_place_linger != DEFAULT_LINGER_MS:
+        retry["in_place_linger"] = f"{args.in_place_linger}ms"
+        if fail_rate:
+            label += f", linger {args.in_place_linger / 1000:g} s"
     with nginx(nginx_bin, fail_rate) as endpoint:
         create_subscription(
             env,
@@ -707,6 +713,7 @@ def run_shards(
         "grouped": grouped,
         "fail_rate": fail_rate,
         "in_place_window_ms": in_place_ms,
+        "in_place_linger_ms": args.in_place_linger,
         "journal_interval_ms": journal_ms,
         "exit_codes": codes,
         "wall_s": round((ended - started) / 1000, 1),
@@ -1343,6 +1350,14 @@ def main(argv: list[str] | None = None) -> int:
         f"(default: the policy's {DEFAULT_IN_PLACE_MS} ms; 0 sends every retry through the RQ)",
     )
     parser.add_argument(
+        "--in-place-linger",
+        type=int,
+        default=DEFAULT_LINGER_MS,
+        metavar="MS",
+        help="retry.in_place_linger of every shard run: how long a task may wait past its other "
+        f"deliveries for its retries (default: the policy's {DEFAULT_LINGER_MS} ms)",
+    )
+    parser.add_argument(
         "--journal-intervals",
         nargs="+",
         type=int,
@@ -1440,6 +1455,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rate",
                 "idle_s",
                 "in_place_windows",
+                "in_place_linger",
                 "journal_intervals",
                 "repeat",
                 "kills",

@@ -57,6 +57,7 @@ from .delivery import LATENCY_BOUNDS_MS, DeliveryStats, HttpDeliverer
 from .group_state import Entry, GroupRun, RunCounts, merge
 from .journal import Accepted, JournalTarget, JournalWriter
 from .policies import SubscriptionSpec
+from .retry import linger_ms
 from .state_rows import (
     RESULT_COLUMNS,
     Kind,
@@ -452,7 +453,7 @@ def _deliver(
                 ctx.spec.endpoint, ctx.spec.consumption.max_in_flight, ctx.spec.delivery
             ) as http:
                 answered = http.run(
-                    (run for _, run in runs), linger_s=ctx.spec.retry.in_place_window_ms / 1000
+                    (run for _, run in runs), linger_s=linger_ms(ctx.spec.retry) / 1000
                 )
     finally:
         if journal is not None:  # the last accepted messages, waiting for the broker

@@ -67,9 +67,9 @@ class Endpoint:
 class RetryPolicy:
     """`max_attempts` counts every delivery attempt, the first included. A retry that falls due
     within `in_place_window_ms` of the message's first failure waits in the delivery task
-    instead of going through the RQ, unless it would keep the task more than
-    `in_place_window_ms` past its last other delivery (`varadhi.retry.retries_in_place`; 0 turns
-    retries in place off)."""
+    instead of going through the RQ while the task has other deliveries to make, and at most
+    `in_place_linger_ms` past its last one (`varadhi.retry.retries_in_place`,
+    `varadhi.retry.linger_ms`; a window of 0 turns retries in place off)."""
 
     max_attempts: int = 5
     backoff: Backoff = "exponential"
@@ -79,9 +79,12 @@ class RetryPolicy:
     jitter: float = 0.2  # +/- this fraction of the computed delay, so retries do not stampede
     responses: tuple[ResponseRule, ...] = DEFAULT_RESPONSES
     # Covers the first retry under the default backoff (1 s +/- 20%), which most transient
-    # failures need, and no more (a later one goes through the RQ). Also the most a delivery
-    # task waits for retries in place after its other deliveries are done.
+    # failures need, and no more (a later one goes through the RQ).
     in_place_window_ms: int = 2_000
+    # The most a delivery task waits, once its other deliveries are done, for retries in place
+    # and RQ records read back early (capped at the window). 0: no task idles; a retry not yet
+    # due then goes through the RQ, due when it was, and an early RQ record is parked.
+    in_place_linger_ms: int = 0
 
 
 @dataclass(frozen=True)

@@ -39,9 +39,10 @@ day. An hour is long enough for any real maintenance window to be honoured and s
 that such a mistake shows up as retries in the RQ, not as a stuck subscription."""
 
 MAX_IN_PLACE_WINDOW_MS = 60_000
-"""Upper bound on `RetryPolicy.in_place_window_ms`. A delivery task may wait that long past its
-other deliveries, holding its micro-batch (and every group of the shard) back, and a message
-waiting in place holds its group's later messages in the task; longer waits belong in the RQ."""
+"""Upper bound on `RetryPolicy.in_place_window_ms` and `in_place_linger_ms`. A delivery task may
+wait the linger past its other deliveries, holding its micro-batch (and every group of the
+shard) back, and a message waiting in place holds its group's later messages in the task;
+longer waits belong in the RQ."""
 
 UNMATCHED = ResponseRule("unmatched", "dead_letter")
 """What `classify` returns when no rule of the table matches the outcome."""
@@ -184,8 +185,9 @@ def retries_in_place(policy: RetryPolicy, first_failure_ms: int, due_ms: int) ->
     through the RQ: when it falls due within `policy.in_place_window_ms` of the message's first
     failure (so with the default policy, the first retry of a message that starts failing in
     this batch). A window of 0 turns retries in place off. The task waits while it has other
-    deliveries to make and, after its last one, at most the window more; the RQ takes a retry
-    due later than that (`GroupRun`, `HttpDeliverer.run`'s `linger_s`).
+    deliveries to make and, after its last one, at most `linger_ms` more (none by default); the
+    RQ takes a retry due later than that, due when it was (`GroupRun`, `HttpDeliverer.run`'s
+    `linger_s`).
 
     The attempt, its headers, backoff and Retry-After are the same either way; only where the
     message waits differs."""
@@ -195,13 +197,27 @@ def retries_in_place(policy: RetryPolicy, first_failure_ms: int, due_ms: int) ->
 def waits_in_task(policy: RetryPolicy, wait_ms: int) -> bool:
     """Whether a retry read back from the RQ `wait_ms` before its due time waits for it in the
     delivery task (as a retry in place does: while the task has other deliveries and at most
-    the window after its last one) instead of being parked in the state until a later batch:
+    `linger_ms` after its last one) instead of being parked in the state until a later batch:
     when the wait is no longer than `policy.in_place_window_ms`. A window of 0 turns it off.
 
     Never early: the engine sends it once it is due. Should the task run out of other work
-    first, a wait that would outlast the window is stopped and the retry is parked, exactly as
+    first, a wait that would outlast the linger is stopped and the retry is parked, exactly as
     one due later; its RQ record is never written again (DESIGN hazard 2)."""
     return 0 < wait_ms <= policy.in_place_window_ms
+
+
+def linger_ms(policy: RetryPolicy) -> int:
+    """The most a delivery task waits, once it has no other delivery to make, for the retries
+    waiting in it (`retries_in_place`, `waits_in_task`): `policy.in_place_linger_ms`, capped at
+    the window (no such wait is longer). The engine's `linger_s`.
+
+    0 (the default): no task idles. Its waits then overlap only its other deliveries, and what
+    is not due when they end goes on as if it had never waited: a retry in place through the
+    RQ, due when it was, an early RQ record parked. A longer linger makes more retries in the
+    batch that failed them (fewer RQ round trips and parked bodies, so fewer second jobs in
+    grouped mode) at the price of every such batch lasting up to the linger longer, with
+    every group of the shard behind it."""
+    return min(policy.in_place_linger_ms, policy.in_place_window_ms)
 
 
 def validate_retry_policy(policy: RetryPolicy, prefix: str = "retry") -> None:
@@ -221,13 +237,15 @@ def validate_retry_policy(policy: RetryPolicy, prefix: str = "retry") -> None:
             f"must be >= min_backoff_ms ({policy.min_backoff_ms}), got {policy.max_backoff_ms}",
             field=f"{prefix}.max_backoff_ms",
         )
-    _require_int(policy.in_place_window_ms, f"{prefix}.in_place_window_ms", minimum=0)
-    if policy.in_place_window_ms > MAX_IN_PLACE_WINDOW_MS:
-        raise InvalidArgument(
-            f"must be at most {MAX_IN_PLACE_WINDOW_MS // 1000} s (longer waits belong in the RQ),"
-            f" got {policy.in_place_window_ms}",
-            field=f"{prefix}.in_place_window_ms",
-        )
+    for name in ("in_place_window_ms", "in_place_linger_ms"):
+        value = getattr(policy, name)
+        _require_int(value, f"{prefix}.{name}", minimum=0)
+        if value > MAX_IN_PLACE_WINDOW_MS:
+            raise InvalidArgument(
+                f"must be at most {MAX_IN_PLACE_WINDOW_MS // 1000} s (longer waits belong in the"
+                f" RQ), got {value}",
+                field=f"{prefix}.{name}",
+            )
     if not _is_number(policy.multiplier) or not policy.multiplier >= 1:
         raise InvalidArgument(
             f"must be a number >= 1, got {policy.multiplier!r}", field=f"{prefix}.multiplier"

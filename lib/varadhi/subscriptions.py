@@ -260,6 +260,7 @@ _RETRY_KEYS = (
     "jitter",
     "responses",
     "in_place_window",
+    "in_place_linger",
 )
 _RULE_KEYS = ("codes", "action", "honour_retry_after")
 # Before the circuit breaker (`_parse_circuit`): still read, deprecated.
@@ -412,6 +413,7 @@ def _parse_retry(s: _Section) -> RetryPolicy:
         jitter=s.number("jitter", _RETRY.jitter),
         responses=_parse_responses(s),
         in_place_window_ms=s.duration("in_place_window", _RETRY.in_place_window_ms, minimum=0),
+        in_place_linger_ms=s.duration("in_place_linger", _RETRY.in_place_linger_ms, minimum=0),
     )
     try:
         validate_retry_policy(policy, prefix=s.path)
@@ -587,6 +589,7 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
                 for x in r.responses
             ],
             "in_place_window": r.in_place_window_ms,
+            "in_place_linger": r.in_place_linger_ms,
         },
         "consumption": {
             "concurrency": c.concurrency,

@@ -4,6 +4,8 @@ forwarded groups in order with their pending state."""
 
 from __future__ import annotations
 
+import time
+
 import pandas as pd
 import pyarrow as pa
 
@@ -199,7 +201,9 @@ def _mq_record(offset: int, msg_id: str) -> dict:
     return record
 
 
-def _waiting(msg_id: str, origin: int, attempts: int = 1, location: str = "rq", value=None):
+def _waiting(
+    msg_id: str, origin: int, attempts: int = 1, location: str = "rq", value=None, due_ms: int = 0
+):
     """A pending row of ungrouped message `msg_id` (its own group)."""
     entry = Entry(
         origin=m.Origin(0, 0, origin),
@@ -208,6 +212,7 @@ def _waiting(msg_id: str, origin: int, attempts: int = 1, location: str = "rq", 
         location=location,  # type: ignore[arg-type]
         value=value,
         attempts=attempts,
+        due_ms=due_ms,
     )
     return state_row(Kind.PENDING, "~" + msg_id, entry)
 
@@ -373,3 +378,82 @@ def test_ungrouped_phase_one_delivers_due_parked_retries_in_its_first_task_only(
     assert ran_parked(first, rule) == {"~p"} and ran_parked(other, rule) == set()
     assert list(other.loc[other["kind"] == "fwd", "group_key"]) == ["~p"]
     assert not (other["kind"] == "touched").any()
+
+
+# -- waits in the task: no linger past its last delivery (`retry.in_place_linger`, default 0) --
+
+
+def test_a_task_with_nothing_else_to_deliver_sends_a_retry_through_the_rq_due_when_it_was():
+    """f fails (503, Retry-After 2 s, within the 2 s window) and its task has nothing else to
+    deliver: by default the task does not wait for the retry, which goes to the RQ due 2 s after
+    the failure (Retry-After kept). On the code before, the task lingered up to the window and
+    sent it in place."""
+    with TestEndpoint(script={"f": ["503"]}, retry_after_s=2) as endpoint:
+        ctx = _ctx(endpoint.url, grouped=False)
+        result = _rows(deliver_records(iter([_batch([_mq_record(1, "f")])]), ctx, ForwardRule()))
+        delivered = [(r.message_id, r.attempt, r.status) for r in endpoint.records()]
+
+    assert delivered == [("f", 1, 503)]
+    [out] = result[result["kind"] == "out"].itertuples()
+    assert (out.msg_id, out.target, out.attempts) == ("f", "rq", 1)
+    assert out.due_ms - out.last_failure_ms == 2_000
+    [kept] = result[result["kind"] == "pending"].itertuples()
+    assert (kept.location, kept.attempts, kept.due_ms) == ("rq", 1, out.due_ms)
+    stat = _stat(result)
+    assert (stat["retried_in_place"], stat["retried"]) == (0, 1)
+
+
+def test_a_retry_still_waits_in_place_while_its_task_has_other_deliveries():
+    """Grouped: f fails (503, Retry-After 1 s) while group b keeps the task busy (three answers
+    of 0.8 s each, in order): f is sent again from the task, not before its due time, and
+    nothing goes to the RQ."""
+    records = [_record(1, "f"), *(_record(i, "b") for i in (2, 3, 4))]
+    script = {"f-1": ["503"], **{f"b-{i}": ["slow"] for i in (2, 3, 4)}}
+    with TestEndpoint(script=script, slow_ms=800) as endpoint:
+        ctx = _ctx(endpoint.url)
+        result = _rows(deliver_records(iter([_batch(records)]), ctx, ForwardRule()))
+        attempts = [r for r in endpoint.records() if r.message_id == "f-1"]
+
+    assert [(r.attempt, r.status) for r in attempts] == [(1, 503), (2, 200)]
+    assert attempts[1].received_ms - attempts[0].received_ms >= 1_000
+    assert not (result["kind"].isin(["out", "pending"])).any()
+    stat = _stat(result)
+    assert (stat["retried_in_place"], stat["retried"], stat["delivered"]) == (1, 0, 4)
+
+
+def test_an_early_rq_record_is_parked_when_its_task_has_nothing_else_to_deliver():
+    """Ungrouped x's RQ record is read back 1 s before its due time (within the window) and its
+    task has nothing else to deliver: x is parked with its body (`held`), never sent early and
+    its RQ record never written again. On the code before, the task waited for it."""
+    due_ms = int(time.time() * 1000) + 1_000
+    pending = {"~x": [_waiting("x", 1, due_ms=due_ms)]}
+    rule = ForwardRule.of(pending, grouped=False)
+    records = [_rq_record(10, "~x", "x", origin=1, attempts=1, due_ms=due_ms)]
+    with TestEndpoint() as endpoint:
+        ctx = _ctx(endpoint.url, grouped=False)
+        result = _rows(deliver_records(iter([_batch(records)]), ctx, rule, dict(pending)))
+        delivered = endpoint.records()
+
+    assert delivered == []
+    [kept] = result[result["kind"] == "pending"].itertuples()
+    assert (kept.msg_id, kept.location, kept.value, kept.due_ms) == ("x", "held", b"{}", due_ms)
+    assert not (result["kind"] == "out").any()
+    assert _stat(result)["waited_due"] == 0
+
+
+def test_an_early_rq_record_waits_while_its_task_delivers_and_is_sent_once_due():
+    """The same early RQ record (due 0.3 s after it is read), its task busy with n (answered
+    after 1 s): x waits and is sent once due, in this batch, never before."""
+    due_ms = int(time.time() * 1000) + 300
+    pending = {"~x": [_waiting("x", 1, due_ms=due_ms)]}
+    rule = ForwardRule.of(pending, grouped=False)
+    records = [_mq_record(5, "n"), _rq_record(10, "~x", "x", origin=1, attempts=1, due_ms=due_ms)]
+    with TestEndpoint(script={"n": ["slow"]}, slow_ms=1_000) as endpoint:
+        ctx = _ctx(endpoint.url, grouped=False)
+        result = _rows(deliver_records(iter([_batch(records)]), ctx, rule, dict(pending)))
+        sent = {r.message_id: r for r in endpoint.records()}
+
+    assert sorted(sent) == ["n", "x"] and sent["x"].attempt == 2
+    assert sent["x"].received_ms >= due_ms
+    assert not (result["kind"].isin(["out", "pending"])).any()
+    assert _stat(result)["waited_due"] == 1

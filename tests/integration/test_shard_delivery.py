@@ -410,10 +410,12 @@ def test_retries_in_place_wait_their_backoff_in_the_task_then_fall_back_to_the_r
 def test_a_retry_in_place_goes_to_the_rq_if_it_would_hold_an_idle_task_past_the_window(
     settings, catalog, spark, endpoint
 ):
-    """Group `gw` alone in its task (fixed backoff 1.5 s, window 2 s): `gw.000` fails, the task
-    has nothing else to deliver, and waits for its retry, due 1.5 s later (within 2 s of the
-    task running out of work). `gw.001` then fails too: its retry would be due 3 s after that
-    moment, so the task stops waiting and sends it through the RQ."""
+    """Group `gw` alone in its task (fixed backoff 1.5 s, window and linger 2 s): `gw.000`
+    fails, the task has nothing else to deliver, and waits for its retry, due 1.5 s later
+    (within the 2 s linger after the task ran out of work). `gw.001` then fails too: its retry
+    would be due 3 s after that moment, so the task stops waiting and sends it through the
+    RQ. (Without a linger, the default, `gw.000` would go through the RQ at once:
+    tests/integration/test_batch_phases.py.)"""
     ep = endpoint()
     sub = create_sub(
         catalog,
@@ -424,6 +426,7 @@ def test_a_retry_in_place_goes_to_the_rq_if_it_would_hold_an_idle_task_past_the_
             "min_backoff": "1500ms",
             "max_backoff": "1500ms",
             "in_place_window": "2s",
+            "in_place_linger": "2s",
         },
     )
     job = scripted_run(settings, spark, sub, {"gw.000": [500], "gw.001": [500]}, [(["gw"], 2)])

@@ -13,9 +13,11 @@ from varadhi.retry import (
     backoff_ms,
     classify,
     decide,
+    linger_ms,
     parse_retry_after,
     retries_in_place,
     validate_retry_policy,
+    waits_in_task,
 )
 
 NOW = 1_700_000_000_000  # 2023-11-14T22:13:20Z
@@ -258,6 +260,20 @@ def test_a_window_of_zero_sends_every_retry_through_the_rq():
     assert not retries_in_place(policy, first_failure_ms=NOW, due_ms=NOW)
 
 
+def test_by_default_a_task_does_not_linger_past_its_other_deliveries():
+    """The retries still wait in place (the window) while the task has other deliveries."""
+    policy = RetryPolicy()
+    assert linger_ms(policy) == 0
+    assert retries_in_place(policy, first_failure_ms=NOW, due_ms=NOW + 1_000)
+    assert waits_in_task(policy, 1_000)
+
+
+def test_the_linger_is_the_setting_capped_at_the_window():
+    assert linger_ms(RetryPolicy(in_place_linger_ms=1_500)) == 1_500
+    assert linger_ms(RetryPolicy(in_place_window_ms=500, in_place_linger_ms=2_000)) == 500
+    assert linger_ms(RetryPolicy(in_place_window_ms=0, in_place_linger_ms=2_000)) == 0
+
+
 # -- validation ---------------------------------------------------------------------------
 
 
@@ -281,6 +297,8 @@ def test_default_policy_is_valid():
         ({"in_place_window_ms": -1}, "retry.in_place_window_ms"),
         ({"in_place_window_ms": 60_001}, "retry.in_place_window_ms"),
         ({"in_place_window_ms": 1.5}, "retry.in_place_window_ms"),
+        ({"in_place_linger_ms": -1}, "retry.in_place_linger_ms"),
+        ({"in_place_linger_ms": 60_001}, "retry.in_place_linger_ms"),
         (
             {"responses": (ResponseRule("2xx", "success"), ResponseRule("6xx", "retry"))},
             "retry.responses[1].codes",

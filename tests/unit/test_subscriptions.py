@@ -108,6 +108,7 @@ def test_full_document_is_parsed():
                 {"codes": "5xx", "action": "retry", "honour_retry_after": True},
             ],
             "in_place_window": "500ms",
+            "in_place_linger": "250ms",
         },
         consumption={
             "concurrency": 4,
@@ -147,6 +148,7 @@ def test_full_document_is_parsed():
             ResponseRule("5xx", "retry", honour_retry_after=True),
         ),
         in_place_window_ms=500,
+        in_place_linger_ms=250,
     )
     assert spec.consumption == ConsumptionPolicy(4, 8, 1000, 0)
     assert spec.circuit_breaker == CircuitPolicy(True, 1.0, 5, 30_000, 2_000, 60_000, 3)
@@ -247,6 +249,7 @@ def test_durations_in_documents():
         ({"retry__jitter": -0.1}, "retry.jitter"),
         ({"retry__in_place_window": "-1s"}, "retry.in_place_window"),
         ({"retry__in_place_window": "61s"}, "retry.in_place_window"),
+        ({"retry__in_place_linger": "61s"}, "retry.in_place_linger"),
         ({"retry__responses": []}, "retry.responses"),
         ({"retry__responses": [{"codes": "4xx", "action": "retry"}]}, "retry.responses"),
         ({"retry__responses": [{"codes": "600", "action": "success"}]}, "retry.responses[0].codes"),
