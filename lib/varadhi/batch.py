@@ -55,7 +55,7 @@ import pyarrow.compute as pc
 from . import messages as m
 from .delivery import LATENCY_BOUNDS_MS, DeliveryStats, HttpDeliverer
 from .group_state import Entry, GroupRun, RunCounts, merge
-from .journal import Accepted, JournalTarget, JournalWriter
+from .journal import LOOKBACK_MS, Accepted, JournalTarget, JournalWriter, joined, read_on_retry
 from .policies import SubscriptionSpec
 from .retry import linger_ms
 from .state_rows import (
@@ -409,6 +409,14 @@ def chained(
     return first[~again], state
 
 
+def _attempt() -> int:
+    """This task's attempt number within its batch (0 outside Spark, and on a first attempt)."""
+    from pyspark import TaskContext
+
+    context = TaskContext.get()
+    return 0 if context is None else context.attemptNumber()
+
+
 def _partition_id() -> int:
     """The Spark partition this task computes (0 outside Spark)."""
     from pyspark import TaskContext
@@ -429,6 +437,10 @@ def _deliver(
     and what the endpoint answered (`http_counts`)."""
     rng = random.Random(ctx.seed)
     journal = JournalWriter(ctx.journal) if ctx.journal is not None and candidates else None
+    replayed = ctx.replayed
+    if journal is not None and _attempt() > 0:  # an earlier attempt of this task died
+        retried = read_on_retry(ctx.journal, ctx.now_ms - LOOKBACK_MS)
+        replayed = joined(ctx.replayed, retried)
     runs: list[tuple[str, GroupRun]] = []
     answered: DeliveryStats | None = None
     for key, found in candidates.items():
@@ -442,7 +454,7 @@ def _deliver(
             rng,
             counts,
             ctx.max_out_bytes,
-            replayed=ctx.replayed,
+            replayed=replayed,
             journal=journal,
             blocked=ctx.spec.blocked,
         )

@@ -25,6 +25,11 @@ tasks; a group run treats a message found there as delivered without sending it
 (`GroupRun`, counted `skipped_replayed`). Journal entries are successes in the order each group
 made them, so a group's order of first successes is unchanged.
 
+A task that Spark runs again within its batch (an executor lost, say to a spot reclaim, or a
+Python worker killed: `TaskContext.attemptNumber()` > 0) reads the journal itself, on its
+executor, before it delivers (`read_on_retry`), and skips what the batch's earlier attempts
+journaled by then, as a re-run batch does.
+
 What is still delivered twice after a crash: the messages accepted within the last
 `interval_ms` (or `FLUSH_MESSAGES`) of each task before it died, and the requests in flight
 then (the endpoint may or may not have processed them). A crash after the deliveries (before
@@ -115,6 +120,8 @@ READ_TIMEOUT_S = 30.0
 # up (`read_again`): a broker that just restarted answers within seconds.
 READ_TRIES = 3
 READ_RETRY_S = 5.0
+# How long a task Spark runs again reads the journal of its batch (`read_on_retry`), at most.
+RETRY_READ_TIMEOUT_S = 15.0
 _T = TypeVar("_T")
 # A task sends no new request while accepted messages have waited longer than this for the
 # broker's acknowledgement of their journal record (Kafka away: `JournalWriter.behind`), so a
@@ -658,6 +665,42 @@ def read_shard(
     if found.get("error_code") or not partitions:
         raise KafkaTimeoutError(f"the metadata of {topic} cannot be read: {found}")
     return read(settings, topic, partition_of(shard, len(partitions)), key, since_ms, whole=True)
+
+
+def read_on_retry(target: JournalTarget, since_ms: int) -> Accepted | None:
+    """On an executor, in a task Spark runs again within its batch (`TaskContext.attemptNumber()`
+    > 0: the earlier attempt's executor or Python worker died): the origins the batch's tasks
+    journaled under `target.key` by now, read from `target`'s partition from `since_ms` (the
+    batch's planning time minus `LOOKBACK_MS`), so that the retry does not send again what the
+    earlier attempt delivered. Other tasks' origins in the set change nothing: a task looks up
+    only its own records' origins.
+
+    Never fails the task: a read that raises is logged and gives None, one that outlasts
+    `RETRY_READ_TIMEOUT_S` gives what it read by then; the retry then delivers the rest again,
+    as it would without a journal."""
+    try:
+        accepted = read(
+            target,
+            target.topic,
+            target.partition,
+            target.key,
+            since_ms,
+            timeout_s=RETRY_READ_TIMEOUT_S,
+        )
+    except Exception as e:  # noqa: BLE001 - any failure to read: deliver again, never fail the task
+        log.warning(
+            "journal %s: a retried task cannot read it (%s); its batch's deliveries may be "
+            "sent again",
+            target.key,
+            e,
+        )
+        return None
+    log.info(
+        "journal %s: a retried task found %d messages accepted by earlier attempts",
+        target.key,
+        len(accepted),
+    )
+    return accepted or None
 
 
 # -- the hand-over across a shard-count change (see the module docstring) ----------------------
