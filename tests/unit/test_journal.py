@@ -423,3 +423,27 @@ def test_journal_interval_setting():
 def test_a_subscription_created_again_under_its_name_has_other_keys():
     assert journal.batch_key("s.g0.s1.0.L0", 3, 1_000) == "s.g0.s1.0.L0/3@1000"
     assert journal.batch_key("s.g0.s1.0.L0", 3, 1_000) != journal.batch_key("s.g0.s1.0.L0", 3, 2)
+
+
+def test_a_retried_task_reads_the_batch_key_and_never_fails_on_a_read(monkeypatch):
+    """`read_on_retry`: the batch's key and partition from the target, the bounded timeout; a
+    read that raises gives None (the task delivers everything again), never an error."""
+    target = JournalTarget("127.0.0.1:1", "s.journal", 2, "app/7@1", 250)
+    calls = []
+
+    def read(settings, topic, partition, key, since_ms, timeout_s):
+        calls.append((topic, partition, key, since_ms, timeout_s))
+        return Accepted.of_runs([(0, 1, 5, 9)])
+
+    monkeypatch.setattr(journal, "read", read)
+    found = journal.read_on_retry(target, 1_000)
+    assert m.Origin(0, 1, 7) in found and m.Origin(0, 1, 10) not in found
+    assert calls == [("s.journal", 2, "app/7@1", 1_000, journal.RETRY_READ_TIMEOUT_S)]
+
+    def broken(*_args, **_kwargs):
+        raise KafkaTimeoutError("no broker")
+
+    monkeypatch.setattr(journal, "read", broken)
+    assert journal.read_on_retry(target, 1_000) is None
+    monkeypatch.setattr(journal, "read", lambda *a, **k: Accepted())
+    assert journal.read_on_retry(target, 1_000) is None  # nothing journaled yet
