@@ -25,9 +25,10 @@ producer, last progress, GroupState table, checkpoint and journal, query started
 planned, first batch done, and the first delivery seen by the endpoint. Code without those lines
 (`--checkout` of an older tree) reports the first delivery only.
 
-`--checkout NAME=PATH` adds a variant that runs another checkout's `spark-submit.sh` with its
-`lib` first on PYTHONPATH (the venv and jars are this checkout's); `--variant NAME:K=V,K=V` one
-that runs this checkout with extra environment (a lever to measure). Variants alternate within
+`--checkout NAME=PATH[:K=V,K=V]` adds a variant that runs another checkout's `spark-submit.sh`
+with its `lib` first on PYTHONPATH (the venv and jars are this checkout's), with extra
+environment if given; `--variant NAME:K=V,K=V` one that runs this checkout with extra environment
+(a lever to measure, e.g. `--variant nowarm:VARADHI_WARM_UP=0`). Variants alternate within
 each repetition, so a comparison is fair on a machine whose load changes.
 
 Results: a table on stdout, JSON in bench/results/startup.json (`--out`).
@@ -95,11 +96,13 @@ def parse_variant(text: str) -> Variant:
 
 
 def parse_checkout(text: str) -> Variant:
-    name, _, path = text.partition("=")
+    """`NAME=PATH[:K=V,K=V]`: another checkout, with extra environment if given."""
+    name, _, rest = text.partition("=")
+    path, _, pairs = rest.partition(":")
     root = Path(path).resolve()
     if not (root / "spark-submit.sh").is_file():
         raise SystemExit(f"--checkout {text}: no spark-submit.sh in {root}")
-    return Variant(name, root)
+    return Variant(name, root, dict(p.split("=", 1) for p in pairs.split(",") if p))
 
 
 def log_time_s(line: str) -> float | None:

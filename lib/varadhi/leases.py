@@ -200,6 +200,13 @@ class Lease:
             doc.update(ttl_ms=self.ttl_ms, renewed_ms=now_ms)
         return doc
 
+    def prepare(self) -> None:
+        """Read the catalog through this lease's own writer, ahead of `acquire`: its clients'
+        connections and the catalog read, which `acquire` would otherwise do first. Reads only:
+        the writer's transactional producer, whose start fences the writer of an instance
+        holding the lease, starts with the first write."""
+        self._writer().snapshot()
+
     def acquire(self) -> int:
         """Take the lease from whoever had it; returns the new epoch."""
         started = self._clock()

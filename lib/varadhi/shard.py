@@ -48,6 +48,7 @@ from . import (
     subscriptions,
     topics,
     warehouse_fs,
+    warm_up,
 )
 from . import dlq as dlq_ops
 from .batch import (
@@ -76,7 +77,7 @@ from .shard_reading import EndOffsets, LayoutMoves, caught_up, consumed
 from .shard_sender import QueueSender
 from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
 from .shard_ticks import Ticks
-from .startup import StartupClock
+from .startup import Ahead, StartupClock
 from .state_rows import RESULT_SCHEMA, STATE_SCHEMA, Kind, StateRow, delivered_ids, normalise
 from .state_store import StateStore
 from .status import ProgressPublisher, latest_progress
@@ -129,6 +130,7 @@ class ShardJob:
         self.standby = standby
         self.lease_ttl_ms = lease_ttl_ms or leases.ttl_from_env()
         self._spark = spark
+        self._own_session = spark is None  # started here, by `spark` (a local one: warmed up)
         self.stats = ShardStats()
         self._startup = StartupClock(f"{name} shard {shard}")  # INFO line per phase
         self._batch_lock = threading.Lock()
@@ -161,6 +163,7 @@ class ShardJob:
         # Called after each completed micro-batch as hook(last_batch, summary) (`summarize`),
         # on the batch's thread: `varadhi.metrics` feeds its exporter and JSON log from it.
         self.batch_hooks: list[Any] = []
+        self._warm_up: warm_up.WarmUp | None = None  # the first batch's work, done ahead
 
     # -- set-up ---------------------------------------------------------------------------
     def _load(
@@ -211,20 +214,20 @@ class ShardJob:
 
     # -- main loop ------------------------------------------------------------------------
     def run(self) -> RunEnd:
-        sub, _, _, _ = self._load()
-        self._startup.mark("catalog read")
-        # Before the lease (which fences a running instance) and any write: a warehouse Spark
-        # cannot write is one line, not a failed query after the fence.
-        warehouse = self.settings.warehouse
-        warehouse_fs.check_writable(warehouse_fs.for_path(warehouse, self.spark), warehouse)
-        self.catalog.ensure_segment_roll()  # lease renewals must be compacted away
-        self._startup.mark("warehouse and catalog checked")
         lease = ShardLease(self.catalog, self.name, self.shard, self.lease_ttl_ms)
-        # Whatever ends the run, from here on, restores the signal handlers it installed: a
-        # standby that took the lease and then fails to read the catalog or start the heartbeat
-        # too (the process may go on: a test, a notebook, bench/harness.py).
+        # Whatever ends the run restores the signal handlers it installed (a standby that took
+        # the lease and then fails to read the catalog or start the heartbeat too: the process
+        # may go on, a test, a notebook, bench/harness.py), stops the warm-up and closes the
+        # lease's clients.
         signals: StopSignals | None = None
         try:
+            sub, spark = self._start(lease)
+            # Before the lease (which fences a running instance) and any write: a warehouse
+            # Spark cannot write is one line, not a failed query after the fence.
+            warehouse = self.settings.warehouse
+            warehouse_fs.check_writable(warehouse_fs.for_path(warehouse, spark), warehouse)
+            self.catalog.ensure_segment_roll()  # lease renewals must be compacted away
+            self._startup.mark("warehouse and catalog checked")
             if self.standby:
                 # Spark is started ahead of time; the lease is taken only once the active
                 # instance's has expired (nothing before it may fence the active one: no
@@ -238,13 +241,56 @@ class ShardJob:
             self._startup.mark("lease taken")
             lease.start_heartbeat()
             self._lease = lease
+            self._start_warm_up()
             if signals is None:
                 signals = self._install_signals()
             return self._hold(sub, lease)
         finally:
+            if self._warm_up is not None:
+                self._warm_up.cancel()
             if signals is not None:
                 signals.restore()
             lease.close()  # `_hold` closed it already, unless the run failed before it
+
+    def _start(self, lease: ShardLease) -> tuple[subscriptions.Subscription, SparkSession]:
+        """The subscription read from the catalog, then the Spark session. A refusal of the read
+        (an unknown subscription or shard) comes first, before anything starts. While the
+        session starts, a normal start connects the lease's writer in a thread of its own
+        (`ShardLease.prepare`: reads only, nothing fenced; `startup.Ahead`)."""
+        sub, _, _, _ = self._load()
+        self._startup.mark("catalog read")
+        prepared: Ahead[None] | None = None
+        if not self.standby:
+            owner = self._owner(sub)
+
+            def prepare() -> None:
+                lease.prepare(owner)
+                self._startup.mark("lease's writer connected")
+
+            prepared = Ahead(prepare, f"varadhi-{self.name}-{self.shard}-lease-writer")
+        try:
+            spark = self.spark
+        finally:
+            if prepared is not None:
+                prepared.wait()  # its error, if any, after the session's
+        if prepared is not None:
+            prepared.result()
+        return sub, spark
+
+    def _start_warm_up(self) -> None:
+        """Once the lease is held: the first batch's cold work ahead (`warm_up.WarmUp`), on a
+        session this process started on a local master with a core to spare (`warm_up.wanted`).
+        Not earlier: taking the lease is a write whose time counts against its TTL, and the
+        warm-up would compete with it for the CPU."""
+        spark = self.spark
+        load = warm_up.machine_load()
+        if warm_up.wanted(os.environ, self._own_session, lambda: spark.sparkContext.master, *load):
+            self._warm_up = warm_up.WarmUp(
+                spark,
+                kafka_clients.spark_options(self.settings),
+                self.settings.catalog_topic,
+                f"{self.name} shard {self.shard}",
+            )
 
     def _hold(self, sub: subscriptions.Subscription, lease: ShardLease) -> RunEnd:
         """The control loop once the lease is held and renewed: until stopped or fenced

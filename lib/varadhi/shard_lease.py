@@ -6,6 +6,8 @@ the heartbeat and the pure takeover rules, shared with feeders and operations). 
 `varadhi.batch_commit.LeasePort` of every micro-batch (`check`).
 
 - `take(owner)`: a normal start bumps the epoch at once, fencing a running instance.
+  `prepare(owner)` may come first, from another thread, while the shard checks what must be
+  checked before it fences anyone: it only reads (`leases.Lease.prepare`).
 - `stand_by(...)`: a `--standby` instance watches the lease while it is held and renewed,
   reporting `standby` through its own progress key, and takes it (a compare-and-set on the
   document it watched: a renewal or another standby in between wins) once it has seen it
@@ -70,15 +72,30 @@ class ShardLease:
         self._clock = clock
         self.instance = leases.new_instance()
         self.held: Lease | None = None
+        self._prepared: Lease | None = None  # `prepare`d for `take`
         self._label = f"{name} shard {shard}"
 
     def _new(self, owner: str) -> Lease:
         return self._make(self.catalog, owner, self.ttl_ms, instance=self.instance)
 
     # -- taking it -------------------------------------------------------------------------
-    def take(self, owner: str) -> None:
-        """Take the lease of `owner` now, from whoever has it."""
+    def prepare(self, owner: str) -> None:
+        """Get ready to `take` the lease of `owner`: connect its writer and read the catalog
+        through it (reads only, nothing fenced)."""
         lease = self._new(owner)
+        self._prepared = lease
+        lease.prepare()
+
+    def take(self, owner: str) -> None:
+        """Take the lease of `owner` now, from whoever has it (with what `prepare(owner)`
+        connected, if it came first)."""
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared.owner == owner:
+            lease = prepared
+        else:
+            if prepared is not None:
+                prepared.close()
+            lease = self._new(owner)
         lease.acquire()
         self.held = lease
 
@@ -190,5 +207,7 @@ class ShardLease:
                 log.warning("%s: lease not marked stopped: %s", self._label, e)
 
     def close(self) -> None:
-        if self.held is not None:
-            self.held.close()
+        for lease in (self.held, self._prepared):
+            if lease is not None:
+                lease.close()
+        self._prepared = None

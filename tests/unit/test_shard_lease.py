@@ -29,6 +29,11 @@ class FakeCatalog:
     def __init__(self):
         self.entries: dict[str, dict] = {}
         self.fail_reads = 0
+        self.snapshots = 0
+
+    def snapshot(self):
+        self.snapshots += 1
+        return Snapshot(copy.deepcopy(self.entries))
 
     def get(self, kind, name):
         if self.fail_reads:
@@ -181,3 +186,29 @@ def test_a_clean_release_marks_the_lease_stopped_and_a_failed_one_lets_it_expire
     lease.release(clean=True)
     assert catalog.get(KIND, OWNER)["stopped_ms"] == 1_000_000
     lease.close()
+
+
+def test_a_prepared_lease_is_read_not_written_and_take_uses_it():
+    catalog, clock = FakeCatalog(), Clock()
+    active = shard_lease(catalog, clock)
+    active.take(OWNER)
+    held = copy.deepcopy(catalog.entries)
+    lease = shard_lease(catalog, clock)
+    lease.prepare(OWNER)  # while the shard checks what it must before fencing anyone
+    assert catalog.snapshots == 1 and catalog.entries == held  # read, nothing written
+    prepared = lease._prepared
+    lease.take(OWNER)
+    assert lease.held is prepared and lease.epoch == 2
+    with pytest.raises(Fenced):
+        active.check()
+
+
+def test_take_of_another_owner_than_prepared_closes_the_prepared_one():
+    catalog, clock = FakeCatalog(), Clock()
+    lease = shard_lease(catalog, clock)
+    lease.prepare(OWNER)
+    prepared = lease._prepared
+    lease.take("orders-http/s3/1")  # the shard count changed in between
+    assert lease.held is not prepared and lease.held.owner == "orders-http/s3/1"
+    assert prepared._stop.is_set()  # closed
+    assert catalog.get(KIND, OWNER) is None

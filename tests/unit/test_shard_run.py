@@ -26,6 +26,9 @@ class FakeLease:
     def __init__(self, *_args):
         self.instance, self.epoch, self.closed = "i-1", None, False
 
+    def prepare(self, _owner):
+        pass
+
     def take(self, _owner):
         self.epoch = 1
 
@@ -50,6 +53,7 @@ def job(monkeypatch):
     """A standby `ShardJob` of shard 0 of one that takes the lease at once; its second catalog
     read (after the takeover) finds shard 0 beyond the shard count."""
     monkeypatch.setattr(ShardJob, "spark", property(lambda _self: None))  # no JVM to guard
+    monkeypatch.setenv("VARADHI_WARM_UP", "0")  # and none to warm up
     monkeypatch.setattr(warehouse_fs, "for_path", lambda *_a, **_k: None)
     monkeypatch.setattr(warehouse_fs, "check_writable", lambda *_a: None)
     leases: list[FakeLease] = []
@@ -106,3 +110,75 @@ def test_a_standby_asked_to_stop_before_it_took_the_lease_restores_signals(job, 
     before = handlers()
     assert job.run() is RunEnd.STOPPED
     assert handlers() == before
+
+
+@pytest.fixture
+def steps(job, monkeypatch):
+    """A normal start of `job` whose steps record themselves: the catalog read (in the start-up
+    reads' thread), the Spark session, the warehouse check, the lease's `prepare`/`take`, and
+    the control loop (`_hold`, which returns at once)."""
+    seen: list[str] = []
+    job.standby = False
+
+    def load():
+        seen.append("catalog read")
+        return SimpleNamespace(shard_count=1), None, None, None
+
+    def spark(_self):
+        seen.append("Spark session")
+
+    monkeypatch.setattr(job, "_load", load)
+    monkeypatch.setattr(ShardJob, "spark", property(spark))
+    monkeypatch.setattr(warehouse_fs, "check_writable", lambda *_a: seen.append("warehouse"))
+    monkeypatch.setattr(FakeLease, "prepare", lambda _s, _o: seen.append("prepare"))
+    take = FakeLease.take
+    monkeypatch.setattr(FakeLease, "take", lambda s, o: seen.append("take") or take(s, o))
+    monkeypatch.setattr(job, "_hold", lambda *_a: seen.append("hold") or RunEnd.STOPPED)
+    return seen
+
+
+def test_the_lease_is_taken_after_the_read_the_session_and_the_warehouse_check(job, steps):
+    assert job.run() is RunEnd.STOPPED
+    order = steps.index
+    # the lease's writer is connected while the session starts, in either order
+    assert order("catalog read") < order("prepare") < order("warehouse")
+    assert order("catalog read") < order("Spark session") < order("warehouse")
+    assert order("warehouse") < order("take") < order("hold")
+    assert job.leases[0].closed
+
+
+def test_the_warm_up_starts_once_the_lease_is_held_and_is_cancelled_at_the_end(
+    job, steps, monkeypatch
+):
+    """Not while the lease is taken: that write's time counts against the lease's TTL."""
+    monkeypatch.setattr(shard_module.warm_up, "wanted", lambda *_a: True)
+    cancel = SimpleNamespace(cancel=lambda: steps.append("warm-up cancelled"))
+    monkeypatch.setattr(
+        shard_module.warm_up, "WarmUp", lambda *_a: steps.append("warm-up") or cancel
+    )
+    assert job.run() is RunEnd.STOPPED
+    order = steps.index
+    assert order("take") < order("warm-up") < order("hold") < order("warm-up cancelled")
+
+
+def test_a_refused_catalog_read_starts_nothing_and_takes_no_lease(job, steps, monkeypatch):
+    def refused():
+        steps.append("catalog read")
+        raise InvalidArgument("shard 0 is outside 0..-1 of orders-http")
+
+    monkeypatch.setattr(job, "_load", refused)
+    with pytest.raises(InvalidArgument, match="outside"):
+        job.run()
+    assert steps == ["catalog read"]  # no session, no lease writer, no check, no lease
+    assert job.leases[0].closed
+
+
+def test_a_session_that_fails_to_start_takes_no_lease(job, steps, monkeypatch):
+    def no_session(_self):
+        raise InvalidArgument("no Kafka connector and Delta jars for Spark")
+
+    monkeypatch.setattr(ShardJob, "spark", property(no_session))
+    with pytest.raises(InvalidArgument, match="jars"):
+        job.run()
+    assert "warehouse" not in steps and "take" not in steps
+    assert job.leases[0].closed

@@ -6,6 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
+
+import pytest
 
 from varadhi import class_archive, startup
 
@@ -122,3 +125,19 @@ def test_the_launch_env_names_the_archive_only_within_the_block(tmp_path, monkey
     assert os.environ[class_archive.OPTS_ENV] == "-Dmine=1"
     with class_archive.launch_env(None):  # a JVM already running, or a cluster's session
         assert os.environ[class_archive.OPTS_ENV] == "-Dmine=1"
+
+
+def test_ahead_runs_in_a_thread_of_its_own_and_hands_back_its_value():
+    release = threading.Event()
+    ahead = startup.Ahead(lambda: release.wait(60) and "read", "test-reads")
+    release.set()  # it waits for the caller: it cannot have run in the caller's thread
+    assert ahead.result() == "read"
+
+
+def test_ahead_raises_what_its_call_raised_when_the_result_is_taken():
+    def refused():
+        raise ValueError("shard 3 is outside 0..1")
+
+    ahead = startup.Ahead(refused, "test-reads")
+    with pytest.raises(ValueError, match="outside"):
+        ahead.result()
