@@ -26,8 +26,9 @@ planned, first batch done, and the first delivery seen by the endpoint. Code wit
 (`--checkout` of an older tree) reports the first delivery only.
 
 `--checkout NAME=PATH[:K=V,K=V]` adds a variant that runs another checkout's `spark-submit.sh`
-with its `lib` first on PYTHONPATH (the venv and jars are this checkout's), with extra
-environment if given; `--variant NAME:K=V,K=V` one that runs this checkout with extra environment
+with its `lib` first on PYTHONPATH (the venv and jars are this checkout's; every variant's `lib`
+goes first, since the venv's editable install names one checkout's), with extra environment if
+given; `--variant NAME:K=V,K=V` one that runs this checkout with extra environment
 (a lever to measure, e.g. `--variant nowarm:VARADHI_WARM_UP=0`). Variants alternate within
 each repetition, so a comparison is fair on a machine whose load changes.
 
@@ -70,11 +71,12 @@ class Variant:
     env: dict[str, str] = field(default_factory=dict)
 
     def environ(self, env: Env) -> dict[str, str]:
+        # The checkout's `lib` first, this one's too: the venv may name another checkout's
+        # (an editable install's .pth), which would otherwise win over the checkout's own.
         out = {**env.spark_env(), **self.env}
-        if self.root != ROOT:
-            out["PYTHONPATH"] = os.pathsep.join(
-                [str(self.root / "lib"), *filter(None, [out.get("PYTHONPATH")])]
-            )
+        out["PYTHONPATH"] = os.pathsep.join(
+            [str(self.root / "lib"), *filter(None, [out.get("PYTHONPATH")])]
+        )
         return out
 
 
