@@ -40,8 +40,9 @@ for 5% and 503 (no Retry-After) for 5% of requests, so every attempt fails indep
 probability and the same messages fail in every run. Retries use the default policy: backoff 1 s,
 exponential, 20% jitter, and `retry.in_place_window` 2 s (a retry due that soon after the first
 failure waits in the delivery task, later ones go through the RQ); `--in-place-windows 2000 0` adds
-runs with every retry through the RQ, `--in-place-linger MS` lets a task wait that long past its
-other deliveries for its retries (`retry.in_place_linger`; default the policy's, none). `retry.max_attempts` is raised to 10 so that no message is
+runs with every retry through the RQ, `--in-place-lingers 0 2000` adds runs where a task waits
+up to 2 s past its other deliveries for its retries (`retry.in_place_linger`; default the
+policy's, none). `retry.max_attempts` is raised to 10 so that no message is
 dead-lettered by bad luck (10%^10).
 
 Measurements come from nginx's access log (`$msec`, status, `X-Varadhi-Produced-At`, message id
@@ -655,6 +656,7 @@ def run_shards(
     logdir: Path,
     journal_ms: int = DEFAULT_JOURNAL_MS,
     repeat: int = 0,
+    linger_ms: int = DEFAULT_LINGER_MS,
 ) -> dict:
     label = (
         f"{shards} shard{'s' if shards > 1 else ''}, {'grouped' if grouped else 'ungrouped'}, "
@@ -671,10 +673,10 @@ def run_shards(
         label += f" #{repeat + 1}"
         sub += f"-r{repeat}"
     retry = {"max_attempts": 10, "in_place_window": f"{in_place_ms}ms"}
-    if args.in_place_linger != DEFAULT_LINGER_MS:
-        retry["in_place_linger"] = f"{args.in_place_linger}ms"
-        if fail_rate:
-            label += f", linger {args.in_place_linger / 1000:g} s"
+    if fail_rate and linger_ms != DEFAULT_LINGER_MS:
+        retry["in_place_linger"] = f"{linger_ms}ms"
+        label += f", linger {linger_ms / 1000:g} s"
+        sub += f"-l{linger_ms}"
     with nginx(nginx_bin, fail_rate) as endpoint:
         create_subscription(
             env,
@@ -713,7 +715,7 @@ def run_shards(
         "grouped": grouped,
         "fail_rate": fail_rate,
         "in_place_window_ms": in_place_ms,
-        "in_place_linger_ms": args.in_place_linger,
+        "in_place_linger_ms": linger_ms if fail_rate else DEFAULT_LINGER_MS,
         "journal_interval_ms": journal_ms,
         "exit_codes": codes,
         "wall_s": round((ended - started) / 1000, 1),
@@ -1234,10 +1236,14 @@ def targets(rows: list[dict]) -> dict:
             )
             steady = r["steady_msg_s"] / twin["steady_msg_s"]
             delivering = r["delivering_msg_s"] / twin["delivering_msg_s"]
-            if r.get("in_place_window_ms", DEFAULT_IN_PLACE_MS) == DEFAULT_IN_PLACE_MS:
+            window = r.get("in_place_window_ms", DEFAULT_IN_PLACE_MS)
+            linger = r.get("in_place_linger_ms", DEFAULT_LINGER_MS)
+            if window == DEFAULT_IN_PLACE_MS and linger == DEFAULT_LINGER_MS:
                 ratios.append((name, steady, delivering))
+            elif linger != DEFAULT_LINGER_MS:
+                others.append(f"{name} linger {linger / 1000:g} s {steady:.2f}")
             else:
-                others.append(f"{name} in place {r['in_place_window_ms'] / 1000:g} s {steady:.2f}")
+                others.append(f"{name} in place {window / 1000:g} s {steady:.2f}")
     if ratios:
         # Judged like the throughput target, on the steady window; the first-to-last rate also
         # holds the retry tail, whose length the backoff policy sets (shown for completeness).
@@ -1350,12 +1356,14 @@ def main(argv: list[str] | None = None) -> int:
         f"(default: the policy's {DEFAULT_IN_PLACE_MS} ms; 0 sends every retry through the RQ)",
     )
     parser.add_argument(
-        "--in-place-linger",
+        "--in-place-lingers",
+        nargs="+",
         type=int,
-        default=DEFAULT_LINGER_MS,
+        default=[DEFAULT_LINGER_MS],
         metavar="MS",
-        help="retry.in_place_linger of every shard run: how long a task may wait past its other "
-        f"deliveries for its retries (default: the policy's {DEFAULT_LINGER_MS} ms)",
+        help="retry.in_place_linger of the runs with failures, one set of runs per value: how "
+        "long a task may wait past its other deliveries for its retries (default: the policy's "
+        f"{DEFAULT_LINGER_MS} ms)",
     )
     parser.add_argument(
         "--journal-intervals",
@@ -1455,7 +1463,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rate",
                 "idle_s",
                 "in_place_windows",
-                "in_place_linger",
+                "in_place_lingers",
                 "journal_intervals",
                 "repeat",
                 "kills",
@@ -1529,8 +1537,14 @@ def main(argv: list[str] | None = None) -> int:
             for fail_rate in args.fail_rates:
                 source, size = backlog_for(fail_rate)
                 windows = args.in_place_windows if fail_rate > 0 else [DEFAULT_IN_PLACE_MS]
-                for repeat, window, shards, mode, journal_ms in itertools.product(
-                    range(args.repeat), windows, args.shards, args.modes, args.journal_intervals
+                lingers = args.in_place_lingers if fail_rate > 0 else [DEFAULT_LINGER_MS]
+                for repeat, window, linger, shards, mode, journal_ms in itertools.product(
+                    range(args.repeat),
+                    windows,
+                    lingers,
+                    args.shards,
+                    args.modes,
+                    args.journal_intervals,
                 ):
                     row = run_shards(
                         env,
@@ -1545,6 +1559,7 @@ def main(argv: list[str] | None = None) -> int:
                         logdir,
                         journal_ms=journal_ms,
                         repeat=repeat if args.repeat > 1 else 0,
+                        linger_ms=linger,
                     )
                     rows.append(row)
                     print(

@@ -1,12 +1,15 @@
-"""What retries in place save: one delivery task's groups, with and without `in_place_window`.
+"""What retries in place save: one delivery task's groups, with and without `in_place_window`,
+and with and without `in_place_linger`.
 
 Runs the body of a shard's phase-1 task (`varadhi.batch.deliver_records`, the code a Spark task
 runs on its Kafka records; no Spark, no Kafka) over `--groups` groups of `--per-group` 1 KiB
 messages against the project's test endpoint (`python -m varadhi.testing.endpoint`, its own
 process on 127.0.0.1) failing `--fail-rate` of the attempts with 500, answering after
-`--latency-ms`. The same task runs with `retry.in_place_window` 0 (every retry through the RQ)
-and 2 s (the default), under the default backoff (1 s, exponential, 20% jitter); the endpoint is
-restarted for each run with the same seed, so both see the same failures.
+`--latency-ms`. The same task runs with `retry.in_place_window` 0 (every retry through the RQ),
+2 s (the default) without a linger (the default: retries wait only while the task has other
+deliveries), and 2 s with a 2 s `retry.in_place_linger` (the task waits up to 2 s past its last
+delivery), under the default backoff (1 s, exponential, 20% jitter); the endpoint is restarted
+for each run with the same seed, so all see the same failures.
 
 Per run it prints what the task left for later batches: retries written to the RQ, messages
 parked behind them (bodies the state table must hold and a later batch must deliver), and what
@@ -67,14 +70,16 @@ def records(groups: int, per_group: int) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int) -> dict:
+def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int, linger_ms: int) -> dict:
     options = ("--fail-rate", str(args.fail_rate), "--mix", "500=1", "--seed", "7")
     with endpoint_process(*options, "--latency-ms", str(latency_ms)) as url:
         spec = SubscriptionSpec(
             name="bench",
             topic="bench",
             endpoint=Endpoint(url=url),
-            retry=RetryPolicy(max_attempts=10, in_place_window_ms=window_ms),
+            retry=RetryPolicy(
+                max_attempts=10, in_place_window_ms=window_ms, in_place_linger_ms=linger_ms
+            ),
         )
         ctx = BatchContext(spec, {TOPIC: 0}, int(time.time() * 1000), seed=1)
         started = time.perf_counter()
@@ -86,6 +91,7 @@ def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int) -> dict:
     return {
         "latency_ms": latency_ms,
         "in_place_window_ms": window_ms,
+        "in_place_linger_ms": linger_ms,
         "messages": len(frame),
         "seconds": round(seconds, 2),
         "delivered": stat["delivered"],
@@ -109,18 +115,20 @@ def main(argv: list[str] | None = None) -> int:
 
     load_at_start = os.getloadavg()
     frame = records(args.groups, args.per_group)
+    window = RetryPolicy().in_place_window_ms
     rows = [
-        run(args, frame, latency, window)
+        run(args, frame, latency, *setting)
         for latency in args.latency_ms
-        for window in (0, RetryPolicy().in_place_window_ms)
+        for setting in ((0, 0), (window, 0), (window, window))
     ]
     print(
-        f"{'latency':>8} {'window':>7} {'seconds':>8} {'delivered':>10} {'in place':>9} "
-        f"{'to RQ':>6} {'blocked':>8} {'parked':>7}"
+        f"{'latency':>8} {'window':>7} {'linger':>7} {'seconds':>8} {'delivered':>10} "
+        f"{'in place':>9} {'to RQ':>6} {'blocked':>8} {'parked':>7}"
     )
     for r in rows:
         print(
-            f"{r['latency_ms']:>6}ms {r['in_place_window_ms'] / 1000:>6g}s {r['seconds']:>8} "
+            f"{r['latency_ms']:>6}ms {r['in_place_window_ms'] / 1000:>6g}s "
+            f"{r['in_place_linger_ms'] / 1000:>6g}s {r['seconds']:>8} "
             f"{r['delivered']:>10,} {r['retried_in_place']:>9,} {r['retried_through_rq']:>6,} "
             f"{r['groups_blocked']:>8,} {r['parked']:>7,}"
         )
