@@ -137,11 +137,12 @@ def _post_all(batches, url: str, max_in_flight: int, ts_column: str | None):
     for b in batches:
         if first is None:
             first = time.time()
+        # in bulk, as a shard's task reads its columns (`to_pylist` is ~20 times slower)
         cols = {
-            name: b.column(name).to_pylist()
+            name: b.column(name).to_numpy(zero_copy_only=False).tolist()
             for name in ("key", "value", "topic", "partition", "offset")
         }
-        ts = b.column(ts_column).to_pylist() if ts_column else None
+        ts = b.column(ts_column).to_numpy(zero_copy_only=False).tolist() if ts_column else None
         for i in range(b.num_rows):
             topic, part, off = cols["topic"][i], cols["partition"][i], cols["offset"][i]
             ident = f"{topic}-{part}-{off}"
@@ -320,7 +321,7 @@ class Job:
         query = self.stream(-2, a.trigger_ms, on_batch)
         read = 0
         while read < a.messages and query.isActive:
-            time.sleep(0.05)
+            time.sleep(0.25)  # each look is a Py4J call and the progress JSON: not too often
             read = sum(p["numInputRows"] for p in query.recentProgress)
         query.stop()
         self.events("stage_end", stage=stage, label=label, records=read)
