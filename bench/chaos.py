@@ -20,7 +20,14 @@ broker can be killed without touching anyone else's):
    `--produce-seconds`, retrying a send until the broker acknowledges it.
 4. Meanwhile, at seeded random moments: `--kills` SIGKILLs of a random shard's process group,
    a SIGKILL of the broker and its restart, and shard-count changes 2 -> 4 -> 3 by the documented
-   path (pause, stop, change-shards with external feeders, feeders, start, resume).
+   path (pause, stop, change-shards with external feeders, feeders, start, resume). Before each
+   change (unless `--no-kill-before-change`), one shard is SIGKILLed inside a batch that has
+   delivered something: its checkpoint has the batch planned and not committed, and the
+   delivery journal already names messages the endpoint accepted in it (read as change-shards
+   reads it); it is kept down until the change, so the change has that batch to hand over to
+   the new shards (`--kill-wait` seconds at most to find one; the event's `killed_in_batch`).
+   A batch whose journal grew since the previous poll is preferred (it is delivering now);
+   after half the wait, one that did not (an earlier run's, not re-run yet) is taken.
 5. At the end the shards run until idle, and the run is judged:
    - lost: acknowledged messages neither delivered (2xx) nor in the DLQ (must be 0);
    - order violations: groups whose first successful deliveries are not in produce order (0);
@@ -37,7 +44,8 @@ broker can be killed without touching anyone else's):
      so the client saw a failure and rightly sent the next attempt: any at-least-once client
      does the same) and `redelivered` (the same attempt sent again: a crash, a kill or a fence
      re-running a batch; the figure the delivery journal exists to keep small), with when the
-     re-deliveries happened (10 s buckets) and how long after the success they repeat.
+     re-deliveries happened and when the successes they repeat did (10 s buckets), and how
+     long after the success they repeat.
 
 Prints the verdict and writes --out (default bench/results/chaos.json). Exit 1 if a must-be-zero
 figure is not; the run's work folder is deleted, so --out then also holds the evidence: under
@@ -46,15 +54,21 @@ letter (arrival order, attempt, status, the headers the shard sent, among them t
 read from), those dead letters' DLQ records (reason, attempts, headers), and the shards' logs are
 copied to `<out stem>-logs/` (with each change-shards command's output). The same is kept, for up
 to 20 re-delivered messages (`redelivered_examples`), when re-deliveries exceed the 2% target.
-Each change-shards event carries what the hand-over of the old shards' uncommitted batches
-did (`handover`), and the command's refusals before it ran (`refusals`: an old shard's journal
-it could not read yet, e.g. right after the broker's restart; it is run again 10 s later, up to
-`CHANGE_TRIES` times, as docs/operations.md tells an operator to). Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
+Each change-shards event carries the shard killed for it (`killed_in_batch`: shard, batch,
+journaled count; shard None if none was found in time), what the hand-over of the old shards'
+uncommitted batches did (`handover`), and the command's refusals before it ran (`refusals`: an old
+shard's journal it could not read yet, e.g. right after the broker's restart, or a shard killed
+before the change whose lease has not expired yet; it is run again 10 s later, up to `CHANGE_TRIES`
+times, as docs/operations.md tells an operator to). The verdict's `handovers` counts the changes
+that handed something over (`changes_that_handed_over` of `changes`, and per change the messages
+journaled, dropped from GroupState and handed over); the printout says plainly when none did (the
+hand-over was not exercised). Needs scripts/setup; sends nothing anywhere but 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
@@ -72,13 +86,14 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from common import endpoint_process, machine, write_results
-from varadhi import dlq, resharding, status, subscriptions, topics
+from varadhi import checkpoints, dlq, journal, layouts, resharding, status, subscriptions, topics
 from varadhi.catalog import Catalog
 from varadhi.producer import Producer
 from varadhi.settings import Settings
 from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import read_records
 from varadhi.topics import TopicService
+from varadhi.warehouse_fs import for_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTITIONS = 12
@@ -86,7 +101,9 @@ RETRY = {"max_attempts": 12, "min_backoff_ms": 200, "max_backoff_ms": 2_000, "re
 REQUEST_TIMEOUT_MS = 1_000
 CLOCK_SLACK_MS = 5  # the endpoint stamps arrival after reading the request
 REDELIVERY_TARGET = 0.02  # issue 12's target for re-delivered duplicates (not a must-be-zero)
-CHANGE_TRIES = 6  # change-shards runs, 10 s apart, while it cannot read an old shard's journal
+# change-shards runs, 10 s apart, while it cannot read an old shard's journal or a killed shard's
+# lease has not expired
+CHANGE_TRIES = 6
 MIX = {"500": 0.4, "503": 0.4, "slow": 0.2}  # the endpoint's failures, by weight
 POISON_ANSWERS = [422] * 20  # more than `max_attempts`: a poison message never succeeds
 
@@ -126,7 +143,8 @@ class Broker:
 
 class Shards:
     """The subscription's shard processes (./spark-submit.sh), restarted when they end unless
-    stopped on purpose."""
+    stopped on purpose or `held` (killed in a batch for the next shard-count change to hand
+    over: a restart would re-run that batch and commit it first)."""
 
     def __init__(self, name: str, env: dict[str, str], logs: Path, t0: float):
         self.name, self.env, self.logs, self.t0 = name, env, logs, t0
@@ -134,6 +152,7 @@ class Shards:
         self.supervise = False
         self.restarts = 0
         self.exits: list[tuple[int, int]] = []
+        self.held: set[int] = set()
         self._lock = threading.Lock()
         threading.Thread(target=self._supervisor, daemon=True).start()
 
@@ -141,6 +160,7 @@ class Shards:
         with self._lock:
             for shard in range(count):
                 self._start(shard, extra)
+            self.held.clear()
             self.supervise = not extra
 
     def _start(self, shard: int, extra: tuple[str, ...] = ()) -> None:
@@ -161,7 +181,7 @@ class Shards:
                     continue
                 for shard, proc in list(self.procs.items()):
                     code = proc.poll()
-                    if code is not None:
+                    if code is not None and shard not in self.held:
                         self.exits.append((shard, code))
                         self.restarts += 1
                         log(self.t0, f"shard {shard} ended with {code}; restarting it")
@@ -172,6 +192,21 @@ class Shards:
             shard = rng.choice(sorted(self.procs))
             os.killpg(self.procs[shard].pid, signal.SIGKILL)
             return shard
+
+    def kill_and_hold(self, shard: int) -> None:
+        """SIGKILL `shard`'s process group and keep it down (no restart) until `release` or
+        the next `start`; returns once the process has ended (its checkpoint no longer moves)."""
+        with self._lock:
+            self.held.add(shard)
+            proc = self.procs[shard]
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(60)
+
+    def release(self, shard: int) -> None:
+        """Let the supervisor restart a `kill_and_hold` shard again."""
+        with self._lock:
+            self.held.discard(shard)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 180) -> list[int]:
         with self._lock:
@@ -277,13 +312,100 @@ def endpoint_options(fail_rate: float, seed: int, script: Path, record: Path) ->
     ]
 
 
+def journaled_batch(catalog: Catalog, name: str, shard: int) -> tuple[int, int] | None:
+    """(batch id, messages its journal names as accepted) of shard `shard`'s newest batch if it
+    is planned, not committed, and has journaled at least one message the endpoint accepted;
+    else None. What change-shards would hand over for that shard if it ran now: the same
+    checkpoint, key and journal partition as `resharding.ChangeShards._uncommitted_of`. Raises
+    what reading Kafka raises (the broker restarting)."""
+    sub = subscriptions.from_snapshot(catalog.snapshot(), name)
+    app_id, planned = _planned(catalog, name, shard)
+    if planned is None:
+        return None
+    batch_id, planned_ms, _ = planned
+    key = journal.batch_key(app_id, batch_id, sub.created_ms)
+    accepted = journal.read_shard(
+        catalog.settings, name, shard, key, since_ms=planned_ms - journal.LOOKBACK_MS
+    )
+    # the batch may have committed while the journal was read
+    return (
+        (batch_id, len(accepted))
+        if accepted and _still_planned(catalog, name, shard, batch_id)
+        else None
+    )
+
+
+def kill_in_batch(catalog: Catalog, shards: Shards, name: str, wait_s: float, t0) -> dict:
+    """Before a shard-count change: SIGKILL a shard while it is inside a batch whose journal
+    already names accepted messages (`journaled_batch`, polled over the running shards) and keep
+    it down, so that the change has that batch to hand over. A batch whose journaled count grew
+    since the previous poll is delivering now (`delivering`); one that did not may be an
+    earlier run's batch that a restarted shard has not re-run yet, and is taken only after half
+    of `wait_s`. Gives up after `wait_s`. The checkpoint is read again once the process has
+    ended: a commit that landed between the read and the kill hands nothing over, so the shard
+    is let restart and another batch is sought (`missed`). Returns the shard (None: none found),
+    batch, journaled count, `delivering`, the seconds waited and `missed`."""
+    started = time.monotonic()
+    missed = 0
+    seen: dict[int, tuple[int, int]] = {}  # shard -> (batch, journaled) at the previous poll
+    while time.monotonic() - started < wait_s:
+        for shard in sorted(shards.procs):
+            try:
+                found = journaled_batch(catalog, name, shard)
+            except Exception as e:  # noqa: BLE001 - Kafka away (the broker's restart): poll on
+                log(t0, f"cannot read shard {shard}'s journal yet ({type(e).__name__})")
+                found = None
+            before, seen[shard] = seen.get(shard), found or (-1, 0)
+            if found is None:
+                continue
+            delivering = before is not None and before[0] == found[0] and found[1] > before[1]
+            if not delivering and time.monotonic() - started < wait_s / 2:
+                continue
+            shards.kill_and_hold(shard)
+            if _still_planned(catalog, name, shard, found[0]):
+                log(t0, f"SIGKILL shard {shard} in batch {found[0]} ({found[1]} journaled)")
+                return {
+                    "shard": shard,
+                    "batch": found[0],
+                    "journaled": found[1],
+                    "delivering": delivering,
+                    "waited_s": round(time.monotonic() - started, 1),
+                    "missed": missed,
+                }
+            missed += 1
+            seen.pop(shard)
+            shards.release(shard)
+        time.sleep(0.5)
+    log(t0, f"no shard was in a batch with journaled deliveries within {wait_s:.0f} s")
+    return {"shard": None, "waited_s": round(time.monotonic() - started, 1), "missed": missed}
+
+
+def _planned(catalog: Catalog, name: str, shard: int):
+    """Shard `shard`'s app id (its journal keys' prefix) and `checkpoints.uncommitted_plan` of
+    its current checkpoint (the local warehouse of the run)."""
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    count, warehouse = sub.shard_count, catalog.settings.warehouse
+    layout = layouts.current(snap, name, count, shard, sub.generation)
+    path = layouts.checkpoint_path(warehouse, name, count, shard, layout)
+    return layouts.app_id(name, count, shard, layout), checkpoints.uncommitted_plan(
+        path, for_path(warehouse)
+    )
+
+
+def _still_planned(catalog: Catalog, name: str, shard: int, batch_id: int) -> bool:
+    """Whether shard `shard`'s checkpoint still has batch `batch_id` planned without a commit."""
+    planned = _planned(catalog, name, shard)[1]
+    return planned is not None and planned[0] == batch_id
+
+
 def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0) -> dict:
     """The documented path: pause, stop, change-shards with external feeders, run the feeders,
     start the new shards, resume."""
     varadhi = [str(ROOT / ".venv" / "bin" / "varadhi")]
     started = time.monotonic()
     subprocess.run([*varadhi, "subscription", "pause", name], env=env, check=True)
-    shards.stop()
+    stopped = shards.stop()
     command = [*varadhi, "subscription", "change-shards", name, "--to", str(to)]
     refusals = []
     for _ in range(CHANGE_TRIES):
@@ -293,8 +415,12 @@ def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0)
         with open(shards.logs / f"change-shards-to-{to}.log", "a") as f:
             f.write(output.stdout + output.stderr)
         # An old shard's uncommitted batch that cannot be read yet (the broker just restarted):
-        # the command refuses rather than hand over nothing; run it again, as an operator would.
-        if output.returncode == 0 or "cannot be read" not in output.stderr:
+        # the command refuses rather than hand over nothing; a shard SIGKILLed before the
+        # change counts as running until its lease expires (15 s). Run it again, as an
+        # operator would.
+        if output.returncode == 0 or not any(
+            why in output.stderr for why in ("cannot be read", "are still running")
+        ):
             break
         refusals.append(output.stderr.strip())
         log(t0, f"change-shards refused ({output.returncode}); again in 10 s")
@@ -327,6 +453,8 @@ def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0)
         "to": to,
         "feeders": len(sources),
         "feeder_exits": codes,
+        # the old shards' exit codes (-9: killed before the change, or not stopped in 180 s)
+        "old_shard_exits": stopped,
         "seconds": round(time.monotonic() - started, 1),
         # what the old shards' uncommitted batches handed over (`varadhi.journal`)
         "handover": (op.get("state") or {}).get("handover"),
@@ -430,6 +558,7 @@ def judge(records, acked, parked_ids, poison, start_ms: float) -> dict:
     last_ok: dict[str, object] = {}
     after_timeout = 0
     redelivered_at: dict[int, int] = defaultdict(int)  # 10 s bucket since start -> count
+    first_at: dict[int, int] = defaultdict(int)  # the same, of the success each one repeats
     gaps_s: list[float] = []  # re-delivery minus the success before it
     redelivered: list[str] = []  # message ids, in the order of their re-deliveries
     order: dict[str, list[int]] = defaultdict(list)
@@ -445,6 +574,7 @@ def judge(records, acked, parked_ids, poison, start_ms: float) -> dict:
                 after_timeout += 1
             elif before is not None:
                 redelivered_at[int((r.received_ms - start_ms) // 10_000) * 10] += 1
+                first_at[int((before.received_ms - start_ms) // 10_000) * 10] += 1
                 gaps_s.append((r.received_ms - before.received_ms) / 1000)
                 redelivered.append(r.message_id)
             last_ok[r.message_id] = r
@@ -481,6 +611,9 @@ def judge(records, acked, parked_ids, poison, start_ms: float) -> dict:
         "duplicates_redelivered": duplicates - after_timeout,
         "redelivered_share": round((duplicates - after_timeout) / share, 4),
         "redelivered_by_10s_since_start": dict(sorted(redelivered_at.items())),
+        # when the successes they repeat happened: the moments whose deliveries were not
+        # journaled (or not handed over) before a crash
+        "redelivered_success_by_10s_since_start": dict(sorted(first_at.items())),
         # up to 20, spread over the run: the evidence when the share is over the target
         "redelivered_examples": redelivered[:: max(len(redelivered) // 20, 1)][:20],
         "redelivery_gap_s": {
@@ -584,15 +717,51 @@ def disrupt(args, rng, broker: Broker, catalog: Catalog, shards: Shards, name, e
             events.append({"t": now, "event": "broker restart"})
         else:
             to = int(what.split(":")[1])
+            held = None
+            if args.kill_before_change:
+                held = kill_in_batch(catalog, shards, name, args.kill_wait, t0)
             log(t0, f"changing the shard count to {to}")
             events.append(
                 {
                     "t": now,
                     "event": "change-shards",
+                    "killed_in_batch": held,
                     **change_shards(catalog, shards, name, to, env, t0),
                 }
             )
     return events
+
+
+def handovers(events: list[dict]) -> dict:
+    """What the run's shard-count changes handed over (pure), from their events' `handover`
+    (change-shards' `state` step): per change, the old shards' uncommitted batches (`batch` -1:
+    carried from an earlier change), the messages their journals named as accepted, the pending
+    entries dropped from GroupState and the messages handed to new shards; and how many changes
+    handed anything over (a journal naming at least one accepted message). A run whose
+    `changes_that_handed_over` is 0 did not exercise the hand-over, whatever its figures."""
+    per = []
+    for e in events:
+        if e["event"] != "change-shards":
+            continue
+        h = e.get("handover") or {}
+        batches = h.get("batches") or []
+        held = e.get("killed_in_batch") or {}
+        per.append(
+            {
+                "to": e["to"],
+                "killed_in_batch": held.get("shard"),
+                "batches": [(b["shard"], b["batch"]) for b in batches],
+                "accepted": sum(b["accepted"] for b in batches),
+                "pending_dropped": h.get("pending_dropped", 0),
+                "handed_over": sum((h.get("handed_over") or {}).values()),
+                "left_out": h.get("left_out", 0),
+            }
+        )
+    return {
+        "changes": len(per),
+        "changes_that_handed_over": sum(c["accepted"] > 0 for c in per),
+        "per_change": per,
+    }
 
 
 def main() -> int:
@@ -605,6 +774,20 @@ def main() -> int:
     p.add_argument("--fail-rate", type=float, default=0.2)
     p.add_argument("--poison", type=int, default=10, help="messages the endpoint always refuses")
     p.add_argument("--kills", type=int, default=6, help="SIGKILLs of a random shard")
+    p.add_argument(
+        "--kill-before-change",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before each shard-count change, SIGKILL a shard inside a batch whose journal "
+        "names accepted messages and keep it down, so the change hands that batch over "
+        "(default: on)",
+    )
+    p.add_argument(
+        "--kill-wait",
+        type=float,
+        default=60,
+        help="seconds to wait for such a batch before changing without it (default 60)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kafka-port", type=int, default=29592)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "chaos.json"))
@@ -617,6 +800,18 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="varadhi-chaos-"))
     broker = Broker(args.kafka_port, str(work / "kafka"))
     broker.start()
+    running: list[Shards] = []  # for `leftovers`
+
+    def leftovers() -> None:
+        # A run that ends on an error (a change-shards refusal it does not retry, a producer
+        # error) leaves no broker, shard or work folder behind; its output says why.
+        if work.exists():
+            for shards in running:
+                shards.stop(signal.SIGKILL, timeout=30)
+            broker.wipe()
+            shutil.rmtree(work, ignore_errors=True)
+
+    atexit.register(leftovers)
     run = uuid.uuid4().hex[:6]
     settings = Settings(
         bootstrap=broker.bootstrap,
@@ -649,6 +844,7 @@ def main() -> int:
         create_subscription(catalog, topic, name, url)
         malformed = send_malformed(settings, topic, run)
         shards = Shards(name, env, logs, t0)
+        running.append(shards)
         shards.start(2)
         producing.start()
         log(
@@ -679,6 +875,7 @@ def main() -> int:
         shard_restarts=shards.restarts,
         shard_exits=shards.exits,
         events=events,
+        handovers=handovers(events),
     )
     bad = (
         verdict["lost"]
@@ -718,6 +915,19 @@ def main() -> int:
         "seconds",
     ):
         print(f"{k:>28}: {verdict[k]}")
+    over = verdict["handovers"]
+    print(
+        f"{'hand-overs':>28}: {over['changes_that_handed_over']} of {over['changes']} changes "
+        "handed something over"
+        + ("" if over["changes_that_handed_over"] else " (the hand-over was NOT exercised)")
+    )
+    for c in over["per_change"]:
+        print(
+            f"{'to ' + str(c['to']):>28}: killed in batch: shard {c['killed_in_batch']}; "
+            f"{c['accepted']} journaled as accepted in {len(c['batches'])} batches, "
+            f"{c['pending_dropped']} pending dropped, {c['handed_over']} handed over, "
+            f"{c['left_out']} left out"
+        )
     config = {k: v for k, v in vars(args).items() if k != "out"}
     doc = {"machine": machine(load), "config": config, "verdict": verdict}
     write_results(Path(args.out), doc | ({"evidence": kept} if kept else {}))

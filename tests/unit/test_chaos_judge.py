@@ -218,6 +218,47 @@ def test_re_deliveries_over_the_target_keep_examples_as_evidence(chaos):
     records = [rec(0, "r", 1, 200, 1_000), rec(1, "ok", 1, 200, 1_010), rec(2, "r", 1, 200, 6_000)]
     verdict = chaos.judge(records, {}, set(), [], 0)
     assert verdict["duplicates_redelivered"] == 1 and verdict["redelivered_examples"] == ["r"]
+    assert verdict["redelivered_by_10s_since_start"] == {0: 1}
+    assert verdict["redelivered_success_by_10s_since_start"] == {0: 1}
+    later = chaos.judge(records[:2] + [rec(2, "r", 1, 200, 16_000)], {}, set(), [], 0)
+    assert later["redelivered_by_10s_since_start"] == {10: 1}
+    assert later["redelivered_success_by_10s_since_start"] == {0: 1}
     assert [r["seq"] for r in chaos.evidence(records, verdict)["r"]] == [0, 2]
     quiet = dict(verdict, redelivered_share=chaos.REDELIVERY_TARGET)
     assert chaos.evidence(records, quiet) == {}
+
+
+def test_hand_overs_are_counted_per_change_and_a_run_without_one_says_so(chaos):
+    # The 2 -> 4 change handed over a killed shard's batch; the 4 -> 3 change found nothing
+    # uncommitted (`handover` None): one change of two exercised the hand-over.
+    events = [
+        {"event": "kill", "shard": 1},
+        {
+            "event": "change-shards",
+            "to": 4,
+            "killed_in_batch": {"shard": 0, "batch": 7, "journaled": 120},
+            "handover": {
+                "batches": [{"shard": 0, "batch": 7, "accepted": 120}],
+                "pending_dropped": 3,
+                "handed_over": {"0": 80, "1": 37},
+                "left_out": 0,
+            },
+        },
+        {"event": "broker restart"},
+        {"event": "change-shards", "to": 3, "killed_in_batch": {"shard": None}, "handover": None},
+    ]
+    summary = chaos.handovers(events)
+    assert summary["changes"] == 2 and summary["changes_that_handed_over"] == 1
+    first, second = summary["per_change"]
+    assert first == {
+        "to": 4,
+        "killed_in_batch": 0,
+        "batches": [(0, 7)],
+        "accepted": 120,
+        "pending_dropped": 3,
+        "handed_over": 117,
+        "left_out": 0,
+    }
+    assert second["accepted"] == 0 and second["killed_in_batch"] is None
+    nothing = chaos.handovers([e for e in events if e.get("to") != 4])
+    assert nothing["changes_that_handed_over"] == 0
