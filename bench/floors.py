@@ -34,8 +34,9 @@ Each figure is set against its target with a verdict: a floor at or above the ta
 code on Spark can meet it on this machine; below it, the product's excess over the floor is the
 gap to close. CPU time moves much less with other work on the machine than wall time, but every
 figure is inflated by load: write the load average down (the results do) and compare within a
-run. Needs Debian's nginx (`apt-get install nginx-light`) for the `http` rows. About 5-6 minutes
-on 2 cores with the defaults. Results: a table on stdout, JSON in bench/results/floors.json.
+run. Needs Debian's nginx (`apt-get install nginx-light`) for the `http` rows. With the defaults
+about 5 minutes on 2 quiet cores (an estimate: 2 x 75 s of paced load, three launches, 7 passes),
+10-13 minutes at load 12-57. Results: a table on stdout, JSON in bench/results/floors.json.
 """
 
 from __future__ import annotations
