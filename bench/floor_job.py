@@ -30,8 +30,8 @@ Modes (`--mode`):
 - `cpu`: for each round of `--repeat` and each of `--stages`, a query from the earliest offsets
   that reads the whole backlog (`--messages`) in batches of `--batch`; `stage_start` /
   `stage_end` events bracket it with 0.6 s of idle time each side, so that bench/floors.py's
-  /proc sampler, which samples every 0.25 s, cuts the CPU time at idle moments. The first
-  pass (`warmup`) is not measured.
+  /proc sampler, which samples every 0.25 s, cuts the CPU time at idle moments. A first
+  pass of each stage (`warmup`) is not measured.
 
 Every event is one JSON line (`{"event": ..., "t": epoch seconds, ...}`) appended to `--events`.
 Hazard: the functions the tasks run are pickled by value from this file (`__main__`), so they
@@ -331,7 +331,8 @@ class Job:
 
     def cpu(self) -> None:
         a = self.args
-        self.cpu_pass(a.stages[-1], "warmup")
+        for stage in a.stages:  # each plan's code generation, consumers and workers, once
+            self.cpu_pass(stage, "warmup")
         for r in range(a.repeat):
             for stage in a.stages:
                 self.cpu_pass(stage, f"round {r + 1}")

@@ -28,14 +28,14 @@ to `mapInArrow` functions that do (nearly) nothing (bench/floor_job.py's table):
 |           | `arrow` (to a `mapInArrow` function that reads nothing), `http` (that, plus one POST |
 |           | per record through the product's HTTP engine); CPU µs per message of the JVM and the  |
 |           | Python workers (and the driver's Python), from /proc, median of `--cpu-repeat` passes |
-|           | after one warm-up pass (<= 50 µs per message)                                        |
+|           | after a warm-up pass of each (<= 50 µs per message)                                  |
 
 Each figure is set against its target with a verdict: a floor at or above the target means no
 code on Spark can meet it on this machine; below it, the product's excess over the floor is the
 gap to close. CPU time moves much less with other work on the machine than wall time, but every
 figure is inflated by load: write the load average down (the results do) and compare within a
 run. Needs Debian's nginx (`apt-get install nginx-light`) for the `http` rows. With the defaults
-about 5 minutes on 2 quiet cores (an estimate: 2 x 75 s of paced load, three launches, 7 passes),
+about 5 minutes on 2 quiet cores (an estimate: 2 x 75 s of paced load, three launches, 9 passes),
 10-13 minutes at load 12-57. Results: a table on stdout, JSON in bench/results/floors.json.
 """
 
@@ -386,7 +386,7 @@ def latency_variant(job: FloorJob, producer: Producer, variant: str, args) -> di
 
 
 def run_cpu(env: Env, args, url: str, logdir: Path) -> dict:
-    """One job: a warm-up pass, then `--cpu-repeat` rounds of every stage."""
+    """One job: a warm-up pass of every stage, then `--cpu-repeat` rounds of every stage."""
     with topic_with(env, "cpu", args.partitions, args.cpu_messages, args.groups) as (_, st):
         load = os.getloadavg()[0]
         job = FloorJob(
