@@ -40,9 +40,9 @@ for 5% and 503 (no Retry-After) for 5% of requests, so every attempt fails indep
 probability and the same messages fail in every run. Retries use the default policy: backoff 1 s,
 exponential, 20% jitter, and `retry.in_place_window` 2 s (a retry due that soon after the first
 failure waits in the delivery task, later ones go through the RQ); `--in-place-windows 2000 0` adds
-runs with every retry through the RQ, `--in-place-lingers 0 2000` adds runs where a task waits
-up to 2 s past its other deliveries for its retries (`retry.in_place_linger`; default the
-policy's, none). `retry.max_attempts` is raised to 10 so that no message is
+runs with every retry through the RQ, `--in-place-lingers 2000 0` adds runs where a task does
+not wait past its other deliveries for its retries (`retry.in_place_linger`; default the
+policy's, 2 s). `retry.max_attempts` is raised to 10 so that no message is
 dead-lettered by bad luck (10%^10).
 
 Measurements come from nginx's access log (`$msec`, status, `X-Varadhi-Produced-At`, message id

@@ -29,7 +29,7 @@ A retry due soon after the head's first failure (`varadhi.retry.retries_in_place
 waited for in the task: the run answers `Wait(..., while_busy=True)` and the delivery engine
 sends the head again when it is due, while other groups go on; the group keeps its place, so
 nothing of it is parked. Once the task has no other deliveries, the engine keeps such waits for
-at most `in_place_linger` more (`varadhi.retry.linger_ms`, none by default; `varadhi.batch`
+at most `in_place_linger` more (`varadhi.retry.linger_ms`, 2 s by default; `varadhi.batch`
 passes it as the engine's `linger_s`); a retry due later than that gets `stop_waiting` and goes
 to the RQ after all, due when it was. A retry due later than the window after its first failure
 goes to the RQ at once. Either way the RQ record counts every attempt made, and the group

@@ -83,8 +83,9 @@ class RetryPolicy:
     in_place_window_ms: int = 2_000
     # The most a delivery task waits, once its other deliveries are done, for retries in place
     # and RQ records read back early (capped at the window). 0: no task idles; a retry not yet
-    # due then goes through the RQ, due when it was, and an early RQ record is parked.
-    in_place_linger_ms: int = 0
+    # due then goes through the RQ, due when it was, and an early RQ record is parked (measured
+    # to cost grouped subscriptions far more than the idle time it saves: docs/benchmarks.md).
+    in_place_linger_ms: int = 2_000
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,7 @@ def retries_in_place(policy: RetryPolicy, first_failure_ms: int, due_ms: int) ->
     through the RQ: when it falls due within `policy.in_place_window_ms` of the message's first
     failure (so with the default policy, the first retry of a message that starts failing in
     this batch). A window of 0 turns retries in place off. The task waits while it has other
-    deliveries to make and, after its last one, at most `linger_ms` more (none by default); the
+    deliveries to make and, after its last one, at most `linger_ms` more (2 s by default); the
     RQ takes a retry due later than that, due when it was (`GroupRun`, `HttpDeliverer.run`'s
     `linger_s`).
 
@@ -211,12 +211,12 @@ def linger_ms(policy: RetryPolicy) -> int:
     waiting in it (`retries_in_place`, `waits_in_task`): `policy.in_place_linger_ms`, capped at
     the window (no such wait is longer). The engine's `linger_s`.
 
-    0 (the default): no task idles. Its waits then overlap only its other deliveries, and what
-    is not due when they end goes on as if it had never waited: a retry in place through the
-    RQ, due when it was, an early RQ record parked. A longer linger makes more retries in the
-    batch that failed them (fewer RQ round trips and parked bodies, so fewer second jobs in
-    grouped mode) at the price of every such batch lasting up to the linger longer, with
-    every group of the shard behind it."""
+    0: no task idles. Its waits then overlap only its other deliveries, and what is not due
+    when they end goes on as if it had never waited: a retry in place through the RQ, due when
+    it was, an early RQ record parked. A linger (2 s, the default window, by default) makes
+    more retries in the batch that failed them (fewer RQ round trips and parked bodies, so a
+    smaller second job in grouped mode) at the price of every such batch lasting up to the
+    linger longer, with every group of the shard behind it."""
     return min(policy.in_place_linger_ms, policy.in_place_window_ms)
 
 

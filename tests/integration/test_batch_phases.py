@@ -380,16 +380,18 @@ def test_ungrouped_phase_one_delivers_due_parked_retries_in_its_first_task_only(
     assert not (other["kind"] == "touched").any()
 
 
-# -- waits in the task: no linger past its last delivery (`retry.in_place_linger`, default 0) --
+# -- waits in the task without a linger past its last delivery (`retry.in_place_linger: 0`) ---
+
+NO_LINGER = {"in_place_linger": "0s"}
 
 
 def test_a_task_with_nothing_else_to_deliver_sends_a_retry_through_the_rq_due_when_it_was():
     """f fails (503, Retry-After 2 s, within the 2 s window) and its task has nothing else to
-    deliver: by default the task does not wait for the retry, which goes to the RQ due 2 s after
-    the failure (Retry-After kept). On the code before, the task lingered up to the window and
-    sent it in place."""
+    deliver: without a linger the task does not wait for the retry, which goes to the RQ due 2 s
+    after the failure (Retry-After kept). On the code before, the task always lingered up to the
+    window and sent it in place."""
     with TestEndpoint(script={"f": ["503"]}, retry_after_s=2) as endpoint:
-        ctx = _ctx(endpoint.url, grouped=False)
+        ctx = _ctx(endpoint.url, grouped=False, retry=NO_LINGER)
         result = _rows(deliver_records(iter([_batch([_mq_record(1, "f")])]), ctx, ForwardRule()))
         delivered = [(r.message_id, r.attempt, r.status) for r in endpoint.records()]
 
@@ -410,7 +412,7 @@ def test_a_retry_still_waits_in_place_while_its_task_has_other_deliveries():
     records = [_record(1, "f"), *(_record(i, "b") for i in (2, 3, 4))]
     script = {"f-1": ["503"], **{f"b-{i}": ["slow"] for i in (2, 3, 4)}}
     with TestEndpoint(script=script, slow_ms=800) as endpoint:
-        ctx = _ctx(endpoint.url)
+        ctx = _ctx(endpoint.url, retry=NO_LINGER)
         result = _rows(deliver_records(iter([_batch(records)]), ctx, ForwardRule()))
         attempts = [r for r in endpoint.records() if r.message_id == "f-1"]
 
@@ -424,13 +426,13 @@ def test_a_retry_still_waits_in_place_while_its_task_has_other_deliveries():
 def test_an_early_rq_record_is_parked_when_its_task_has_nothing_else_to_deliver():
     """Ungrouped x's RQ record is read back 1 s before its due time (within the window) and its
     task has nothing else to deliver: x is parked with its body (`held`), never sent early and
-    its RQ record never written again. On the code before, the task waited for it."""
+    its RQ record never written again. On the code before, the task always waited for it."""
     due_ms = int(time.time() * 1000) + 1_000
     pending = {"~x": [_waiting("x", 1, due_ms=due_ms)]}
     rule = ForwardRule.of(pending, grouped=False)
     records = [_rq_record(10, "~x", "x", origin=1, attempts=1, due_ms=due_ms)]
     with TestEndpoint() as endpoint:
-        ctx = _ctx(endpoint.url, grouped=False)
+        ctx = _ctx(endpoint.url, grouped=False, retry=NO_LINGER)
         result = _rows(deliver_records(iter([_batch(records)]), ctx, rule, dict(pending)))
         delivered = endpoint.records()
 
@@ -443,13 +445,13 @@ def test_an_early_rq_record_is_parked_when_its_task_has_nothing_else_to_deliver(
 
 def test_an_early_rq_record_waits_while_its_task_delivers_and_is_sent_once_due():
     """The same early RQ record (due 0.3 s after it is read), its task busy with n (answered
-    after 1 s): x waits and is sent once due, in this batch, never before."""
+    after 1 s): x waits and is sent once due, in this batch, never before, linger or not."""
     due_ms = int(time.time() * 1000) + 300
     pending = {"~x": [_waiting("x", 1, due_ms=due_ms)]}
     rule = ForwardRule.of(pending, grouped=False)
     records = [_mq_record(5, "n"), _rq_record(10, "~x", "x", origin=1, attempts=1, due_ms=due_ms)]
     with TestEndpoint(script={"n": ["slow"]}, slow_ms=1_000) as endpoint:
-        ctx = _ctx(endpoint.url, grouped=False)
+        ctx = _ctx(endpoint.url, grouped=False, retry=NO_LINGER)
         result = _rows(deliver_records(iter([_batch(records)]), ctx, rule, dict(pending)))
         sent = {r.message_id: r for r in endpoint.records()}
 

@@ -260,9 +260,10 @@ def test_a_window_of_zero_sends_every_retry_through_the_rq():
     assert not retries_in_place(policy, first_failure_ms=NOW, due_ms=NOW)
 
 
-def test_by_default_a_task_does_not_linger_past_its_other_deliveries():
-    """The retries still wait in place (the window) while the task has other deliveries."""
-    policy = RetryPolicy()
+def test_by_default_a_task_lingers_as_long_as_the_window_and_zero_turns_the_linger_off():
+    """Without a linger the retries still wait in place while the task has other deliveries."""
+    assert linger_ms(RetryPolicy()) == RetryPolicy().in_place_window_ms == 2_000
+    policy = RetryPolicy(in_place_linger_ms=0)
     assert linger_ms(policy) == 0
     assert retries_in_place(policy, first_failure_ms=NOW, due_ms=NOW + 1_000)
     assert waits_in_task(policy, 1_000)
