@@ -6,9 +6,9 @@ runs on its Kafka records; no Spark, no Kafka) over `--groups` groups of `--per-
 messages against the project's test endpoint (`python -m varadhi.testing.endpoint`, its own
 process on 127.0.0.1) failing `--fail-rate` of the attempts with 500, answering after
 `--latency-ms`. The same task runs with `retry.in_place_window` 0 (every retry through the RQ),
-2 s (the default) without a linger (the default: retries wait only while the task has other
-deliveries), and 2 s with a 2 s `retry.in_place_linger` (the task waits up to 2 s past its last
-delivery), under the default backoff (1 s, exponential, 20% jitter); the endpoint is restarted
+2 s (the default) without a linger (`retry.in_place_linger` 0: retries wait only while the task
+has other deliveries), and 2 s with the default 2 s linger (the task waits up to 2 s past its
+last delivery), under the default backoff (1 s, exponential, 20% jitter); the endpoint is restarted
 for each run with the same seed, so all see the same failures.
 
 Per run it prints what the task left for later batches: retries written to the RQ, messages
