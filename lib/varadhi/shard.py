@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
+from kafka.errors import KafkaError
 from pyspark.sql import DataFrame, Observation, SparkSession
 
 from . import (
@@ -65,11 +66,19 @@ from .batch_commit import BatchCommit
 from .catalog import Catalog
 from .circuit import CircuitBreaker
 from .dedup import DedupWindow
-from .errors import Fenced, InvalidArgument, StopRequested, VaradhiError
+from .errors import Fenced, InvalidArgument, KafkaUnavailable, StopRequested, VaradhiError
 from .layouts import Layout
 from .policies import CircuitPolicy
 from .settings import Settings
-from .shard_ends import QueryEnd, RunEnd, Verdict, catalog_change, idle, judge
+from .shard_ends import (
+    ControlOutage,
+    QueryEnd,
+    RunEnd,
+    Verdict,
+    catalog_change,
+    idle,
+    judge,
+)
 from .shard_journal import ShardJournal
 from .shard_lease import ShardLease
 from .shard_query import DELIVERY_COLUMNS, Source, batch_records, filter_records
@@ -508,27 +517,54 @@ class ShardJob:
         """Watch a running query between batches until it ends (`_ended`) or something ends
         it (`_stop_reason`, idle); meanwhile tick parked retries and publish progress."""
         self._last_batch_end = query_started = time.monotonic()
+        outage = ControlOutage()
         while True:
             if not query.isActive:
                 return self._ended(query, sub, lease, self._last_batch_end > query_started)
-            reason = self._stop_reason(query, sub, layout, lease)
+            try:
+                reason = self._look(query, sub, rq, layout, assign, lease)
+                outage.ok()
+            except (KafkaError, KafkaUnavailable) as e:
+                # Kafka away (a broker restarting): the query delivers on by itself, and the
+                # lease's expiry still fences. A look that stopped the query fails the shard.
+                first = outage.since is None
+                if not query.isActive or not outage.ride_out(time.monotonic()):
+                    raise
+                if first:
+                    log.warning(
+                        "%s shard %d: Kafka does not answer between batches (%s); delivering "
+                        "on and trying again, for at most %.0f s",
+                        self.name,
+                        self.shard,
+                        e,
+                        outage.limit_s,
+                    )
+                reason = None
             if reason is not None:
                 return reason
-            redrives = dlq_ops.pending_for(self.catalog.snapshot(), self.name, self.shard)
-            self._ticks.maybe_tick(rq, sub, redrive_waiting=bool(redrives))
-            self._publish("running", query)
-            if idle(
-                self.stop_when_idle_s,
-                quiet_s=time.monotonic() - self._last_batch_end,
-                retry_waiting=self._ticks.next_due_ms is not None,
-                batch_running=self._batch_lock.locked(),
-                all_read=lambda: caught_up(
-                    consumed(query.lastProgress), assign, self._end_offsets(assign)
-                ),
-            ):
-                self._stop_between_batches(query)
-                return QueryEnd.IDLE
             time.sleep(0.5)
+
+    def _look(self, query, sub, rq, layout: Layout, assign, lease: ShardLease) -> QueryEnd | None:
+        """One look between batches: `_stop_reason`, then re-drives and wake-up ticks, progress,
+        and the idle check of a bounded run. A reason comes with the query stopped."""
+        reason = self._stop_reason(query, sub, layout, lease)
+        if reason is not None:
+            return reason
+        redrives = dlq_ops.pending_for(self.catalog.snapshot(), self.name, self.shard)
+        self._ticks.maybe_tick(rq, sub, redrive_waiting=bool(redrives))
+        self._publish("running", query)
+        if idle(
+            self.stop_when_idle_s,
+            quiet_s=time.monotonic() - self._last_batch_end,
+            retry_waiting=self._ticks.next_due_ms is not None,
+            batch_running=self._batch_lock.locked(),
+            all_read=lambda: caught_up(
+                consumed(query.lastProgress), assign, self._end_offsets(assign)
+            ),
+        ):
+            self._stop_between_batches(query)
+            return QueryEnd.IDLE
+        return None
 
     def _ended(self, query, sub, lease: ShardLease, replayed: bool) -> QueryEnd:
         """Why a query that ended by itself ended: its failure's verdict (`shard_ends.judge`,

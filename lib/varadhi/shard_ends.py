@@ -105,3 +105,29 @@ def idle(
     if after_s is None or retry_waiting or batch_running or quiet_s <= after_s:
         return False
     return all_read()
+
+
+# How long the control loop rides out Kafka errors of its looks between batches (the catalog
+# read, progress, ticks, end offsets) while the query delivers on, before it fails the shard.
+# The lease bounds it too: once the lease expires, `lease.check` ends the shard as fenced.
+CONTROL_OUTAGE_S = 120.0
+
+
+class ControlOutage:
+    """The control loop's Kafka outage between batches (pure; the clock is the caller's). A
+    broker restarting, or a catalog read timing out, must not end a shard whose query delivers
+    on: `ride_out(now)` records a look that failed and says whether to go on (True while looks
+    have failed for at most `limit_s`; False: the caller raises the error), `ok()` ends the
+    outage, `since` is when it started (the caller warns once, when `since == now`)."""
+
+    def __init__(self, limit_s: float = CONTROL_OUTAGE_S):
+        self.limit_s = limit_s
+        self.since: float | None = None
+
+    def ride_out(self, now: float) -> bool:
+        if self.since is None:
+            self.since = now
+        return now - self.since <= self.limit_s
+
+    def ok(self) -> None:
+        self.since = None

@@ -14,7 +14,7 @@ from varadhi import warehouse_fs
 from varadhi.errors import InvalidArgument, KafkaUnavailable
 from varadhi.settings import Settings
 from varadhi.shard import ShardJob
-from varadhi.shard_ends import RunEnd
+from varadhi.shard_ends import ControlOutage, QueryEnd, RunEnd
 
 
 class FakeLease:
@@ -182,3 +182,69 @@ def test_a_session_that_fails_to_start_takes_no_lease(job, steps, monkeypatch):
         job.run()
     assert "warehouse" not in steps and "take" not in steps
     assert job.leases[0].closed
+
+
+class RunningQuery:
+    isActive = True
+
+
+def looks(job, monkeypatch, *answers):
+    """`job._look` gives `answers` in turn (an exception is raised); `_watch` does not sleep."""
+    queue = list(answers)
+
+    def look(*_args):
+        answer = queue.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(job, "_look", look)
+    monkeypatch.setattr(shard_module.time, "sleep", lambda _s: None)
+    return queue
+
+
+def test_the_control_loop_rides_out_kafka_errors_while_the_query_runs(job, monkeypatch):
+    """A broker restarting made a catalog read time out between batches, and the shard failed
+    (exit 1) although its query delivered on: now it tries again at its next look."""
+    from kafka.errors import KafkaTimeoutError
+
+    left = looks(
+        job,
+        monkeypatch,
+        KafkaUnavailable("timed out reading the catalog topic"),
+        KafkaTimeoutError("no metadata"),
+        None,
+        QueryEnd.STOP,
+    )
+    assert job._watch(RunningQuery(), None, None, None, None, None) is QueryEnd.STOP
+    assert left == []
+
+
+def test_a_kafka_error_after_the_look_stopped_the_query_fails_the_shard(job, monkeypatch):
+    query = RunningQuery()
+    error = KafkaUnavailable("the layout could not be saved")
+
+    def stopped_then_failed(*_args):
+        query.isActive = False
+        raise error
+
+    monkeypatch.setattr(job, "_look", stopped_then_failed)
+    with pytest.raises(KafkaUnavailable):
+        job._watch(query, None, None, None, None, None)
+
+
+def test_an_outage_longer_than_the_limit_fails_the_shard(job, monkeypatch):
+    monkeypatch.setattr(shard_module, "ControlOutage", lambda: ControlOutage(limit_s=0))
+    clock = iter(range(100))
+    monkeypatch.setattr(shard_module.time, "monotonic", lambda: next(clock))
+    looks(job, monkeypatch, KafkaUnavailable("down"), KafkaUnavailable("still down"))
+    with pytest.raises(KafkaUnavailable, match="still down"):
+        job._watch(RunningQuery(), None, None, None, None, None)
+
+
+def test_control_outage_rides_out_up_to_its_limit_and_starts_again_after_ok():
+    outage = ControlOutage(limit_s=10)
+    assert outage.ride_out(100) and outage.since == 100
+    assert outage.ride_out(110) and not outage.ride_out(110.5)
+    outage.ok()
+    assert outage.since is None and outage.ride_out(200) and outage.since == 200
