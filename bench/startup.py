@@ -29,7 +29,7 @@ planned, first batch done, and the first delivery seen by the endpoint. Code wit
 with its `lib` first on PYTHONPATH (the venv and jars are this checkout's; every variant's `lib`
 goes first, since the venv's editable install names one checkout's), with extra environment if
 given; `--variant NAME:K=V,K=V` one that runs this checkout with extra environment
-(a lever to measure, e.g. `--variant nowarm:VARADHI_WARM_UP=0`). Variants alternate within
+(a lever to measure, e.g. `--variant info:VARADHI_SPARK_LOG_LEVEL=INFO`). Variants alternate within
 each repetition, so a comparison is fair on a machine whose load changes.
 
 Results: a table on stdout, JSON in bench/results/startup.json (`--out`).

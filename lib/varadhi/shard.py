@@ -49,7 +49,6 @@ from . import (
     subscriptions,
     topics,
     warehouse_fs,
-    warm_up,
 )
 from . import dlq as dlq_ops
 from .batch import (
@@ -139,7 +138,6 @@ class ShardJob:
         self.standby = standby
         self.lease_ttl_ms = lease_ttl_ms or leases.ttl_from_env()
         self._spark = spark
-        self._own_session = spark is None  # started here, by `spark` (a local one: warmed up)
         self.stats = ShardStats()
         self._startup = StartupClock(f"{name} shard {shard}")  # INFO line per phase
         self._batch_lock = threading.Lock()
@@ -172,7 +170,6 @@ class ShardJob:
         # Called after each completed micro-batch as hook(last_batch, summary) (`summarize`),
         # on the batch's thread: `varadhi.metrics` feeds its exporter and JSON log from it.
         self.batch_hooks: list[Any] = []
-        self._warm_up: warm_up.WarmUp | None = None  # the first batch's work, done ahead
 
     # -- set-up ---------------------------------------------------------------------------
     def _load(
@@ -226,8 +223,7 @@ class ShardJob:
         lease = ShardLease(self.catalog, self.name, self.shard, self.lease_ttl_ms)
         # Whatever ends the run restores the signal handlers it installed (a standby that took
         # the lease and then fails to read the catalog or start the heartbeat too: the process
-        # may go on, a test, a notebook, bench/harness.py), stops the warm-up and closes the
-        # lease's clients.
+        # may go on, a test, a notebook, bench/harness.py) and closes the lease's clients.
         signals: StopSignals | None = None
         try:
             sub, spark = self._start(lease)
@@ -250,13 +246,10 @@ class ShardJob:
             self._startup.mark("lease taken")
             lease.start_heartbeat()
             self._lease = lease
-            self._start_warm_up()
             if signals is None:
                 signals = self._install_signals()
             return self._hold(sub, lease)
         finally:
-            if self._warm_up is not None:
-                self._warm_up.cancel()
             if signals is not None:
                 signals.restore()
             lease.close()  # `_hold` closed it already, unless the run failed before it
@@ -285,21 +278,6 @@ class ShardJob:
         if prepared is not None:
             prepared.result()
         return sub, spark
-
-    def _start_warm_up(self) -> None:
-        """Once the lease is held: the first batch's cold work ahead (`warm_up.WarmUp`), on a
-        session this process started on a local master with a core to spare (`warm_up.wanted`).
-        Not earlier: taking the lease is a write whose time counts against its TTL, and the
-        warm-up would compete with it for the CPU."""
-        spark = self.spark
-        load = warm_up.machine_load()
-        if warm_up.wanted(os.environ, self._own_session, lambda: spark.sparkContext.master, *load):
-            self._warm_up = warm_up.WarmUp(
-                spark,
-                kafka_clients.spark_options(self.settings),
-                self.settings.catalog_topic,
-                f"{self.name} shard {self.shard}",
-            )
 
     def _hold(self, sub: subscriptions.Subscription, lease: ShardLease) -> RunEnd:
         """The control loop once the lease is held and renewed: until stopped or fenced

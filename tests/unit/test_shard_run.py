@@ -53,7 +53,6 @@ def job(monkeypatch):
     """A standby `ShardJob` of shard 0 of one that takes the lease at once; its second catalog
     read (after the takeover) finds shard 0 beyond the shard count."""
     monkeypatch.setattr(ShardJob, "spark", property(lambda _self: None))  # no JVM to guard
-    monkeypatch.setenv("VARADHI_WARM_UP", "0")  # and none to warm up
     monkeypatch.setattr(warehouse_fs, "for_path", lambda *_a, **_k: None)
     monkeypatch.setattr(warehouse_fs, "check_writable", lambda *_a: None)
     leases: list[FakeLease] = []
@@ -145,20 +144,6 @@ def test_the_lease_is_taken_after_the_read_the_session_and_the_warehouse_check(j
     assert order("catalog read") < order("Spark session") < order("warehouse")
     assert order("warehouse") < order("take") < order("hold")
     assert job.leases[0].closed
-
-
-def test_the_warm_up_starts_once_the_lease_is_held_and_is_cancelled_at_the_end(
-    job, steps, monkeypatch
-):
-    """Not while the lease is taken: that write's time counts against the lease's TTL."""
-    monkeypatch.setattr(shard_module.warm_up, "wanted", lambda *_a: True)
-    cancel = SimpleNamespace(cancel=lambda: steps.append("warm-up cancelled"))
-    monkeypatch.setattr(
-        shard_module.warm_up, "WarmUp", lambda *_a: steps.append("warm-up") or cancel
-    )
-    assert job.run() is RunEnd.STOPPED
-    order = steps.index
-    assert order("take") < order("warm-up") < order("hold") < order("warm-up cancelled")
 
 
 def test_a_refused_catalog_read_starts_nothing_and_takes_no_lease(job, steps, monkeypatch):
