@@ -464,17 +464,17 @@ def verdicts(doc: dict) -> dict[str, str]:
     cpu_floor = (by_stage.get("http") or by_stage.get("arrow") or {}).get("total")
     return {
         "first delivery <= 8 s": verdict(
-            first_s, TARGETS["first_s"], "14-17 s quiet", first_load, cpus
+            first_s, TARGETS["first_s"], "9.7-10.2 s quiet", first_load, cpus
         ),
         "p99 < 500 ms at 1,000 msg/s": verdict(
             best["latency"]["p99_ms"] if best else None,
             TARGETS["p99_ms"],
-            "p99 934 ms quiet",
+            "p99 783 ms quiet",
             best["load_1m_at_start"] if best else 0.0,
             cpus,
         ),
         "<= 50 µs CPU per message": verdict(
-            cpu_floor, TARGETS["cpu_us"], "71-112 µs", cpu.get("load_1m_at_start", 0.0), cpus
+            cpu_floor, TARGETS["cpu_us"], "78 µs quiet", cpu.get("load_1m_at_start", 0.0), cpus
         ),
     }
 
