@@ -233,3 +233,31 @@ def test_control_outage_rides_out_up_to_its_limit_and_starts_again_after_ok():
     assert outage.ride_out(110) and not outage.ride_out(110.5)
     outage.ok()
     assert outage.since is None and outage.ride_out(200) and outage.since == 200
+
+
+def test_an_authorization_error_between_batches_fails_the_shard_at_once(job, monkeypatch):
+    from kafka.errors import TopicAuthorizationFailedError
+
+    looks(job, monkeypatch, TopicAuthorizationFailedError("catalog"), QueryEnd.STOP)
+    with pytest.raises(TopicAuthorizationFailedError):
+        job._watch(RunningQuery(), None, None, None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("name", "transient"),
+    [
+        ("KafkaTimeoutError", True),
+        ("KafkaConnectionError", True),
+        ("NotLeaderForPartitionError", True),
+        ("TopicAuthorizationFailedError", False),
+        ("SaslAuthenticationFailedError", False),
+    ],
+)
+def test_which_kafka_errors_are_ridden_out(name, transient):
+    import kafka.errors
+
+    from varadhi.shard_ends import transient as is_transient
+
+    assert is_transient(getattr(kafka.errors, name)("x")) is transient
+    assert is_transient(KafkaUnavailable("timed out"))
+    assert not is_transient(ValueError("not Kafka"))
