@@ -220,6 +220,21 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[rank - 1]
 
 
+def latency_stats(latencies_ms: list[float]) -> dict:
+    """samples, p50/p90/p99 (nearest rank) and max of a list of latencies in ms, sorted here;
+    {} for none."""
+    lat = sorted(latencies_ms)
+    if not lat:
+        return {}
+    return {
+        "samples": len(lat),
+        "p50_ms": round(percentile(lat, 50)),
+        "p90_ms": round(percentile(lat, 90)),
+        "p99_ms": round(percentile(lat, 99)),
+        "max_ms": round(lat[-1]),
+    }
+
+
 def summarise(hits: list[Hit], messages: int, started_ms: float) -> dict:
     """Rates of one run from its access log (see the module docstring). `window_ms` is the
     steady window (10th to 90th percent of successful deliveries), for CPU figures."""
@@ -270,20 +285,13 @@ def steady_cpu(cpu: CpuSampler, tree: str, summary: dict) -> dict:
 def latencies(hits: list[Hit], since_ms: float = 0.0) -> dict:
     """End-to-end latency (nginx's answer - produce time) of successful deliveries of messages
     produced at or after `since_ms`."""
-    lat = sorted(
-        h.ms - h.produced_ms
-        for h in hits
-        if 200 <= h.status < 300 and h.produced_ms is not None and h.produced_ms >= since_ms
+    return latency_stats(
+        [
+            h.ms - h.produced_ms
+            for h in hits
+            if 200 <= h.status < 300 and h.produced_ms is not None and h.produced_ms >= since_ms
+        ]
     )
-    if not lat:
-        return {}
-    return {
-        "samples": len(lat),
-        "p50_ms": round(percentile(lat, 50)),
-        "p90_ms": round(percentile(lat, 90)),
-        "p99_ms": round(percentile(lat, 99)),
-        "max_ms": round(lat[-1]),
-    }
 
 
 # -- CPU accounting ----------------------------------------------------------------------------

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import machine, nginx_binary, results_head, write_results
-from delivery import CpuSampler, Env, nginx, pace, percentile, produce_backlog
+from delivery import CpuSampler, Env, latency_stats, nginx, pace, produce_backlog
 from varadhi.producer import Producer
 from varadhi.topics import TopicService
 
@@ -102,16 +102,7 @@ def first_batch_timeline(events: list[dict], launched_s: float) -> dict[str, flo
 def latency_summary(pairs: list[tuple[float, float]], since_ms: float) -> dict:
     """p50/p90/p99/max of `seen - ts` (ms) over the (ts_ms, seen_ms) pairs sent at or after
     `since_ms` (nearest rank, as bench/delivery.py's `latencies`); {} without any."""
-    lat = sorted(seen - ts for ts, seen in pairs if ts >= since_ms)
-    if not lat:
-        return {}
-    return {
-        "samples": len(lat),
-        "p50_ms": round(percentile(lat, 50)),
-        "p90_ms": round(percentile(lat, 90)),
-        "p99_ms": round(percentile(lat, 99)),
-        "max_ms": round(lat[-1]),
-    }
+    return latency_stats([seen - ts for ts, seen in pairs if ts >= since_ms])
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,16 @@ def ok(r: Record) -> bool:
     return 200 <= r.status < 300
 
 
+def sent_twice(sc: Scenario) -> dict[str, list[Record]]:
+    """The messages the endpoint accepted more than once, with their successful requests in
+    arrival order."""
+    successes: dict[str, list[Record]] = defaultdict(list)
+    for r in sorted(sc.endpoint.records(), key=lambda r: r.seq):
+        if ok(r):
+            successes[r.message_id].append(r)
+    return {i: s for i, s in successes.items() if len(s) > 1}
+
+
 # -- the judge -----------------------------------------------------------------------------------
 
 
@@ -578,11 +588,7 @@ def test_a_crash_in_a_large_batch_re_delivers_only_what_its_journal_lacks(scenar
     assert sc.wait(final) == 0, final.tail()
     assert "re-runs a batch an earlier run started" in final.log.read_text(errors="replace")
 
-    successes: dict[str, list[Record]] = defaultdict(list)
-    for r in sorted(sc.endpoint.records(), key=lambda r: r.seq):
-        if ok(r):
-            successes[r.message_id].append(r)
-    twice = {i: s for i, s in successes.items() if len(s) > 1}
+    twice = sent_twice(sc)
     assert not twice.keys() & first, sorted(twice.keys() & first)
     # Duplicates: messages accepted in the crashed run's last journal interval (and the
     # requests in flight), with room for a loaded machine; far fewer than the batch.
@@ -652,11 +658,7 @@ def test_a_task_retried_after_its_python_worker_died_re_delivers_only_what_its_j
     assert sc.wait(run) == 0, run.tail()
     assert "Python worker exited unexpectedly" in run.log.read_text(errors="replace")
 
-    successes: dict[str, list[Record]] = defaultdict(list)
-    for r in sorted(sc.endpoint.records(), key=lambda r: r.seq):
-        if ok(r):
-            successes[r.message_id].append(r)
-    twice = {i: s for i, s in successes.items() if len(s) > 1}
+    twice = sent_twice(sc)
     late = {i: kill_ms - s[0].received_ms for i, s in twice.items()}
     print(
         f"{len(twice)} of {delivered_before_kill} delivered before the kill were sent again, "
