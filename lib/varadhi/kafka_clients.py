@@ -46,6 +46,15 @@ class HasKafka(Protocol):
     kafka: KafkaConfig
 
 
+def transient(error: BaseException) -> bool:
+    """Whether a Kafka error may pass by itself, so that a caller may try again: the product's
+    timeout (`KafkaUnavailable`) or an error the client marks retriable (a timeout, a connection
+    lost or refused, a leader moving). Not an authorization or configuration error (pure)."""
+    if isinstance(error, KafkaUnavailable):
+        return True
+    return isinstance(error, KafkaError) and bool(getattr(error, "retriable", False))
+
+
 def config_of(settings: HasKafka) -> KafkaConfig:
     return getattr(settings, "kafka", None) or PLAINTEXT
 

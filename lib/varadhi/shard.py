@@ -77,7 +77,6 @@ from .shard_ends import (
     catalog_change,
     idle,
     judge,
-    transient,
 )
 from .shard_journal import ShardJournal
 from .shard_lease import ShardLease
@@ -507,7 +506,11 @@ class ShardJob:
                 # Kafka away (a broker restarting): the query delivers on by itself, and the
                 # lease's expiry still fences. A look that stopped the query fails the shard.
                 first = outage.since is None
-                if not (transient(e) and query.isActive and outage.ride_out(time.monotonic())):
+                if not (
+                    kafka_clients.transient(e)
+                    and query.isActive
+                    and outage.ride_out(time.monotonic())
+                ):
                     raise
                 if first:
                     log.warning(

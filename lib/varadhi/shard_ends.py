@@ -113,20 +113,6 @@ def idle(
 CONTROL_OUTAGE_S = 120.0
 
 
-def transient(error: BaseException) -> bool:
-    """Whether a Kafka error of a control-loop look may pass by itself: the product's timeout
-    (`KafkaUnavailable`) or an error the Kafka client marks retriable (a timeout, a connection
-    lost or refused, a leader moving). Not an authorization or configuration error,
-    which fails the shard at once (pure)."""
-    from kafka.errors import KafkaError
-
-    from .errors import KafkaUnavailable
-
-    if isinstance(error, KafkaUnavailable):
-        return True
-    return isinstance(error, KafkaError) and bool(getattr(error, "retriable", False))
-
-
 class ControlOutage:
     """The control loop's Kafka outage between batches (pure; the clock is the caller's). A
     broker restarting, or a catalog read timing out, must not end a shard whose query delivers

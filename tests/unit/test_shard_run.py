@@ -256,7 +256,7 @@ def test_an_authorization_error_between_batches_fails_the_shard_at_once(job, mon
 def test_which_kafka_errors_are_ridden_out(name, transient):
     import kafka.errors
 
-    from varadhi.shard_ends import transient as is_transient
+    from varadhi.kafka_clients import transient as is_transient
 
     assert is_transient(getattr(kafka.errors, name)("x")) is transient
     assert is_transient(KafkaUnavailable("timed out"))
