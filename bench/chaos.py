@@ -86,7 +86,7 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from common import endpoint_process, machine, write_results
-from varadhi import checkpoints, dlq, journal, layouts, resharding, status, subscriptions, topics
+from varadhi import checkpoints, dlq, layouts, resharding, status, subscriptions, topics
 from varadhi.catalog import Catalog
 from varadhi.producer import Producer
 from varadhi.settings import Settings
@@ -315,18 +315,23 @@ def endpoint_options(fail_rate: float, seed: int, script: Path, record: Path) ->
 def journaled_batch(catalog: Catalog, name: str, shard: int) -> tuple[int, int] | None:
     """(batch id, messages its journal names as accepted) of shard `shard`'s newest batch if it
     is planned, not committed, and has journaled at least one message the endpoint accepted;
-    else None. What change-shards would hand over for that shard if it ran now: the same
-    checkpoint, key and journal partition as `resharding.ChangeShards._uncommitted_of`. Raises
+    else None. What change-shards would hand over for that shard if it ran now
+    (`resharding.journaled_plan`, as `resharding.ChangeShards._uncommitted_of` reads it). Raises
     what reading Kafka raises (the broker restarting)."""
-    sub = subscriptions.from_snapshot(catalog.snapshot(), name)
-    app_id, planned = _planned(catalog, name, shard)
-    if planned is None:
-        return None
-    batch_id, planned_ms, _ = planned
-    key = journal.batch_key(app_id, batch_id, sub.created_ms)
-    accepted = journal.read_shard(
-        catalog.settings, name, shard, key, since_ms=planned_ms - journal.LOOKBACK_MS
+    sub, layout = _current(catalog, name, shard)
+    warehouse = catalog.settings.warehouse
+    found = resharding.journaled_plan(
+        catalog.settings,
+        name,
+        sub.shard_count,
+        shard,
+        layout,
+        sub.created_ms,
+        for_path(warehouse),
     )
+    if found is None:
+        return None
+    batch_id, _, accepted = found
     # the batch may have committed while the journal was read
     return (
         (batch_id, len(accepted))
@@ -380,22 +385,20 @@ def kill_in_batch(catalog: Catalog, shards: Shards, name: str, wait_s: float, t0
     return {"shard": None, "waited_s": round(time.monotonic() - started, 1), "missed": missed}
 
 
-def _planned(catalog: Catalog, name: str, shard: int):
-    """Shard `shard`'s app id (its journal keys' prefix) and `checkpoints.uncommitted_plan` of
-    its current checkpoint (the local warehouse of the run)."""
+def _current(catalog: Catalog, name: str, shard: int):
+    """The subscription and shard `shard`'s current reader layout."""
     snap = catalog.snapshot()
     sub = subscriptions.from_snapshot(snap, name)
-    count, warehouse = sub.shard_count, catalog.settings.warehouse
-    layout = layouts.current(snap, name, count, shard, sub.generation)
-    path = layouts.checkpoint_path(warehouse, name, count, shard, layout)
-    return layouts.app_id(name, count, shard, layout), checkpoints.uncommitted_plan(
-        path, for_path(warehouse)
-    )
+    return sub, layouts.current(snap, name, sub.shard_count, shard, sub.generation)
 
 
 def _still_planned(catalog: Catalog, name: str, shard: int, batch_id: int) -> bool:
-    """Whether shard `shard`'s checkpoint still has batch `batch_id` planned without a commit."""
-    planned = _planned(catalog, name, shard)[1]
+    """Whether shard `shard`'s checkpoint still has batch `batch_id` planned without a commit
+    (the local warehouse of the run)."""
+    sub, layout = _current(catalog, name, shard)
+    warehouse = catalog.settings.warehouse
+    path = layouts.checkpoint_path(warehouse, name, sub.shard_count, shard, layout)
+    planned = checkpoints.uncommitted_plan(path, for_path(warehouse))
     return planned is not None and planned[0] == batch_id
 
 

@@ -86,6 +86,7 @@ from .errors import InvalidArgument, NotFound, VaradhiError
 from .layouts import READER_KIND, Layout
 from .leases import Lease
 from .messages import Origin
+from .settings import Settings
 from .state_rows import Kind
 from .subscriptions import Subscription
 from .topics import CompositeTopic, StorageTopic
@@ -533,6 +534,36 @@ def carried(
     return journal.UncommittedBatch(shard, -1, position, handover.until, live)
 
 
+def journaled_plan(
+    settings: Settings,
+    name: str,
+    count: int,
+    shard: int,
+    layout: Layout,
+    created_ms: int,
+    fs,
+) -> tuple[int, Any, journal.Accepted] | None:
+    """Shard `shard` of `count`'s newest batch in its `layout`'s checkpoint if it is planned and
+    not committed (`checkpoints.uncommitted_plan`, through `fs`): its id, its planned end, and
+    what its journal names as accepted (`journal.read_shard`, under the batch's key, from its
+    planning time minus `journal.LOOKBACK_MS`; possibly empty). None when there is no such
+    batch. Raises what reading Kafka raises."""
+    path = layouts.checkpoint_path(settings.warehouse, name, count, shard, layout)
+    planned = checkpoints.uncommitted_plan(path, fs)
+    if planned is None:
+        return None
+    batch_id, planned_ms, end = planned
+    app_id = layouts.app_id(name, count, shard, layout)
+    accepted = journal.read_shard(
+        settings,
+        name,
+        shard,
+        journal.batch_key(app_id, batch_id, created_ms),
+        since_ms=planned_ms - journal.LOOKBACK_MS,
+    )
+    return batch_id, end, accepted
+
+
 def drop_delivered(table: pd.DataFrame, accepted: Container[Origin]) -> pd.DataFrame:
     """An old shard's state table without the pending entries its uncommitted batch delivered
     (pure): per group, the leading entries in origin order whose origin is in `accepted` (what
@@ -849,22 +880,11 @@ class ChangeShards:
         earlier = carried(shard, layout, start, doc)
         if earlier is not None:
             out.append(earlier)
-        path = layouts.checkpoint_path(
-            settings.warehouse, plan.name, plan.from_shards, shard, layout
+        found = journaled_plan(
+            settings, plan.name, plan.from_shards, shard, layout, sub.created_ms, fs
         )
-        planned = checkpoints.uncommitted_plan(path, fs)
-        if planned is None:
-            return out
-        batch_id, planned_ms, end = planned
-        app_id = layouts.app_id(plan.name, plan.from_shards, shard, layout)
-        accepted = journal.read_shard(
-            settings,
-            plan.name,
-            shard,
-            journal.batch_key(app_id, batch_id, sub.created_ms),
-            since_ms=planned_ms - journal.LOOKBACK_MS,
-        )
-        if accepted:
+        if found is not None and found[2]:
+            batch_id, end, accepted = found
             out.append(journal.UncommittedBatch(shard, batch_id, start, end, accepted))
         return out
 
