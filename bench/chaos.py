@@ -650,9 +650,12 @@ def keep_logs(logs: Path, out: Path) -> str:
     return str(target)
 
 
-def create_subscription(catalog: Catalog, topic: str, name: str, url: str) -> None:
+def create_subscription(
+    catalog: Catalog, topic: str, name: str, url: str, journal_max_lag: str | None = None
+) -> None:
     """The run's topic and its grouped subscription to `url` (2 shards, dead letters skipped,
-    `RETRY` without jitter, no circuit breaker)."""
+    `RETRY` without jitter, no circuit breaker; `consumption.journal_max_lag` when given, else
+    its default)."""
     TopicService(catalog).create(topic, PARTITIONS)
     SubscriptionService(catalog).create(
         parse_spec(
@@ -668,7 +671,11 @@ def create_subscription(catalog: Catalog, topic: str, name: str, url: str) -> No
                     "max_backoff": f"{RETRY['max_backoff_ms']}ms",
                     "jitter": 0,
                 },
-                "consumption": {"trigger_interval": "500ms", "max_messages_per_batch": 20_000},
+                "consumption": {
+                    "trigger_interval": "500ms",
+                    "max_messages_per_batch": 20_000,
+                    **({"journal_max_lag": journal_max_lag} if journal_max_lag else {}),
+                },
                 # Failures are the subject: the breaker would only slow the run down.
                 "circuit_breaker": {"enabled": False},
             }
@@ -791,6 +798,10 @@ def main() -> int:
         default=60,
         help="seconds to wait for such a batch before changing without it (default 60)",
     )
+    p.add_argument(
+        "--journal-max-lag",
+        help="the subscription's consumption.journal_max_lag, e.g. 5s (default: its default)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--kafka-port", type=int, default=29592)
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "chaos.json"))
@@ -844,7 +855,7 @@ def main() -> int:
     script.write_text(json.dumps({m: POISON_ANSWERS for m in poison}))
     topic, name = f"chaos-{run}", f"chaos-http-{run}"
     with endpoint_process(*endpoint_options(args.fail_rate, args.seed, script, received)) as url:
-        create_subscription(catalog, topic, name, url)
+        create_subscription(catalog, topic, name, url, args.journal_max_lag)
         malformed = send_malformed(settings, topic, run)
         shards = Shards(name, env, logs, t0)
         running.append(shards)

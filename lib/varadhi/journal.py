@@ -123,11 +123,9 @@ READ_RETRY_S = 5.0
 # How long a task Spark runs again reads the journal of its batch (`read_on_retry`), at most.
 RETRY_READ_TIMEOUT_S = 15.0
 _T = TypeVar("_T")
-# A task sends no new request while accepted messages have waited longer than this for the
-# broker's acknowledgement of their journal record (Kafka away: `JournalWriter.behind`), so a
-# crash then re-delivers about this much; after `LAG_GIVE_UP_S` of that it delivers on
-# unjournaled (logged) rather than stall the batch for good.
-LAG_LIMIT_S = 5.0
+# A task that has held back new requests for this long (`JournalWriter.behind`: accepted
+# messages waited longer than `JournalTarget.max_lag_ms` for their journal record's
+# acknowledgement) delivers on unjournaled (logged) rather than stall the batch for good.
 LAG_GIVE_UP_S = 60.0
 
 
@@ -154,6 +152,7 @@ class JournalTarget:
     partition: int
     key: str  # batch_key(app_id, batch_id, created_ms)
     interval_ms: int
+    max_lag_ms: int = 1_000  # `consumption.journal_max_lag`: `JournalWriter.behind`
     kafka: KafkaConfig = PLAINTEXT
 
 
@@ -340,10 +339,10 @@ class JournalWriter:
     and waits until the broker acknowledged every record, re-sending failures, for at most
     `CLOSE_TIMEOUT_S`; what is still not acknowledged then is counted in `unjournaled` and
     logged (a crash before the batch commits delivers those messages again). Never raises for
-    Kafka's sake. While messages wait longer than `LAG_LIMIT_S` for their record's
+    Kafka's sake. While messages wait longer than `target.max_lag_ms` for their record's
     acknowledgement, `behind` tells the task's group runs to send no new request (for at most
-    `LAG_GIVE_UP_S`), so a crash while Kafka is away re-delivers seconds of deliveries, not
-    everything since it went away. `producer_factory` (target -> producer) is for tests."""
+    `LAG_GIVE_UP_S`), so a crash while Kafka is away re-delivers about `max_lag_ms` of
+    deliveries, not everything since it went away. `producer_factory` (target -> producer) is for tests."""
 
     def __init__(
         self,
@@ -387,7 +386,7 @@ class JournalWriter:
 
     def behind(self) -> bool:
         """Whether the task should send no new request for now: a message it accepted more
-        than `LAG_LIMIT_S` ago is not journaled yet (the broker is down or restarting), for
+        than `target.max_lag_ms` ago is not journaled yet (the broker is down or restarting), for
         less than `LAG_GIVE_UP_S` so far. Kept by the writer's thread every interval, and
         seen here while that thread is stuck in a flush; called before every request, so it
         costs an attribute read or two."""
@@ -397,7 +396,7 @@ class JournalWriter:
         return since is not None and not self._gave_up and time.monotonic() - since > self._limit()
 
     def _limit(self) -> float:
-        return max(LAG_LIMIT_S, 8 * self.target.interval_ms / 1000)
+        return self.target.max_lag_ms / 1000
 
     def _update_behind(self) -> None:
         now = time.monotonic()

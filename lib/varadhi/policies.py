@@ -96,13 +96,20 @@ class ConsumptionPolicy:
     micro-batch (the Kafka source's maxOffsetsPerTrigger). A failing endpoint is the circuit
     breaker's (`CircuitPolicy`). `journal_interval_ms`: how often each delivery task records
     the messages its endpoint accepted (`varadhi.journal`), so that a micro-batch run again
-    after a crash re-sends only what was accepted in that last interval; 0 turns it off."""
+    after a crash re-sends only what was accepted in that last interval; 0 turns it off.
+    `journal_max_lag_ms`: a task sends no new request while a message its endpoint accepted
+    has waited longer than this for the broker's acknowledgement of its journal record (Kafka
+    away or slow), so a crash then re-delivers at most about this much of its deliveries; a
+    shorter hold-back bounds those re-deliveries and stalls delivery sooner when the broker is
+    slow to acknowledge (at least twice `journal_interval_ms`; unset, four intervals when
+    that is more than the default)."""
 
     concurrency: int = 2
     max_in_flight: int = 64
     max_messages_per_batch: int = 100_000
     trigger_interval_ms: int = 500
     journal_interval_ms: int = 250
+    journal_max_lag_ms: int = 1_000
 
 
 @dataclass(frozen=True)

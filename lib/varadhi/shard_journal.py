@@ -99,6 +99,7 @@ class ShardJournal:
             partition=journal.partition_of(self.shard, self.partitions),
             key=journal.batch_key(app_id, batch_id, sub.created_ms),
             interval_ms=interval,
+            max_lag_ms=sub.spec.consumption.journal_max_lag_ms,
             kafka=kafka_clients.config_of(self.settings),
         )
 

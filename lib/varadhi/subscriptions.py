@@ -271,6 +271,7 @@ _CONSUMPTION_KEYS = (
     "max_messages_per_batch",
     "trigger_interval",
     "journal_interval",
+    "journal_max_lag",
     *_LEGACY_CONSUMPTION_KEYS,
 )
 _BLOCKED_KEYS = ("max_held", "max_held_bytes")
@@ -451,6 +452,17 @@ def _parse_responses(s: _Section) -> tuple[ResponseRule, ...]:
 def _parse_consumption(s: _Section) -> ConsumptionPolicy:
     # Zero triggers at once after the previous batch (Spark's default).
     trigger = s.duration("trigger_interval", _CONSUMPTION.trigger_interval_ms, minimum=0)
+    journal_interval = s.duration("journal_interval", _CONSUMPTION.journal_interval_ms, minimum=0)
+    # Unset: the default, or four intervals when the interval is long.
+    journal_max_lag = s.duration(
+        "journal_max_lag", max(_CONSUMPTION.journal_max_lag_ms, 4 * journal_interval)
+    )
+    if journal_interval and journal_max_lag < 2 * journal_interval:
+        raise s.error(
+            "journal_max_lag",
+            f"must be at least twice journal_interval ({2 * journal_interval} ms), "
+            f"got {journal_max_lag} ms: a record waits up to one interval before it is sent",
+        )
     return ConsumptionPolicy(
         concurrency=s.integer("concurrency", _CONSUMPTION.concurrency),
         max_in_flight=s.integer("max_in_flight", _CONSUMPTION.max_in_flight),
@@ -458,9 +470,8 @@ def _parse_consumption(s: _Section) -> ConsumptionPolicy:
             "max_messages_per_batch", _CONSUMPTION.max_messages_per_batch
         ),
         trigger_interval_ms=trigger,
-        journal_interval_ms=s.duration(
-            "journal_interval", _CONSUMPTION.journal_interval_ms, minimum=0
-        ),
+        journal_interval_ms=journal_interval,
+        journal_max_lag_ms=journal_max_lag,
     )
 
 
@@ -597,6 +608,7 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             "max_messages_per_batch": c.max_messages_per_batch,
             "trigger_interval": c.trigger_interval_ms,
             "journal_interval": c.journal_interval_ms,
+            "journal_max_lag": c.journal_max_lag_ms,
         },
         "circuit_breaker": {
             "enabled": b.enabled,

@@ -103,8 +103,8 @@ class FakeProducer:
         return Accepted.of_runs(r for _, _, v, _ in self.sent for r in journal.decode(v))
 
 
-def target(interval_ms: int = 250) -> JournalTarget:
-    return JournalTarget("kafka:9092", "s.journal", 1, "s.g0.s1.0.L0/7", interval_ms)
+def target(interval_ms: int = 250, max_lag_ms: int = 1_000) -> JournalTarget:
+    return JournalTarget("kafka:9092", "s.journal", 1, "s.g0.s1.0.L0/7", interval_ms, max_lag_ms)
 
 
 def test_writer_sends_everything_by_close_under_the_batch_key():
@@ -343,10 +343,9 @@ def wait_until(condition, seconds: float = 10) -> bool:
 def test_the_writer_is_behind_while_its_records_wait_for_the_broker_and_not_for_ever(
     monkeypatch,
 ):
-    monkeypatch.setattr(journal, "LAG_LIMIT_S", 0.1)
     monkeypatch.setattr(journal, "LAG_GIVE_UP_S", 60)
     producer = Pending()
-    writer = JournalWriter(target(interval_ms=10), lambda _bootstrap: producer)
+    writer = JournalWriter(target(interval_ms=10, max_lag_ms=100), lambda _bootstrap: producer)
     writer.accepted(o(1))
     assert not writer.behind()
     assert wait_until(writer.behind), "not behind while the broker does not answer"
@@ -361,17 +360,16 @@ def test_the_writer_is_behind_while_its_records_wait_for_the_broker_and_not_for_
     assert producer.origins() == Accepted.of([o(1), o(2)]) and writer.unjournaled == 0
 
 
-def test_the_writer_is_behind_while_making_its_producer_hangs(monkeypatch):
+def test_the_writer_is_behind_while_making_its_producer_hangs():
     """No producer can be made while the broker is down (each try blocks for the bootstrap
     timeout): the task is held back meanwhile, not only once the try has failed."""
-    monkeypatch.setattr(journal, "LAG_LIMIT_S", 0.1)
     release, producer = threading.Event(), FakeProducer()
 
     def hanging(_target):
         release.wait(10)
         return producer
 
-    writer = JournalWriter(target(interval_ms=10), hanging)
+    writer = JournalWriter(target(interval_ms=10, max_lag_ms=100), hanging)
     writer.accepted(o(1))
     assert wait_until(writer.behind), "not behind while the producer cannot be made"
     release.set()
@@ -418,6 +416,34 @@ def test_journal_interval_setting():
     assert spec_to_dict(spec(journal_interval="2s"))["consumption"]["journal_interval"] == 2_000
     with pytest.raises(InvalidArgument, match="consumption.journal_interval"):
         spec(journal_interval="-1s")
+
+
+def test_journal_max_lag_setting_bounds_the_hold_back():
+    def spec(**consumption):
+        doc = {"name": "s", "topic": "t", "endpoint": {"url": "http://h/"}}
+        return parse_spec({**doc, "consumption": consumption}).consumption
+
+    assert spec().journal_max_lag_ms == 1_000
+    assert spec(journal_max_lag="5s").journal_max_lag_ms == 5_000
+    assert spec(journal_interval="1s").journal_max_lag_ms == 4_000  # unset: four intervals
+    assert spec(journal_interval=0, journal_max_lag="100ms").journal_max_lag_ms == 100  # unused
+    with pytest.raises(InvalidArgument, match="consumption.journal_max_lag.*twice"):
+        spec(journal_interval="1s", journal_max_lag="1500ms")
+    doc = {"name": "s", "topic": "t", "endpoint": {"url": "http://h/"}}
+    assert spec_to_dict(parse_spec(doc))["consumption"]["journal_max_lag"] == 1_000
+
+
+def test_the_hold_back_follows_the_target_s_max_lag():
+    """A writer whose records the broker never acknowledges holds its task back once the
+    oldest accepted message has waited `max_lag_ms`, not before."""
+    producer = Pending()
+    writer = JournalWriter(target(interval_ms=10, max_lag_ms=600), lambda _bootstrap: producer)
+    writer.accepted(o(1))
+    started = time.monotonic()
+    assert wait_until(writer.behind)
+    assert time.monotonic() - started >= 0.6
+    producer.answer()
+    writer.close()
 
 
 def test_a_subscription_created_again_under_its_name_has_other_keys():
