@@ -371,6 +371,7 @@ class JournalWriter:
         self._wake = threading.Event()
         self._closing = False
         self._warned = False
+        self.accepted_origins = 0  # handed to `accepted` (the task's thread)
         self.sent_records = 0  # acknowledged by the broker
         self.sent_origins = 0
         self.unjournaled = 0  # origins still not acknowledged when `close` gave up
@@ -378,6 +379,7 @@ class JournalWriter:
         self._thread.start()
 
     def accepted(self, origin: m.Origin) -> None:
+        self.accepted_origins += 1
         self._queue.append(origin)
         if self._queued_since is None:
             self._queued_since = time.monotonic()
@@ -444,9 +446,7 @@ class JournalWriter:
             pause = 0.5 if self._unsent or self._producer is None else 0.01
             time.sleep(min(pause, max(0.0, deadline - time.monotonic())))
         if not self._done():
-            with self._lock:
-                values = [v for v, _ in self._unsent] + [v for v, _ in self._in_flight.values()]
-            self.unjournaled = len(self._queue) + sum(_count(v) for v in values)
+            self.unjournaled = self.unacknowledged()
             log.warning(
                 "delivery journal %s: %d accepted messages not journaled after %.0f s (Kafka "
                 "did not acknowledge them); a crash before this batch commits delivers them again",
@@ -454,6 +454,12 @@ class JournalWriter:
                 self.unjournaled,
                 CLOSE_TIMEOUT_S,
             )
+
+    def unacknowledged(self) -> int:
+        """The accepted origins whose record the broker has not acknowledged yet (queued,
+        being sent, unsent or in flight): what a crash now would deliver again, besides the
+        requests in flight. Each counter has one writer (the task's thread, the producer's)."""
+        return self.accepted_origins - self.sent_origins
 
     def __enter__(self) -> JournalWriter:
         return self

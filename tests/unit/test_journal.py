@@ -360,6 +360,18 @@ def test_the_writer_is_behind_while_its_records_wait_for_the_broker_and_not_for_
     assert producer.origins() == Accepted.of([o(1), o(2)]) and writer.unjournaled == 0
 
 
+def test_unacknowledged_counts_what_the_broker_has_not_answered():
+    producer = Pending()
+    writer = JournalWriter(target(interval_ms=10), lambda _bootstrap: producer)
+    for offset in (1, 2, 3):
+        writer.accepted(o(offset))
+    assert writer.unacknowledged() == 3  # queued, then sent and not answered
+    assert wait_until(lambda: producer.sent) and writer.unacknowledged() == 3
+    producer.answer()
+    assert wait_until(lambda: writer.unacknowledged() == 0)
+    writer.close()
+
+
 def test_the_writer_is_behind_while_making_its_producer_hangs():
     """No producer can be made while the broker is down (each try blocks for the bootstrap
     timeout): the task is held back meanwhile, not only once the try has failed."""
