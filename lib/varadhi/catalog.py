@@ -19,6 +19,14 @@ shard's heartbeat every few seconds fences none of the catalog's other writers
 
 Keys are `<kind>/<name>`, for example `topic/orders`, `subscription/orders-http`,
 `lease/orders-http/0`, `operation/orders-http`.
+
+Hazard: a writer that dies inside its transaction (a shard SIGKILLed during a lease heartbeat)
+leaves the transaction open, and every read_committed reader, so every catalog reader, sees
+nothing past it until the broker aborts it. Kafka's client default gives that 60 s, longer than
+a reader waits (`timeout_s`, 30 s): commands failed with "timed out waiting for the commit" and
+shards stopped seeing their leases. Catalog transactions are a few small records, so writers ask
+for `TRANSACTION_TIMEOUT_MS`; the broker aborts such a transaction within that plus its check
+interval (`transaction.abort.timed.out.transaction.cleanup.interval.ms`, 10 s by default).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 from kafka.errors import KafkaError, TopicAlreadyExistsError, TopicAuthorizationFailedError
 
-from . import kafka_clients
+from . import faults, kafka_clients
 from .errors import (
     ConcurrentModification,
     InvalidArgument,
@@ -49,6 +57,8 @@ log = logging.getLogger(__name__)
 
 SEGMENT_MS = 3_600_000  # the catalog topic's segment.ms: compaction runs on closed segments
 WRITER_ID = "varadhi-catalog-writer"  # + "." + catalog topic: one fence per catalog
+# How long the broker lets a catalog transaction stay open (see the hazard above).
+TRANSACTION_TIMEOUT_MS = 10_000
 Document = dict[str, Any]
 Changes = Mapping[str, Document | None]
 
@@ -301,6 +311,7 @@ class Catalog:
                             )
                         )
                     last_offset = max(f.get(timeout=self.timeout_s).offset for f in futures)
+                    faults.crash_point("catalog_in_transaction")
                     producer.commit_transaction()
                 except KafkaError as e:  # fenced by a concurrent writer, or the broker went away
                     last = e
@@ -323,6 +334,7 @@ class Catalog:
                     client_id="varadhi-catalog-writer",
                     acks="all",
                     request_timeout_ms=int(self.timeout_s * 1000),
+                    transaction_timeout_ms=TRANSACTION_TIMEOUT_MS,
                 )
                 producer.init_transactions()
             except KafkaError as e:

@@ -7,6 +7,9 @@ micro-batch reaches them:
 - `after_delivery`:     endpoint calls made, nothing recorded;
 - `after_state_commit`: GroupState and the batch's RQ/DLQ records committed to Delta, not sent;
 - `after_send`:         RQ/DLQ records committed to Kafka, the batch not yet committed by Spark.
+
+Elsewhere: `catalog_in_transaction`, a catalog write's records acknowledged by the broker and
+its transaction not yet committed (`varadhi.catalog`).
 """
 
 from __future__ import annotations
