@@ -137,9 +137,16 @@ class Client:
     def describe_topic(self, name: str) -> dict[str, Any]:
         """`TopicService.describe` (storage topics, K, end offsets, produce pointer) with
         `statistics`: messages inserted, and routed/emitted/acknowledged per subscription."""
-        doc = TopicService(self.catalog).describe(name)
-        doc["statistics"] = status.topic_statistics(self.catalog, name)
-        return doc
+        return self.describe_topics([name])[0]
+
+    def describe_topics(self, names: Sequence[str]) -> list[dict[str, Any]]:
+        """`describe_topic` of each topic in `names`, in order, with a few Kafka requests
+        whatever their number (`topic list`)."""
+        docs = TopicService(self.catalog).describe_many(names)
+        statistics = status.topics_statistics(self.catalog, names)
+        for doc in docs:
+            doc["statistics"] = statistics[doc["name"]]
+        return docs
 
     def delete_topic(
         self, name: str, keep_data: bool = False, dry_run: bool = False, log: Log = _quiet

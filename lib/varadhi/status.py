@@ -13,7 +13,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from kafka import TopicPartition
@@ -124,6 +124,14 @@ def standbys_of(
 def progress_documents(settings: Settings, subscription: str) -> dict[str, dict[str, Any]]:
     """The newest progress document per key of `subscription`, by key suffix: `<shard>` for a
     shard, `<shard>/standby/<instance>` for a standby instance."""
+    return progress_of_subscriptions(settings, {subscription}).get(subscription, {})
+
+
+def progress_of_subscriptions(
+    settings: Settings, names: Collection[str]
+) -> dict[str, dict[str, dict[str, Any]]]:
+    """`progress_documents` of each subscription in `names`, from one read of the progress
+    topic (its last `SCAN_RECORDS` records); a subscription with none is left out."""
     ensure_progress_topic(settings)
     tp = TopicPartition(progress_topic(settings), 0)
     consumer = kafka_clients.consumer(settings, enable_auto_commit=False)
@@ -131,8 +139,7 @@ def progress_documents(settings: Settings, subscription: str) -> dict[str, dict[
         consumer.assign([tp])
         end = consumer.end_offsets([tp])[tp]
         consumer.seek(tp, max(0, end - SCAN_RECORDS))
-        found: dict[str, dict[str, Any]] = {}
-        prefix = f"{subscription}/"
+        found: dict[str, dict[str, dict[str, Any]]] = {}
         deadline = time.monotonic() + 10
         while consumer.position(tp) < end and time.monotonic() < deadline:
             for records in consumer.poll(timeout_ms=200).values():
@@ -141,13 +148,14 @@ def progress_documents(settings: Settings, subscription: str) -> dict[str, dict[
                     if entry is None:
                         log.warning("progress topic: skipped a record another program wrote")
                         continue
-                    name, doc = entry
-                    if not name.startswith(prefix):
+                    key, doc = entry
+                    name, _, suffix = key.partition("/")  # names hold no "/"
+                    if name not in names:
                         continue
                     if doc is None:  # a tombstone (`subscription delete`): forget the key
-                        found.pop(name[len(prefix) :], None)
+                        found.get(name, {}).pop(suffix, None)
                     else:
-                        found[name[len(prefix) :]] = doc
+                        found.setdefault(name, {})[suffix] = doc
         return found
     finally:
         consumer.close()
@@ -286,19 +294,32 @@ def stats_of(inserted: int, totals: dict[str, int]) -> dict[str, int]:
 def topic_statistics(catalog: Catalog, topic: str) -> dict[str, Any]:
     """Counters of a composite topic: messages inserted, and per subscription of it what its
     shards routed, emitted and had acknowledged (from their latest progress)."""
+    return topics_statistics(catalog, [topic])[topic]
+
+
+def topics_statistics(catalog: Catalog, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """`topic_statistics` of each composite topic in `names`, with one end-offsets request and
+    one read of the progress topic whatever their number (`topic list`)."""
     snap = catalog.snapshot()
-    mq = topics.from_snapshot(snap, topic)
-    ends = topics.end_offsets(catalog, mq.storage_topics)
-    subs = {}
-    for name, doc in snap.items(subscriptions.KIND).items():
-        if doc["spec"]["topic"] != topic:
-            continue
-        progress = latest_progress(catalog.settings, name)
+    mqs = {name: topics.from_snapshot(snap, name) for name in names}
+    ends = topics.end_offsets(catalog, [st for mq in mqs.values() for st in mq.storage_topics])
+    out: dict[str, dict[str, Any]] = {
+        name: {"inserted": sum(sum(ends[st.name]) for st in mq.storage_topics), "subscriptions": {}}
+        for name, mq in mqs.items()
+    }
+    subs = {n: d for n, d in snap.items(subscriptions.KIND).items() if d["spec"]["topic"] in out}
+    progress = progress_of_subscriptions(catalog.settings, set(subs)) if subs else {}
+    for name, doc in subs.items():
         carried = doc.get("state", {}).get("carried_totals", {})
-        per_shard = [stats_of(0, p.get("totals", {})) for p in progress.values()]
+        per_shard = [
+            stats_of(0, p.get("totals", {}))
+            for p in shard_documents(progress.get(name, {})).values()
+        ]
         per_shard.append(stats_of(0, carried))
-        subs[name] = {k: sum(s[k] for s in per_shard) for k in STAT_NAMES if k != "inserted"}
-    return {"inserted": sum(sum(v) for v in ends.values()), "subscriptions": subs}
+        out[doc["spec"]["topic"]]["subscriptions"][name] = {
+            k: sum(s[k] for s in per_shard) for k in STAT_NAMES if k != "inserted"
+        }
+    return out
 
 
 def collect(catalog: Catalog, name: str) -> dict[str, Any]:

@@ -151,7 +151,7 @@ def _describe(args: argparse.Namespace) -> int:
 
 def _list(args: argparse.Namespace) -> int:
     with common.client(args) as client:
-        docs = [client.describe_topic(t.name) for t in client.topics()]
+        docs = client.describe_topics([t.name for t in client.topics()])
     if args.output == "json":
         common.emit_json(docs)
         return 0
