@@ -487,12 +487,13 @@ class Producer:
         """Poll the catalog; swap in a new produce topic once Kafka knows its partitions.
 
         A failed read keeps the last known topic (a catalog outage must not stop producers) and
-        is retried at the next interval.
+        is retried at the next interval: the product's errors and the Kafka client's alike (a
+        broker restart raises kafka-python's own timeout; it once ended this thread for good).
         """
         while not self._closed.wait(self.refresh_interval_s):
             try:
                 fresh = self._read_topic()
-            except VaradhiError as e:
+            except (VaradhiError, KafkaError) as e:
                 log.warning("producer %s: cannot refresh the topic: %s", self.name, e)
                 continue
             current = self._routes.topic

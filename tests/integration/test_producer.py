@@ -8,6 +8,7 @@ import time
 from collections import defaultdict
 
 import pytest
+from kafka.errors import KafkaTimeoutError
 
 from varadhi import messages, routing
 from varadhi.catalog import Catalog
@@ -15,6 +16,35 @@ from varadhi.errors import InvalidArgument, NotFound
 from varadhi.producer import Message, Producer, SendFailed
 
 pytestmark = pytest.mark.kafka
+
+
+def test_the_producer_follows_a_switch_after_kafka_failed_its_catalog_reads(
+    make_topic, topic_service, settings, monkeypatch
+):
+    """A broker restart made the catalog's read raise kafka-python's `KafkaTimeoutError` (a
+    chaos run): the refresh thread died of it, and the producer never saw a later
+    switch-produce. A failed read must only keep the last known topic."""
+    name = make_topic(2)
+    with Producer(name, settings, refresh_interval_s=0.1) as producer:
+        failures = [KafkaTimeoutError("Failed to get offsets by timestamps in 35000 ms")] * 3
+        snapshot = producer.catalog.snapshot
+
+        def flaky():
+            if failures:
+                raise failures.pop()
+            return snapshot()
+
+        monkeypatch.setattr(producer.catalog, "snapshot", flaky)
+        deadline = time.monotonic() + 5
+        while failures:
+            assert time.monotonic() < deadline, "the refresh did not read the catalog"
+            time.sleep(0.05)
+        topic_service.add_storage(name, 4)
+        topic_service.switch_produce(name)
+        deadline = time.monotonic() + 5
+        while producer.topic.produce_pointer != 1:
+            assert time.monotonic() < deadline, "the producer did not see the switch"
+            time.sleep(0.05)
 
 
 def test_each_message_is_read_back_from_the_partition_the_router_chose(
