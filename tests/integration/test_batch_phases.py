@@ -139,29 +139,25 @@ def test_phase_two_finishes_forwarded_groups_in_order_with_their_pending_state()
     assert _stat(result)["delivered"] == 2
 
 
-def test_a_replayed_batch_sends_only_what_its_journal_lacks_and_journals_the_rest(monkeypatch):
+def test_a_replayed_batch_sends_only_what_its_journal_lacks_and_journals_the_rest(
+    settings, unique_name, read_records
+):
     """A batch run again after a crash (`BatchContext.replayed`): the messages the crashed run
     journaled are delivered without a request, in their groups' order; what this run's endpoint
-    accepts is journaled under the batch's key (`BatchContext.journal`)."""
+    accepts is journaled under the batch's key (`BatchContext.journal`), on the real broker.
+    (With a stand-in producer whose sends were never acknowledged, the task waited out the
+    journal's 60 s close timeout.)"""
     from dataclasses import replace
 
     from varadhi import journal
 
-    sent: list[tuple[str, bytes, bytes, int]] = []
-
-    class Producer:
-        def send(self, topic, key, value, partition):
-            sent.append((topic, key, value, partition))
-
-        def flush(self, timeout=None):
-            pass
-
-    monkeypatch.setattr(journal, "_producer", lambda _bootstrap: Producer())
+    topic = journal.topic_name(unique_name("s"))
+    journal.ensure_topic(settings, topic, 1)
     records = [_record(offset, group) for offset, group in enumerate("abababab")]
     with TestEndpoint() as endpoint:
         ctx = replace(
             _ctx(endpoint.url),
-            journal=journal.JournalTarget("kafka:9092", "s.journal", 0, "s.g0.s1.0.L0/3", 250),
+            journal=journal.JournalTarget(settings.bootstrap, topic, 0, "s.g0.s1.0.L0/3", 250),
             # a's first three and b's first one were accepted before the crash; b-5 was too,
             # but b-3 was not (accepted after the last journal record): b-5 waits its turn.
             replayed=journal.Accepted.of(m.Origin(0, 0, x) for x in (0, 2, 4, 1, 5)),
@@ -173,8 +169,9 @@ def test_a_replayed_batch_sends_only_what_its_journal_lacks_and_journals_the_res
     assert delivered.index("b-3") < delivered.index("b-7")
     stat = _stat(result)
     assert (stat["delivered"], stat["skipped_replayed"], stat["attempts"]) == (8, 5, 3)
-    assert {(t, k, p) for t, k, _, p in sent} == {("s.journal", b"s.g0.s1.0.L0/3", 0)}
-    journaled = journal.Accepted.of_runs(r for *_, v, _ in sent for r in journal.decode(v))
+    sent = read_records(topic, isolation="read_uncommitted")
+    assert {(r.key, r.partition) for r in sent} == {(b"s.g0.s1.0.L0/3", 0)}
+    journaled = journal.Accepted.of_runs(run for r in sent for run in journal.decode(r.value))
     assert journaled == journal.Accepted.of(m.Origin(0, 0, x) for x in (3, 6, 7))
 
 
