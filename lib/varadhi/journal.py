@@ -342,7 +342,8 @@ class JournalWriter:
     Kafka's sake. While messages wait longer than `target.max_lag_ms` for their record's
     acknowledgement, `behind` tells the task's group runs to send no new request (for at most
     `LAG_GIVE_UP_S`), so a crash while Kafka is away re-delivers about `max_lag_ms` of
-    deliveries, not everything since it went away. `producer_factory` (target -> producer) is for tests."""
+    deliveries, not everything since it went away. `producer_factory` (target -> producer) is
+    for tests."""
 
     def __init__(
         self,
@@ -388,8 +389,8 @@ class JournalWriter:
 
     def behind(self) -> bool:
         """Whether the task should send no new request for now: a message it accepted more
-        than `target.max_lag_ms` ago is not journaled yet (the broker is down or restarting), for
-        less than `LAG_GIVE_UP_S` so far. Kept by the writer's thread every interval, and
+        than `target.max_lag_ms` ago is not journaled yet (the broker is down, restarting or
+        slow), for less than `LAG_GIVE_UP_S` so far. Kept by the writer's thread every interval, and
         seen here while that thread is stuck in a flush; called before every request, so it
         costs an attribute read or two."""
         if self._behind:
