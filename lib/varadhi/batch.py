@@ -465,7 +465,10 @@ def _deliver(
                 ctx.spec.endpoint, ctx.spec.consumption.max_in_flight, ctx.spec.delivery
             ) as http:
                 answered = http.run(
-                    (run for _, run in runs), linger_s=linger_ms(ctx.spec.retry) / 1000
+                    (run for _, run in runs),
+                    linger_s=linger_ms(ctx.spec.retry) / 1000,
+                    # Kafka away or slow: no delivery the journal could not record
+                    hold=journal.behind if journal is not None else None,
                 )
     finally:
         if journal is not None:  # the last accepted messages, waiting for the broker

@@ -28,6 +28,12 @@ engine has other work, and once nothing is in flight and no stream is left to st
 RQ). So `run` lasts at most `linger_s` longer than its streams' requests. It returns only when no
 stream waits any more.
 
+Holding. `run`'s `hold`, when given, is asked before every new request: while it answers
+true the engine sends nothing new (requests in flight complete, their streams wait) and checks
+again every `HOLD_POLL_S`, asking no stream meanwhile. A shard's task holds while its delivery
+journal waits too long for the broker (`journal.JournalWriter.behind`); a wait per stream
+instead woke every held group twice a second, a core's worth of asking for nothing.
+
 Batches. With a `delivery` policy in mode `batch`, one request carries the next request of many
 streams (`varadhi.batching` builds the body and splits the answer into one outcome per stream).
 A stream is still asked for its next request only after its previous outcome was handed back, so
@@ -66,7 +72,7 @@ import os
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, get_args
 from urllib.parse import urlsplit
@@ -85,6 +91,7 @@ _END = object()  # end of the streams iterable
 _FRAMING = frozenset({"content-length", "transfer-encoding", "host", "connection", "expect"})
 # Upper bounds (ms) of the request latency histogram `DeliveryStats.latency_ms` (`varadhi.metrics`
 # exports it); a last bucket counts what took longer.
+HOLD_POLL_S = 0.05  # how often a held `run` asks `hold` again
 LATENCY_BOUNDS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 
 
@@ -288,7 +295,12 @@ class HttpDeliverer:
         self._idle.clear()
         self._multi.close()
 
-    def run(self, streams: Iterable[Stream], linger_s: float = 0.0) -> DeliveryStats:
+    def run(
+        self,
+        streams: Iterable[Stream],
+        linger_s: float = 0.0,
+        hold: Callable[[], bool] | None = None,
+    ) -> DeliveryStats:
         """Deliver every stream; return when each has returned `None` from `next_request`.
 
         Streams are pulled from `streams` lazily, one whenever a slot is free, so the iterable
@@ -297,7 +309,8 @@ class HttpDeliverer:
         handle, and usually the connection, its previous one used). A stream that answers
         `Wait` is asked again when its time has come, before any new stream is started. Once the
         engine first runs out of requests to make, busy-only waits (`Wait.while_busy`) that end
-        more than `linger_s` later are stopped (see the module docstring)."""
+        more than `linger_s` later are stopped (see the module docstring). While `hold()` is
+        true, no new request goes out (see "Holding")."""
         if self._closed:
             raise RuntimeError("HttpDeliverer is closed")
         multi = self._multi
@@ -315,7 +328,8 @@ class HttpDeliverer:
         started = time.perf_counter()
         try:
             while True:
-                while in_flight < self.max_in_flight:
+                held = hold is not None and hold()
+                while not held and in_flight < self.max_in_flight:
                     if batcher is not None:  # batch mode: one request for many streams
                         if not self._issue_batch(batcher, waiting):
                             break
@@ -332,6 +346,9 @@ class HttpDeliverer:
                         n_streams += 1
                     in_flight += self._ask(stream, waiting)
                 if in_flight == 0:  # nothing to send now, and no stream left to start
+                    if held and (waiting or not _all_pulled(batcher, exhausted)):
+                        time.sleep(HOLD_POLL_S)
+                        continue
                     if not waiting:
                         break
                     if idle_until is None:
@@ -341,6 +358,7 @@ class HttpDeliverer:
                     continue
                 multi.perform()
                 completed = 0
+                held = hold is not None and hold()
                 while True:
                     queued, ok, failed = multi.info_read()
                     for curl in ok:
@@ -358,7 +376,7 @@ class HttpDeliverer:
                         )
                         latency[bisect.bisect_left(LATENCY_BOUNDS_MS, outcome.elapsed_ms)] += 1
                         latency_sum += outcome.elapsed_ms
-                        in_flight -= self._complete(transfer, outcome, waiting)
+                        in_flight -= self._complete(transfer, outcome, waiting, held)
                     for curl, code, message in failed:
                         completed += 1
                         transfer = self._by_curl[curl]
@@ -373,7 +391,7 @@ class HttpDeliverer:
                         )
                         latency[bisect.bisect_left(LATENCY_BOUNDS_MS, outcome.elapsed_ms)] += 1
                         latency_sum += outcome.elapsed_ms
-                        in_flight -= self._complete(transfer, outcome, waiting)
+                        in_flight -= self._complete(transfer, outcome, waiting, held)
                     if not queued:
                         break
                 if not completed:
@@ -399,9 +417,12 @@ class HttpDeliverer:
             latency_sum_ms=latency_sum,
         )
 
-    def _complete(self, transfer: _Transfer, outcome: Outcome, waiting: _Waiting) -> int:
+    def _complete(
+        self, transfer: _Transfer, outcome: Outcome, waiting: _Waiting, held: bool
+    ) -> int:
         """Hand the outcome to its stream and issue the stream's next request, on the same
-        handle. Returns 1 if a slot was freed, 0 if it was reused."""
+        handle (`held`: park the stream instead, to be asked once the hold ends). Returns 1 if
+        a slot was freed, 0 if it was reused."""
         if transfer.batch is not None:
             return self._complete_batch(transfer, outcome)
         self._multi.remove_handle(transfer.curl)
@@ -410,7 +431,7 @@ class HttpDeliverer:
         transfer.stream = None
         self._idle.append(transfer)  # before the callbacks: if they raise, the handle is free
         stream.on_outcome(outcome)
-        if waiting.has_due():  # a waiting stream's time has come: it takes this slot first
+        if held or waiting.has_due():  # held, or a waiting stream's time has come (it goes first)
             waiting.add(stream, Wait(0.0))
             return 1
         return 1 - self._ask(stream, waiting)
@@ -622,6 +643,13 @@ class _Waiting:
             for _, _, stream, _ in busy:
                 stream.stop_waiting()
         return bool(busy)
+
+
+def _all_pulled(batcher: _Batcher | None, exhausted: bool) -> bool:
+    """Whether no stream is left to start or to ask again (besides those waiting)."""
+    if batcher is None:
+        return exhausted
+    return batcher.exhausted and not batcher.ready and batcher.carried is None
 
 
 def _error_kind(curl: pycurl.Curl, code: int) -> str:

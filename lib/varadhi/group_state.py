@@ -110,16 +110,10 @@ class RunCounts:
 
 
 class Journal(Protocol):
-    """Where a run reports each message its endpoint accepted (`varadhi.journal.JournalWriter`);
-    while it is `behind` (its records wait for Kafka), the run sends no new request."""
+    """Where a run reports each message its endpoint accepted (`varadhi.journal.JournalWriter`;
+    while that is behind, the task's engine sends nothing new: `HttpDeliverer.run`'s `hold`)."""
 
     def accepted(self, origin: m.Origin) -> None: ...
-
-    def behind(self) -> bool: ...
-
-
-# How long a run waits before it asks its journal again whether it caught up.
-JOURNAL_WAIT_S = 0.5
 
 
 def merge(pending: Iterable[Entry], candidates: Iterable[Entry], counts: RunCounts) -> list[Entry]:
@@ -219,8 +213,7 @@ class GroupRun:
     this same batch (`varadhi.journal`). A head found there is taken as delivered without a
     request (`skipped_replayed`); only the head is ever considered, so a later message is
     skipped only if it is journaled too, and the group keeps its order. `journal` is told the
-    origin of every message the endpoint accepts; while it is behind (Kafka away), the run
-    answers `Wait` instead of its next request (`varadhi.journal.JournalWriter.behind`).
+    origin of every message the endpoint accepts.
 
     `blocked` bounds what a group left blocked behind a dead letter keeps (`over_limit`, in
     `remaining`).
@@ -282,8 +275,6 @@ class GroupRun:
                     return None  # parked (hazard 2)
                 self._early = True
                 return Wait(wait_ms / 1000, while_busy=True)
-            if self.journal is not None and self.journal.behind():
-                return Wait(JOURNAL_WAIT_S)  # Kafka is away: no delivery it could not journal
             try:
                 request = Request(body=head.value, headers=http_headers(head))
             except InvalidArgument as e:  # e.g. a group or message id with CR/LF in it

@@ -340,8 +340,8 @@ class JournalWriter:
     `CLOSE_TIMEOUT_S`; what is still not acknowledged then is counted in `unjournaled` and
     logged (a crash before the batch commits delivers those messages again). Never raises for
     Kafka's sake. While messages wait longer than `target.max_lag_ms` for their record's
-    acknowledgement, `behind` tells the task's group runs to send no new request (for at most
-    `LAG_GIVE_UP_S`), so a crash while Kafka is away re-delivers about `max_lag_ms` of
+    acknowledgement, `behind` tells the task's delivery engine to send no new request (for at
+    most `LAG_GIVE_UP_S`), so a crash while Kafka is away re-delivers about `max_lag_ms` of
     deliveries, not everything since it went away. `producer_factory` (target -> producer) is
     for tests."""
 

@@ -202,6 +202,48 @@ def test_a_run_with_only_waiting_streams_left_sleeps_until_they_are_due(endpoint
     assert stats.requests == 2 and time.monotonic() - started >= 0.25
 
 
+def test_a_held_engine_sends_nothing_new_and_asks_no_stream_until_the_hold_ends(endpoint):
+    """`run(hold=...)`: a shard's task holds while its delivery journal waits for Kafka. Held,
+    the engine lets requests in flight complete but sends nothing new and asks no stream (before,
+    each held group was woken twice a second to answer `Wait` again: a core's worth of asking);
+    then it goes on, every stream in order."""
+    ep = endpoint(latency_ms=20)
+    state = {"on": False, "from": None, "to": None}
+    asked_while_held: list[str] = []
+
+    class Counted(Group):
+        def next_request(self):
+            if state["on"]:
+                asked_while_held.append(self.name)
+            return super().next_request()
+
+    def hold() -> bool:
+        if state["from"] is None and len(ep.records()) >= 10:
+            state["on"], state["from"] = True, time.time()
+        elif state["on"] and time.time() - state["from"] >= 0.5:
+            state["on"], state["to"] = False, time.time()
+        return state["on"]
+
+    groups = [Counted(f"g{i}", 5) for i in range(20)]
+    with HttpDeliverer(Endpoint(url=ep.url), max_in_flight=4) as engine:
+        stats = engine.run(groups, hold=hold)
+
+    assert state["from"] and state["to"], "the hold never began and ended"
+    assert not asked_while_held
+    # requests sent before the hold began may still arrive in its first moments
+    during = [
+        r.message_id
+        for r in ep.records()
+        if state["from"] + 0.1 <= r.received_ms / 1000 < state["to"]
+    ]
+    assert not during, during
+    assert stats.requests == 100 and all(g.finished for g in groups)
+    seen: dict[str, list[int]] = defaultdict(list)
+    for r in ep.records():
+        seen[r.group_id].append(int(r.message_id.rsplit("-", 1)[1]))
+    assert seen == {g.name: [1, 2, 3, 4, 5] for g in groups}
+
+
 def test_streams_are_pulled_lazily(endpoint):
     ep = endpoint()
     pulled = 0

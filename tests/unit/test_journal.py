@@ -16,7 +16,7 @@ from kafka.future import Future
 
 from varadhi import checkpoints, journal
 from varadhi import messages as m
-from varadhi.delivery import Outcome, Wait
+from varadhi.delivery import Outcome
 from varadhi.errors import InvalidArgument
 from varadhi.group_state import Entry, GroupRun, RunCounts, merge
 from varadhi.journal import Accepted, JournalTarget, JournalWriter
@@ -213,17 +213,13 @@ def new(offset: int, group: str = "g") -> Entry:
 
 
 class Recorder:
-    """A fake JournalWriter; `lagging` says what `behind` answers."""
+    """Where a run reports what its endpoint accepted (a JournalWriter's `accepted`)."""
 
-    def __init__(self, lagging: bool = False):
+    def __init__(self):
         self.origins: list[m.Origin] = []
-        self.lagging = lagging
 
     def accepted(self, origin: m.Origin) -> None:
         self.origins.append(origin)
-
-    def behind(self) -> bool:
-        return self.lagging
 
 
 def drive(run: GroupRun, status=lambda msg_id: 200) -> list[str]:
@@ -297,19 +293,6 @@ def test_parked_and_retried_messages_are_skipped_by_origin():
 def test_without_a_journal_nothing_is_skipped():
     run = run_of([new(0), new(1)])
     assert drive(run) == ["m0", "m1"]
-
-
-def test_a_run_sends_nothing_new_while_its_journal_is_behind():
-    """Kafka is away: the journal's records wait for it. A run sends no new request then (the
-    engine asks again after the wait), so a crash re-delivers seconds of deliveries, not
-    everything accepted since the broker went away. Before, delivery went on regardless."""
-    recorder = Recorder(lagging=True)
-    run = run_of([new(0), new(1)], journal_=recorder)
-    answer = run.next_request()
-    assert isinstance(answer, Wait) and not answer.while_busy
-    recorder.lagging = False
-    assert drive(run) == ["m0", "m1"]
-    assert recorder.origins == [o(0), o(1)]
 
 
 class Pending(FakeProducer):
