@@ -18,6 +18,14 @@ from varadhi.producer import Message, Producer, SendFailed
 pytestmark = pytest.mark.kafka
 
 
+def wait_for_switch(producer: Producer, pointer: int = 1) -> None:
+    """Until the producer's refresh has seen the produce pointer move to `pointer` (5 s)."""
+    deadline = time.monotonic() + 5
+    while producer.topic.produce_pointer != pointer:
+        assert time.monotonic() < deadline, "the producer did not see the switch"
+        time.sleep(0.05)
+
+
 def test_the_producer_follows_a_switch_after_kafka_failed_its_catalog_reads(
     make_topic, topic_service, settings, monkeypatch
 ):
@@ -41,10 +49,7 @@ def test_the_producer_follows_a_switch_after_kafka_failed_its_catalog_reads(
             time.sleep(0.05)
         topic_service.add_storage(name, 4)
         topic_service.switch_produce(name)
-        deadline = time.monotonic() + 5
-        while producer.topic.produce_pointer != 1:
-            assert time.monotonic() < deadline, "the producer did not see the switch"
-            time.sleep(0.05)
+        wait_for_switch(producer)
 
 
 def test_each_message_is_read_back_from_the_partition_the_router_chose(
@@ -63,10 +68,7 @@ def test_each_message_is_read_back_from_the_partition_the_router_chose(
 
         topic_service.add_storage(name, 12)
         topic_service.switch_produce(name)
-        deadline = time.monotonic() + 5
-        while producer.topic.produce_pointer != 1:
-            assert time.monotonic() < deadline, "the producer did not see the switch"
-            time.sleep(0.05)
+        wait_for_switch(producer)
         after = {}
         for group in groups:
             result = producer.send(b"after", group)
