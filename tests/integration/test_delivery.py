@@ -205,7 +205,7 @@ def test_a_run_with_only_waiting_streams_left_sleeps_until_they_are_due(endpoint
 def test_a_held_engine_sends_nothing_new_and_asks_no_stream_until_the_hold_ends(endpoint):
     """`run(hold=...)`: a shard's task holds while its delivery journal waits for Kafka. Held,
     the engine lets requests in flight complete but sends nothing new and asks no stream (before,
-    each held group was woken twice a second to answer `Wait` again: a core's worth of asking);
+    each held group was woken twice a second to answer `Wait` again, for nothing);
     then it goes on, every stream in order."""
     ep = endpoint(latency_ms=20)
     state = {"on": False, "from": None, "to": None}
