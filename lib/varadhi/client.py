@@ -143,7 +143,8 @@ class Client:
         """`describe_topic` of each topic in `names`, in order, with a few Kafka requests
         whatever their number (`topic list`)."""
         docs = TopicService(self.catalog).describe_many(names)
-        statistics = status.topics_statistics(self.catalog, names)
+        ends = {st["name"]: st["end_offsets"] for doc in docs for st in doc["storage_topics"]}
+        statistics = status.topics_statistics(self.catalog, names, ends)
         for doc in docs:
             doc["statistics"] = statistics[doc["name"]]
         return docs

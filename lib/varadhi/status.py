@@ -297,12 +297,16 @@ def topic_statistics(catalog: Catalog, topic: str) -> dict[str, Any]:
     return topics_statistics(catalog, [topic])[topic]
 
 
-def topics_statistics(catalog: Catalog, names: Sequence[str]) -> dict[str, dict[str, Any]]:
+def topics_statistics(
+    catalog: Catalog, names: Sequence[str], ends: Mapping[str, list[int]] | None = None
+) -> dict[str, dict[str, Any]]:
     """`topic_statistics` of each composite topic in `names`, with one end-offsets request and
-    one read of the progress topic whatever their number (`topic list`)."""
+    one read of the progress topic whatever their number (`topic list`). `ends`: the storage
+    topics' end offsets when the caller has read them already (`topics.end_offsets`)."""
     snap = catalog.snapshot()
     mqs = {name: topics.from_snapshot(snap, name) for name in names}
-    ends = topics.end_offsets(catalog, [st for mq in mqs.values() for st in mq.storage_topics])
+    if ends is None:
+        ends = topics.end_offsets(catalog, [st for mq in mqs.values() for st in mq.storage_topics])
     out: dict[str, dict[str, Any]] = {
         name: {"inserted": sum(sum(ends[st.name]) for st in mq.storage_topics), "subscriptions": {}}
         for name, mq in mqs.items()
