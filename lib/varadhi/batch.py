@@ -244,14 +244,16 @@ def deliver_records(
                 forwarded += 1
             else:
                 candidates[key].append(e)
-    groups, http = _deliver(candidates, local, ctx, counts, rows)
+    read = len(rows)
+    groups, http = _deliver(candidates, local, ctx, counts, rows, forward.hand_over)
+    handed = sum(1 for r in rows[read:] if isinstance(r, StateRow) and r.kind == Kind.FWD)
     stats = TaskStats.of(
         counts,
         time.monotonic() - started,
         http,
         records=records,
         routed=routed,
-        forwarded=forwarded,
+        forwarded=forwarded + handed,
         groups=groups,
     )
     rows.append(stat_row(stats))
@@ -293,6 +295,9 @@ class ForwardRule:
     blocked: frozenset[str] = frozenset()
     local: frozenset[str] = frozenset()
     parked: frozenset[str] = frozenset()  # of `blocked`: merged by the job's first task
+    # Phase 2 runs anyway: phase 1 forwards the groups still waiting for a retry in place once
+    # its task has nothing else to send, instead of lingering for them (`_deliver`).
+    hand_over: bool = False
 
     @classmethod
     def of(
@@ -307,6 +312,9 @@ class ForwardRule:
 
         Grouped: every RQ record and every record of a pending group is forwarded (a group's RQ
         record and its main-topic records sit in different partitions, so in different tasks).
+        Phase 2 runs for what phase 1 forwards, so phase 1 also hands over (`hand_over`) the
+        groups still waiting for a retry in place when its task runs out of work, instead of
+        lingering for them: phase 2 goes on waiting, and a batch lingers once, not in both.
 
         Ungrouped, a message is a group of its own (its key is its id), so its RQ record needs
         nothing but its own pending entries: a group whose entries all wait for their RQ records
@@ -327,7 +335,7 @@ class ForwardRule:
         if not pending:
             return cls()
         if grouped:
-            return cls(rq=True, blocked=frozenset(pending))
+            return cls(rq=True, blocked=frozenset(pending), hand_over=True)
         waiting = [
             (min(r.due_ms or 0 for r in rows), k, len(rows))
             for k, rows in pending.items()
@@ -431,10 +439,17 @@ def _deliver(
     ctx: BatchContext,
     counts: RunCounts,
     rows: list[StateRow | dict],
+    hand_over: bool = False,
 ) -> tuple[int, dict[str, int]]:
     """Merge each group's candidates with its pending state, deliver all groups concurrently
     (in order within each), and append the result rows to `rows`. Returns how many groups ran
-    and what the endpoint answered (`http_counts`)."""
+    and what the endpoint answered (`http_counts`).
+
+    `hand_over` (phase 1 of a batch whose second job runs anyway, `ForwardRule.hand_over`): the
+    task does not linger for its last retries in place; a group still waiting for one once the
+    task has nothing else to send is forwarded as it is (`fwd` rows: the head with its attempts
+    and due time, and the messages behind it, with their bodies), and phase 2 goes on waiting
+    (`group_state.in_place_retry`)."""
     rng = random.Random(ctx.seed)
     journal = JournalWriter(ctx.journal) if ctx.journal is not None and candidates else None
     replayed = ctx.replayed
@@ -457,6 +472,7 @@ def _deliver(
             replayed=replayed,
             journal=journal,
             blocked=ctx.spec.blocked,
+            hand_over=hand_over,
         )
         runs.append((key, run))
     try:
@@ -466,7 +482,7 @@ def _deliver(
             ) as http:
                 answered = http.run(
                     (run for _, run in runs),
-                    linger_s=linger_ms(ctx.spec.retry) / 1000,
+                    linger_s=0.0 if hand_over else linger_ms(ctx.spec.retry) / 1000,
                     # Kafka away or slow: no delivery the journal could not record
                     hold=journal.behind if journal is not None else None,
                 )
@@ -477,10 +493,13 @@ def _deliver(
     for key, run in runs:
         if key in pending:
             rows.append(touched_row(key))
-        for e in run.remaining():
-            if e.location == "held" and e.value is None and e.invalid is None:
-                raise AssertionError(f"group {key}: held entry {e.msg_id} has no body")
-            rows.append(state_row(Kind.PENDING, key, e))
+        if run.handed_over:  # its queue as it is, bodies included (`hand_over`)
+            rows.extend(state_row(Kind.FWD, key, e) for e in run.entries)
+        else:
+            for e in run.remaining():
+                if e.location == "held" and e.value is None and e.invalid is None:
+                    raise AssertionError(f"group {key}: held entry {e.msg_id} has no body")
+                rows.append(state_row(Kind.PENDING, key, e))
         for out in run.outs:
             rows.append(state_row(Kind.OUT, key, out.entry, target=out.target))
         if ctx.dedup:

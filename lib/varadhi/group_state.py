@@ -33,7 +33,12 @@ at most `in_place_linger` more (`varadhi.retry.linger_ms`, 2 s by default; `vara
 passes it as the engine's `linger_s`); a retry due later than that gets `stop_waiting` and goes
 to the RQ after all, due when it was. A retry due later than the window after its first failure
 goes to the RQ at once. Either way the RQ record counts every attempt made, and the group
-follows it. A retry read back from the RQ before its due time waits in the task the same way
+follows it. A run made with `hand_over` (phase 1 of a grouped batch that has a second job
+anyway, `varadhi.batch`) does not send such a retry to the RQ when the engine stops its wait:
+it stops with its queue as it is (`handed_over`), and the task forwards the queue to the second
+job, where a run of it goes on waiting in place (`in_place_retry`: its head is due when it was,
+never sent earlier). So a batch waits for its retries in place once, in its second job, not in
+both. A retry read back from the RQ before its due time waits in the task the same way
 when its wait fits the window (`varadhi.retry.waits_in_task`), so it costs one batch, not a
 parking batch and a later one; if the engine stops that wait, or it is due later, it is parked
 as `held` (never written to the RQ again).
@@ -199,6 +204,14 @@ def is_mark(entry: Entry) -> bool:
     return entry.location == "dlq" and (entry.reason or "").endswith(OVER_LIMIT)
 
 
+def in_place_retry(entry: Entry) -> bool:
+    """Whether `entry` is a head handed over in the middle of its retry in place (pure): read
+    from the main topic in this batch (`new`) and attempted already. Nothing else has that
+    shape: a pending entry is never `new` (`GroupRun.remaining` makes it `held`) and a record
+    read in this batch has no attempts yet."""
+    return entry.location == "new" and entry.attempts > 0
+
+
 class GroupRun:
     """Delivers one group's queue in order, following the failure (see the module docstring).
 
@@ -217,6 +230,11 @@ class GroupRun:
 
     `blocked` bounds what a group left blocked behind a dead letter keeps (`over_limit`, in
     `remaining`).
+
+    `hand_over`: when the engine stops a retry's wait in place, the run stops as it is
+    (`handed_over`; its `entries` go to the batch's second job) instead of writing the retry to
+    the RQ. A queue whose head is such a handed-over retry (`in_place_retry`) starts waiting in
+    place again.
     """
 
     def __init__(
@@ -231,8 +249,11 @@ class GroupRun:
         replayed: Container[m.Origin] | None = None,
         journal: Journal | None = None,
         blocked: BlockedPolicy = DEFAULT_BLOCKED,
+        hand_over: bool = False,
     ):
         self.entries = entries
+        self.hand_over = hand_over
+        self.handed_over = False
         self.blocked = blocked
         self.replayed = replayed
         self.journal = journal
@@ -245,7 +266,8 @@ class GroupRun:
         self.outs: list[Out] = []
         self.delivered: list[Entry] = []
         self._stopped = False
-        self._in_place = False  # the head waits in this task for its retry
+        # The head waits in this task for its retry (also one handed over by phase 1).
+        self._in_place = bool(entries) and in_place_retry(entries[0])
         self._early = False  # the head, read back from the RQ before its due time, waits for it
 
     # -- Stream protocol ------------------------------------------------------------------
@@ -329,13 +351,16 @@ class GroupRun:
     def stop_waiting(self) -> None:
         """The head's wait in place would outlast the task's other deliveries by more than the
         engine lingers: send its retry through the RQ instead, due when it was going to be
-        sent. A head read back from the RQ before its due time is parked instead, as one due
+        sent (with `hand_over`: stop as it is, for the second job to go on). A head read back from the RQ before its due time is parked instead, as one due
         later than the window is (hazard 2: an RQ record is never written again)."""
         if self._early:
             self._early = False
             self._stopped = True
             return
         self._in_place = False
+        if self.hand_over:  # the second job goes on waiting (`hand_over`)
+            self.handed_over = self._stopped = True
+            return
         self._retry_through_rq(self.entries[0])
 
     def _retry_through_rq(self, head: Entry) -> None:

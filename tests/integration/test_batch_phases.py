@@ -249,7 +249,7 @@ def test_ungrouped_forward_rule_keeps_grouped_and_parked_groups_as_before():
     pending = {"~a": [_waiting("a", 1)], "~b": [_waiting("b", 2, location="dlq")]}
     assert ForwardRule.of({}, grouped=False) == ForwardRule()
     assert ForwardRule.of(pending, grouped=True) == ForwardRule(
-        rq=True, blocked=frozenset({"~a", "~b"})
+        rq=True, blocked=frozenset({"~a", "~b"}), hand_over=True
     )
     rule = ForwardRule.of(pending, grouped=False)
     assert (rule.local, rule.blocked) == (frozenset({"~a"}), frozenset({"~b"}))
@@ -456,3 +456,53 @@ def test_an_early_rq_record_waits_while_its_task_delivers_and_is_sent_once_due()
     assert sent["x"].received_ms >= due_ms
     assert not (result["kind"].isin(["out", "pending"])).any()
     assert _stat(result)["waited_due"] == 1
+
+
+# -- a grouped batch with a second job: phase 1 hands its waits in place over to phase 2 -------
+
+
+def test_grouped_phase_one_hands_a_waiting_retry_over_to_phase_two_which_sends_it_once_due():
+    """Grouped, with a pending group (z), so phase 2 runs anyway: f-1 fails (503, Retry-After
+    1 s) and its task has nothing else to send. Phase 1 does not linger for the retry: it
+    forwards f as it is (f-1 with its attempt and due time, f-2 behind it, bodies included),
+    writes nothing to the RQ, and phase 2 sends f-1 again once due (never earlier), then f-2.
+    On the code before, phase 1 lingered and retried f-1 itself."""
+    pending = {"z": [_waiting("z", 99)]}
+    rule = ForwardRule.of(pending, grouped=True)
+    with TestEndpoint(script={"f-1": ["503"]}, retry_after_s=1) as endpoint:
+        ctx = _ctx(endpoint.url)
+        phase_one = _rows(
+            deliver_records(iter([_batch([_record(1, "f"), _record(2, "f")])]), ctx, rule)
+        )
+        after_phase_one = [(r.message_id, r.attempt) for r in endpoint.records()]
+        forwarded = phase_one[phase_one["kind"] == "fwd"]
+        phase_two = _rows(process_partition(iter([forwarded]), ctx, {}))
+        sent = [(r.message_id, r.attempt, r.status, r.received_ms) for r in endpoint.records()]
+
+    assert after_phase_one == [("f-1", 1)]
+    assert not phase_one["kind"].isin(["out", "pending"]).any()
+    head, behind = forwarded.itertuples()
+    assert (head.msg_id, head.location, head.attempts, head.status) == ("f-1", "new", 1, 503)
+    assert head.due_ms - head.last_failure_ms == 1_000 and head.value == b"{}"
+    assert (behind.msg_id, behind.location, behind.attempts) == ("f-2", "new", 0)
+    assert _stat(phase_one)["forwarded"] == 2 and _stat(phase_one)["retried"] == 0
+
+    assert [s[:3] for s in sent] == [("f-1", 1, 503), ("f-1", 2, 200), ("f-2", 1, 200)]
+    assert sent[1][3] >= head.due_ms
+    assert not phase_two["kind"].isin(["out", "pending"]).any()
+    stat = _stat(phase_two)
+    assert (stat["retried_in_place"], stat["retried"], stat["delivered"]) == (1, 0, 2)
+
+
+def test_phase_one_without_a_second_job_still_lingers_for_its_retries_in_place():
+    """Grouped, nothing pending: no phase 2 would run, so phase 1 keeps its linger and sends
+    f-1's retry itself, as before."""
+    rule = ForwardRule.of({}, grouped=True)
+    assert not rule.hand_over and not ForwardRule.of({"~x": [_waiting("x", 9)]}, False).hand_over
+    with TestEndpoint(script={"f-1": ["503"]}, retry_after_s=1) as endpoint:
+        result = _rows(deliver_records(iter([_batch([_record(1, "f")])]), _ctx(endpoint.url), rule))
+        sent = [(r.message_id, r.attempt) for r in endpoint.records()]
+
+    assert sent == [("f-1", 1), ("f-1", 2)]
+    assert not result["kind"].isin(["fwd", "out", "pending"]).any()
+    assert _stat(result)["retried_in_place"] == 1

@@ -26,6 +26,7 @@ from varadhi.group_state import (
     Out,
     RunCounts,
     http_headers,
+    in_place_retry,
     merge,
     over_limit,
 )
@@ -281,6 +282,64 @@ def test_a_retry_in_place_goes_to_the_rq_when_the_engine_stops_its_wait():
     assert out.entry.due_ms == T0 + 1_000 and out.entry.value == b"body-2"
     assert [(e.msg_id, e.location) for e in run.remaining()] == [("m2", "rq"), ("m3", "held")]
     assert (counts.retried_in_place, counts.retried) == (0, 1)
+
+
+def handed_over(clock: Clock) -> list[Entry]:
+    """Phase 1's hand-over of a group (`GroupRun.hand_over`): m1 delivered, m2 failed (500) and
+    waits for its retry in place when the engine stops the wait; the queue as it is."""
+    counts = RunCounts()
+    run = GroupRun([new(1), new(2), new(3)], IN_PLACE, "block", clock, random.Random(0), counts,
+                   hand_over=True)  # fmt: skip
+    assert run.next_request().headers[m.HTTP_MESSAGE_ID] == "m1"
+    run.on_outcome(ok())
+    assert run.next_request().headers[m.HTTP_MESSAGE_ID] == "m2"
+    run.on_outcome(http(500))
+    assert run.next_request() == Wait(1.0, while_busy=True)
+    run.stop_waiting()
+    assert run.handed_over and run.next_request() is None
+    assert run.outs == [] and (counts.retried, counts.retried_in_place) == (0, 0)
+    return run.entries
+
+
+def test_a_run_that_hands_over_stops_with_its_queue_as_it_is_not_through_the_rq():
+    """With `hand_over` (phase 1 of a grouped batch that has a second job anyway), a stopped
+    wait in place writes nothing to the RQ: the head keeps its attempt, due time and body, the
+    messages behind it stay `new`, and the head is recognised as a retry in place."""
+    clock = Clock()
+    head, behind = handed_over(clock)
+    assert (head.msg_id, head.location, head.attempts, head.value) == ("m2", "new", 1, b"body-2")
+    assert head.due_ms == T0 + 1_000 and head.first_failure_ms == T0 and head.status == 500
+    assert (behind.msg_id, behind.location, behind.attempts) == ("m3", "new", 0)
+    assert in_place_retry(head) and not in_place_retry(behind)
+
+
+def test_a_handed_over_retry_goes_on_waiting_in_place_and_is_sent_once_due():
+    """Phase 2 gets the queue as `fwd` rows: its run waits for the head's due time (never
+    earlier), counts the retry as made in place, then sends the message behind it."""
+    clock, counts = Clock(), RunCounts()
+    rows = [state_row(Kind.FWD, "g", e) for e in handed_over(clock)]
+    queue = merge([], [entry_of(r) for r in rows], RunCounts())
+    clock.now = T0 + 400
+    run = run_of(queue, clock, policy=IN_PLACE, counts=counts)
+    assert drive(run, clock=clock) == [("wait", 600), ("m2", 2), ("m3", 1)]
+    assert run.remaining() == [] and run.outs == []
+    assert (counts.retried_in_place, counts.retried, counts.waited_due) == (1, 0, 0)
+
+
+def test_a_handed_over_retry_whose_wait_is_stopped_again_goes_to_the_rq_due_when_it_was():
+    """Phase 2 ran out of work before the head was due: the retry goes to the RQ, due when it
+    was, with its one attempt; m3 follows it. Not parked as an early RQ record would be: no RQ
+    record of it exists yet."""
+    clock, counts = Clock(), RunCounts()
+    queue = [entry_of(state_row(Kind.FWD, "g", e)) for e in handed_over(clock)]
+    run = run_of(queue, clock, policy=IN_PLACE, counts=counts)
+    assert run.next_request() == Wait(1.0, while_busy=True)
+    run.stop_waiting()
+    [out] = run.outs
+    assert (out.target, out.entry.msg_id, out.entry.attempts) == ("rq", "m2", 1)
+    assert out.entry.due_ms == T0 + 1_000 and out.entry.value == b"body-2"
+    assert [(e.msg_id, e.location) for e in run.remaining()] == [("m2", "rq"), ("m3", "held")]
+    assert counts.retried == 1
 
 
 def test_a_fatal_answer_after_a_retry_in_place_dead_letters_with_both_attempts():
