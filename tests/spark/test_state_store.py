@@ -5,9 +5,12 @@ counters and a map of the endpoint's answers) come through a Spark job unchanged
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from varadhi import messages as m
+from varadhi import state_store
 from varadhi.batch_commit import changes
 from varadhi.group_state import Entry, RunCounts
 from varadhi.state_rows import (
@@ -201,6 +204,28 @@ def test_a_state_table_writes_no_checkpoint_in_its_first_commits(spark, tmp_path
     reread = StateStore(spark, path, "b")
     assert (reread.version, reread.meta()) == (11, ("app", 11))
     assert [r.msg_id for r in reread.pending()["g"]] == ["m11"]
+
+
+def test_a_state_table_is_vacuumed_as_its_versions_pass_a_multiple(spark, tmp_path, monkeypatch):
+    """Every commit leaves the previous copy's files behind: the store vacuums the table when
+    its version passes a multiple of `VACUUM_EVERY`, so the files left are about the latest
+    copy's, and the table still loads whole (the vacuum's own commits are stepped over). Here
+    removed files are deletable at once; a shard's tables keep them an hour."""
+    monkeypatch.setattr(state_store, "VACUUM_EVERY", 4)
+    path = str(tmp_path / "state")
+    store = StateStore(spark, path, "a")
+    assert pending_commit(store, "m0", 0)
+    spark.sql(
+        f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
+        "('delta.deletedFileRetentionDuration' = 'interval 0 seconds')"
+    )
+    for batch in range(1, 10):
+        assert pending_commit(store, f"m{batch}", batch)
+    latest = {Path(f).name for f in spark.read.format("delta").load(path).inputFiles()}
+    left = {f.name for f in (tmp_path / "state").glob("*.parquet")}
+    assert latest <= left and len(left) <= 3 * len(latest)  # without a vacuum: 10 copies
+    reread = StateStore(spark, path, "b")
+    assert (reread.meta(), [r.msg_id for r in reread.pending()["g"]]) == (("app", 9), ["m9"])
 
 
 def test_commit_stamp_reads_the_commit_info_line():
