@@ -16,12 +16,17 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 
 import pytest
 
+from varadhi import messages as m
 from varadhi import offsets, topics, warehouse_fs
+from varadhi.batch_commit import changes
 from varadhi.cli import main as cli_main
+from varadhi.group_state import Entry
 from varadhi.shard import ShardJob
+from varadhi.state_rows import RESULT_COLUMNS, Kind, frame_of, state_row, touched_row
 from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce
@@ -157,3 +162,32 @@ def _spec(name: str, topic: str, url: str) -> dict:
         "consumption": {"trigger_interval": "100ms"},
         "circuit_breaker": {"enabled": False},
     }
+
+
+def test_a_state_table_on_the_store_is_vacuumed(s3_spark, s3_settings, monkeypatch):
+    """`StateStore`'s vacuum (`VACUUM ... LITE`) deletes the removed copies' files on the store
+    too (here removed files are deletable at once; a shard's tables keep them an hour)."""
+    from varadhi import state_store
+
+    monkeypatch.setattr(state_store, "VACUUM_EVERY", 4)
+    path = f"{s3_settings.warehouse}/vacuum-{uuid.uuid4().hex[:6]}/state"
+    store = state_store.StateStore(s3_spark, path, "a")
+    entry = Entry(m.Origin(0, 0, 0), "m0", "g", "rq", attempts=1, due_ms=5)
+
+    def commit(batch: int) -> None:
+        rows = [touched_row("g"), state_row(Kind.PENDING, "g", replace(entry, msg_id=f"m{batch}"))]
+        touched, new_rows = changes(frame_of(rows, RESULT_COLUMNS), "app", batch)
+        assert store.commit(touched, new_rows, "app", batch)
+
+    commit(0)
+    s3_spark.sql(
+        f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES "
+        "('delta.deletedFileRetentionDuration' = 'interval 0 seconds')"
+    )
+    for batch in range(1, 10):
+        commit(batch)
+    latest = {f.rsplit("/", 1)[-1] for f in s3_spark.read.format("delta").load(path).inputFiles()}
+    left = {f.rsplit("/", 1)[-1] for f in warehouse_fs.HadoopFS(s3_spark).list(path) if f.endswith(".parquet")}
+    assert latest <= left and len(left) <= 3 * len(latest)  # without a vacuum: 10 copies
+    again = state_store.StateStore(s3_spark, path, "b")
+    assert [r.msg_id for r in again.pending()["g"]] == ["m9"]
