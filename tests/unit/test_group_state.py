@@ -90,8 +90,17 @@ def run_of(
     on_dead_letter: str = "block",
     policy: RetryPolicy = POLICY,
     counts: RunCounts | None = None,
+    hand_over: bool = False,
 ) -> GroupRun:
-    return GroupRun(entries, policy, on_dead_letter, clock, random.Random(0), counts or RunCounts())
+    return GroupRun(
+        entries,
+        policy,
+        on_dead_letter,
+        clock,
+        random.Random(0),
+        counts or RunCounts(),
+        hand_over=hand_over,
+    )
 
 
 def drive(
@@ -268,15 +277,8 @@ def test_a_retry_due_beyond_the_window_goes_to_the_rq_with_every_attempt_counted
 def test_a_retry_in_place_goes_to_the_rq_when_the_engine_stops_its_wait():
     """The task ran out of other deliveries while m2 waited: it goes to the RQ after all, due
     when it would have been sent, and m3 follows it."""
-    clock = Clock()
     counts = RunCounts()
-    run = run_of([new(1), new(2), new(3)], clock, policy=IN_PLACE, counts=counts)
-    assert run.next_request().headers[m.HTTP_MESSAGE_ID] == "m1"
-    run.on_outcome(ok())
-    assert run.next_request().headers[m.HTTP_MESSAGE_ID] == "m2"
-    run.on_outcome(http(500))
-    assert run.next_request() == Wait(1.0, while_busy=True)
-    run.stop_waiting()
+    run = stopped_in_place(Clock(), counts)
     [out] = run.outs
     assert (out.target, out.entry.msg_id, out.entry.attempts) == ("rq", "m2", 1)
     assert out.entry.due_ms == T0 + 1_000 and out.entry.value == b"body-2"
@@ -284,18 +286,25 @@ def test_a_retry_in_place_goes_to_the_rq_when_the_engine_stops_its_wait():
     assert (counts.retried_in_place, counts.retried) == (0, 1)
 
 
-def handed_over(clock: Clock) -> list[Entry]:
-    """Phase 1's hand-over of a group (`GroupRun.hand_over`): m1 delivered, m2 failed (500) and
-    waits for its retry in place when the engine stops the wait; the queue as it is."""
-    counts = RunCounts()
-    run = GroupRun([new(1), new(2), new(3)], IN_PLACE, "block", clock, random.Random(0), counts,
-                   hand_over=True)  # fmt: skip
+def stopped_in_place(clock: Clock, counts: RunCounts, hand_over: bool = False) -> GroupRun:
+    """A run of m1-m3 where m1 is delivered, m2 fails (500) and waits for its retry in place,
+    and the engine then stops that wait (the task ran out of other deliveries)."""
+    run = run_of([new(1), new(2), new(3)], clock, policy=IN_PLACE, counts=counts,
+                 hand_over=hand_over)  # fmt: skip
     assert run.next_request().headers[m.HTTP_MESSAGE_ID] == "m1"
     run.on_outcome(ok())
     assert run.next_request().headers[m.HTTP_MESSAGE_ID] == "m2"
     run.on_outcome(http(500))
     assert run.next_request() == Wait(1.0, while_busy=True)
     run.stop_waiting()
+    return run
+
+
+def handed_over(clock: Clock) -> list[Entry]:
+    """Phase 1's hand-over of a group (`GroupRun.hand_over`): m2's stopped wait leaves the
+    queue as it is."""
+    counts = RunCounts()
+    run = stopped_in_place(clock, counts, hand_over=True)
     assert run.handed_over and run.next_request() is None
     assert run.outs == [] and (counts.retried, counts.retried_in_place) == (0, 0)
     return run.entries
