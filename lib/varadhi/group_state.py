@@ -351,8 +351,9 @@ class GroupRun:
     def stop_waiting(self) -> None:
         """The head's wait in place would outlast the task's other deliveries by more than the
         engine lingers: send its retry through the RQ instead, due when it was going to be
-        sent (with `hand_over`: stop as it is, for the second job to go on). A head read back from the RQ before its due time is parked instead, as one due
-        later than the window is (hazard 2: an RQ record is never written again)."""
+        sent (with `hand_over`: stop as it is, for the second job to go on). A head read back
+        from the RQ before its due time is parked instead, as one due later than the window is
+        (hazard 2: an RQ record is never written again)."""
         if self._early:
             self._early = False
             self._stopped = True
