@@ -330,8 +330,9 @@ def _text(v: int | None) -> str | None:
 class TaskStats:
     """One delivery task's counters (a `stat` row): what it read (`records`, of which `routed`
     from the main topic), how many groups ran, the group runs' `RunCounts`, its wall time and
-    what its endpoint answered (`http`: `batch.http_counts`). `forwarded`: records phase 1
-    forwarded to phase 2 (`batch.ForwardRule`)."""
+    what its endpoint answered (`http`: `batch.http_counts`). `forwarded`: rows phase 1
+    forwarded to phase 2 (`batch.ForwardRule`): records, and the entries of groups it handed
+    over while they waited for a retry in place (`ForwardRule.hand_over`)."""
 
     records: int = 0
     routed: int = 0
