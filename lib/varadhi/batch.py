@@ -244,9 +244,7 @@ def deliver_records(
                 forwarded += 1
             else:
                 candidates[key].append(e)
-    read = len(rows)
-    groups, http = _deliver(candidates, local, ctx, counts, rows, forward.hand_over)
-    handed = sum(1 for r in rows[read:] if isinstance(r, StateRow) and r.kind == Kind.FWD)
+    groups, handed, http = _deliver(candidates, local, ctx, counts, rows, forward.hand_over)
     stats = TaskStats.of(
         counts,
         time.monotonic() - started,
@@ -272,7 +270,7 @@ def process_partition(
     for frame in frames:
         for row in state_rows(frame):
             candidates[row.group_key].append(entry_of(row))
-    groups, http = _deliver(candidates, pending, ctx, counts, rows)
+    groups, _, http = _deliver(candidates, pending, ctx, counts, rows)
     rows.append(stat_row(TaskStats.of(counts, time.monotonic() - started, http, groups=groups)))
     yield frame_of(rows, RESULT_COLUMNS)
 
@@ -440,10 +438,10 @@ def _deliver(
     counts: RunCounts,
     rows: list[StateRow | dict],
     hand_over: bool = False,
-) -> tuple[int, dict[str, int]]:
+) -> tuple[int, int, dict[str, int]]:
     """Merge each group's candidates with its pending state, deliver all groups concurrently
-    (in order within each), and append the result rows to `rows`. Returns how many groups ran
-    and what the endpoint answered (`http_counts`).
+    (in order within each), and append the result rows to `rows`. Returns how many groups ran,
+    how many entries it handed over (below) and what the endpoint answered (`http_counts`).
 
     `hand_over` (phase 1 of a batch whose second job runs anyway, `ForwardRule.hand_over`): the
     task does not linger for its last retries in place; a group still waiting for one once the
@@ -490,11 +488,13 @@ def _deliver(
         if journal is not None:  # the last accepted messages, waiting for the broker
             journal.close()
 
+    handed = 0
     for key, run in runs:
         if key in pending:
             rows.append(touched_row(key))
         if run.handed_over:  # its queue as it is, bodies included (`hand_over`)
             rows.extend(state_row(Kind.FWD, key, e) for e in run.entries)
+            handed += len(run.entries)
         else:
             for e in run.remaining():
                 if e.location == "held" and e.value is None and e.invalid is None:
@@ -505,7 +505,7 @@ def _deliver(
         if ctx.dedup:
             now = _now_ms()
             rows.extend(done_row(dedup_id(e), now) for e in run.delivered)
-    return len(runs), http_counts(answered)
+    return len(runs), handed, http_counts(answered)
 
 
 def http_counts(stats: DeliveryStats | None) -> dict[str, int]:
