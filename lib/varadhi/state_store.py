@@ -40,6 +40,13 @@ two-file table), and deletes those removed more than an hour ago
 (`delta.deletedFileRetentionDuration`: no reader of the table holds a version that old; a shard
 loads the latest). Best effort: a failed vacuum is a warning, and the next one tries again. A
 vacuum adds two commits without a writer stamp, which `commit`'s log check steps over.
+
+The log itself (`_delta_log`: a commit file and its checksum per version, a checkpoint every
+100) is kept two days (`delta.logRetentionDuration`, Delta's default 30): Delta deletes the
+files before a checkpoint older than that (counted in whole days) when it writes a later
+checkpoint. At a commit every three seconds, 30 days would be about 860,000 commit files per
+shard; nothing reads an old version (a shard loads the latest, and its log check reads the
+versions after its copy's).
 """
 
 from __future__ import annotations
@@ -69,11 +76,13 @@ from .warehouse_fs import HadoopFS
 log = logging.getLogger("varadhi.state_store")
 
 # A state table's Delta properties: no per-column statistics (the table is always read whole),
-# a checkpoint every 100 commits, removed files deletable after an hour (module docstring).
+# a checkpoint every 100 commits, removed files deletable after an hour, log files kept two
+# days (module docstring).
 TABLE_PROPERTIES = {
     "delta.dataSkippingNumIndexedCols": "0",
     "delta.checkpointInterval": "100",
     "delta.deletedFileRetentionDuration": "interval 1 hours",
+    "delta.logRetentionDuration": "interval 2 days",
 }
 # The store vacuums the table when its version passes a multiple of this.
 VACUUM_EVERY = 100

@@ -5,6 +5,8 @@ counters and a map of the endpoint's answers) come through a Spark job unchanged
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -226,6 +228,31 @@ def test_a_state_table_is_vacuumed_as_its_versions_pass_a_multiple(spark, tmp_pa
     assert latest <= left and len(left) <= 3 * len(latest)  # without a vacuum: 10 copies
     reread = StateStore(spark, path, "b")
     assert (reread.meta(), [r.msg_id for r in reread.pending()["g"]]) == (("app", 9), ["m9"])
+
+
+def test_a_state_tables_log_keeps_two_days_not_thirty(spark, tmp_path):
+    """Delta deletes log files older than the table's log retention (counted in whole days)
+    that come before a checkpoint, when it writes a later one. A state table keeps two days:
+    commit files three days old are gone after the next checkpoints (with Delta's default 30
+    days they stay), and the table still loads whole and current. Checkpoints every 3 commits
+    here; a shard's tables take one every 100."""
+    path = str(tmp_path / "state")
+    store = StateStore(spark, path, "a")
+    assert pending_commit(store, "m0", 0)
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ('delta.checkpointInterval' = '3')")
+    for batch in range(1, 5):
+        assert pending_commit(store, f"m{batch}", batch)
+    log = tmp_path / "state" / "_delta_log"
+    assert list(log.glob("*.checkpoint.parquet"))
+    three_days_ago = time.time() - 3 * 86_400
+    for f in log.iterdir():
+        if f.is_file():
+            os.utime(f, (three_days_ago, three_days_ago))
+    for batch in range(5, 12):
+        assert pending_commit(store, f"m{batch}", batch)
+    assert not (log / f"{0:020d}.json").exists()
+    reread = StateStore(spark, path, "b")
+    assert (reread.meta(), [r.msg_id for r in reread.pending()["g"]]) == (("app", 11), ["m11"])
 
 
 def test_commit_stamp_reads_the_commit_info_line():
