@@ -72,6 +72,7 @@ from .state_rows import (
     state_rows,
     touched_row,
 )
+from .zip_imports import keep_unchanged_zip_directories
 
 # A record a shard writes to its own RQ to wake itself up when a parked retry falls due while
 # no other input arrives (Spark runs a micro-batch only when there is new data).
@@ -217,6 +218,7 @@ def deliver_records(
     0; `first_task` overrides, for tests) delivers with their state, every other task
     forwarding their records. A main-topic record of a group this task merges is a replay when
     its origin is pending (dropped here, as `merge` would) and is forwarded otherwise."""
+    keep_unchanged_zip_directories()  # before the clock: a worker's first task reads them once
     started = time.monotonic()
     counts = RunCounts()
     records = routed = forwarded = 0
@@ -263,6 +265,7 @@ def process_partition(
 ) -> Iterator[pd.DataFrame]:
     """Phase 2 over forwarded (`fwd`) and parked (`held`) rows brought together by group key.
     `pending` maps group key -> that group's pending state rows (no bodies)."""
+    keep_unchanged_zip_directories()
     started = time.monotonic()
     counts = RunCounts()
     rows: list[StateRow | dict] = []

@@ -89,6 +89,7 @@ from .policies import RetryPolicy, SubscriptionSpec
 from .retry import decide
 from .state_rows import Kind, frame_of, nullable_ints
 from .topics import CompositeTopic
+from .zip_imports import keep_unchanged_zip_directories
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
@@ -428,6 +429,7 @@ def deliver_partition(
     `run` of one `HttpDeliverer` (`engine_factory(endpoint, max_in_flight)`), which returns once
     every group has delivered its messages or failed, and yields `RESULT_SCHEMA` rows:
     a `failure` row per failed group and one `stat` row with the task's counts."""
+    keep_unchanged_zip_directories()
     clock = clock or _now_ms
     batch_ctx = BatchContext(ctx.spec, ctx.mq_indexes, clock(), ctx.seed)
     by_group: dict[str, list[Entry]] = defaultdict(list)
