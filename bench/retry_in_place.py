@@ -13,7 +13,8 @@ for each run with the same seed, so all see the same failures.
 
 Per run it prints what the task left for later batches: retries written to the RQ, messages
 parked behind them (bodies the state table must hold and a later batch must deliver), and what
-it did now: messages delivered, retries made in place, and the task's wall time.
+it did now: messages delivered, retries made in place, the task's wall time, and its CPU per
+message (this process's time, the engine's libcurl included; the endpoint's is not).
 
     .venv/bin/python bench/retry_in_place.py [--latency-ms 0 20] [--groups 2000] [--per-group 10]
 
@@ -82,10 +83,11 @@ def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int, linger_ms: i
             ),
         )
         ctx = BatchContext(spec, {TOPIC: 0}, int(time.time() * 1000), seed=1)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         [batch] = deliver_records(iter([pa.RecordBatch.from_pandas(frame)]), ctx, ForwardRule())
         out = batch.to_pandas()
         seconds = time.perf_counter() - started
+        cpu_s = time.process_time() - cpu_started  # this process's threads: libcurl's too
     [stat] = stat_rows(out)
     pending = out[out["kind"] == "pending"]
     return {
@@ -94,6 +96,7 @@ def run(args, frame: pd.DataFrame, latency_ms: int, window_ms: int, linger_ms: i
         "in_place_linger_ms": linger_ms,
         "messages": len(frame),
         "seconds": round(seconds, 2),
+        "cpu_us_per_message": round(cpu_s * 1e6 / len(frame), 1),
         "delivered": stat["delivered"],
         "retried_in_place": stat["retried_in_place"],
         "retried_through_rq": stat["retried"],
@@ -123,14 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print(
         f"{'latency':>8} {'window':>7} {'linger':>7} {'seconds':>8} {'delivered':>10} "
-        f"{'in place':>9} {'to RQ':>6} {'blocked':>8} {'parked':>7}"
+        f"{'in place':>9} {'to RQ':>6} {'blocked':>8} {'parked':>7} {'CPU us/msg':>10}"
     )
     for r in rows:
         print(
             f"{r['latency_ms']:>6}ms {r['in_place_window_ms'] / 1000:>6g}s "
             f"{r['in_place_linger_ms'] / 1000:>6g}s {r['seconds']:>8} "
             f"{r['delivered']:>10,} {r['retried_in_place']:>9,} {r['retried_through_rq']:>6,} "
-            f"{r['groups_blocked']:>8,} {r['parked']:>7,}"
+            f"{r['groups_blocked']:>8,} {r['parked']:>7,} {r['cpu_us_per_message']:>10}"
         )
     doc = {
         **results_head("retry_in_place", argv, machine(load_at_start)),

@@ -399,7 +399,9 @@ class HttpDeliverer:
                     timeout_ms = multi.timeout()
                     if timeout_ms != 0:
                         timeout_s = min(timeout_ms, 1000) / 1000 if timeout_ms > 0 else 1.0
-                        if waiting:
+                        # A waiting stream's time matters only if a request could go out then:
+                        # with every slot taken (or held), a due one would make this a spin.
+                        if waiting and not held and in_flight < self.max_in_flight:
                             timeout_s = min(timeout_s, waiting.seconds_to_next())
                         multi.select(timeout_s)
         finally:

@@ -164,6 +164,36 @@ def test_a_due_stream_takes_the_next_slot_even_from_a_long_stream(endpoint):
     assert order.index("w-1") < order.index("long-1")
 
 
+class CountedMulti:
+    """The engine's pycurl multi handle, counting the waits for I/O that return at once."""
+
+    def __init__(self, multi):
+        self._multi, self.instant_selects = multi, 0
+
+    def select(self, timeout: float):
+        self.instant_selects += timeout == 0
+        return self._multi.select(timeout)
+
+    def __getattr__(self, name: str):
+        return getattr(self._multi, name)
+
+
+def test_a_due_stream_with_every_slot_taken_waits_for_io_instead_of_spinning(endpoint):
+    """One slot, a 300 ms request in it: `w`, due 10 ms after its first request, waits for that
+    request's answer. The engine waits for I/O meanwhile; it used to poll without waiting
+    (`select(0)`) for as long as the slot stayed taken, hundreds of times here, burning CPU
+    with 10% of requests failing (every retry in place is such a wait)."""
+    ep = endpoint(latency_ms=300)
+    waiter = Pausing("w", 2, before=2, seconds=0.01)
+    with HttpDeliverer(Endpoint(url=ep.url), max_in_flight=1) as engine:
+        multi = engine._multi = CountedMulti(engine._multi)
+        stats = engine.run([waiter, Group("g", 1)])
+    assert stats.requests == 3 and waiter.finished
+    order = [r.message_id for r in ep.records()]
+    assert order == ["w-1", "g-1", "w-2"]
+    assert multi.instant_selects <= 3
+
+
 def test_a_wait_while_busy_is_kept_while_other_streams_run_and_stopped_when_none_do(endpoint):
     """`early` waits 0.1 s while a 100-request stream keeps the engine busy: it goes on. `late`
     waits 30 s: once the long stream is done, the engine stops its wait instead of sleeping."""
