@@ -2,8 +2,8 @@
 
 PySpark's worker calls `importlib.invalidate_caches()` at the start of every task (its
 `setup_spark_files`). On Python 3.10 and 3.11, a `zipimport.zipimporter` answers that by reading
-its archive's whole directory again, at once (CPython gh-103200; 3.12 reads it again only when
-next used, and only if asked). A worker that imported pyspark from `pyspark.zip` (under
+its archive's whole directory again, at once (CPython gh-103200; 3.12 only marks it stale and
+reads it when next needed). A worker that imported pyspark from `pyspark.zip` (under
 `SPARK_HOME/python/lib`, which Spark puts first on every Python worker's path: ours, EMR's)
 holds one importer per package it imported from the archive, each re-reading the same 1,300
 entries: 14 importers and 56 ms of CPU per task start on the test machine, measured with

@@ -181,8 +181,8 @@ class CountedMulti:
 def test_a_due_stream_with_every_slot_taken_waits_for_io_instead_of_spinning(endpoint):
     """One slot, a 300 ms request in it: `w`, due 10 ms after its first request, waits for that
     request's answer. The engine waits for I/O meanwhile; it used to poll without waiting
-    (`select(0)`) for as long as the slot stayed taken, hundreds of times here, burning CPU
-    with 10% of requests failing (every retry in place is such a wait)."""
+    (`select(0)`) for as long as the slot stayed taken, about 100,000 times here, burning CPU
+    whenever a retry in place fell due with every slot taken."""
     ep = endpoint(latency_ms=300)
     waiter = Pausing("w", 2, before=2, seconds=0.01)
     with HttpDeliverer(Endpoint(url=ep.url), max_in_flight=1) as engine:
