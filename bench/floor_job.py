@@ -56,11 +56,15 @@ IDLE_S = 0.6  # idle time each side of a measured pass (the CPU sampler's period
 def source_options(
     bootstrap: str, topic: str, partitions: int, start: int, limit: int
 ) -> dict[str, str]:
-    """A shard's Kafka source options (`varadhi.shard_query.Source.options`) for every partition
-    of `topic` from offset `start` (-2 earliest, -1 latest), at most `limit` records a batch."""
+    """A shard's Kafka source options (`varadhi.shard_query.Source.options` of
+    `kafka_clients.spark_source_options`) for every partition of `topic` from offset `start`
+    (-2 earliest, -1 latest), at most `limit` records a batch."""
+    from varadhi.kafka_clients import SOURCE_FETCH_MAX_WAIT_MS
+
     parts = list(range(partitions))
     return {
         "kafka.bootstrap.servers": bootstrap,
+        "kafka.fetch.max.wait.ms": str(SOURCE_FETCH_MAX_WAIT_MS),
         "assign": json.dumps({topic: parts}),
         "startingOffsets": json.dumps({topic: {str(p): start for p in parts}}),
         "includeHeaders": "true",

@@ -2,7 +2,8 @@
 `KafkaConfig` of `lib/varadhi/kafka_config.py`).
 
 `consumer`, `producer` and `admin` return kafka-python clients with the configured security
-(TLS, SASL); `spark_options` gives the Spark Kafka source/sink's `kafka.*` options. A client that
+(TLS, SASL); `spark_options` gives the Spark Kafka sink's `kafka.*` options and
+`spark_source_options` the source's. A client that
 cannot be created (nothing listens, TLS refused, wrong credentials) raises `KafkaUnavailable`
 with one line saying which, within the client's timeout, secrets never included.
 """
@@ -67,6 +68,27 @@ def connection_kwargs(settings: HasKafka) -> dict[str, Any]:
 def spark_options(settings: HasKafka) -> dict[str, str]:
     """The Spark Kafka source/sink options: kafka.bootstrap.servers and the security ones."""
     return {"kafka.bootstrap.servers": settings.bootstrap, **config_of(settings).spark_options()}
+
+
+#: The Spark Kafka source's `fetch.max.wait.ms` (a consumer property; a configuration cannot
+#: set it, it is not one of `kafka_config.KNOWN`).
+#: - After every poll, Spark's consumer asks the broker for the partition's offset range
+#:   (`InternalKafkaConsumer.getAvailableOffsetRange`). By then the consumer has already sent its
+#:   next fetch, which the broker holds until new records arrive or this time passes, and a broker
+#:   answers one connection's requests in order.
+#: - With Kafka's default (500 ms), a task waited up to 500 ms for each partition it read when no
+#:   new record came in meanwhile: every batch of a quiet subscription, and the last batch before
+#:   traffic stops (2.2 s for 4 partitions in one task, in `bench/delivery.py --only latency`).
+#: - Spark polls only for offsets it planned (the latest under read_committed), so a shorter wait
+#:   adds no polling loop: at most one empty fetch answered sooner, per poll.
+SOURCE_FETCH_MAX_WAIT_MS = 10
+
+
+def spark_source_options(settings: HasKafka) -> dict[str, str]:
+    """The Spark Kafka source's options: `spark_options` and `kafka.fetch.max.wait.ms`
+    (`SOURCE_FETCH_MAX_WAIT_MS`). Not for the sink: its producer would warn about a consumer
+    property."""
+    return {**spark_options(settings), "kafka.fetch.max.wait.ms": str(SOURCE_FETCH_MAX_WAIT_MS)}
 
 
 class _Failures(logging.Handler):

@@ -664,7 +664,7 @@ def execute(spark: SparkSession, catalog: Catalog, plan: ReplayPlan) -> ReplayRe
         mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
         seed=zlib.crc32(plan.replay_id.encode()),
     )
-    reader = spark.read.format("kafka").options(**kafka_clients.spark_options(catalog.settings))
+    reader = spark.read.format("kafka").options(**kafka_clients.spark_source_options(catalog.settings))
     for option, value in plan.kafka_options().items():
         reader = reader.option(option, value)
     result = ReplayResult(plan, started, started)

@@ -1206,9 +1206,10 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
         return keys.map(lambda k: internal_target(k, route_by, to, target.partitions))
 
     kafka = kafka_clients.spark_options(catalog.settings)
+    reading = kafka_clients.spark_source_options(catalog.settings)
     records = (
         spark.read.format("kafka")
-        .options(**kafka)
+        .options(**reading)
         .option("assign", json.dumps({source: list(range(src_parts))}))
         .option("startingOffsets", json.dumps(starting))
         .option("endingOffsets", "latest")
@@ -1227,7 +1228,7 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
     )
     there = (
         spark.read.format("kafka")
-        .options(**kafka)
+        .options(**reading)
         .option("subscribe", target.name)
         .option("startingOffsets", "earliest")
         .option("endingOffsets", "latest")

@@ -464,7 +464,7 @@ class ShardJob:
     def _start_query(self, sub, layout: Layout, plan: _QueryPlan, ctx: dict[str, Any]):
         """Start the Structured Streaming query of `plan`, each micro-batch to `_on_batch` with
         `ctx`; returns it running."""
-        options = plan.source.options(kafka_clients.spark_options(self.settings), plan.limit)
+        options = plan.source.options(kafka_clients.spark_source_options(self.settings), plan.limit)
         query = (
             self.spark.readStream.format("kafka")
             .options(**options)

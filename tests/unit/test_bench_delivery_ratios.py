@@ -121,3 +121,15 @@ def test_a_run_with_a_linger_other_than_the_default_is_shown_not_judged(delivery
     t = delivery.targets(rows)["10% failures >= 0.8x"]
     assert t["verdict"] == "NOT met"  # 0.70 with the default policy; no linger's 0.90 aside
     assert "not judged (policy not the default): 1 shard grouped linger 0 s 0.90" in t["detail"]
+
+
+def test_the_latency_targets_name_the_rate_the_run_offered(delivery):
+    row = {
+        "run": "latency: 1 shard",
+        "offered_msg_s": 20,
+        "latency": {"p50_ms": 345, "p99_ms": 596},
+    }
+    t = delivery.targets([row])
+    assert t["p99 < 1,000 ms at 20 msg/s"]["verdict"] == "met"
+    assert t["p99 < 500 ms at 20 msg/s"]["verdict"] == "NOT met"
+    assert not any("1,000 msg/s" in key for key in t)

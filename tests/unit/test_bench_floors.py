@@ -8,9 +8,11 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from varadhi import kafka_clients
 from varadhi.shard_query import Source
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -43,7 +45,7 @@ def floor_job():
 
 
 def test_source_options_are_a_shards(floor_job):
-    kafka = {"kafka.bootstrap.servers": "127.0.0.1:9"}
+    kafka = kafka_clients.spark_source_options(SimpleNamespace(bootstrap="127.0.0.1:9", kafka=None))
     shard = Source({"t.0": [0, 1, 2]}, {"t.0": {"0": -2, "1": -2, "2": -2}}, 3)
     assert floor_job.source_options("127.0.0.1:9", "t.0", 3, -2, 50_000) == shard.options(
         kafka, 50_000

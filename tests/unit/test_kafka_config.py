@@ -260,3 +260,22 @@ def test_cli_refuses_bad_config_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 1
     assert "did you mean sasl.mechanism?" in err
 
+
+def test_the_spark_source_answers_an_empty_fetch_soon_and_the_sink_gets_no_consumer_property(
+    tmp_path, ca
+):
+    # Spark's consumer asks for the offset range behind its own pipelined fetch, which the
+    # broker holds up to fetch.max.wait.ms: Kafka's 500 ms default cost a task up to 500 ms per
+    # partition whenever no new record came in (the last batch before traffic stops).
+    from types import SimpleNamespace
+
+    from varadhi import kafka_clients
+
+    cfg = kc.load(scram(tmp_path, ca), environ={"KAFKA_PASSWORD": "s3cret-pw"})
+    settings = SimpleNamespace(bootstrap="broker:9093", kafka=cfg)
+    source = kafka_clients.spark_source_options(settings)
+    sink = kafka_clients.spark_options(settings)
+    assert int(source["kafka.fetch.max.wait.ms"]) <= 50
+    assert {k: v for k, v in source.items() if k != "kafka.fetch.max.wait.ms"} == sink
+    assert sink["kafka.sasl.mechanism"] == "SCRAM-SHA-512"
+    assert not any("fetch" in key for key in sink)

@@ -25,7 +25,7 @@ def main(argv: list[str]) -> int:
     spark = get_spark("varadhi-smoke-count")
     counts = (
         spark.read.format("kafka")
-        .options(**kafka_clients.spark_options(settings))
+        .options(**kafka_clients.spark_source_options(settings))
         .option("subscribe", args.topic)
         .load()
         .groupBy("partition")
