@@ -102,11 +102,12 @@ def batch_records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
     string column is valid UTF-8 whatever the producer wrote, so Arrow never fails to convert a
     batch.
 
-    A shard calls this for every micro-batch, so its cost is per batch, whatever the batch's
-    size: the columns are built once per process (`_record_columns`; building them cost some
-    2,000 Py4J round trips each time), and the two headers the ids read are looked up once, in
-    a first projection, instead of in every branch of every id expression, so the plan Spark
-    analyses for each batch stays small (docs/benchmarks.md, "Latency")."""
+    A shard's query applies this to its stream, once per query (Spark then analyses these
+    expressions once, not in every micro-batch); replay applies it to its read. The columns are
+    built once per process (`_record_columns`; building them cost some 2,000 Py4J round trips
+    each time), and the two headers the ids read are looked up once, in a first projection,
+    instead of in every branch of every id expression, so the plan stays small
+    (docs/benchmarks.md, "Latency")."""
     mq_names = tuple(st.name for st in mq.storage_topics)
     dedup = bool(sub.spec.dedup_window_ms)
     looked_up, records = _record_columns(
