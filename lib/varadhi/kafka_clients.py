@@ -3,9 +3,9 @@
 
 `consumer`, `producer` and `admin` return kafka-python clients with the configured security
 (TLS, SASL); `spark_options` gives the Spark Kafka sink's `kafka.*` options and
-`spark_source_options` the source's. A client that
-cannot be created (nothing listens, TLS refused, wrong credentials) raises `KafkaUnavailable`
-with one line saying which, within the client's timeout, secrets never included.
+`spark_source_options` the source's. A client that cannot be created (nothing listens, TLS
+refused, wrong credentials) raises `KafkaUnavailable` with one line saying which, within the
+client's timeout, secrets never included.
 """
 
 from __future__ import annotations
