@@ -112,10 +112,15 @@ def utf8_text_column(data: Column) -> Column:
 
 def header_of(headers: Column, name: str) -> Column:
     """The first value of Kafka header `name` (binary; null when absent) in a column of the
-    Kafka source's `headers` type. Any name is safe: it is a literal, not SQL text."""
+    Kafka source's `headers` type. Any name is safe: it is a literal, not SQL text.
+
+    Built from expressions Spark generates code for (the position of the first name in the
+    names, then the value there): a lambda over the headers would be interpreted, which splits
+    the projection out of its generated stage and makes every task generate a projection."""
     from pyspark.sql import functions as F
 
-    return F.get(F.filter(headers, lambda h: h["key"] == F.lit(name)), 0)["value"]
+    first = F.array_position(headers["key"], F.lit(name))  # 1-based; 0 when absent
+    return F.get(headers["value"], (first - 1).cast("int"))
 
 
 def header_column(name: str) -> Column:

@@ -5,6 +5,7 @@ the dedup id, and the same columns serve every batch."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -85,3 +86,19 @@ def test_every_batch_reuses_the_columns(kafka_records):
     after = _record_columns.cache_info()
     assert after.hits - before.hits >= 2
     assert after.currsize - before.currsize <= 1
+
+
+@pytest.mark.parametrize("dedup", [0, 60_000])
+def test_every_expression_is_compiled_into_one_stage(kafka_records, dedup):
+    """Each micro-batch's projection runs as generated code, planned once on the driver. An
+    expression without code generation (the header look-up was a lambda over the headers) made
+    Spark plan that projection apart and generate a projection in every task of every batch
+    instead: about 7 ms of each task's start (docs/benchmarks.md, "Latency")."""
+    frame, _ = kafka_records
+    sub = SimpleNamespace(spec=SimpleNamespace(grouped=True, dedup_window_ms=dedup))
+    mq = SimpleNamespace(storage_topics=[SimpleNamespace(name=MQ)])
+    plan = batch_records(frame, sub, mq)._jdf.queryExecution().executedPlan().toString()
+    projects = [line for line in plan.splitlines() if "Project [" in line]
+    assert len(projects) == 2, plan
+    for line in projects:  # "*(n)": the operator is part of whole-stage code generation n
+        assert re.match(r"[\s+\-:|]*\*\(\d+\) Project \[", line), line
