@@ -3,11 +3,13 @@
     .venv/bin/python bench/batch_plan.py [--batches 40] [--warm 10]
     PYTHONPATH=/tmp/old/lib .venv/bin/python bench/batch_plan.py      # another checkout's code
 
-For every batch a shard builds its records' columns (`shard_query.batch_records`), keeps the
-delivery columns, coalesces them and maps them with `mapInArrow` (`ShardJob._deliver`); Spark
-then analyses, optimises and plans that. This runs those steps up to the executed plan on a
-one-record DataFrame of the Kafka source's schema in a local session (no broker, no job), and
-reports per batch: Py4J round trips, CPU milliseconds of this process plus the JVM's (all its
+A shard's query carries its records' columns (`shard_query.batch_records`, built once per
+query), and Spark hands each micro-batch to the shard as a plan over the batch's computed rows
+(a `LogicalRDD`). For every batch the shard keeps the delivery columns and spreads them over
+its tasks (`shard_query.delivery_records`) and maps them with `mapInArrow`
+(`ShardJob._deliver`); Spark then analyses, optimises and plans that. This runs those steps up
+to the executed plan over such a plan (`batch_records` of a one-record DataFrame of the Kafka
+source's schema, checkpointed) in a local session (no broker, no job), and reports per batch: Py4J round trips, CPU milliseconds of this process plus the JVM's (all its
 threads, from /proc: it moves less with other load than the wall clock does) and wall-clock
 milliseconds, medians after `--warm` batches. It follows whichever code it imports, so
 PYTHONPATH set to a worktree's `lib` measures that code.
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     from py4j import clientserver
 
     import varadhi
-    from varadhi.shard_query import DELIVERY_COLUMNS, batch_records
+    from varadhi import shard_query
+    from varadhi.shard_query import batch_records
     from varadhi.spark import get_spark
     from varadhi.state_rows import RESULT_SCHEMA
 
@@ -68,6 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = SimpleNamespace(spec=SimpleNamespace(grouped=True, dedup_window_ms=0))
     mq = SimpleNamespace(storage_topics=[SimpleNamespace(name="t.0")])
+    # A plan over computed rows, as Spark hands the shard each micro-batch.
+    batch = batch_records(frame, sub, mq).localCheckpoint()
+    # Older code (PYTHONPATH to a worktree) selected the delivery columns and coalesced.
+    delivery_records = getattr(
+        shard_query,
+        "delivery_records",
+        lambda r, concurrency, _: r.select(*shard_query.DELIVERY_COLUMNS).coalesce(concurrency),
+    )
 
     calls = [0]
     send = clientserver.JavaClient.send_command
@@ -81,12 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.batches):
         calls[0] = 0
         cpu, jvm, wall = time.process_time(), jvm_cpu_s(jvm_pid), time.perf_counter()
-        planned = (
-            batch_records(frame, sub, mq)
-            .select(*DELIVERY_COLUMNS)
-            .coalesce(1)
-            .mapInArrow(lambda it: it, RESULT_SCHEMA)
-        )
+        planned = delivery_records(batch, 1, 4).mapInArrow(lambda it: it, RESULT_SCHEMA)
         planned._jdf.queryExecution().executedPlan()
         rows.append(
             {

@@ -80,7 +80,7 @@ from .shard_ends import (
 )
 from .shard_journal import ShardJournal
 from .shard_lease import ShardLease
-from .shard_query import DELIVERY_COLUMNS, Source, batch_records, filter_records
+from .shard_query import Source, batch_records, delivery_records, filter_records
 from .shard_reading import EndOffsets, LayoutMoves, caught_up, consumed
 from .shard_sender import QueueSender
 from .shard_stats import Rates, ShardStats, due_heads, next_due, summarize, where_reading
@@ -699,11 +699,7 @@ class ShardJob:
         groups have pending state, its forwarded rows come back here, are joined by the parked
         bodies their groups (and groups whose parked head is due) need, and go to phase 2."""
         concurrency = ctx.spec.consumption.concurrency
-        records = records.select(*DELIVERY_COLUMNS)  # what the tasks read, nothing more
-        if concurrency > self._partitions_read:
-            records = records.repartition(concurrency, "group_key")
-        else:  # a group's records stay in one task, in order: no shuffle, fewer task start-ups
-            records = records.coalesce(concurrency)
+        records = delivery_records(records, concurrency, self._partitions_read)
         # Ungrouped: RQ records and due parked retries are merged in phase 1 (`ForwardRule.of`).
         forward = ForwardRule.of(pending, ctx.spec.grouped, due_groups)
         parked = None
@@ -841,7 +837,6 @@ class _Batch:
         if sub.spec.dedup_window_ms:
             window = job._dedup_window(self.df.sparkSession, sub)
             records, self.dropped = window.filter(records, now_ms)
-            records = records.drop("dedup_id")
         ctx = BatchContext(
             spec=sub.spec,
             mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},

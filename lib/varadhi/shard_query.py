@@ -82,7 +82,7 @@ class Source:
 
 # The columns of `batch_records` a delivery task reads (`varadhi.batch.deliver_records`), in
 # the order it gets them: `key` (read by filters) and `dedup_id` (by the de-duplication window)
-# are used in the Spark plan only, so they never cost an Arrow conversion.
+# are used in the Spark plan only (`PLAN_ONLY_COLUMNS`), so they never cost an Arrow conversion.
 DELIVERY_COLUMNS = (
     "kind",
     "group_key",
@@ -94,6 +94,22 @@ DELIVERY_COLUMNS = (
     "value",
     "kheaders",
 )
+PLAN_ONLY_COLUMNS = ("key", "dedup_id")
+
+
+def delivery_records(records: DataFrame, concurrency: int, partitions_read: int) -> DataFrame:
+    """A micro-batch's records (`batch_records`, filtered, de-duplicated) as the delivery tasks
+    read them: only `DELIVERY_COLUMNS`, in `concurrency` partitions. The Kafka partitions read
+    (`partitions_read`) are coalesced when there are at least as many: a group's records stay in
+    one task, in order, with no shuffle. Fewer are spread by group key.
+
+    The plan-only columns are dropped rather than the delivery columns selected. Each batch
+    builds this through Py4J, and a drop of two names costs about 5 round trips where a select
+    of nine cost about 40 (`bench/batch_plan.py`)."""
+    records = records.drop(*PLAN_ONLY_COLUMNS)  # a name the frame lacks is ignored
+    if concurrency > partitions_read:
+        return records.repartition(concurrency, "group_key")
+    return records.coalesce(concurrency)
 
 
 def batch_records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:

@@ -13,7 +13,7 @@ import pytest
 from varadhi import messages as m
 from varadhi.dedup import dedup_id
 from varadhi.record_ids import header_value, text_id
-from varadhi.shard_query import _record_columns, batch_records
+from varadhi.shard_query import DELIVERY_COLUMNS, _record_columns, batch_records, delivery_records
 
 SCHEMA = (
     "key binary, value binary, topic string, partition int, offset long, "
@@ -102,3 +102,20 @@ def test_every_expression_is_compiled_into_one_stage(kafka_records, dedup):
     assert len(projects) == 2, plan
     for line in projects:  # "*(n)": the operator is part of whole-stage code generation n
         assert re.match(r"[\s+\-:|]*\*\(\d+\) Project \[", line), line
+
+
+@pytest.mark.parametrize("dedup", [0, 60_000])
+def test_the_delivery_tasks_get_the_delivery_columns_in_concurrency_partitions(
+    kafka_records, dedup
+):
+    frame, _ = kafka_records
+    sub = SimpleNamespace(spec=SimpleNamespace(grouped=True, dedup_window_ms=dedup))
+    mq = SimpleNamespace(storage_topics=[SimpleNamespace(name=MQ)])
+    records = batch_records(frame, sub, mq)
+    coalesced = delivery_records(records, 1, partitions_read=2)
+    assert coalesced.columns == list(DELIVERY_COLUMNS)
+    assert coalesced.rdd.getNumPartitions() == 1
+    spread = delivery_records(records, 3, partitions_read=2)  # fewer partitions than tasks
+    assert spread.columns == list(DELIVERY_COLUMNS)
+    assert spread.rdd.getNumPartitions() == 3
+    assert spread.count() == len(CORPUS)
