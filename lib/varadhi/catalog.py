@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -122,6 +123,7 @@ class Catalog:
         self._producer: KafkaProducer | None = None
         self._tp = TopicPartition(self.topic, 0)
         self._checked = False  # a pre-existing catalog topic was found fit
+        self._read_at = -math.inf  # when the last complete read began (`time.monotonic`)
 
     # -- set-up ---------------------------------------------------------------------------
     def ensure_topic(self) -> None:
@@ -214,10 +216,14 @@ class Catalog:
             raise KafkaUnavailable(f"cannot reach Kafka at {self.settings.bootstrap}: {e}") from e
 
     # -- reading --------------------------------------------------------------------------
-    def snapshot(self) -> Snapshot:
-        """Everything committed so far (reads only what is new since the last call)."""
+    def snapshot(self, max_age_s: float = 0.0) -> Snapshot:
+        """Everything committed so far (reads only what is new since the last read). With
+        `max_age_s`, what a read that began at most that many seconds ago found is fresh
+        enough, and no request goes to Kafka: a shard's micro-batch reads its filter and
+        re-drives right after its lease check read the catalog."""
         with self._lock:
-            self._catch_up()
+            if max_age_s <= 0 or time.monotonic() - self._read_at > max_age_s:
+                self._catch_up()
             return Snapshot(self._entries)
 
     def get(self, kind: str, name: str) -> Document | None:
@@ -231,7 +237,8 @@ class Catalog:
         offset of its last record (without the wait, `create` then `get` can miss the topic).
         """
         consumer = self._consumer_or_create()
-        deadline = time.monotonic() + self.timeout_s
+        started = time.monotonic()
+        deadline = started + self.timeout_s
         end = consumer.end_offsets([self._tp])[self._tp]
         while end <= past:
             if time.monotonic() > deadline:
@@ -255,6 +262,7 @@ class Catalog:
                         self._entries.pop(entry[0], None)
                     else:
                         self._entries[entry[0]] = entry[1]
+        self._read_at = started  # everything committed before it is in `_entries`
 
     def _consumer_or_create(self) -> KafkaConsumer:
         if self._consumer is None:

@@ -98,6 +98,11 @@ log = logging.getLogger("varadhi.shard")
 SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
 
 
+# How old a micro-batch's view of the catalog (its filter, pending re-drives) may be: what the
+# batch's lease check, just before, read.
+LEASE_CHECK_READ_S = 1.0
+
+
 @dataclass(frozen=True)
 class _QueryPlan:
     """One query of a layout (`ShardJob._prepare_query`): what it reads, its state table,
@@ -813,7 +818,8 @@ class _Batch:
 
     def apply_redrives(self) -> bool:
         job = self.job
-        snapshot = job.catalog.snapshot()
+        # The lease check just before (`BatchCommit` step 1) read the catalog: no second read.
+        snapshot = job.catalog.snapshot(max_age_s=LEASE_CHECK_READ_S)
         # The filter is read for every batch: `subscription apply` changes it from the next one.
         self.filter = subscriptions.from_snapshot(snapshot, job.name).spec.filter
         self.redrive_ops = dlq_ops.pending_for(snapshot, job.name, job.shard)
