@@ -71,7 +71,7 @@ def spark_options(settings: HasKafka) -> dict[str, str]:
 
 
 #: The Spark Kafka source's `fetch.max.wait.ms` (a consumer property; a configuration cannot
-#: set it, it is not one of `kafka_config.KNOWN`).
+#: set it, it is not one of `kafka_config.KNOWN`): 0, the broker answers a fetch at once.
 #: - After every poll, Spark's consumer asks the broker for the partition's offset range
 #:   (`InternalKafkaConsumer.getAvailableOffsetRange`). By then the consumer has already sent its
 #:   next fetch, which the broker holds until new records arrive or this time passes, and a broker
@@ -79,9 +79,14 @@ def spark_options(settings: HasKafka) -> dict[str, str]:
 #: - With Kafka's default (500 ms), a task waited up to 500 ms for each partition it read when no
 #:   new record came in meanwhile: every batch of a quiet subscription, and the last batch before
 #:   traffic stops (2.2 s for 4 partitions in one task, in `bench/delivery.py --only latency`).
-#: - Spark polls only for offsets it planned (the latest under read_committed), so a shorter wait
-#:   adds no polling loop: at most one empty fetch answered sooner, per poll.
-SOURCE_FETCH_MAX_WAIT_MS = 10
+#: - With traffic, it waits for the next record: at 1,000 msg/s over 4 partitions, a task's
+#:   first records reached Python 41 ms after it started with a 10 ms wait, 19 ms with 1 ms and
+#:   13 ms with 0 (docs/benchmarks.md, "Latency").
+#: - Spark polls only for offsets it planned (the latest under read_committed), so an immediate
+#:   answer adds no polling loop: at most one empty fetch answered sooner, per poll. Hazard: a
+#:   fetch of offsets the broker cannot serve yet (a follower behind its leader, with `client.rack`)
+#:   is asked again at once, for as long as that lasts, rather than once per wait.
+SOURCE_FETCH_MAX_WAIT_MS = 0
 
 
 def spark_source_options(settings: HasKafka) -> dict[str, str]:

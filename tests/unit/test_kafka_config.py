@@ -275,7 +275,7 @@ def test_the_spark_source_answers_an_empty_fetch_soon_and_the_sink_gets_no_consu
     settings = SimpleNamespace(bootstrap="broker:9093", kafka=cfg)
     source = kafka_clients.spark_source_options(settings)
     sink = kafka_clients.spark_options(settings)
-    assert int(source["kafka.fetch.max.wait.ms"]) <= 50
+    assert source["kafka.fetch.max.wait.ms"] == "0"  # even with traffic it waits for a record
     assert {k: v for k, v in source.items() if k != "kafka.fetch.max.wait.ms"} == sink
     assert sink["kafka.sasl.mechanism"] == "SCRAM-SHA-512"
     assert not any("fetch" in key for key in sink)
