@@ -121,44 +121,50 @@ def batch_records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
     A shard's query applies this to its stream, once per query (Spark then analyses these
     expressions once, not in every micro-batch); replay applies it to its read. The columns are
     built once per process (`_record_columns`; building them cost some 2,000 Py4J round trips
-    each time), and the two headers the ids read are looked up once, in a first projection,
-    instead of in every branch of every id expression, so the plan stays small
+    each time). The two headers the ids read are looked up once, in a first projection, and
+    each id is computed once, in a second, instead of in every expression that reads it, so the
+    plan and the code Spark generates for it in every micro-batch stay small
     (docs/benchmarks.md, "Latency")."""
     mq_names = tuple(st.name for st in mq.storage_topics)
     dedup = bool(sub.spec.dedup_window_ms)
-    looked_up, records = _record_columns(
-        bool(sub.spec.grouped), mq_names, dedup, SparkContext._gateway
-    )
-    return df.select(*looked_up).select(*records)
+    projections = _record_columns(bool(sub.spec.grouped), mq_names, dedup, SparkContext._gateway)
+    for columns in projections:
+        df = df.select(*columns)
+    return df
 
 
 @functools.lru_cache(maxsize=32)
 def _record_columns(
     grouped: bool, mq_names: tuple[str, ...], dedup: bool, _gateway: object
-) -> tuple[tuple, tuple]:
-    """`batch_records`' two projections (Spark columns are plans' building blocks, not bound to
-    a DataFrame, so they are reused). `_gateway`: the JVM they live in (a new one, after a
-    gateway restart, gets its own)."""
+) -> tuple[tuple, ...]:
+    """`batch_records`' projections, in order (Spark columns are plans' building blocks, not
+    bound to a DataFrame, so they are reused). `_gateway`: the JVM they live in (a new one,
+    after a gateway restart, gets its own).
+
+    Each step's results are columns of the next, not expressions repeated in it: the two headers
+    are looked up once, then each id is computed once, then the group key reads the ids. Spark
+    keeps a projection apart when collapsing it would repeat an expensive expression, so the
+    generated code holds each id expression once (three `text_id_column`s, not six): Spark
+    generates that code again for every micro-batch."""
     msg_header, group_header = "_varadhi_msg_header", "_varadhi_group_header"
+    kafka = ("topic", "partition", "offset", "key", "value", "headers")
     looked_up = (
-        "topic",
-        "partition",
-        "offset",
-        "key",
-        "value",
-        "headers",
+        *kafka,
         header_column(H_MSG_ID).alias(msg_header),
         header_column(H_GROUP_ID).alias(group_header),
     )
-    msg_id = msg_id_column(F.col(msg_header))
-    group_id = group_id_column(F.col(group_header))
+    ids = (
+        *kafka,
+        msg_id_column(F.col(msg_header)).alias("msg_id"),
+        group_id_column(F.col(group_header)).alias("group_id"),
+    )
     records = (
         F.when(F.col("topic").isin(list(mq_names)), F.lit(Kind.MQ.value))
         .otherwise(F.lit(Kind.RQ.value))
         .alias("kind"),
-        group_key_column(grouped, group_id, msg_id).alias("group_key"),
-        group_id.alias("group_id"),
-        msg_id.alias("msg_id"),
+        group_key_column(grouped, F.col("group_id"), F.col("msg_id")).alias("group_key"),
+        "group_id",
+        "msg_id",
         "topic",
         "partition",
         "offset",
@@ -167,7 +173,7 @@ def _record_columns(
         F.col("headers").alias("kheaders"),
         *([dedup_id().alias("dedup_id")] if dedup else []),
     )
-    return looked_up, records
+    return looked_up, ids, records
 
 
 def filter_records(
