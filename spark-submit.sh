@@ -58,6 +58,9 @@ CDS="$ROOT/.jars/cds/spark-$SPARK_VERSION.jsa"
 if [[ -f "$CDS" && "${SPARK_SUBMIT_OPTS:-}" != *Archive* ]]; then
   export SPARK_SUBMIT_OPTS="${SPARK_SUBMIT_OPTS:-} -XX:SharedArchiveFile=$CDS -Xlog:disable -Xlog:all=warning:stderr"
 fi
+# Python workers on Unix domain sockets (Spark 4.1+; older lines ignore it): over loopback TCP the
+# end of a task's input, a few bytes after a large Arrow batch, often waited 40 ms for the
+# worker's delayed ACK (docs/benchmarks.md, "Latency").
 exec "$SPARK_HOME/bin/spark-submit" \
   --master "$VARADHI_SPARK_MASTER" \
   --driver-memory "${VARADHI_DRIVER_MEMORY:-2g}" \
@@ -66,6 +69,7 @@ exec "$SPARK_HOME/bin/spark-submit" \
   "${LOCALFS[@]}" \
   --conf spark.ui.enabled=false \
   --conf spark.log.level=WARN \
+  --conf spark.python.unix.domain.socket.enabled=true \
   --conf spark.sql.shuffle.partitions=2 \
   --conf spark.driver.bindAddress=127.0.0.1 \
   --conf spark.driver.host=127.0.0.1 \

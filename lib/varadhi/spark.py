@@ -64,9 +64,7 @@ def running_spark_version() -> str:
     return pyspark.__version__
 
 
-def spark_packages(
-    spark_version: str | None = None, extras: Iterable[str] = ()
-) -> tuple[str, ...]:
+def spark_packages(spark_version: str | None = None, extras: Iterable[str] = ()) -> tuple[str, ...]:
     """`--packages` coordinates (Kafka connector, Delta, then `extras`: "s3" for hadoop-aws)
     matching `spark_version` (default: the installed pyspark). On a cluster pass the cluster's
     `spark.version`. Raises `UnsupportedSparkVersion` outside the supported lines."""
@@ -106,9 +104,7 @@ def jar_settings(
     out: dict[str, str] = {}
     jars = _split(env.get(JARS_ENV))
     coords = [
-        c
-        for p in _split(env.get(PACKAGES_ENV))
-        for c in (packages if p == AUTO_PACKAGES else [p])
+        c for p in _split(env.get(PACKAGES_ENV)) for c in (packages if p == AUTO_PACKAGES else [p])
     ]
     if jars:
         out["spark.jars"] = ",".join(dict.fromkeys([*_split(launch.get("spark.jars")), *jars]))
@@ -233,6 +229,8 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
             .config("spark.driver.host", "127.0.0.1")
             .config("spark.sql.execution.arrow.pyspark.enabled", "true")
             .config("spark.python.worker.reuse", "true")
+            # Spark 4.1+ (older lines ignore it); as ./spark-submit.sh, which says why.
+            .config("spark.python.unix.domain.socket.enabled", "true")
             .config("spark.ui.showConsoleProgress", "false")
         )
         s3a = s3a_classpath()
