@@ -119,7 +119,8 @@ def header_of(headers: Column, name: str) -> Column:
     the projection out of its generated stage and makes every task generate a projection."""
     from pyspark.sql import functions as F
 
-    first = F.array_position(headers["key"], F.lit(name))  # 1-based; 0 when absent
+    # `name` itself, not `F.lit(name)`: PySpark 3.5 takes only a Python value here.
+    first = F.array_position(headers["key"], name)  # 1-based; 0 when absent
     return F.get(headers["value"], (first - 1).cast("int"))
 
 
