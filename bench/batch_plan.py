@@ -5,14 +5,15 @@
 
 A shard's query carries its records' columns (`shard_query.batch_records`, built once per
 query), and Spark hands each micro-batch to the shard as a plan over the batch's computed rows
-(a `LogicalRDD`). For every batch the shard keeps the delivery columns and spreads them over
-its tasks (`shard_query.delivery_records`) and maps them with `mapInArrow`
-(`ShardJob._deliver`); Spark then analyses, optimises and plans that. This runs those steps up
-to the executed plan over such a plan (`batch_records` of a one-record DataFrame of the Kafka
-source's schema, checkpointed) in a local session (no broker, no job), and reports per batch: Py4J round trips, CPU milliseconds of this process plus the JVM's (all its
-threads, from /proc: it moves less with other load than the wall clock does) and wall-clock
-milliseconds, medians after `--warm` batches. It follows whichever code it imports, so
-PYTHONPATH set to a worktree's `lib` measures that code.
+(a `LogicalRDD`). For every batch the shard keeps the delivery columns and spreads them over its
+tasks (`shard_query.delivery_records`) and maps them with `mapInArrow` (`ShardJob._deliver`);
+Spark then analyses, optimises and plans that. This runs those steps up to the executed plan
+over such a plan (`batch_records` of a one-record DataFrame of the Kafka source's schema,
+checkpointed) in a local session (no broker, no job), and reports per batch: Py4J round trips,
+CPU milliseconds of this process plus the JVM's (all its threads, from /proc: it moves less with
+other load than the wall clock does) and wall-clock milliseconds, medians after `--warm`
+batches. It follows whichever code it imports, so PYTHONPATH set to a worktree's `lib` measures
+that code.
 
 Results: one line on stdout, JSON in bench/results/batch_plan.json (`--out`).
 """
