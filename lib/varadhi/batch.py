@@ -460,7 +460,8 @@ def _deliver(
     runs: list[tuple[str, GroupRun]] = []
     answered: DeliveryStats | None = None
     for key, found in candidates.items():
-        old = [entry_of(r) for r in pending.get(key, ())]
+        state = pending.get(key)
+        old = [entry_of(r) for r in state] if state else []
         queue = merge(old, found, counts)
         run = GroupRun(
             queue,

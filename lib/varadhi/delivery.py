@@ -87,6 +87,12 @@ from varadhi.policies import DeliveryPolicy, Endpoint, Method
 # How much of a response body an Outcome keeps (dead letters carry it as a header).
 RESPONSE_SNIPPET_BYTES = 1024
 _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field-name
+# Header names already matched against `_TOKEN`: a delivery's names repeat (idempotency key,
+# attempt, group...), so each is matched once per process instead of once per request. Bounded,
+# so that requests with ever new names cannot grow it.
+_TOKENS: set[str] = set()
+_MAX_TOKENS = 1024
+_BAD_VALUE = re.compile("[\r\n\0]")  # a header value with one of these would inject headers
 # Framing headers the engine owns; a per-request header of these names is dropped.
 _END = object()  # end of the streams iterable
 _FRAMING = frozenset({"content-length", "transfer-encoding", "host", "connection", "expect"})
@@ -110,8 +116,12 @@ class Request:
     headers: Mapping[str, str]
 
     def __post_init__(self) -> None:
-        for name, value in self.headers.items():
-            if not _TOKEN.fullmatch(name) or "\r" in value or "\n" in value or "\0" in value:
+        headers = self.headers
+        # Fast path: every name seen before, no value with CR/LF/NUL (two C-level calls).
+        if _TOKENS.issuperset(headers) and not _BAD_VALUE.search("".join(headers.values())):
+            return
+        for name, value in headers.items():
+            if not _header_ok(name, value):
                 raise InvalidArgument(
                     f"header {name!r} has an invalid name or a CR/LF/NUL in its value",
                     field="headers",
@@ -675,11 +685,22 @@ def _validate_endpoint(endpoint: Endpoint) -> None:
     for name in ("connect_timeout_ms", "request_timeout_ms"):
         _require_positive_int(getattr(endpoint, name), f"endpoint.{name}")
     for name, value in [*endpoint.headers, (endpoint.auth_header, "")]:
-        if not _TOKEN.fullmatch(name) or "\r" in value or "\n" in value or "\0" in value:
+        if not _header_ok(name, value):
             raise InvalidArgument(
                 f"header {name!r} has an invalid name or a CR/LF/NUL in its value",
                 field="endpoint.headers",
             )
+
+
+def _header_ok(name: str, value: str) -> bool:
+    """Whether `name` is an HTTP token and `value` has no CR, LF or NUL (which would inject
+    headers if sent as is)."""
+    if name not in _TOKENS:
+        if not _TOKEN.fullmatch(name):
+            return False
+        if len(_TOKENS) < _MAX_TOKENS:
+            _TOKENS.add(name)
+    return not _BAD_VALUE.search(value)
 
 
 def _require_positive_int(value: object, field: str) -> None:

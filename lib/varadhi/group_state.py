@@ -70,7 +70,7 @@ OVER_LIMIT = "blocked group over limit"
 DEFAULT_BLOCKED = BlockedPolicy()
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     origin: m.Origin
     msg_id: str
