@@ -10,10 +10,10 @@ circuit to half-open once its time is up. The shard acts on the answers (`varadh
 - **open**: nothing is read or sent until `open_until_ms`: `open_for_ms` after it opened, doubled
   for each consecutive open (a failed probe), at most `max_open_for_ms`.
 - **half-open**: micro-batches read at most `probes` records and send at most `probes` of the
-  parked retries that are due. The first batch that makes attempts decides: fewer than
-  `failure_rate` of them failed closes the circuit (and forgets the doubling), anything else
-  opens it again. A batch without attempts (only retries not due yet, a wake-up tick) decides
-  nothing.
+  parked retries that are due, and make no retries in place (`probe_retry`). The first batch
+  that makes attempts decides: fewer than `failure_rate` of them failed closes the circuit (and
+  forgets the doubling), anything else opens it again. A batch without attempts (only retries
+  not due yet, a wake-up tick) decides nothing.
 
 A failure is every attempt that did not succeed, as a batch counts them: an answer to retry or to
 dead-letter, a timeout, a refused connection. A disabled policy keeps the circuit closed.
@@ -25,16 +25,29 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, Literal
 
 from .errors import InvalidArgument
-from .policies import CircuitPolicy
+from .policies import CircuitPolicy, RetryPolicy
 
 State = Literal["closed", "open", "half_open"]
 
 
 def now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def probe_retry(policy: RetryPolicy) -> RetryPolicy:
+    """The retry policy of a half-open probe batch: `policy` without retries in place.
+
+    A probe is there for a verdict. Its first attempts sample the endpoint as it is now; a retry
+    in place would hold the verdict back by its backoff (the batch waits for it) and spend a
+    second attempt of the message while the endpoint is most likely still down: in a long
+    outage, every attempt a probe spends brings its messages closer to `retry.max_attempts`
+    and the DLQ. A probe message that fails goes to the RQ, due when its backoff (or
+    Retry-After) says, as it would after a failed retry in place."""
+    return replace(policy, in_place_window_ms=0)
 
 
 def validate_circuit_policy(policy: CircuitPolicy, prefix: str = "circuit_breaker") -> None:

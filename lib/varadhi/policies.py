@@ -132,9 +132,9 @@ class CircuitPolicy:
     Closed: the shard delivers normally; it opens when the batches that ended within the last
     `window_ms` made at least `min_requests` attempts and at least `failure_rate` of them failed.
     Open: nothing is read or sent for `open_for_ms`, doubled for every consecutive open (a failed
-    probe) up to `max_open_for_ms`. Half-open: micro-batches read at most `probes` records; the
-    first one that makes attempts closes the circuit if fewer than `failure_rate` of them failed
-    and opens it again otherwise."""
+    probe) up to `max_open_for_ms`. Half-open: micro-batches read at most `probes` records and
+    make no retries in place; the first one that makes attempts closes the circuit if fewer than
+    `failure_rate` of them failed and opens it again otherwise."""
 
     enabled: bool = True
     failure_rate: float = 0.5

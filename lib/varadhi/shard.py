@@ -31,7 +31,7 @@ import os
 import threading
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pandas as pd
@@ -63,7 +63,7 @@ from .batch import (
 )
 from .batch_commit import BatchCommit
 from .catalog import Catalog
-from .circuit import CircuitBreaker
+from .circuit import CircuitBreaker, probe_retry
 from .dedup import DedupWindow
 from .errors import Fenced, InvalidArgument, KafkaUnavailable, StopRequested, VaradhiError
 from .layouts import Layout
@@ -843,8 +843,11 @@ class _Batch:
         if sub.spec.dedup_window_ms:
             window = job._dedup_window(self.df.sparkSession, sub)
             records, self.dropped = window.filter(records, now_ms)
+        spec = sub.spec
+        if job._query_circuit == "half_open":  # a probe: its first attempts decide
+            spec = replace(spec, retry=probe_retry(spec.retry))
         ctx = BatchContext(
-            spec=sub.spec,
+            spec=spec,
             mq_indexes={st.name: i for i, st in enumerate(mq.storage_topics)},
             now_ms=now_ms,
             seed=zlib.crc32(f"{app_id}/{batch_id}".encode()),

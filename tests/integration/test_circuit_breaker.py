@@ -3,10 +3,10 @@ Delta, and a real endpoint that goes down while messages flow and comes back.
 
 Timeline: healthy traffic is delivered; the endpoint starts answering 503 (Retry-After: 1) to
 everything and more messages arrive; the circuit opens (status shows it); while it is open new
-groups produce; a half-open probe fails and the circuit opens again for twice as long; the
-endpoint comes back and more messages arrive; the next probe closes the circuit and the backlog
-drains. Judged from outside: the endpoint's request log against the transitions the shard
-published to the progress topic, the RQ's due times, and `varadhi status`.
+groups produce; a half-open probe (which makes no retries in place) fails and the circuit opens
+again for twice as long; the endpoint comes back and more messages arrive; the next probe closes
+the circuit and the backlog drains. Judged from outside: the endpoint's request log against the
+transitions the shard published to the progress topic, the RQ's due times, and `varadhi status`.
 """
 
 from __future__ import annotations
@@ -77,8 +77,7 @@ def test_the_circuit_opens_probes_and_closes_around_an_outage(
             "backoff": "fixed",
             "min_backoff": "300ms",
             "max_backoff": "300ms",
-            "jitter": 0,
-            "in_place_window": 0,
+            "jitter": 0,  # retries in place on (the default window): a probe makes none
         },
         "consumption": {"trigger_interval": "100ms"},
         "circuit_breaker": {
@@ -163,6 +162,9 @@ def test_the_circuit_opens_probes_and_closes_around_an_outage(
             assert len([r for r in during if r.group_id not in seen]) <= PROBES + 1, shown
             if nxt["state"] == "open":
                 assert len(during) <= 2 * PROBES + 1, shown
+            # A probe's first attempts decide: no message is sent twice in one probe.
+            ids = [r.message_id for r in during]
+            assert len(ids) == len(set(ids)), f"a retry in place in a probe: {shown}"
     last_open = opens[-1]
     assert any(r.status == 200 for r in records if r.received_ms > last_open["open_until_ms"])
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from varadhi.circuit import CircuitBreaker, validate_circuit_policy
+from varadhi.circuit import CircuitBreaker, probe_retry, validate_circuit_policy
 from varadhi.errors import InvalidArgument
-from varadhi.policies import CircuitPolicy
+from varadhi.policies import CircuitPolicy, RetryPolicy
+from varadhi.retry import linger_ms, retries_in_place, waits_in_task
 from varadhi.status import circuit_text
 
 POLICY = CircuitPolicy(
@@ -187,3 +188,14 @@ def test_status_shows_the_circuit_in_one_word():
     assert circuit_text(is_open, now) == "open 2s"
     assert circuit_text({**is_open, "consecutive_opens": 3}, now) == "open 2s x3"
     assert circuit_text(is_open, now + 10_000) == "open 0s"  # a stale report
+
+
+def test_a_probe_batch_makes_no_retries_in_place_and_keeps_the_rest_of_the_policy():
+    policy = RetryPolicy(max_attempts=7, min_backoff_ms=300, jitter=0.0)
+    probe = probe_retry(policy)
+    assert probe.in_place_window_ms == 0
+    assert not retries_in_place(probe, first_failure_ms=0, due_ms=1)  # even a retry due at once
+    assert not waits_in_task(probe, wait_ms=1)  # an RQ record read back early is parked
+    assert linger_ms(probe) == 0
+    assert (probe.max_attempts, probe.min_backoff_ms, probe.responses) == (7, 300, policy.responses)
+    assert retries_in_place(policy, first_failure_ms=0, due_ms=1_000)  # the policy itself is kept
