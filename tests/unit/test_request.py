@@ -14,7 +14,7 @@ def test_a_name_seen_in_a_valid_request_still_refuses_a_bad_value():
     assert "X-Seen-Name" in delivery._TOKENS
     for value in ("a\r\nX-Evil: 1", "a\nb", "a\0"):
         with pytest.raises(InvalidArgument) as e:
-            Request(b"", {"X-Seen-Name": "fine", "Other": "ok"} | {"X-Seen-Name": value})
+            Request(b"", {"Other": "ok", "X-Seen-Name": value})
         assert e.value.field == "headers"
 
 
