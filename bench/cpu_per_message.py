@@ -35,7 +35,14 @@ Which of `mapInPandas` / `mapInArrow` is measured follows the code under test: t
 `PYTHONPATH` pointing at that commit's `lib` (docs/benchmarks.md, "CPU per message").
 
     .venv/bin/python bench/cpu_per_message.py [--records 25000] [--groups 10000] [--repeat 5]
-                                              [--spark-records 100000]
+                                              [--spark-records 100000] [--fail-rate 0.1]
+
+`--fail-rate` makes nginx fail that share of attempts as bench/delivery.py's failure runs do
+(half 500, half 503, by message id and attempt); the task then retries in place with the
+subscription defaults and sends what its linger cannot wait for to the RQ (its `out` rows), so
+its CPU per message is that of a failing batch's task. nginx closes the connection after a 500
+(and keeps it after a 503), so half the failures also cost the task a new connection. No engine
+floor is run then.
 
 Needs Debian's nginx (`apt-get install nginx-light`), and for part 2 the Kafka broker
 (`scripts/kafka start`) and the Spark jars (`scripts/setup`). Results:
@@ -242,9 +249,11 @@ def read_entries(kind: str, loaded: list, ctx: BatchContext) -> int:
     return n
 
 
-def one_run(kind: str, stream: bytes, ctx: BatchContext, n: int) -> dict[str, float]:
+def one_run(kind: str, stream: bytes, ctx: BatchContext, n: int, failing: bool) -> dict[str, float]:
     """CPU seconds of load, read, task and dump for one task over `stream` (`read` is part of
-    `task`, measured apart on the same input)."""
+    `task`, measured apart on the same input), and the task's counters. With `failing` (the
+    endpoint fails some attempts), a message is either delivered or left to the RQ or parked,
+    so fewer than `n` may be delivered; without, every one must be."""
     ser = serializer(kind)
     t0 = cpu()
     loaded = [b[0] for b in ser.load_stream(io.BytesIO(stream))]
@@ -257,19 +266,25 @@ def one_run(kind: str, stream: bytes, ctx: BatchContext, n: int) -> dict[str, fl
     sink = io.BytesIO()
     ser.dump_stream(((o, output_type()) for o in out), sink)
     t4 = cpu()
-    delivered = _delivered(out)
-    if delivered != n:
-        raise RuntimeError(f"the task delivered {delivered} of {n} messages")
-    return {"load": t1 - t0, "read": t2 - t1, "task": t3 - t2, "dump": t4 - t3}
+    counts = _counts(out)
+    if counts["delivered"] != n and not (failing and 0 < counts["delivered"] < n):
+        raise RuntimeError(f"the task delivered {counts['delivered']} of {n} messages")
+    return {"load": t1 - t0, "read": t2 - t1, "task": t3 - t2, "dump": t4 - t3} | counts
 
 
-def _delivered(out: list) -> int:
+COUNTED = ("delivered", "attempts", "failures", "retried_in_place", "retried")
+
+
+def _counts(out: list) -> dict[str, int]:
+    """The task's `COUNTED` counters, summed over its stat rows."""
     from varadhi.batch_commit import stat_rows
 
-    total = 0
+    total = dict.fromkeys(COUNTED, 0)
     for o in out:
         frame = o.to_pandas() if isinstance(o, pa.RecordBatch) else o
-        total += sum(s["delivered"] for s in stat_rows(frame))
+        for s in stat_rows(frame):
+            for k in COUNTED:
+                total[k] += s[k]
     return total
 
 
@@ -377,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=25_000, help="records of the task")
     parser.add_argument("--groups", type=int, default=10_000)
     parser.add_argument("--max-in-flight", type=int, default=64)
+    parser.add_argument(
+        "--fail-rate",
+        type=float,
+        default=0.0,
+        help="share of attempts nginx fails (500 or 503, as bench/delivery.py's failure runs); "
+        "the task then retries in place with the shard's defaults (no engine floor is run)",
+    )
     parser.add_argument("--repeat", type=int, default=5, help="runs of each step (median kept)")
     parser.add_argument(
         "--spark-records",
@@ -399,20 +421,23 @@ def main(argv: list[str] | None = None) -> int:
     stream = jvm_stream(table)
     runs: list[dict[str, float]] = []
     floors: list[float] = []
-    with nginx(binary) as endpoint:
+    failing = args.fail_rate > 0
+    with nginx(binary, args.fail_rate) as endpoint:
         spec = parse_spec(
             {
                 "name": "bench",
                 "topic": "bench",
                 "endpoint": {"url": endpoint.url},
                 "consumption": {"max_in_flight": args.max_in_flight},
+                "retry": {"max_attempts": 10},  # as bench/delivery.py's subscriptions
             }
         )
         ctx = BatchContext(spec=spec, mq_indexes={TOPIC: 0}, now_ms=0, seed=1)
-        one_run(kind, stream, ctx, args.records)  # warm-up: imports, connections, caches
+        one_run(kind, stream, ctx, args.records, failing)  # warm-up: imports, connections
         for _ in range(args.repeat):
-            runs.append(one_run(kind, stream, ctx, args.records))
-            floors.append(engine_floor(table, ctx))
+            runs.append(one_run(kind, stream, ctx, args.records, failing))
+            if not failing:
+                floors.append(engine_floor(table, ctx))
     spark = (
         spark_stages(args.spark_records, args.groups, kind, columns, args.spark_repeat)
         if args.spark_records
@@ -425,8 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     }
     us["total"] = round(us["load"] + us["task"] + us["dump"], 1)
     us["input"] = round(us["load"] + us["read"], 1)
-    us["engine"] = round(statistics.median(floors) / n * 1e6, 1)
-    us["task_outside_engine"] = round(us["task"] - us["engine"], 1)
+    if floors:
+        us["engine"] = round(statistics.median(floors) / n * 1e6, 1)
+        us["task_outside_engine"] = round(us["task"] - us["engine"], 1)
+    counts = {k: statistics.median(r[k] for r in runs) for k in COUNTED}
     rev = subprocess.run(
         ["git", "-C", str(Path(batch.__file__).parent), "rev-parse", "--short", "HEAD"],
         capture_output=True,
@@ -443,17 +470,21 @@ def main(argv: list[str] | None = None) -> int:
             "records": n,
             "groups": args.groups,
             "max_in_flight": args.max_in_flight,
+            "fail_rate": args.fail_rate,
             "repeat": args.repeat,
             "columns": columns,
             "spark_records": args.spark_records,
             "spark_repeat": args.spark_repeat,
         },
         "cpu_us_per_msg": us,
+        "task_counts": counts,
         "spark_cpu_us_per_record": spark,
         "runs_s": runs,
         "engine_runs_s": floors,
     }
     print(f"{kind} ({rev}), {n:,} records over {args.groups:,} groups: CPU us/msg")
+    if failing:
+        print(f"  {args.fail_rate:.0%} of attempts failing; the task's counts (median): {counts}")
     for step, value in us.items():
         print(f"  {step:20s} {value:6.1f}")
     for stage, by_kind in spark.items():

@@ -21,11 +21,18 @@ retry in place, after its backoff). The engine asks it again once the time has c
 holding a connection slot meanwhile, and keeps delivering other streams. A due waiting stream
 gets the next slot that frees: before any new stream starts, and before the stream whose request
 just completed goes on (that one queues behind it), so a retry is sent about on time even when
-long streams hold every slot. `Wait(seconds, while_busy=True)` is bounded: it holds while the
-engine has other work, and once nothing is in flight and no stream is left to start, for at most
-`run`'s `linger_s` more; a wait that would end later is cut short with the stream's
-`stop_waiting()`, and the stream is finished (a shard's group then sends its retry through the
-RQ). So `run` lasts at most `linger_s` longer than its streams' requests. It returns only when no
+long streams hold every slot. When nothing completes meanwhile, the engine sleeps until the next
+waiting stream's time, but for at least `WAKE_GRANULARITY_S` (10 ms): a stream is asked again up
+to that much after its time, never before, and waits that end within it share one wake-up.
+Retries in place fall due one by one, a few per millisecond, once a task's other deliveries are
+done; a wake-up per retry cost a task with 10% of its attempts failing about a sixth of its CPU
+(docs/benchmarks.md, "The failure path's CPU in a task").
+
+`Wait(seconds, while_busy=True)` is bounded: it holds while the engine has other work, and once
+nothing is in flight and no stream is left to start, for at most `run`'s `linger_s` more; a wait
+that would end later is cut short with the stream's `stop_waiting()`, and the stream is finished
+(a shard's group then sends its retry through the RQ). So `run` lasts at most `linger_s` longer
+than its streams' requests (and one wake-up's `WAKE_GRANULARITY_S`). It returns only when no
 stream waits any more.
 
 Holding. `run`'s `hold`, when given, is asked before every new request: while it answers
@@ -93,12 +100,14 @@ _TOKEN = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 field-name
 _TOKENS: set[str] = set()
 _MAX_TOKENS = 1024
 _BAD_VALUE = re.compile("[\r\n\0]")  # a header value with one of these would inject headers
-# Framing headers the engine owns; a per-request header of these names is dropped.
 _END = object()  # end of the streams iterable
+# Framing headers the engine owns; a per-request header of these names is dropped.
 _FRAMING = frozenset({"content-length", "transfer-encoding", "host", "connection", "expect"})
+HOLD_POLL_S = 0.05  # how often a held `run` asks `hold` again
+# How late a waiting stream may be asked again (never early): see "Waiting" above.
+WAKE_GRANULARITY_S = 0.01
 # Upper bounds (ms) of the request latency histogram `DeliveryStats.latency_ms` (`varadhi.metrics`
 # exports it); a last bucket counts what took longer.
-HOLD_POLL_S = 0.05  # how often a held `run` asks `hold` again
 LATENCY_BOUNDS_MS = (5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000)
 
 
@@ -361,7 +370,7 @@ class HttpDeliverer:
                     if idle_until is None:
                         idle_until = time.monotonic() + linger_s
                     if not waiting.stop_busy_waits(later_than=idle_until):
-                        time.sleep(waiting.seconds_to_next())
+                        time.sleep(max(waiting.seconds_to_next(), WAKE_GRANULARITY_S))
                     continue
                 multi.perform()
                 completed = 0
@@ -408,7 +417,8 @@ class HttpDeliverer:
                         # A waiting stream's time matters only if a request could go out then:
                         # with every slot taken (or held), a due one would make this a spin.
                         if waiting and not held and in_flight < self.max_in_flight:
-                            timeout_s = min(timeout_s, waiting.seconds_to_next())
+                            wake_s = max(waiting.seconds_to_next(), WAKE_GRANULARITY_S)
+                            timeout_s = min(timeout_s, wake_s)
                         multi.select(timeout_s)
         finally:
             for transfer in self._by_curl.values():
