@@ -1336,7 +1336,8 @@ def print_ratios(by_run: dict[str, dict[str, float]]) -> None:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with the defaults that depend on other arguments filled in."""
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -1344,8 +1345,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--fail-messages",
         type=int,
-        default=200_000,
-        help="backlog of a run with failures (default: the same backlog as the runs without)",
+        default=None,
+        help="backlog of a run with failures (default: --messages, the same backlog as the runs "
+        "without)",
     )
     parser.add_argument("--groups", type=int, default=10_000)
     parser.add_argument("--partitions", type=int, default=4, help="main topic partitions")
@@ -1436,7 +1438,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.fail_messages is None:
+        args.fail_messages = args.messages
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     nginx_bin, wrk_bin = nginx_binary(), shutil.which("wrk")
     if not nginx_bin:
         print(

@@ -133,3 +133,12 @@ def test_the_latency_targets_name_the_rate_the_run_offered(delivery):
     assert t["p99 < 1,000 ms at 20 msg/s"]["verdict"] == "met"
     assert t["p99 < 500 ms at 20 msg/s"]["verdict"] == "NOT met"
     assert not any("1,000 msg/s" in key for key in t)
+
+
+def test_the_runs_with_failures_read_the_same_backlog_unless_told_otherwise(delivery):
+    """`--fail-messages` defaults to `--messages`: a warm run (`--messages 1000000`) used to
+    give its failure rows a 200,000-message backlog of their own."""
+    assert delivery.parse_args(["--messages", "1000000"]).fail_messages == 1_000_000
+    assert delivery.parse_args([]).fail_messages == 200_000
+    args = delivery.parse_args(["--messages", "1000000", "--fail-messages", "300000"])
+    assert args.fail_messages == 300_000
