@@ -370,7 +370,7 @@ class HttpDeliverer:
                     if idle_until is None:
                         idle_until = time.monotonic() + linger_s
                     if not waiting.stop_busy_waits(later_than=idle_until):
-                        time.sleep(max(waiting.seconds_to_next(), WAKE_GRANULARITY_S))
+                        time.sleep(waiting.seconds_to_wake())
                     continue
                 multi.perform()
                 completed = 0
@@ -417,8 +417,7 @@ class HttpDeliverer:
                         # A waiting stream's time matters only if a request could go out then:
                         # with every slot taken (or held), a due one would make this a spin.
                         if waiting and not held and in_flight < self.max_in_flight:
-                            wake_s = max(waiting.seconds_to_next(), WAKE_GRANULARITY_S)
-                            timeout_s = min(timeout_s, wake_s)
+                            timeout_s = min(timeout_s, waiting.seconds_to_wake())
                         multi.select(timeout_s)
         finally:
             for transfer in self._by_curl.values():
@@ -644,8 +643,11 @@ class _Waiting:
         """The stream whose time came first, if it has come."""
         return heapq.heappop(self._heap)[2] if self.has_due() else None
 
-    def seconds_to_next(self) -> float:
-        return max(self._heap[0][0] - time.monotonic(), 0.0) if self._heap else 0.0
+    def seconds_to_wake(self) -> float:
+        """How long the engine may sleep for the waiting streams: until the first one's time,
+        but at least `WAKE_GRANULARITY_S`, so that waits ending within it share a wake-up."""
+        left = self._heap[0][0] - time.monotonic() if self._heap else 0.0
+        return max(left, WAKE_GRANULARITY_S)
 
     def stop_busy_waits(self, later_than: float) -> bool:
         """Call `stop_waiting()` on every stream waiting only while the engine is busy that would
