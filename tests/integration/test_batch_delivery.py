@@ -175,16 +175,32 @@ def test_a_malformed_207_fails_the_whole_request_then_its_messages_are_retried(e
 
 
 def test_an_invalid_answer_ends_in_the_dlq_with_a_clear_reason(endpoint):
+    """Every answer to g0.00 is a malformed 207: each fails the whole request, g1.00 with it,
+    until both have used up their attempts and are dead-lettered with the reason.
+
+    The retries are due at once (no backoff), so after each answer both streams are asked again
+    for the same next batch. With a backoff, each stream's due time is read from its own clock
+    call: one a millisecond later than the other misses the other's wake-up and is sent alone
+    (and accepted), so whether g1.00 shared g0.00's requests would depend on the clock."""
     ep = endpoint()
     ep.set_script("g0.00", ["malformed"] * 3)
-    runs, _ = group_runs(2, 1)
+    at_once = RetryPolicy(
+        max_attempts=3, backoff="fixed", min_backoff_ms=0, jitter=0.0, in_place_window_ms=2_000
+    )
+    runs, counts = group_runs(2, 1, policy=at_once)
     deliver(ep.url, runs, max_messages=10)
-    reasons = {o.entry.msg_id: o.entry.reason for run in runs for o in run.outs}
-    assert set(reasons) == {"g0.00", "g1.00"}
-    assert reasons["g0.00"].startswith(
+
+    per_request = batches(ep.records())
+    assert sorted(sorted((r.message_id, r.attempt) for r in e) for e in per_request.values()) == [
+        [("g0.00", n), ("g1.00", n)] for n in (1, 2, 3)
+    ]
+    reasons = {o.entry.msg_id: (o.target, o.entry.reason) for run in runs for o in run.outs}
+    reason = (
         "retries exhausted after 3 attempts: invalid_response (HTTP 207 multi-status answer "
         "lists id 'not-sent-g0.00', which the request did not carry)"
     )
+    assert reasons == {"g0.00": ("dlq", reason), "g1.00": ("dlq", reason)}
+    assert counts.delivered == 0 and counts.dead_lettered == 2
 
 
 def test_batch_limits_format_and_headers(endpoint):
