@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -103,19 +108,71 @@ def test_the_current_line_is_what_pyproject_and_the_jars_pin():
     assert f"spark-sql-kafka-0-10_{CURRENT.scala}" in artifacts
 
 
-def test_get_spark_refuses_an_unsupported_pyspark_before_starting_a_jvm(monkeypatch):
-    import pyspark
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
+# The refusals of a new session are checked in a fresh interpreter: this run's own Spark session
+# (the spark tier's, in the same pytest process) would otherwise be the active one. In it, starting
+# any process (a JVM first of all) fails, so a refusal that came after a JVM start would show as
+# that failure instead; no service starts. It reports what it raised and whether a SparkContext or
+# a JVM gateway exists afterwards, as one JSON line.
+FRESH_PROCESS = """
+import json, subprocess, sys
+import pyspark
+from pyspark import SparkContext
 
-    from varadhi import spark
+def no_process(self, args, *rest, **kwargs):
+    raise RuntimeError(f"a process would start here: {args!r}")
 
-    if SparkSession.getActiveSession() is not None:
-        pytest.skip("a Spark session of this run is active; the refusal is for a new one")
-    monkeypatch.setattr(pyspark, "__version__", "3.4.1")
-    with pytest.raises(UnsupportedSparkVersion, match="Spark 3.4.1 is not supported"):
-        spark.get_spark("varadhi-unsupported")
-    assert SparkContext._active_spark_context is None
+subprocess.Popen._execute_child = no_process  # launch_gateway starts the JVM with Popen
+
+def outcome(error):
+    print(json.dumps({
+        "error": type(error).__name__ if error else None,
+        "message": str(error) if error else None,
+        "context": SparkContext._active_spark_context is not None,
+        "gateway": SparkContext._gateway is not None,
+    }))
+"""
+
+
+def in_a_fresh_process(code: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY_")}
+    return subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS + textwrap.dedent(code)],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def outcome_of(code: str) -> dict:
+    done = in_a_fresh_process(code)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_fresh_process_cannot_start_a_jvm():
+    """The fresh process's guard holds: a supported pyspark gets as far as starting the JVM."""
+    got = outcome_of("""
+        from varadhi import spark
+        try:
+            spark.get_spark("varadhi-guard")
+        except Exception as e:
+            outcome(e)
+    """)
+    assert got["error"] == "RuntimeError" and "a process would start here" in got["message"]
+    assert "spark-submit" in got["message"]
+    assert not got["context"] and not got["gateway"]
+
+
+def test_get_spark_refuses_an_unsupported_pyspark_before_starting_a_jvm():
+    got = outcome_of("""
+        from varadhi import spark
+        pyspark.__version__ = "3.4.1"
+        try:
+            spark.get_spark("varadhi-unsupported")
+        except Exception as e:
+            outcome(e)
+    """)
+    assert got["error"] == "UnsupportedSparkVersion", got
+    assert "Spark 3.4.1 is not supported" in got["message"]
+    assert not got["context"] and not got["gateway"]
 
 
 @pytest.mark.parametrize("line", [line for line in LINES if line != CURRENT], ids=lambda x: x.line)
@@ -138,19 +195,18 @@ def test_each_older_lines_jars_are_pinned_as_the_table_says(line):
     assert f"  hadoop-client-api-{line.hadoop_version}.jar" in sums  # hadoop-aws must match it
 
 
-def test_get_spark_refuses_an_unsupported_cluster_spark_before_starting_a_jvm(monkeypatch):
-    import pyspark
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    from varadhi import spark
-
-    if SparkSession.getActiveSession() is not None:
-        pytest.skip("a Spark session of this run is active; the refusal is for a new one")
-    monkeypatch.setattr(pyspark, "__version__", "3.3.2")
-    with pytest.raises(UnsupportedSparkVersion, match="Spark 3.3.2 is not supported"):
-        spark.get_spark("varadhi-unsupported", local=False)
-    assert SparkContext._active_spark_context is None
+def test_get_spark_refuses_an_unsupported_cluster_spark_before_starting_a_jvm():
+    got = outcome_of("""
+        from varadhi import spark
+        pyspark.__version__ = "3.3.2"
+        try:
+            spark.get_spark("varadhi-unsupported", local=False)
+        except Exception as e:
+            outcome(e)
+    """)
+    assert got["error"] == "UnsupportedSparkVersion", got
+    assert "Spark 3.3.2 is not supported" in got["message"]
+    assert not got["context"] and not got["gateway"]
 
 
 def test_get_spark_refuses_an_active_session_of_an_unsupported_spark(monkeypatch):
@@ -166,17 +222,15 @@ def test_get_spark_refuses_an_active_session_of_an_unsupported_spark(monkeypatch
         spark.get_spark("varadhi-unsupported")
 
 
-def test_a_job_on_an_unsupported_spark_stops_with_one_line_and_exit_2(monkeypatch, capsys):
-    import pyspark
-    from pyspark import SparkContext
-    from pyspark.sql import SparkSession
-
-    from varadhi.jobs import runner
-
-    if SparkSession.getActiveSession() is not None:
-        pytest.skip("a Spark session of this run is active; the refusal is for a new one")
-    monkeypatch.setattr(pyspark, "__version__", "3.4.1")
-    assert runner.main(["smoke_count", "--topic", "orders.0"]) == 2
-    err = capsys.readouterr().err
-    assert err == "varadhi: Spark 3.4.1 is not supported (supported lines: 4.1, 4.0, 3.5)\n"
-    assert SparkContext._active_spark_context is None
+def test_a_job_on_an_unsupported_spark_stops_with_one_line_and_exit_2():
+    done = in_a_fresh_process("""
+        from varadhi.jobs import runner
+        pyspark.__version__ = "3.4.1"
+        code = runner.main(["smoke_count", "--topic", "orders.0"])
+        outcome(None)
+        sys.exit(code)
+    """)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr == "varadhi: Spark 3.4.1 is not supported (supported lines: 4.1, 4.0, 3.5)\n"
+    got = json.loads(done.stdout.splitlines()[-1])
+    assert not got["context"] and not got["gateway"]
