@@ -12,6 +12,12 @@ import uuid
 
 import pytest
 
+# Every skip of a run must be listed here (test id prefix -> why that skip is expected), or the run
+# fails at its end: a test that skips because a service did not start, or a condition that is
+# always true in the full run, would otherwise leave a green run that proved nothing. Empty: no
+# test of the suite may skip.
+ALLOWED_SKIPS: dict[str, str] = {}
+
 RUN_ID = uuid.uuid4().hex[:8]
 os.environ.setdefault("VARADHI_BOOTSTRAP", "127.0.0.1:19092")
 os.environ["VARADHI_CATALOG_TOPIC"] = f"__varadhi_catalog_test_{RUN_ID}"
@@ -76,3 +82,30 @@ def spark():
     session = get_spark("varadhi-tests")
     yield session
     session.stop()
+
+
+_unexpected_skips: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    """Note each skip that ALLOWED_SKIPS does not list (on xdist's controller, every worker's)."""
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    if not any(report.nodeid.startswith(prefix) for prefix in ALLOWED_SKIPS):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        _unexpected_skips.append(f"{report.nodeid}: {str(reason).removeprefix('Skipped: ')}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail a run that skipped a test that ALLOWED_SKIPS does not list (xdist's workers send
+    their reports to the controller, which judges the run)."""
+    worker = hasattr(session.config, "workerinput")
+    if _unexpected_skips and not worker and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unexpected_skips:
+        terminalreporter.section("unexpected skips (not in tests/conftest.py ALLOWED_SKIPS)")
+        for line in _unexpected_skips:
+            terminalreporter.line(line, red=True)
