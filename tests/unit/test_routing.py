@@ -3,7 +3,53 @@ from collections import Counter
 
 import pytest
 
-from varadhi import routing
+from varadhi import producer, routing, topics
+
+# Known routes, computed without varadhi or mmh3 (so a change of hash, encoding or formula shows):
+# h is MurmurHash3_x86_32, seed 0, of the group id's UTF-8 bytes (`s.getBytes(UTF_8)` in Java),
+# from three Java implementations that agreed on every row: Guava 33.4.8
+# `Hashing.murmur3_32_fixed(0).hashBytes(b).asInt()`, Commons Codec 1.19
+# `MurmurHash3.hash32x86(b, 0, b.length, 0)` (both in pyspark's jars) and hash4j 0.22
+# `Hashing.murmur3_32().hashBytesToInt(b)` (.jars/kafka), read unsigned
+# (`Integer.toUnsignedLong`). Then, in Java long arithmetic, DESIGN.md's
+# `Router(h) = (K*h) % P + (h // P) % K` and the default assignment (shard s of S owns partitions
+# [s*P/S, (s+1)*P/S), so partition j is shard j / (P/S) when S divides P).
+# Each row: group id, h, then for each (P, K, shard counts) of LAYOUTS: (partition, its shards).
+LAYOUTS = ((12, 1, (2, 3, 4, 6)), (24, 2, (2, 3, 4, 6)), (10, 5, (2, 5)))
+KNOWN_ROUTES = [
+    ("", 0, (0, (0, 0, 0, 0)), (0, (0, 0, 0, 0)), (0, (0, 0))),
+    ("hello", 613153351, (7, (1, 1, 2, 3)), (14, (1, 1, 2, 3)), (5, (1, 2))),
+    ("g", 4052411414, (2, (0, 0, 0, 1)), (5, (0, 0, 0, 1)), (1, (0, 0))),
+    ("customer-42", 220234549, (1, (0, 0, 0, 0)), (3, (0, 0, 0, 0)), (9, (1, 4))),
+    ("order-1", 4117911073, (1, (0, 0, 0, 0)), (2, (0, 0, 0, 0)), (7, (1, 3))),
+    ("ü-ñ", 249486141, (9, (1, 2, 3, 4)), (19, (1, 2, 3, 4)), (9, (1, 4))),
+    ("größe", 3822294591, (3, (0, 0, 1, 1)), (6, (0, 0, 1, 1)), (9, (1, 4))),
+    ("東京", 2529104194, (10, (1, 2, 3, 5)), (21, (1, 2, 3, 5)), (4, (0, 2))),
+    ("🦊", 822772547, (11, (1, 2, 3, 5)), (23, (1, 2, 3, 5)), (9, (1, 4))),
+    ("caf\u00e9", 605818632, (0, (0, 0, 0, 0)), (1, (0, 0, 0, 0)), (3, (0, 1))),  # é: NFC
+    ("cafe\u0301", 3014779529, (5, (0, 1, 1, 2)), (11, (0, 1, 1, 2)), (7, (1, 3))),  # NFD
+]
+
+
+@pytest.mark.parametrize("group, h, routes", [(g, h, r) for g, h, *r in KNOWN_ROUTES])
+def test_known_routes_of_group_ids(group, h, routes):
+    assert routing.group_hash(group) == h
+    for (p, k, counts), (partition, shards) in zip(LAYOUTS, routes, strict=True):
+        assert routing.route_group(group, p, k) == partition, (p, k)
+        assert [routing.shard_of_partition(partition, s, p) for s in counts] == list(shards), (p, k)
+
+
+@pytest.mark.parametrize("group, routes", [(g, r) for g, _, *r in KNOWN_ROUTES if g])
+def test_a_producer_sends_a_group_where_the_known_routes_say(group, routes):
+    """The producer's choice on composite topics grown 12 -> 24 and 2 -> 10 partitions (K 2, 5)."""
+    grown_from = {24: 12, 10: 2}  # the first storage topic's partition count
+    for (p, k, _), (partition, _) in zip(LAYOUTS[1:], routes[1:], strict=True):
+        topic = topics.new_topic("orders", grown_from[p])
+        topic, _ = topics.add_storage(topic, p, allow_uneven=True)  # 10: uneven for 3 shards
+        topic = topics.switch_produce(topic, now_ms=0)
+        assert (topic.produce_topic.partitions, topic.produce_topic.k) == (p, k)
+        assert producer.plan(topic, group) == ("orders.1", partition)
+        assert producer.RouteCache(topic).partition(group) == partition
 
 
 def test_group_hash_is_unsigned_murmur3_of_utf8():
