@@ -8,7 +8,6 @@ from collections import Counter
 
 import pytest
 
-from varadhi import routing
 from varadhi.errors import InvalidArgument
 from varadhi.outbox import (
     ADVISORY_LOCK_CLASS,
@@ -115,13 +114,43 @@ def test_bad_outbox_configuration_is_refused(kwargs):
         Outbox(**kwargs)
 
 
-def test_partition_is_stable_per_group_and_matches_the_group_hash():
-    for group in ["customer-42", "ü-ñ", "g"]:
-        first = partition_for(group, "m1", 8)
-        assert first == routing.group_hash(group) % 8
+# Known outbox partitions, computed without varadhi or mmh3: murmur3_x86_32 (seed 0) of the key's
+# UTF-8 bytes from three Java implementations that agreed (Guava 33.4.8
+# `Hashing.murmur3_32_fixed(0)`, Commons Codec 1.19 `MurmurHash3.hash32x86`, hash4j 0.22
+# `Hashing.murmur3_32()`; as for tests/unit/test_routing.py's table), read unsigned, modulo the
+# partition count: docs/outbox.md's `murmur3(group id) % partitions`, and the message id's hash for
+# an ungrouped message. (Not Kafka's murmur2 partitioner: `Utils.toPositive(Utils.murmur2(b)) % 8`
+# is 1, 7 and 0 for "customer-42", "g" and "message-7", where the outbox's tables are 5, 6 and 3.)
+PARTITION_COUNTS = (1, 2, 3, 4, 8, 16)
+KNOWN_GROUP_PARTITIONS = {
+    "customer-42": (0, 1, 1, 1, 5, 5),
+    "g": (0, 0, 2, 2, 6, 6),
+    "ü-ñ": (0, 1, 0, 1, 5, 13),
+    "größe": (0, 1, 0, 3, 7, 15),
+    "東京": (0, 0, 1, 2, 2, 2),
+    "🦊": (0, 1, 2, 3, 3, 3),
+    "m1": (0, 0, 2, 0, 0, 8),
+}
+KNOWN_MESSAGE_PARTITIONS = {
+    "message-7": (0, 1, 2, 3, 3, 11),
+    "m1": (0, 0, 2, 0, 0, 8),
+    "01J9Z0N1QXKZ8V6T2Y4R3W5E7A": (0, 1, 1, 1, 1, 9),
+    "größe": (0, 1, 0, 3, 7, 15),
+    "🦊": (0, 1, 2, 3, 3, 3),
+}
+
+
+@pytest.mark.parametrize("group", KNOWN_GROUP_PARTITIONS)
+def test_a_groups_partition_is_the_known_one_whatever_its_message_id(group):
+    for n, known in zip(PARTITION_COUNTS, KNOWN_GROUP_PARTITIONS[group], strict=True):
         # independent of the message id and of repetition: a group always uses one table
-        assert {partition_for(group, f"m{i}", 8) for i in range(50)} == {first}
-    assert partition_for("customer-42", "m", 1) == 0
+        assert {partition_for(group, f"m{i}", n) for i in range(50)} == {known}, n
+
+
+@pytest.mark.parametrize("message_id", KNOWN_MESSAGE_PARTITIONS)
+def test_an_ungrouped_messages_partition_is_the_known_one_of_its_message_id(message_id):
+    for n, known in zip(PARTITION_COUNTS, KNOWN_MESSAGE_PARTITIONS[message_id], strict=True):
+        assert partition_for(None, message_id, n) == known, n
 
 
 def test_groups_and_ungrouped_messages_spread_over_partitions():
@@ -131,7 +160,6 @@ def test_groups_and_ungrouped_messages_spread_over_partitions():
     ungrouped = Counter(partition_for(None, f"message-{i}", 4) for i in range(4000))
     assert set(ungrouped) == {0, 1, 2, 3}
     assert min(ungrouped.values()) > 800
-    assert partition_for(None, "message-7", 4) == partition_for(None, "message-7", 4)
 
 
 def test_advisory_lock_keys_are_int4_and_distinct_per_table():
@@ -179,12 +207,12 @@ def test_add_uses_the_shard_and_the_groups_partition(sqlite_db):
     outbox = Outbox(shards=2, partitions=4)
     path = sqlite_db(outbox)
     conn = sqlite3.connect(path)
-    groups = [f"g{i}" for i in range(20)]
+    groups = list(KNOWN_GROUP_PARTITIONS)  # all four partitions
     with conn:
         for g in groups:
             outbox.add(conn.cursor(), "orders", g.encode(), group_id=g, shard=1)
     for g in groups:
-        table = outbox.table(1, routing.group_hash(g) % 4)
+        table = outbox.table(1, KNOWN_GROUP_PARTITIONS[g][PARTITION_COUNTS.index(4)])
         assert (g, g.encode()) in [(r[2], r[5]) for r in rows(path, table)]
     assert sum(outbox.pending(conn)[outbox.table(0, p)] for p in range(4)) == 0
 
