@@ -183,12 +183,14 @@ class CountedMulti:
 
 
 def test_a_due_stream_with_every_slot_taken_waits_for_io_instead_of_spinning(endpoint):
-    """One slot, a 300 ms request in it: `w`, due 10 ms after its first request, waits for that
-    request's answer. The engine waits for I/O meanwhile; it used to poll without waiting
-    (`select(0)`) for as long as the slot stayed taken, about 100,000 times here, burning CPU
-    whenever a retry in place fell due with every slot taken."""
+    """One slot: `w`'s first request, then `g`'s, 300 ms each. `w`, due 100 ms after its first
+    answer, waits for `g`'s answer. The engine waits for I/O meanwhile; it used to poll without
+    waiting (`select(0)`) for as long as the slot stayed taken, about 100,000 times here,
+    burning CPU whenever a retry in place fell due with every slot taken. (`w` waits 100 ms, not
+    10: between its `Wait` and the engine's next look for a free slot, a loaded machine can
+    stall the process for more than 10 ms, and `w` would take the slot before `g`.)"""
     ep = endpoint(latency_ms=300)
-    waiter = Pausing("w", 2, before=2, seconds=0.01)
+    waiter = Pausing("w", 2, before=2, seconds=0.1)
     with HttpDeliverer(Endpoint(url=ep.url), max_in_flight=1) as engine:
         multi = engine._multi = CountedMulti(engine._multi)
         stats = engine.run([waiter, Group("g", 1)])
@@ -293,12 +295,16 @@ def test_a_held_engine_sends_nothing_new_and_asks_no_stream_until_the_hold_ends(
     ep = endpoint(latency_ms=20)
     state = {"on": False, "from": None, "to": None}
     asked_while_held: list[str] = []
+    asked_before_hold: set[str] = set()
 
     class Counted(Group):
         def next_request(self):
             if state["on"]:
                 asked_while_held.append(self.name)
-            return super().next_request()
+            request = super().next_request()
+            if state["from"] is None and request is not None:
+                asked_before_hold.add(request.headers[HTTP_MESSAGE_ID])
+            return request
 
     def hold() -> bool:
         if state["from"] is None and len(ep.records()) >= 10:
@@ -313,13 +319,12 @@ def test_a_held_engine_sends_nothing_new_and_asks_no_stream_until_the_hold_ends(
 
     assert state["from"] and state["to"], "the hold never began and ended"
     assert not asked_while_held
-    # requests sent before the hold began may still arrive in its first moments
+    # What arrived while held was in flight when the hold began (at most one request a slot):
+    # asked for before it, however late the endpoint got to it on a loaded machine.
     during = [
-        r.message_id
-        for r in ep.records()
-        if state["from"] + 0.1 <= r.received_ms / 1000 < state["to"]
+        r.message_id for r in ep.records() if state["from"] <= r.received_ms / 1000 < state["to"]
     ]
-    assert not during, during
+    assert set(during) <= asked_before_hold and len(during) <= 4, during
     assert stats.requests == 100 and all(g.finished for g in groups)
     seen: dict[str, list[int]] = defaultdict(list)
     for r in ep.records():
@@ -507,17 +512,20 @@ def test_statuses_and_retry_after_are_captured(endpoint):
 
 
 def test_a_request_that_takes_too_long_is_a_timeout(endpoint):
-    ep = endpoint(script={"g-1": ["slow"]}, slow_ms=3_000)
+    """A request answered only after 60 s times out after its 250 ms. The upper bounds say the
+    engine did not wait for the answer; they leave a loaded machine 10 s and more of slack (the
+    endpoint's teardown wakes its sleeping handler)."""
+    ep = endpoint(script={"g-1": ["slow"]}, slow_ms=60_000)
     group = Group("g", 2)
     started = time.monotonic()
     stats = deliver(ep.url, [group], request_timeout_ms=250)
     first, second = group.outcomes
     assert (first.status, first.error) == (None, "timeout")
     assert first.detail.startswith("curl error 28:")
-    assert 200 <= first.elapsed_ms < 1_500
+    assert 200 <= first.elapsed_ms < 15_000
     assert second.status == 200  # the stream goes on, on a fresh connection
     assert stats.errors == {"timeout": 1}
-    assert time.monotonic() - started < 2.5
+    assert time.monotonic() - started < 30
 
 
 def test_a_closed_port_is_a_connection_error():
