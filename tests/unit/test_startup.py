@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import threading
+import time
 
 import pytest
 
@@ -37,13 +38,19 @@ def test_an_unreadable_process_has_no_start(tmp_path):
     assert startup.process_start_s(99, str(tmp_path)) is None
 
 
-def test_the_launch_is_the_parent_jvm_under_spark_submit_and_this_process_otherwise():
+def test_the_launch_is_the_parent_jvm_under_spark_submit_and_this_process_otherwise(
+    monkeypatch,
+):
     mine = startup.process_start_s(os.getpid())
     parent = startup.process_start_s(os.getppid())
     assert mine is not None and parent is not None
-    # 10 ms steps of /proc/uptime, read at a slightly different moment by each call
-    assert abs(startup.launch_start_s({}) - mine) < 0.05
-    assert abs(startup.launch_start_s({"PYSPARK_GATEWAY_PORT": "4242"}) - parent) < 0.05
+    assert mine <= time.time() + 0.02  # /proc/uptime's 10 ms steps
+    # Which process: by pid, not by comparing two readings of the clock (a loaded machine can
+    # stall a call between its `time.time()` and its read of /proc/uptime).
+    starts = {os.getpid(): 1_000.0, os.getppid(): 2_000.0}
+    monkeypatch.setattr(startup, "process_start_s", lambda pid: starts[pid])
+    assert startup.launch_start_s({}) == 1_000.0
+    assert startup.launch_start_s({"PYSPARK_GATEWAY_PORT": "4242"}) == 2_000.0
 
 
 def test_phase_line():
