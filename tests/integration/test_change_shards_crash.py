@@ -83,7 +83,7 @@ def _read(bootstrap: str, topic: str) -> list:
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
         out = []
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120
         while any(consumer.position(tp) < ends[tp] for tp in tps):
             assert time.monotonic() < deadline, f"timed out reading {topic}"
             for batch in consumer.poll(timeout_ms=200).values():

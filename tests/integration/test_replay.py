@@ -61,7 +61,7 @@ def _send(producer: KafkaProducer, topic, group: str | None, msg_id: str, ts: in
         partition=partition,
         headers=kafka_headers(record, ts),
         timestamp_ms=ts,
-    ).get(timeout=10)
+    ).get(timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,7 @@ def read_committed(bootstrap: str, storage: str) -> list:
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
         records = []
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 120
         while any(consumer.position(tp) < ends[tp] for tp in tps):
             assert time.monotonic() < deadline, f"timed out reading {storage}"
             for batch in consumer.poll(timeout_ms=200).values():
