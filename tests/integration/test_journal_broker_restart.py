@@ -42,8 +42,13 @@ class Broker:
         assert done.returncode == 0, done.stdout + done.stderr
 
     def kill(self) -> None:
-        os.kill(int((self.folder / "broker.pid").read_text().strip()), signal.SIGKILL)
+        pid = int((self.folder / "broker.pid").read_text().strip())
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60  # a killed process's port closes at its exit: at once
         while self.listening():
+            assert time.monotonic() < deadline, (
+                f"port {PORT} still accepts 60 s after SIGKILL to {pid}"
+            )
             time.sleep(0.1)
 
     def listening(self) -> bool:

@@ -411,8 +411,16 @@ def signal_until_ended(run: Run, sig: signal.Signals) -> None:
     `chmod` Hadoop's local file system would start for each file (one signal rarely meets one; a
     systemd stop sends SIGTERM once, to every process of the unit), arrives while the driver's
     handler is still busy with the one before (which hung it, then RecursionError), and goes on
-    while the shard ends."""
+    while the shard ends. A shard that has not ended after RUN_TIMEOUT_S of it (a batch lasts
+    seconds) hangs: it is killed and the test fails with its log."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
     while run.proc.poll() is None:
+        if time.monotonic() > deadline:
+            tail = run.tail()
+            os.killpg(run.proc.pid, signal.SIGKILL)
+            pytest.fail(
+                f"the shard did not end within {RUN_TIMEOUT_S} s of {sig.name} every 10 ms:\n{tail}"
+            )
         try:
             os.killpg(run.proc.pid, sig)
         except ProcessLookupError:

@@ -104,6 +104,7 @@ def test_renewals_every_third_of_the_ttl_keep_a_standby_out_even_when_some_are_l
     # The holder dies after its renewal at 120 s.
     t = 120.0
     while not may_take_over(seen, t):
+        assert t < 120.0 + 10 * TTL / 1000, "no take-over within 10 TTLs of the last renewal"
         t += 0.5
         seen = observe(seen, doc(renewed=renewed), t)
     assert t == 120.0 + TTL / 1000

@@ -51,9 +51,13 @@ def wait_for(condition: Callable[[], bool], seconds: float, what: str = "conditi
     raise AssertionError(f"{what} not met within {seconds} s")
 
 
-def read_queue(bootstrap: str | Settings, storage_topic: str) -> list[dict]:
+def read_queue(
+    bootstrap: str | Settings, storage_topic: str, timeout_s: float = 120.0
+) -> list[dict]:
     """Every committed record of a Kafka topic: key, value, headers (dict), partition, offset.
-    `bootstrap`: the servers of a plaintext cluster, or `Settings` (with their Kafka config)."""
+    `bootstrap`: the servers of a plaintext cluster, or `Settings` (with their Kafka config).
+    Raises `AssertionError` when the records up to the end offsets read at the start are not
+    all read within `timeout_s` (a broker gone, a transaction that stays open)."""
     settings = Settings(bootstrap=bootstrap) if isinstance(bootstrap, str) else bootstrap
     consumer = kafka_clients.consumer(
         settings, isolation_level="read_committed", enable_auto_commit=False
@@ -66,7 +70,17 @@ def read_queue(bootstrap: str | Settings, storage_topic: str) -> list[dict]:
         consumer.seek_to_beginning(*tps)
         ends = consumer.end_offsets(tps)
         out = []
-        while any(consumer.position(tp) < ends[tp] for tp in tps):
+        deadline = time.monotonic() + timeout_s
+        while behind := {
+            tp.partition: f"{at} of {ends[tp]}"
+            for tp in tps
+            if (at := consumer.position(tp)) < ends[tp]
+        }:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{storage_topic} not read to its end within {timeout_s:g} s "
+                    f"(partition: position of end offset): {behind}"
+                )
             for batch in consumer.poll(timeout_ms=500).values():
                 for r in batch:
                     headers = {k: (v or b"").decode("utf-8", "replace") for k, v in r.headers}
