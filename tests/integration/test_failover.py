@@ -42,7 +42,9 @@ pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
 ROOT = Path(__file__).resolve().parents[2]
 TTL_MS = 5_000
-MARGIN_S = 6.0  # polls (1 s), a status or catalog read, a loaded two-core machine
+# A standby takes over within a TTL of the holder's last renewal, plus its polls (1 s), its
+# catalog reads and a loaded two-core machine (status: plus this test's poll and read).
+MARGIN_S = 6.0
 GROUPS = 12
 FENCED = 3
 
@@ -223,8 +225,10 @@ def test_a_standby_takes_over_a_killed_shard_and_the_old_instance_is_fenced(
         killed_ms = signal_group(a, signal.SIGKILL)
         a.wait(30)
         wait_for("B to take the lease", lambda: lease().get("epoch") == 2, 60, shards)
-        took_s = time.time() - killed_ms / 1000
         lease_b = lease()
+        # When B took it, by B's stamp (this machine's clock), not when this test's poll and
+        # catalog read saw it: a loaded machine slows those by seconds.
+        took_s = (lease_b["acquired_ms"] - killed_ms) / 1000
         print(f"B took over {took_s:.1f} s after A was killed")
         assert took_s <= TTL_MS / 1000 + MARGIN_S, took_s
         assert lease_b["instance"] != lease_a["instance"]
@@ -237,9 +241,9 @@ def test_a_standby_takes_over_a_killed_shard_and_the_old_instance_is_fenced(
         wait_for("C to stand by", lambda: shard_status()["standbys"], 180, shards)
         frozen_ms = signal_group(b, signal.SIGSTOP)
         wait_for("C to take the lease", lambda: lease().get("epoch") == 3, 60, shards)
-        took_s = time.time() - frozen_ms / 1000
-        assert took_s <= TTL_MS / 1000 + MARGIN_S, took_s
         lease_c = lease()
+        took_s = (lease_c["acquired_ms"] - frozen_ms) / 1000  # C's stamp, as for B
+        assert took_s <= TTL_MS / 1000 + MARGIN_S, took_s
         after_freeze = stream.ids_after(frozen_ms + 1000)
         wait_for("C's deliveries", lambda: delivered() & after_freeze, 120, shards)
         signal_group(b, signal.SIGCONT)
