@@ -414,7 +414,8 @@ def test_a_retry_still_waits_in_place_while_its_task_has_other_deliveries():
         attempts = [r for r in endpoint.records() if r.message_id == "f-1"]
 
     assert [(r.attempt, r.status) for r in attempts] == [(1, 503), (2, 200)]
-    assert attempts[1].received_ms - attempts[0].received_ms >= 1_000
+    # Due at whole ms of the task's clock, read when it read the answer: under 1 ms short at most.
+    assert attempts[1].received_ms - attempts[0].received_ms > 1_000 - 1
     assert not (result["kind"].isin(["out", "pending"])).any()
     stat = _stat(result)
     assert (stat["retried_in_place"], stat["retried"], stat["delivered"]) == (1, 0, 4)
