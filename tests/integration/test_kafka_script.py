@@ -84,19 +84,19 @@ def test_a_crash_keeps_the_data_stop_keeps_it_and_wipe_deletes_it(brokers):
     assert len(pids) == 2  # side by side: a broker, a pid file and a data folder each
     a.create_topic("kept")
     b.create_topic("only-b")
-    wait_for(lambda: a.has_topic("kept") and b.has_topic("only-b"), 30, "the new topics")
+    wait_for(lambda: a.has_topic("kept") and b.has_topic("only-b"), 120, "the new topics")
     assert not b.has_topic("kept")
 
     # A crash: the broker's JVM dies, its pid file stays behind.
     os.kill(int((a.dir / "broker.pid").read_text()), signal.SIGKILL)
-    wait_for(lambda: not a.listening(), 30, "the killed broker to close its port")
+    wait_for(lambda: not a.listening(), 120, "the killed broker to close its port")
     status = a.run("status")
     assert (status.returncode, status.stdout.strip()) == (1, "stopped")
     assert b.run("status").stdout.strip() == f"running {b.bootstrap}"
 
     restarted = a.run("start")
     assert (restarted.returncode, restarted.stdout.strip()) == (0, a.bootstrap), restarted
-    wait_for(lambda: a.has_topic("kept"), 30, "the topic back after the restart")
+    wait_for(lambda: a.has_topic("kept"), 120, "the topic back after the restart")
 
     stopped = a.run("stop")
     assert stopped.returncode == 0 and not a.listening()

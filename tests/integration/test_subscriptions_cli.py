@@ -42,7 +42,7 @@ def snapshot(catalog, settings):
     )
 
     def read():
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # Kafka work on a loaded machine
         while committed.end_offsets([tp])[tp] < raw.end_offsets([tp])[tp]:
             assert time.monotonic() < deadline, "a catalog transaction stayed open"
             time.sleep(0.01)

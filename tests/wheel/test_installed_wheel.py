@@ -242,7 +242,7 @@ def test_the_installed_wheel_runs_a_shard_outside_the_checkout(
             shard.wait(30)
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
     assert code == 0, tail
-    wait_for(lambda: len(set(delivered(endpoint))) == MESSAGES, 30, "the deliveries")
+    wait_for(lambda: len(set(delivered(endpoint))) == MESSAGES, 120, "the deliveries")
     assert sorted(set(delivered(endpoint))) == ids
     for g in ("g0", "g1", "g2"):  # per-group order
         assert delivered(endpoint, g) == [i for n, i in enumerate(ids) if f"g{n % 3}" == g]
