@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from varadhi import dlq, status
+from varadhi import dlq, status, subscriptions
 from varadhi.cli import main as cli
 from varadhi.errors import VaradhiError
 from varadhi.shard import ShardJob
@@ -159,18 +159,50 @@ def test_unsideline_refuses_bad_requests_without_side_effects(
     assert dlq.redrives(catalog.snapshot(), spec.name) == before
 
 
-def test_pause_stops_consuming_and_resume_carries_on(settings, spark, make_subscription, catalog):
+def test_pause_stops_consuming_and_resume_carries_on(
+    settings, spark, make_subscription, catalog, monkeypatch
+):
     with TestEndpoint() as endpoint:
         spec = make_subscription(endpoint.url)
         produce(settings, spec.topic, [("g", f"a{i}") for i in range(5)])
         job = ShardJob(spec.name, 0, settings, spark=spark)
         thread = threading.Thread(target=job.run, daemon=True)
+        # What the shard's control loop decided at each of its reads of the subscription: paused
+        # or not. Paused, it reads it once a second (`ShardJob._wait_while_paused`), and would
+        # start its query at the first read that says otherwise.
+        seen_paused: list[bool] = []
+        read_subscription = subscriptions.from_snapshot
+
+        def observed(snap, name):
+            sub = read_subscription(snap, name)
+            if threading.current_thread() is thread:
+                seen_paused.append(sub.paused)
+            return sub
+
+        monkeypatch.setattr(subscriptions, "from_snapshot", observed)
         thread.start()
         wait_for(lambda: len(delivered(endpoint, "g")) == 5, 90)
         assert cli(["subscription", "pause", spec.name]) == 0
         wait_for(lambda: status.collect(catalog, spec.name)["shards"][0]["state"] == "paused", 30)
         produce(settings, spec.topic, [("g", f"b{i}") for i in range(5)])
-        time.sleep(3)
+        since = len(seen_paused)
+
+        # Nothing consumed while paused, over time the shard demonstrably had: three of its
+        # control-loop ticks after the new messages were acknowledged (some 3 s: 30 triggers of
+        # the 100 ms query it would otherwise run), not a sleep in which it may not have run.
+        # Throughout, the shard runs no streaming query: nothing could read the messages.
+        def three_paused_ticks() -> bool:
+            queries = [q.name for q in spark.streams.active]
+            assert not [q for q in queries if q.startswith(f"varadhi-{spec.name}-")], queries
+            assert len(delivered(endpoint, "g")) == 5, "delivered while paused"
+            return len(seen_paused) - since >= 3
+
+        wait_for(three_paused_ticks, 120, "three control-loop ticks of the paused shard")
+        assert all(seen_paused[since:]), seen_paused[since:]
+        shard = status.collect(catalog, spec.name)["shards"][0]
+        assert shard["state"] == "paused" and thread.is_alive()
+        # the new messages are in its partitions, and it read none of them
+        assert shard["stats"]["inserted"] == 10 and shard["stats"]["routed"] == 5
         assert len(delivered(endpoint, "g")) == 5  # nothing consumed while paused
         assert cli(["subscription", "resume", spec.name]) == 0
         wait_for(lambda: len(delivered(endpoint, "g")) == 10, 90)
