@@ -119,7 +119,14 @@ def source(settings, spark, catalog):
             t.start()
         seen = lambda *ids: {r.message_id for r in endpoint.records()} >= set(ids)  # noqa: E731
         wait_for(lambda: seen("r-0", *(f"{g}-0" for g in healthy)), 120, "first deliveries")
-        time.sleep(3)  # the retry comes back from the RQ and is held for an hour
+
+        def held(msg_id: str) -> bool:  # read back from the RQ early: parked in shard 0's state
+            f = StateStore(spark, layouts.state_path(settings.warehouse, name, FROM, 0), "-").frame
+            return bool(((f["msg_id"] == msg_id) & (f["location"] == "held")).any())
+
+        # The retry comes back from the RQ and is held for an hour (a fixed 3 s was not always
+        # enough on a loaded machine; then a later batch of shard 0 read it back instead).
+        wait_for(lambda: held("r-0"), 120, "the retry read back from the RQ and held")
         # Dead letters last: each old table's last batch has a record to re-send.
         produce(settings, topic, [(dead0, "d0-0"), (dead1, "d1-0")])
         wait_for(lambda: seen("d0-0", "d1-0"), 120, "dead letters")
