@@ -9,6 +9,7 @@ import time
 import pandas as pd
 import pyarrow as pa
 
+from varadhi import batch
 from varadhi import messages as m
 from varadhi.batch import (
     BatchContext,
@@ -26,6 +27,23 @@ from varadhi.subscriptions import parse_spec
 from varadhi.testing.endpoint import TestEndpoint
 
 MQ = "orders.0"
+
+
+class TaskClock:
+    """The task's clock (`batch._now_ms`, epoch ms), made to read `first_ms` at its first
+    reading and to run in real time after it: a record due `d` ms after that is found exactly
+    `d` ms early, however long a loaded machine took to start the task. `offset`: real minus
+    task time (ms), to compare the endpoint's stamps."""
+
+    def __init__(self, first_ms: int):
+        self.first_ms = first_ms
+        self.offset: float | None = None
+
+    def __call__(self) -> int:
+        real = time.time() * 1000
+        if self.offset is None:
+            self.offset = real - self.first_ms
+        return int(real - self.offset)
 
 
 def _ctx(url: str, **extra) -> BatchContext:
@@ -421,11 +439,12 @@ def test_a_retry_still_waits_in_place_while_its_task_has_other_deliveries():
     assert (stat["retried_in_place"], stat["retried"], stat["delivered"]) == (1, 0, 4)
 
 
-def test_an_early_rq_record_is_parked_when_its_task_has_nothing_else_to_deliver():
+def test_an_early_rq_record_is_parked_when_its_task_has_nothing_else_to_deliver(monkeypatch):
     """Ungrouped x's RQ record is read back 1 s before its due time (within the window) and its
     task has nothing else to deliver: x is parked with its body (`held`), never sent early and
     its RQ record never written again. On the code before, the task always waited for it."""
-    due_ms = int(time.time() * 1000) + 1_000
+    due_ms = 1_800_000_000_000
+    monkeypatch.setattr(batch, "_now_ms", TaskClock(due_ms - 1_000))
     pending = {"~x": [_waiting("x", 1, due_ms=due_ms)]}
     rule = ForwardRule.of(pending, grouped=False)
     records = [_rq_record(10, "~x", "x", origin=1, attempts=1, due_ms=due_ms)]
@@ -441,10 +460,12 @@ def test_an_early_rq_record_is_parked_when_its_task_has_nothing_else_to_deliver(
     assert _stat(result)["waited_due"] == 0
 
 
-def test_an_early_rq_record_waits_while_its_task_delivers_and_is_sent_once_due():
+def test_an_early_rq_record_waits_while_its_task_delivers_and_is_sent_once_due(monkeypatch):
     """The same early RQ record (due 0.3 s after it is read), its task busy with n (answered
     after 1 s): x waits and is sent once due, in this batch, never before, linger or not."""
-    due_ms = int(time.time() * 1000) + 300
+    due_ms = 1_800_000_000_000
+    clock = TaskClock(due_ms - 300)
+    monkeypatch.setattr(batch, "_now_ms", clock)
     pending = {"~x": [_waiting("x", 1, due_ms=due_ms)]}
     rule = ForwardRule.of(pending, grouped=False)
     records = [_mq_record(5, "n"), _rq_record(10, "~x", "x", origin=1, attempts=1, due_ms=due_ms)]
@@ -454,7 +475,7 @@ def test_an_early_rq_record_waits_while_its_task_delivers_and_is_sent_once_due()
         sent = {r.message_id: r for r in endpoint.records()}
 
     assert sorted(sent) == ["n", "x"] and sent["x"].attempt == 2
-    assert sent["x"].received_ms >= due_ms
+    assert clock.offset is not None and sent["x"].received_ms - clock.offset >= due_ms
     assert not (result["kind"].isin(["out", "pending"])).any()
     assert _stat(result)["waited_due"] == 1
 
