@@ -221,7 +221,7 @@ def test_a_standby_takes_over_a_killed_shard_and_the_old_instance_is_fenced(
 
         # 2. SIGKILL A in the middle of its deliveries: B takes over and delivers on.
         seen = len(endpoint.records())
-        wait_for("a delivery in flight", lambda: len(endpoint.records()) > seen + 5, 30, shards)
+        wait_for("a delivery in flight", lambda: len(endpoint.records()) > seen + 5, 120, shards)
         killed_ms = signal_group(a, signal.SIGKILL)
         a.wait(30)
         wait_for("B to take the lease", lambda: lease().get("epoch") == 2, 60, shards)
