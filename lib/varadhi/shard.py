@@ -416,17 +416,22 @@ class ShardJob:
         """Run one query for `layout` until something asks it to stop; say why it stopped. Three
         steps: what it reads and skips (`_prepare_query`), the query (`_start_query`), then
         watching it between batches (`_watch`); the query is stopped between batches on every
-        way out."""
+        way out. What its last batch read is kept for the next progress document (`paused`,
+        `stopped`): a batch may end after the last look that recorded it."""
         plan = self._prepare_query(sub, mq, rq, layout)
         query = self._start_query(sub, layout, plan, dict(
             sub=sub, mq=mq, rq=rq, dlq=dlq, state_path=plan.state_path, app_id=plan.app_id,
             lease=lease,
         ))  # fmt: skip
         try:
-            return self._watch(query, sub, rq, layout, plan.source.assign, lease)
+            end = self._watch(query, sub, rq, layout, plan.source.assign, lease)
         finally:
             if query.isActive:
                 self._stop_between_batches(query)
+        read = consumed(query.lastProgress)
+        if read is not None:
+            self._where["consumed"] = read
+        return end
 
     def _prepare_query(self, sub, mq, rq, layout: Layout) -> _QueryPlan:
         """Before a query of `layout` starts: its source and paths, the state table's parked

@@ -203,6 +203,7 @@ def test_pause_stops_consuming_and_resume_carries_on(
         assert shard["state"] == "paused" and thread.is_alive()
         # the new messages are in its partitions, and it read none of them
         assert shard["stats"]["inserted"] == 10 and shard["stats"]["routed"] == 5
+        assert shard["queues"]["main"]["lag"] == 5
         assert len(delivered(endpoint, "g")) == 5  # nothing consumed while paused
         assert cli(["subscription", "resume", spec.name]) == 0
         wait_for(lambda: len(delivered(endpoint, "g")) == 10, 90)

@@ -261,3 +261,20 @@ def test_which_kafka_errors_are_ridden_out(name, transient):
     assert is_transient(getattr(kafka.errors, name)("x")) is transient
     assert is_transient(KafkaUnavailable("timed out"))
     assert not is_transient(ValueError("not Kafka"))
+
+
+def test_the_progress_after_a_query_says_what_its_last_batch_read(job, monkeypatch):
+    """A pause or stop seen between batches ends the query before another look records what its
+    last batch read: the next progress document (`paused`, `stopped`) must still say it, or
+    status counts that batch's records as lag (5 read of 10 showed lag 10 while paused)."""
+    job._where["consumed"] = {"orders.0": {"0": 0}}  # as of the look before the last batch
+    done = {"sources": [{"endOffset": {"orders.0": {"0": 5}}}]}  # its last batch's progress
+    query = SimpleNamespace(isActive=False, lastProgress=done)
+    plan = SimpleNamespace(
+        source=SimpleNamespace(assign={"orders.0": [0]}), state_path="s", app_id="a"
+    )
+    monkeypatch.setattr(job, "_prepare_query", lambda *_a: plan)
+    monkeypatch.setattr(job, "_start_query", lambda *_a: query)
+    monkeypatch.setattr(job, "_watch", lambda *_a: QueryEnd.PAUSED)
+    assert job._run_query(None, None, None, None, None, None) is QueryEnd.PAUSED
+    assert job._where["consumed"] == {"orders.0": {"0": 5}}
