@@ -6,9 +6,14 @@ Tiers: tests/unit (pure logic), tests/spark (one reused local SparkSession), tes
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import socket
+import time
 import uuid
+from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -23,13 +28,19 @@ os.environ.setdefault("VARADHI_BOOTSTRAP", "127.0.0.1:19092")
 os.environ["VARADHI_CATALOG_TOPIC"] = f"__varadhi_catalog_test_{RUN_ID}"
 
 
-def _kafka_up(bootstrap: str) -> bool:
+def _kafka_up(bootstrap: str, within_s: float = 60) -> bool:
+    """Whether the broker accepts a connection within `within_s` (a busy machine's broker, just
+    started by scripts/test, may take seconds)."""
     host, port = bootstrap.split(",")[0].rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=5):
+                return True
+        except OSError:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")
@@ -88,7 +99,9 @@ _unexpected_skips: list[str] = []
 
 
 def pytest_runtest_logreport(report):
-    """Note each skip that ALLOWED_SKIPS does not list (on xdist's controller, every worker's)."""
+    """Note each test's duration, and each skip that ALLOWED_SKIPS does not list (on xdist's
+    controller, every worker's reports)."""
+    _durations[_GROUP_SUFFIX.sub("", report.nodeid)] += report.duration
     if not report.skipped or hasattr(report, "wasxfail"):
         return
     if not any(report.nodeid.startswith(prefix) for prefix in ALLOWED_SKIPS):
@@ -109,3 +122,52 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("unexpected skips (not in tests/conftest.py ALLOWED_SKIPS)")
         for line in _unexpected_skips:
             terminalreporter.line(line, red=True)
+
+
+# Longest first. xdist hands out tests (and xdist_group groups, each to one worker) in collection
+# order; a long test handed out last would run alone at the end while the other workers idle.
+# tests/durations.json holds each test's measured seconds (setup + call + teardown), written by
+# `--store-durations FILE` (scripts/test writes one for every full run; copy it over to refresh).
+# A test it does not know yet weighs one second.
+DURATIONS = Path(__file__).with_name("durations.json")
+_GROUP_SUFFIX = re.compile(r"@[A-Za-z0-9_.-]+$")  # xdist's loadgroup adds `@group` to node ids
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--store-durations",
+        metavar="FILE",
+        help="write each test's seconds (setup + call + teardown) to FILE as JSON",
+    )
+
+
+def _xdist_scope(item) -> str:
+    mark = item.get_closest_marker("xdist_group")
+    if mark is None:
+        return item.nodeid
+    return "group:" + (mark.args[0] if mark.args else mark.kwargs["name"])
+
+
+def pytest_collection_modifyitems(config, items):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return  # a run in one process keeps the files' order
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    weight: dict[str, float] = defaultdict(float)
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        scope = _xdist_scope(item)
+        weight[scope] += known.get(_GROUP_SUFFIX.sub("", item.nodeid), 1.0)
+        first.setdefault(scope, i)
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (-weight[_xdist_scope(it)], first[_xdist_scope(it)], order[id(it)]))
+
+
+_durations: dict[str, float] = defaultdict(float)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    path = config.getoption("--store-durations", None)
+    if path and _durations and not hasattr(config, "workerinput"):
+        rounded = {k: round(v, 1) for k, v in sorted(_durations.items())}
+        Path(path).write_text(json.dumps(rounded, indent=0) + "\n")
