@@ -37,7 +37,8 @@ from varadhi.testing.harness import produce, wait_for
 from varadhi.topics import TopicService
 from varadhi.warehouse_fs import LocalFS
 
-pytestmark = [pytest.mark.kafka, pytest.mark.spark]
+# One worker runs the module: its tests share the subscription and runs of `source` and `clean`.
+pytestmark = [pytest.mark.kafka, pytest.mark.spark, pytest.mark.xdist_group("change_shards_crash")]
 
 PARTITIONS, FROM, TO = 4, 2, 4
 

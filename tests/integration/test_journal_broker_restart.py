@@ -1,5 +1,5 @@
 """The delivery journal's writer against a broker that dies and comes back while a task delivers
-(`varadhi.journal.JournalWriter`), on a broker of its own (scripts/kafka on port 29396, its data
+(`varadhi.journal.JournalWriter`), on a broker of its own (scripts/kafka on free ports, its data
 folder in tmp; the shared broker on 19092 is never touched). A task that starts while the broker
 is down journals nothing until it is back; none of its entries may be lost for that: the batch's
 re-run and a shard-count change's hand-over read them (docs/architecture.md, "Delivery journal").
@@ -19,18 +19,20 @@ import pytest
 from varadhi import journal
 from varadhi import messages as m
 from varadhi.settings import Settings
+from varadhi.testing.secure_kafka import free_port_pair
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kafka"
-PORT = 29396  # its controller listens on 29397
 
 
 class Broker:
     def __init__(self, folder: Path):
         self.folder = folder
-        self.bootstrap = f"127.0.0.1:{PORT}"
+        # free ports, not fixed ones: other tests start brokers of their own in parallel workers
+        self.port = free_port_pair(2)  # the broker; its controller listens on the next port
+        self.bootstrap = f"127.0.0.1:{self.port}"
         self.env = {
             **os.environ,
-            "VARADHI_KAFKA_PORT": str(PORT),
+            "VARADHI_KAFKA_PORT": str(self.port),
             "VARADHI_KAFKA_DIR": str(folder),
             "VARADHI_KAFKA_HEAP": "-Xmx256m -Xms64m",
         }
@@ -47,13 +49,13 @@ class Broker:
         deadline = time.monotonic() + 60  # a killed process's port closes at its exit: at once
         while self.listening():
             assert time.monotonic() < deadline, (
-                f"port {PORT} still accepts 60 s after SIGKILL to {pid}"
+                f"port {self.port} still accepts 60 s after SIGKILL to {pid}"
             )
             time.sleep(0.1)
 
     def listening(self) -> bool:
         try:
-            with socket.create_connection(("127.0.0.1", PORT), timeout=1):
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                 return True
         except OSError:
             return False
@@ -61,9 +63,6 @@ class Broker:
 
 @pytest.fixture
 def broker(tmp_path):
-    for port in (PORT, PORT + 1):
-        with socket.socket() as s:
-            assert s.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is taken"
     made = Broker(tmp_path / "kafka")
     made.run("start")
     yield made

@@ -32,7 +32,8 @@ from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce
 from varadhi.topics import TopicService
 
-pytestmark = [pytest.mark.kafka, pytest.mark.spark]
+# One worker runs the tier: one SeaweedFS and one s3a-configured session (tests/objectstore/conftest.py).
+pytestmark = [pytest.mark.kafka, pytest.mark.spark, pytest.mark.xdist_group("objectstore")]
 
 GROUPS = ("g1", "g2")
 
