@@ -138,16 +138,22 @@ def _watching() -> Iterator[_Failures]:
         network.propagate = propagate
 
 
+#: How often a client is built when a SASL connection closes with no answer read (`_build`).
+SASL_CLOSE_TRIES = 4
+
+
 def _build(cls: type, settings: HasKafka, kwargs: dict[str, Any]) -> Any:
     """A kafka-python client, or `KafkaUnavailable` with one line saying why not.
 
     A broker that refuses SASL credentials answers, then closes the connection (after
     `connection.failed.authentication.delay.ms`, 100 ms by default); a client whose event loop
-    is held up that long sees the close first and reports only "socket disconnected". Such a
-    failure on a SASL connection is therefore tried once more before it is reported."""
+    is held up that long sees the close first and reports only "socket disconnected"; a broker
+    refusing a mechanism its listener does not offer may close before its answer is read, too
+    (seen about once in eight tries on a quiet machine). Such a failure on a SASL connection is
+    therefore tried up to `SASL_CLOSE_TRIES` times before it is reported."""
     args = {"bootstrap_timeout_ms": CONNECT_TIMEOUT_MS, **connection_kwargs(settings)}
     args.update(kwargs)
-    for attempt in (1, 2):
+    for attempt in range(1, SASL_CLOSE_TRIES + 1):
         with _watching() as failures:
             try:
                 return cls(**args)
@@ -155,11 +161,11 @@ def _build(cls: type, settings: HasKafka, kwargs: dict[str, Any]) -> Any:
                 auth = [f for f in failures.seen if re.search(_AUTH_FAILURE, f)]
                 # the last entry is often the bootstrap timeout itself: the one before says why
                 why = [f for f in failures.seen if not f.startswith("KafkaTimeoutError")]
-                if attempt == 1 and not auth and _closed_during_sasl(settings, why):
+                if attempt < SASL_CLOSE_TRIES and not auth and _closed_during_sasl(settings, why):
                     continue
                 cause = (auth or why or [None])[-1]
                 raise KafkaUnavailable(explain(settings, cause or e)) from None
-    raise AssertionError("unreachable")  # the second attempt returns or raises
+    raise AssertionError("unreachable")  # the last attempt returns or raises
 
 
 def _closed_during_sasl(settings: HasKafka, failures: list[str]) -> bool:
