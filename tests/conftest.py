@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import time
 import uuid
@@ -101,7 +100,7 @@ _unexpected_skips: list[str] = []
 def pytest_runtest_logreport(report):
     """Note each test's duration, and each skip that ALLOWED_SKIPS does not list (on xdist's
     controller, every worker's reports)."""
-    _durations[_GROUP_SUFFIX.sub("", report.nodeid)] += report.duration
+    _durations[report.nodeid] += report.duration
     if not report.skipped or hasattr(report, "wasxfail"):
         return
     if not any(report.nodeid.startswith(prefix) for prefix in ALLOWED_SKIPS):
@@ -124,13 +123,56 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.line(line, red=True)
 
 
-# Longest first. xdist hands out tests (and xdist_group groups, each to one worker) in collection
-# order; a long test handed out last would run alone at the end while the other workers idle.
+# Tests that one xdist worker runs together (node id prefix -> why): they share something costly
+# that a module or session fixture starts once per worker, or ports that are fixed. Every other
+# test goes to whichever worker is free. (The scheduler below reads this table: with pytest 9,
+# xdist 3.8's `xdist_group` marker no longer changes a test's node id, so it groups nothing.)
+GROUPS: dict[str, str] = {
+    "tests/integration/test_secure_kafka.py": "a secured broker of its own (secure_broker)",
+    "tests/integration/test_kafka_mechanisms.py": "a secured broker of its own (broker)",
+    "tests/integration/test_replicated_cluster.py": "a three-node cluster on fixed ports",
+    "tests/integration/test_kafka_script.py": "brokers on fixed ports",
+    "tests/integration/test_change_shards_crash.py": "the runs of `source` and `clean`",
+    "tests/integration/test_replay.py": "the runs of `history`",
+    "tests/integration/test_shard_delivery.py::test_retries_wait_their_backoff_and_are_wr": (
+        "the run of `timing`"
+    ),
+    "tests/integration/test_shard_delivery.py::test_retry_after_is_honoured": "the run of `timing`",
+    "tests/integration/test_shard_delivery.py::test_a_fatal_answer_dead_letters_at_once_w": (
+        "the run of `timing`"
+    ),
+    "tests/objectstore/": "one SeaweedFS and one s3a session (tests/objectstore/conftest.py)",
+    "tests/cluster/": "one standalone cluster (tests/cluster/conftest.py)",
+}
+
+
+def xdist_scope(nodeid: str) -> str:
+    """The unit of work the scheduler hands to one worker: the test alone, or its group (the
+    tests of one module whose `GROUPS` prefixes give the same reason)."""
+    for prefix, why in GROUPS.items():
+        if nodeid.startswith(prefix):
+            return f"group: {prefix.split('::')[0]}: {why}"
+    return nodeid
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduler over `xdist_scope`, in collection order (longest first, below)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    config.option.loadscopereorder = False  # keep the order by duration, not by group size
+    return GroupScheduling(config, log)
+
+
+# Longest first. The scheduler hands out tests (a group as one unit) in collection order; a long
+# test handed out last would run alone at the end while the other workers idle.
 # tests/durations.json holds each test's measured seconds (setup + call + teardown), written by
 # `--store-durations FILE` (scripts/test writes one for every full run; copy it over to refresh).
 # A test it does not know yet weighs one second.
 DURATIONS = Path(__file__).with_name("durations.json")
-_GROUP_SUFFIX = re.compile(r"@[A-Za-z0-9_.-]+$")  # xdist's loadgroup adds `@group` to node ids
 
 
 def pytest_addoption(parser):
@@ -141,13 +183,6 @@ def pytest_addoption(parser):
     )
 
 
-def _xdist_scope(item) -> str:
-    mark = item.get_closest_marker("xdist_group")
-    if mark is None:
-        return item.nodeid
-    return "group:" + (mark.args[0] if mark.args else mark.kwargs["name"])
-
-
 def pytest_collection_modifyitems(config, items):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return  # a run in one process keeps the files' order
@@ -155,11 +190,17 @@ def pytest_collection_modifyitems(config, items):
     weight: dict[str, float] = defaultdict(float)
     first: dict[str, int] = {}
     for i, item in enumerate(items):
-        scope = _xdist_scope(item)
-        weight[scope] += known.get(_GROUP_SUFFIX.sub("", item.nodeid), 1.0)
+        scope = xdist_scope(item.nodeid)
+        weight[scope] += known.get(item.nodeid, 1.0)
         first.setdefault(scope, i)
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda it: (-weight[_xdist_scope(it)], first[_xdist_scope(it)], order[id(it)]))
+    items.sort(
+        key=lambda it: (
+            -weight[xdist_scope(it.nodeid)],
+            first[xdist_scope(it.nodeid)],
+            order[id(it)],
+        )
+    )
 
 
 _durations: dict[str, float] = defaultdict(float)

@@ -26,8 +26,7 @@ from varadhi.subscriptions import SubscriptionService, parse_spec
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.topics import TopicService
 
-# One worker runs the tier: its tests share one standalone cluster (tests/cluster/conftest.py).
-pytestmark = [pytest.mark.cluster, pytest.mark.kafka, pytest.mark.spark, pytest.mark.xdist_group("cluster")]
+pytestmark = [pytest.mark.cluster, pytest.mark.kafka, pytest.mark.spark]
 
 GROUPS = [f"g{i}" for i in range(6)]
 RETRIED = "A-g1-0"  # 500 twice, then 200: retried through the RQ

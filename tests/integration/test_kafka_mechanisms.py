@@ -22,8 +22,7 @@ from varadhi.producer import Producer
 from varadhi.settings import Settings
 from varadhi.testing.secure_kafka import secured_broker
 
-# One worker runs the module: its tests share a secured broker of their own (`broker`).
-pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("kafka_mechanisms")]
+pytestmark = [pytest.mark.kafka]
 
 MECHANISMS = ["mtls", "plain", "scram-sha-256", "scram-sha-512", "oauthbearer"]
 

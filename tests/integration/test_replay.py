@@ -33,8 +33,7 @@ from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import wait_for
 from varadhi.topics import TopicService
 
-# One worker runs the module: its tests share the messages and runs of `history`.
-pytestmark = [pytest.mark.kafka, pytest.mark.spark, pytest.mark.xdist_group("replay")]
+pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
 BASE = (int(time.time() * 1000) - 600_000) // 1000 * 1000  # the range's start, 10 minutes ago
 TO = BASE + 60_000  # the range's (exclusive) end

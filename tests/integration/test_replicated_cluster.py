@@ -35,8 +35,7 @@ from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
 from varadhi.topics import TopicService
 
-# One worker runs the module: its tests share a cluster on fixed ports (`cluster`).
-pytestmark = [pytest.mark.spark, pytest.mark.kafka, pytest.mark.xdist_group("replicated_cluster")]
+pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
 ROOT = Path(__file__).resolve().parents[2]
 PORT = int(os.environ.get("VARADHI_TEST_CLUSTER_PORT", "29892"))

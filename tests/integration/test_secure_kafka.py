@@ -29,8 +29,7 @@ from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, read_queue, run_until_idle
 from varadhi.testing.secure_kafka import free_port_pair, secured_broker
 
-# One worker runs the module: its tests share a secured broker of their own (`secure_broker`).
-pytestmark = [pytest.mark.kafka, pytest.mark.xdist_group("secure_kafka")]
+pytestmark = [pytest.mark.kafka]
 
 ROOT = Path(__file__).resolve().parents[2]
 

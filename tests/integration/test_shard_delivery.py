@@ -294,10 +294,6 @@ BACKOFF_MS = 5_000
 RETRY_AFTER_S = 7  # more than the backoff, or the policy's own delay would win
 
 
-# The tests of `timing` read one run: one worker runs them all, so it runs once.
-TIMING_GROUP = pytest.mark.xdist_group("shard_delivery_timing")
-
-
 @pytest.fixture(scope="module")
 def timing(settings, catalog, spark):
     """One run with three kinds of scripted trouble next to healthy traffic:
@@ -337,7 +333,6 @@ def timing(settings, catalog, spark):
         ep.stop()
 
 
-@TIMING_GROUP
 def test_retries_wait_their_backoff_and_are_written_once(timing):
     attempts = by_message(timing["records"])["gb.000"]
     assert [(r.attempt, r.status) for r in attempts] == [(1, 500), (2, 500), (3, 200)]
@@ -363,7 +358,6 @@ def test_retries_wait_their_backoff_and_are_written_once(timing):
     assert success["h1.003"] < success["gb.000"]
 
 
-@TIMING_GROUP
 def test_retry_after_is_honoured(timing):
     attempts = by_message(timing["records"])["gr.000"]
     assert [(r.attempt, r.status) for r in attempts] == [(1, 503), (2, 200)]
@@ -458,7 +452,6 @@ def test_a_retry_in_place_goes_to_the_rq_if_it_would_hold_an_idle_task_past_the_
     assert (job.stats.retried_in_place, job.stats.retried) == (1, 1)
 
 
-@TIMING_GROUP
 def test_a_fatal_answer_dead_letters_at_once_with_its_reason(timing):
     attempts = by_message(timing["records"])["gf.000"]
     assert [(r.attempt, r.status) for r in attempts] == [(1, 400)]

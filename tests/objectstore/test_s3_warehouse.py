@@ -32,8 +32,7 @@ from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce
 from varadhi.topics import TopicService
 
-# One worker runs the tier: one SeaweedFS and one s3a-configured session (tests/objectstore/conftest.py).
-pytestmark = [pytest.mark.kafka, pytest.mark.spark, pytest.mark.xdist_group("objectstore")]
+pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
 GROUPS = ("g1", "g2")
 

@@ -1,6 +1,7 @@
 """The suite's own rules, checked by running pytest on a throw-away tree that has this suite's
 root conftest: a skip that `ALLOWED_SKIPS` does not list fails the run (a service that did not
-start must not leave a green run), a listed one does not, and a misspelt marker is an error."""
+start must not leave a green run), a listed one does not, a misspelt marker is an error, and the
+tests of one `GROUPS` entry run on one xdist worker."""
 
 from __future__ import annotations
 
@@ -64,3 +65,39 @@ def test_a_misspelt_marker_is_an_error(tmp_path):
     done = run_pytest(tmp_path, "import pytest\n\n@pytest.mark.compatt\ndef test_x():\n    pass\n")
     assert done.returncode != 0
     assert "'compatt' not found in `markers`" in done.stdout + done.stderr
+
+
+GROUPED = """
+import os
+
+import pytest
+
+
+@pytest.mark.parametrize("i", range(8))
+def test_shares_a_fixture(i, tmp_path_factory):
+    with open(os.environ["WORKERS_FILE"], "a") as f:
+        f.write(os.environ["PYTEST_XDIST_WORKER"] + "\\n")
+"""
+
+
+def test_the_tests_of_a_group_run_on_one_worker(tmp_path, monkeypatch):
+    conftest = CONFTEST.read_text().replace(
+        "GROUPS: dict[str, str] = {",
+        'GROUPS: dict[str, str] = {\n    "test_probe.py": "one fixture",',
+    )
+    assert conftest != CONFTEST.read_text(), "GROUPS is no longer written as expected"
+    workers = tmp_path / "workers.txt"
+    monkeypatch.setenv("WORKERS_FILE", str(workers))
+    done = run_pytest(tmp_path, GROUPED, "-n", "3", conftest=conftest)
+    assert done.returncode == 0, done.stdout + done.stderr
+    ran_on = workers.read_text().split()
+    assert len(ran_on) == 8 and len(set(ran_on)) == 1, ran_on
+
+
+def test_ungrouped_tests_spread_over_the_workers(tmp_path, monkeypatch):
+    """The check above can fail: without the entry, the same tests go to several workers."""
+    workers = tmp_path / "workers.txt"
+    monkeypatch.setenv("WORKERS_FILE", str(workers))
+    done = run_pytest(tmp_path, GROUPED.replace("range(8)", "range(40)"), "-n", "3")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert len(set(workers.read_text().split())) > 1
