@@ -37,8 +37,7 @@ from varadhi.testing.harness import produce, wait_for
 from varadhi.topics import TopicService
 from varadhi.warehouse_fs import LocalFS
 
-# One worker runs the module: its tests share the subscription and runs of `source` and `clean`.
-pytestmark = [pytest.mark.kafka, pytest.mark.spark, pytest.mark.xdist_group("change_shards_crash")]
+pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
 PARTITIONS, FROM, TO = 4, 2, 4
 
@@ -121,17 +120,23 @@ def source(settings, spark, catalog):
         seen = lambda *ids: {r.message_id for r in endpoint.records()} >= set(ids)  # noqa: E731
         wait_for(lambda: seen("r-0", *(f"{g}-0" for g in healthy)), 120, "first deliveries")
 
-        def held(msg_id: str) -> bool:  # read back from the RQ early: parked in shard 0's state
-            f = StateStore(spark, layouts.state_path(settings.warehouse, name, FROM, 0), "-").frame
-            return bool(((f["msg_id"] == msg_id) & (f["location"] == "held")).any())
+        def located(shard: int, msg_id: str, location: str) -> bool:  # in the shard's state
+            path = layouts.state_path(settings.warehouse, name, FROM, shard)
+            f = StateStore(spark, path, "-").frame
+            return bool(((f["msg_id"] == msg_id) & (f["location"] == location)).any())
 
         # The retry comes back from the RQ and is held for an hour (a fixed 3 s was not always
         # enough on a loaded machine; then a later batch of shard 0 read it back instead).
-        wait_for(lambda: held("r-0"), 120, "the retry read back from the RQ and held")
+        wait_for(lambda: located(0, "r-0", "held"), 120, "the retry read back from the RQ and held")
         # Dead letters last: each old table's last batch has a record to re-send.
         produce(settings, topic, [(dead0, "d0-0"), (dead1, "d1-0")])
         wait_for(lambda: seen("d0-0", "d1-0"), 120, "dead letters")
-        time.sleep(3)
+        # Their batches committed (not a fixed 3 s): the slow batch below is a batch of its own.
+        wait_for(
+            lambda: located(0, "d0-0", "dlq") and located(1, "d1-0", "dlq"),
+            120,
+            "the dead letters committed in their shards' state",
+        )
         # Shard 0 takes a slow batch (0.7 s a message, in order) and is fenced in it, as
         # change-shards' fence step would: it delivers the batch and commits nothing.
         endpoint.latency_ms = 700

@@ -183,7 +183,7 @@ def test_pause_stops_consuming_and_resume_carries_on(
         thread.start()
         wait_for(lambda: len(delivered(endpoint, "g")) == 5, 90)
         assert cli(["subscription", "pause", spec.name]) == 0
-        wait_for(lambda: status.collect(catalog, spec.name)["shards"][0]["state"] == "paused", 30)
+        wait_for(lambda: status.collect(catalog, spec.name)["shards"][0]["state"] == "paused", 120)
         produce(settings, spec.topic, [("g", f"b{i}") for i in range(5)])
         since = len(seen_paused)
 

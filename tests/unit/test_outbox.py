@@ -283,7 +283,7 @@ def test_create_tables_is_idempotent_and_uses_wal(sqlite_db, tmp_path):
 
 
 def store(path: str, owner: str, clock: FakeClock, ttl_s: float = 10.0) -> _SqliteStore:
-    conn = sqlite3.connect(path, isolation_level=None, timeout=5)
+    conn = sqlite3.connect(path, isolation_level=None, timeout=60)  # busy: a loaded machine
     return _SqliteStore(conn, owner, ttl_s, clock)
 
 
