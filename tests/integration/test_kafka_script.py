@@ -31,6 +31,9 @@ class Broker:
             "VARADHI_KAFKA_PORT": str(port),
             "VARADHI_KAFKA_DIR": str(folder),
             "VARADHI_KAFKA_HEAP": "-Xmx256m -Xms64m",
+            # a narrow terminal (xdist's workers have COLUMNS=80) must not cut the broker's
+            # command line short where the script looks for its data folder in it
+            "COLUMNS": "40",
         }
 
     def run(self, command: str) -> subprocess.CompletedProcess:
