@@ -56,12 +56,6 @@ def cli(places, capsys, monkeypatch):
     return run
 
 
-@pytest.fixture
-def short_bootstrap(monkeypatch):
-    """Refused connections fail at the first attempt; 3 s instead of 10 s of retries suffice."""
-    monkeypatch.setattr(kafka_clients, "CONNECT_TIMEOUT_MS", 3_000)
-
-
 def test_the_script_records_one_listener_per_kind(broker):
     assert set(broker.listeners) == {"SASL_SSL", "MTLS", "OAUTH"}
     assert broker.listeners["SASL_SSL"] == broker.bootstrap
@@ -111,7 +105,6 @@ def test_topic_create_produce_and_spark_read(broker, places, cli, spark, mechani
     assert sorted(r.v for r in rows) == bodies
 
 
-@pytest.mark.usefixtures("short_bootstrap")
 def test_mutual_tls_without_a_client_certificate_is_refused(broker, cli, tmp_path):
     with_cert = Path(broker.client_config("alice", "mtls")).read_text()
     without = tmp_path / "no-cert.properties"
@@ -123,7 +116,6 @@ def test_mutual_tls_without_a_client_certificate_is_refused(broker, cli, tmp_pat
     assert "requires a client certificate (mutual TLS)" in err and "ssl.keystore.location" in err
 
 
-@pytest.mark.usefixtures("short_bootstrap")
 def test_a_certificate_the_broker_does_not_trust_is_refused(broker, cli, tmp_path):
     key, crt = tmp_path / "k.pem", tmp_path / "c.pem"
     subprocess.run(
@@ -143,7 +135,6 @@ def test_a_certificate_the_broker_does_not_trust_is_refused(broker, cli, tmp_pat
     assert "did not accept the client certificate" in err
 
 
-@pytest.mark.usefixtures("short_bootstrap")
 def test_a_mechanism_the_listener_does_not_offer_is_named(broker, cli, tmp_path):
     text = Path(broker.client_config("alice", "oauthbearer")).read_text()
     config = tmp_path / "oauth-at-the-scram-port.properties"

@@ -290,16 +290,19 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
 
 # Longer than a micro-batch cycle (Delta commit, RQ send, next trigger), so the shard reads each
 # RQ record back before it is due and must park it (hazard 2) instead of sending it early.
-BACKOFF_MS = 5_000
-RETRY_AFTER_S = 7  # more than the backoff, or the policy's own delay would win
+# The backoff is long enough that the shard reads each RQ record back before it is due, even on
+# a loaded machine whose batches take seconds: the record is then parked and a tick wakes the
+# shard (the check of `ticks` needs that; with 5 s, a parallel run once read it back when due).
+BACKOFF_MS = 12_000
+RETRY_AFTER_S = 15  # more than the backoff, or the policy's own delay would win
 
 
 @pytest.fixture(scope="module")
 def timing(settings, catalog, spark):
     """One run with three kinds of scripted trouble next to healthy traffic:
 
-    - `gb.000` fails with 500 twice, then succeeds (fixed backoff of 5 s, no jitter);
-    - `gr.000` gets a 503 with `Retry-After: 7`, then succeeds;
+    - `gb.000` fails with 500 twice, then succeeds (fixed backoff of 12 s, no jitter);
+    - `gr.000` gets a 503 with `Retry-After: 15`, then succeeds;
     - `gf.000` gets a 400 (fatal) and blocks its group (default `on_dead_letter: block`).
     """
     ep = TestEndpoint(retry_after_s=RETRY_AFTER_S)
