@@ -261,11 +261,19 @@ def in_flight_at_a_crash(sc: Scenario):
     """The duplicate rule of sequential runs: a message may succeed again in a later run only if
     its earlier success came from a run that crashed, after that run's last committed batch."""
 
+    # A request belongs to the run that opened its connection. The endpoint stamps a request
+    # when it reads it, and on a loaded machine it may read the last requests of a SIGKILLed run
+    # after the kill (a parallel run saw one after the run had ended): the connection's first
+    # request, read while its run ran, names the run.
+    opened: dict[int, float] = {}
+    for r in sorted(sc.endpoint.records(), key=lambda r: r.received_ms):
+        opened.setdefault(r.connection, r.received_ms)
+
     def run_of(r: Record) -> int:
         for i, run in enumerate(sc.runs):
-            if run.started_ms <= r.received_ms <= run.ended_ms:
+            if run.started_ms <= opened[r.connection] <= run.ended_ms:
                 return i
-        raise AssertionError(f"request {r} outside every shard run")
+        raise AssertionError(f"the connection of request {r} opened outside every shard run")
 
     def check(msg_id: str, earlier: Record, later: Record) -> None:
         i, j = run_of(earlier), run_of(later)
