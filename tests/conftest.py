@@ -134,13 +134,14 @@ GROUPS: dict[str, str] = {
     "tests/integration/test_kafka_script.py": "brokers on fixed ports",
     "tests/integration/test_change_shards_crash.py": "the runs of `source` and `clean`",
     "tests/integration/test_replay.py": "the runs of `history`",
-    "tests/integration/test_shard_delivery.py::test_retries_wait_their_backoff_and_are_wr": (
-        "the run of `timing`"
-    ),
-    "tests/integration/test_shard_delivery.py::test_retry_after_is_honoured": "the run of `timing`",
-    "tests/integration/test_shard_delivery.py::test_a_fatal_answer_dead_letters_at_once_w": (
-        "the run of `timing`"
-    ),
+    **{
+        f"tests/integration/test_shard_delivery.py::{name}": "the run of `timing`"
+        for name in (
+            "test_retries_wait_their_backoff_and_are_written_once",
+            "test_retry_after_is_honoured",
+            "test_a_fatal_answer_dead_letters_at_once_with_its_reason",
+        )
+    },
     "tests/objectstore/": "one SeaweedFS and one s3a session (tests/objectstore/conftest.py)",
     "tests/cluster/": "one standalone cluster (tests/cluster/conftest.py)",
 }
