@@ -14,6 +14,7 @@ from varadhi import messages, routing
 from varadhi.catalog import Catalog
 from varadhi.errors import InvalidArgument, NotFound
 from varadhi.producer import Message, Producer, SendFailed
+from varadhi.testing.harness import wait_for
 
 pytestmark = pytest.mark.kafka
 
@@ -143,10 +144,7 @@ def test_a_running_producer_follows_switch_produce_without_loss_or_duplicates(
             errors.append(e)
 
     def sent(n: int, what: str) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while len(results) < n and not errors:
-            assert time.monotonic() < deadline, f"no {what} within {WAIT_S} s"
-            time.sleep(0.05)
+        wait_for(lambda: len(results) >= n or bool(errors), WAIT_S, what)
 
     with Producer(name, settings, refresh_interval_s=0.25) as producer:
         sender = threading.Thread(target=send_forever, args=(producer,))
