@@ -188,20 +188,14 @@ def pytest_collection_modifyitems(config, items):
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return  # a run in one process keeps the files' order
     known = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+    scopes = [xdist_scope(item.nodeid) for item in items]
     weight: dict[str, float] = defaultdict(float)
     first: dict[str, int] = {}
-    for i, item in enumerate(items):
-        scope = xdist_scope(item.nodeid)
+    for i, (item, scope) in enumerate(zip(items, scopes, strict=True)):
         weight[scope] += known.get(item.nodeid, 1.0)
         first.setdefault(scope, i)
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(
-        key=lambda it: (
-            -weight[xdist_scope(it.nodeid)],
-            first[xdist_scope(it.nodeid)],
-            order[id(it)],
-        )
-    )
+    ranked = sorted(range(len(items)), key=lambda i: (-weight[scopes[i]], first[scopes[i]], i))
+    items[:] = [items[i] for i in ranked]
 
 
 _durations: dict[str, float] = defaultdict(float)
