@@ -52,7 +52,7 @@ if [[ "$VARADHI_SPARK_MASTER" == local* ]]; then
   LOCALFS=(--conf spark.hadoop.fs.file.impl=varadhi.hadoop.InProcessLocalFileSystem
            --conf spark.hadoop.fs.AbstractFileSystem.file.impl=varadhi.hadoop.InProcessLocalFs)
 fi
-# Spark's classes mapped from the class-data archive scripts/setup builds (varadhi.class_archive,
+# Spark's classes mapped from the class-data archive scripts/setup builds (varadhi.spark.class_archive,
 # whose java_options() these are): a faster, cheaper JVM start; JVM log warnings go to stderr.
 CDS="$ROOT/.jars/cds/spark-$SPARK_VERSION.jsa"
 if [[ -f "$CDS" && "${SPARK_SUBMIT_OPTS:-}" != *Archive* ]]; then

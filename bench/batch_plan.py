@@ -58,10 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     from py4j import clientserver
 
     import varadhi
-    from varadhi import shard_query
-    from varadhi.shard_query import batch_records
-    from varadhi.spark import get_spark
-    from varadhi.state_rows import RESULT_SCHEMA
+    from varadhi.core.state_rows import RESULT_SCHEMA
+    from varadhi.spark import records as shard_query
+    from varadhi.spark.records import batch_records
+    from varadhi.spark.session import get_spark
 
     spark = get_spark("varadhi-bench-batch-plan")
     gateway = spark.sparkContext._gateway

@@ -37,8 +37,8 @@ from pathlib import Path
 
 from common import endpoint_process, machine, print_table, results_head, write_results
 from harness import bench_topic, parser, run_shard
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.spark.shard.job import ShardJob
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "blocked_group.json"
@@ -97,8 +97,8 @@ def pace(settings_env: dict, topic: str, rate: int, blocked_rate: int, groups: i
     """The producer process: `rate` msg/s over `groups` groups plus `blocked_rate` msg/s to
     `blocked` (its first message over the subscription's limit), for `seconds`."""
     os.environ.update(settings_env)
-    from varadhi.producer import Producer
-    from varadhi.settings import Settings
+    from varadhi.kafka.producer import Producer
+    from varadhi.kafka.settings import Settings
 
     body = os.urandom(256).hex().encode()  # 512 bytes
     sent = blocked_sent = 0
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bucket", type=float, default=60, help="report every so many seconds")
     args = p.parse_args(argv)
 
-    from varadhi.spark import get_spark
+    from varadhi.spark.session import get_spark
 
     load_at_start = os.getloadavg()
     with bench_topic(args) as (env, topic), endpoint_process() as url:

@@ -86,14 +86,17 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from common import endpoint_process, machine, write_results
-from varadhi import checkpoints, dlq, layouts, resharding, status, subscriptions, topics
-from varadhi.catalog import Catalog
-from varadhi.producer import Producer
-from varadhi.settings import Settings
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka import dlq, subscriptions, topics
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.settings import Settings
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import change_shards as resharding
+from varadhi.ops import status
+from varadhi.spark import checkpoints, layouts
+from varadhi.spark.warehouse_fs import for_path
 from varadhi.testing.endpoint import read_records
-from varadhi.topics import TopicService
-from varadhi.warehouse_fs import for_path
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTITIONS = 12
@@ -459,7 +462,7 @@ def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0)
         # the old shards' exit codes (-9: killed before the change, or not stopped in 180 s)
         "old_shard_exits": stopped,
         "seconds": round(time.monotonic() - started, 1),
-        # what the old shards' uncommitted batches handed over (`varadhi.journal`)
+        # what the old shards' uncommitted batches handed over (`varadhi.spark.journal`)
         "handover": (op.get("state") or {}).get("handover"),
         # the command's refusals before that (a journal it could not read yet)
         "refusals": refusals,

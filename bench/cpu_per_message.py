@@ -1,7 +1,7 @@
 """CPU per message of a shard's healthy delivery, step by step: the Python task and the JVM.
 
 Part 1 runs what a Spark Python worker runs for one phase-1 task of a healthy micro-batch
-(`varadhi.batch.deliver_records`), on the records Spark would hand it, in this process, without
+(`varadhi.spark.batch.deliver_records`), on the records Spark would hand it, in this process, without
 Spark or Kafka, against nginx on loopback, and measures each step's CPU time (this process's
 user + system time, every thread: the delivery engine's libcurl runs in it; nginx's is not
 counted):
@@ -17,7 +17,7 @@ counted):
 |         | from trivial streams, one per group: the floor the task's HTTP work cannot go under  |
 
 `input` = `load` + `read`; `task - engine` is what the task spends outside the engine. The input
-is a `batch_records` frame (`varadhi.shard_query`) of `--records` messages of 1 KiB over
+is a `batch_records` frame (`varadhi.spark.records`) of `--records` messages of 1 KiB over
 `--groups` groups as the varadhi producer writes them (key = group id; headers message id,
 produced-at, group id), with the columns the code under test hands its tasks, split into Arrow
 batches of `spark.sql.execution.arrow.maxRecordsPerBatch` (10,000) as the JVM sends them. The
@@ -68,17 +68,17 @@ import pyarrow as pa
 
 from common import machine, nginx_binary, write_results
 from delivery import nginx
-from varadhi import batch
-from varadhi import messages as m
-from varadhi.batch import BatchContext, ForwardRule, deliver_records
-from varadhi.delivery import HttpDeliverer, Outcome, Request
-from varadhi.subscriptions import parse_spec
+from varadhi.core import messages as m
+from varadhi.core.delivery import HttpDeliverer, Outcome, Request
+from varadhi.kafka.subscriptions import parse_spec
+from varadhi.spark import batch
+from varadhi.spark.batch import BatchContext, ForwardRule, deliver_records
 
 RESULTS = Path(__file__).resolve().parent / "results" / "cpu_per_message.json"
 TOPIC = "bench.0"
 ARROW_BATCH = 10_000  # spark.sql.execution.arrow.maxRecordsPerBatch's default
 
-# The Arrow schema of `varadhi.shard_query.batch_records`'s columns (Spark's string, int,
+# The Arrow schema of `varadhi.spark.records.batch_records`'s columns (Spark's string, int,
 # bigint, binary and array<struct<key: string, value: binary>> types).
 _HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 _TYPES = {
@@ -277,7 +277,7 @@ COUNTED = ("delivered", "attempts", "failures", "retried_in_place", "retried")
 
 def _counts(out: list) -> dict[str, int]:
     """The task's `COUNTED` counters, summed over its stat rows."""
-    from varadhi.batch_commit import stat_rows
+    from varadhi.spark.shard.commit import stat_rows
 
     total = dict.fromkeys(COUNTED, 0)
     for o in out:
@@ -291,7 +291,7 @@ def _counts(out: list) -> dict[str, int]:
 def columns_read() -> list[str]:
     """The columns the shard's query hands its tasks (`batch_records`' output, less what
     the shard drops before delivery), from the code under test."""
-    from varadhi import shard_query
+    from varadhi.spark import records as shard_query
 
     names = getattr(shard_query, "DELIVERY_COLUMNS", None)
     return list(names) if names else list(_TYPES)
@@ -331,9 +331,9 @@ def spark_stages(messages: int, groups: int, kind: str, columns: list[str], repe
     from pyspark.sql.types import StructType
 
     from delivery import CpuSampler, Env, produce_backlog
-    from varadhi.shard_query import batch_records
-    from varadhi.spark import get_spark
-    from varadhi.topics import TopicService
+    from varadhi.kafka.topics import TopicService
+    from varadhi.spark.records import batch_records
+    from varadhi.spark.session import get_spark
 
     env = Env()
     try:

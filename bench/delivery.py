@@ -95,14 +95,14 @@ from kafka.record import util as record_util
 
 from common import machine, nginx_binary, stop_process, write_results
 from http_engine import _free_port, _wait_listening, run_wrk
-from varadhi import messages as m
-from varadhi.catalog import Catalog
-from varadhi.delivery import HttpDeliverer, Outcome, Request
-from varadhi.policies import ConsumptionPolicy, Endpoint, RetryPolicy
-from varadhi.producer import Producer
-from varadhi.settings import Settings
-from varadhi.subscriptions import SubscriptionService, parse_spec
-from varadhi.topics import TopicService, end_offsets
+from varadhi.core import messages as m
+from varadhi.core.delivery import HttpDeliverer, Outcome, Request
+from varadhi.core.policies import ConsumptionPolicy, Endpoint, RetryPolicy
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.settings import Settings
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService, end_offsets
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "delivery.json"

@@ -2,9 +2,9 @@
 
 Run by bench/floors.py under the product's launcher (`./spark-submit.sh --job ../bench/floor_job
 ...`: the same spark-submit, jars, class-data archive, local file system and `--conf`s as a
-shard), with the session a shard gets (`varadhi.spark.get_spark(local=False)`, as
+shard), with the session a shard gets (`varadhi.spark.session.get_spark(local=False)`, as
 `varadhi.jobs.shard` calls it). Each query reads a Kafka topic with the options a shard's query
-uses (`source_options`, the same as `varadhi.shard_query.Source.options`: headers, read_committed,
+uses (`source_options`, the same as `varadhi.spark.records.Source.options`: headers, read_committed,
 failOnDataLoss, `maxOffsetsPerTrigger`), a processing-time trigger, and a `foreachBatch` that
 coalesces the batch to `--concurrency` tasks (as a shard does with its Kafka partitions) and runs
 one of these, then `collect()`s the tasks' few result rows:
@@ -56,10 +56,10 @@ IDLE_S = 0.6  # idle time each side of a measured pass (the CPU sampler's period
 def source_options(
     bootstrap: str, topic: str, partitions: int, start: int, limit: int
 ) -> dict[str, str]:
-    """A shard's Kafka source options (`varadhi.shard_query.Source.options` of
+    """A shard's Kafka source options (`varadhi.spark.records.Source.options` of
     `kafka_clients.spark_source_options`) for every partition of `topic` from offset `start`
     (-2 earliest, -1 latest), at most `limit` records a batch."""
-    from varadhi.kafka_clients import SOURCE_FETCH_MAX_WAIT_MS
+    from varadhi.kafka.clients import SOURCE_FETCH_MAX_WAIT_MS
 
     parts = list(range(partitions))
     return {
@@ -87,7 +87,7 @@ class Events:
             f.write(json.dumps(doc) + "\n")
 
 
-# -- what the tasks run (pickled by value: pyarrow and varadhi.delivery only) ---------------------
+# -- what the tasks run (pickled by value: pyarrow and varadhi.core.delivery only) ---------------------
 
 
 def arrow_task(batches):
@@ -132,9 +132,9 @@ class _KeyStream:
 def _post_all(batches, url: str, max_in_flight: int, ts_column: str | None):
     """POST every record of `batches` through the product's HTTP engine, one stream per key.
     Returns (records, first batch time, 2xx answers, [(ts_ms, answered_ms)] if `ts_column`)."""
-    from varadhi import messages as m
-    from varadhi.delivery import HttpDeliverer, Request
-    from varadhi.policies import Endpoint
+    from varadhi.core import messages as m
+    from varadhi.core.delivery import HttpDeliverer, Request
+    from varadhi.core.policies import Endpoint
 
     streams: dict = {}
     n, first = 0, None
@@ -227,7 +227,7 @@ class Job:
         self.queries = 0
 
     def session(self) -> None:
-        from varadhi.spark import get_spark  # the shard's session (varadhi.jobs.shard)
+        from varadhi.spark.session import get_spark  # the shard's session (varadhi.jobs.shard)
 
         self.spark = get_spark("varadhi-floor", local=False)
         self.events("session_ready")

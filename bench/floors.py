@@ -58,8 +58,8 @@ from pathlib import Path
 
 from common import machine, nginx_binary, results_head, write_results
 from delivery import CpuSampler, Env, latency_stats, nginx, pace, produce_backlog
-from varadhi.producer import Producer
-from varadhi.topics import TopicService
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.topics import TopicService
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "floors.json"

@@ -17,10 +17,10 @@ from pathlib import Path
 
 from common import endpoint_process
 from delivery import Env
-from varadhi.producer import Producer
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
-from varadhi.topics import TopicService
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.spark.shard.job import ShardJob
 
 TYPES = 10  # values of a backlog message's `type` header (bench/filter.py filters on it)
 
@@ -136,7 +136,7 @@ def backlog_runs(
     once, start the test endpoint (`endpoint`: its options) and a local Spark session (`app`),
     then `run(env, spark, topic, url, kind, n, args)` for every kind in `kinds`, `args.repeat`
     rounds interleaved; returns their rows in that order."""
-    from varadhi.spark import get_spark
+    from varadhi.spark.session import get_spark
 
     with bench_topic(args) as (env, topic):
         produce(env, topic, args.messages, args.groups)

@@ -36,9 +36,9 @@ from pathlib import Path
 import pycurl
 
 from common import endpoint_process, machine, nginx_binary, stop_process, write_results
-from varadhi.delivery import DeliveryStats, HttpDeliverer, Outcome, Request
-from varadhi.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_IDEMPOTENCY_KEY, HTTP_MESSAGE_ID
-from varadhi.policies import Endpoint
+from varadhi.core.delivery import DeliveryStats, HttpDeliverer, Outcome, Request
+from varadhi.core.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_IDEMPOTENCY_KEY, HTTP_MESSAGE_ID
+from varadhi.core.policies import Endpoint
 
 BODY = b"x" * 1024
 RESULTS = Path(__file__).resolve().parent / "results" / "http_engine.json"

@@ -1,6 +1,6 @@
 """What the delivery journal costs a delivery task, and how much a crash re-delivers with it.
 
-Runs the body of a shard's phase-1 task (`varadhi.batch.deliver_records`, what a Spark task runs
+Runs the body of a shard's phase-1 task (`varadhi.spark.batch.deliver_records`, what a Spark task runs
 on its Kafka records; no Spark) over `--messages` 1 KiB messages of `--groups` groups against
 nginx answering 204 on loopback (the endpoint of bench/delivery.py), alternately with the
 journal off and at each `--intervals` value, `--repeat` times. The journal writes to the local
@@ -46,13 +46,14 @@ import pyarrow as pa
 
 from common import machine, nginx_binary, write_results
 from delivery import nginx
-from varadhi import batch as batch_module
-from varadhi import journal, kafka_clients
-from varadhi import messages as m
-from varadhi.batch import BatchContext, ForwardRule, deliver_records
-from varadhi.batch_commit import stat_rows
-from varadhi.policies import ConsumptionPolicy, Endpoint, RetryPolicy, SubscriptionSpec
-from varadhi.settings import Settings
+from varadhi.core import messages as m
+from varadhi.core.policies import ConsumptionPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka.settings import Settings
+from varadhi.spark import batch as batch_module
+from varadhi.spark import journal
+from varadhi.spark.batch import BatchContext, ForwardRule, deliver_records
+from varadhi.spark.shard.commit import stat_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "journal.json"

@@ -72,13 +72,13 @@ from typing import TYPE_CHECKING, Any
 
 from common import endpoint_process, machine, print_table, results_head, write_results
 from harness import bench_topic, parser, run_shard
-from varadhi.policies import RetryPolicy
-from varadhi.retry import backoff_ms, classify
+from varadhi.core.policies import RetryPolicy
+from varadhi.core.retry import backoff_ms, classify
 from varadhi.testing.endpoint import Record
 
 if TYPE_CHECKING:  # the run's types; the judge imports no Spark
-    from varadhi.shard import ShardJob
-    from varadhi.subscriptions import SubscriptionService
+    from varadhi.kafka.subscriptions import SubscriptionService
+    from varadhi.spark.shard.job import ShardJob
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "outage.json"
@@ -204,7 +204,7 @@ class _LowestDraw:
 def least_wait_ms(policy: RetryPolicy, failures: int, status: int, retry_after_ms: int) -> int:
     """The least a retry may wait after its `failures`-th failed attempt, answered `status`:
     the policy's backoff with its jitter at the low end, or the endpoint's Retry-After when the
-    matching rule honours it and it asks for longer (`varadhi.retry.decide`)."""
+    matching rule honours it and it asks for longer (`varadhi.core.retry.decide`)."""
     wait = backoff_ms(policy, failures, _LowestDraw())  # type: ignore[arg-type]
     if classify(status, None, policy.responses).honour_retry_after:
         wait = max(wait, retry_after_ms)
@@ -437,8 +437,8 @@ def pace(settings_env: dict, topic: str, rate: int, groups: int, stop, produced,
     is set; `produced` (a shared int) and the log file (`<epoch ms> <count>` lines, every 10 ms
     or so) say how many so far."""
     os.environ.update(settings_env)
-    from varadhi.producer import Producer
-    from varadhi.settings import Settings
+    from varadhi.kafka.producer import Producer
+    from varadhi.kafka.settings import Settings
 
     value = os.urandom(512).hex().encode()  # 1 KiB
     sent = 0
@@ -548,7 +548,7 @@ def control(run: Run) -> None:
 
 def sample_status(catalog, name: str, out: list[dict], stop: threading.Event) -> None:
     """`varadhi status` of shard 0 every second into `out` (time, state, circuit, lags)."""
-    from varadhi import status
+    from varadhi.ops import status
 
     while not stop.wait(1.0):
         try:
@@ -571,9 +571,9 @@ def sample_status(catalog, name: str, out: list[dict], stop: threading.Event) ->
 
 def run_mode(env, spark, topic: str, mode: str, args, work: Path) -> dict:
     """One mode's run (module docstring) and its verdict."""
-    from varadhi.catalog import Catalog
-    from varadhi.shard import ShardJob
-    from varadhi.subscriptions import SubscriptionService, parse_spec
+    from varadhi.kafka.catalog import Catalog
+    from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+    from varadhi.spark.shard.job import ShardJob
     from varadhi.testing.endpoint import read_records
 
     name = f"bench-{env.tag}-{mode}"
@@ -699,19 +699,19 @@ def main(argv: list[str] | None = None) -> int:
     p.epilog = __doc__.split("\n\n", 1)[1]  # the whole story under the options
     args = p.parse_args(argv)
 
-    from varadhi.spark import get_spark
+    from varadhi.spark.session import get_spark
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.ERROR)  # a loaded machine's slow-poll noise
     load_at_start = os.getloadavg()
     rows = []
     with bench_topic(args) as (env, first_topic), tempfile.TemporaryDirectory() as tmp:
-        logging.getLogger("varadhi.shard").setLevel(logging.INFO)
+        logging.getLogger("varadhi.spark.shard.job").setLevel(logging.INFO)
         spark = get_spark("varadhi-bench-outage")
         for n, mode in enumerate(args.modes):
             topic = first_topic
             if n:
-                from varadhi.topics import TopicService
+                from varadhi.kafka.topics import TopicService
 
                 topic = f"{first_topic}-{mode}"
                 TopicService(env.catalog).create(topic, args.partitions)

@@ -31,11 +31,11 @@ from pathlib import Path
 
 from kafka.record import util as record_util
 
-from varadhi.catalog import Catalog
-from varadhi.outbox import Outbox, Relay, connector
-from varadhi.producer import Message
-from varadhi.settings import Settings
-from varadhi.topics import TopicService, end_offsets
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.producer import Message
+from varadhi.kafka.settings import Settings
+from varadhi.kafka.topics import TopicService, end_offsets
+from varadhi.outbox.relay import Outbox, Relay, connector
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "outbox_relay.json"

@@ -48,11 +48,11 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from kafka.record import util as record_util
 
-from varadhi.catalog import Catalog
-from varadhi.messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS
-from varadhi.producer import Producer, new_message_id
-from varadhi.settings import Settings
-from varadhi.topics import TopicService
+from varadhi.core.messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.producer import Producer, new_message_id
+from varadhi.kafka.settings import Settings
+from varadhi.kafka.topics import TopicService
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "produce.json"

@@ -1,7 +1,7 @@
 """What retries in place save: one delivery task's groups, with and without `in_place_window`,
 and with and without `in_place_linger`.
 
-Runs the body of a shard's phase-1 task (`varadhi.batch.deliver_records`, the code a Spark task
+Runs the body of a shard's phase-1 task (`varadhi.spark.batch.deliver_records`, the code a Spark task
 runs on its Kafka records; no Spark, no Kafka) over `--groups` groups of `--per-group` 1 KiB
 messages against the project's test endpoint (`python -m varadhi.testing.endpoint`, its own
 process on 127.0.0.1) failing `--fail-rate` of the attempts with 500, answering after
@@ -33,10 +33,10 @@ import pandas as pd
 import pyarrow as pa
 
 from common import endpoint_process, machine, results_head, write_results
-from varadhi import messages as m
-from varadhi.batch import BatchContext, ForwardRule, deliver_records
-from varadhi.batch_commit import stat_rows
-from varadhi.policies import ConsumptionPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.core import messages as m
+from varadhi.core.policies import ConsumptionPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.spark.batch import BatchContext, ForwardRule, deliver_records
+from varadhi.spark.shard.commit import stat_rows
 
 RESULTS = Path(__file__).resolve().parent / "results" / "retry_in_place.json"
 TOPIC = "bench.0"

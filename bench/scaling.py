@@ -47,7 +47,7 @@ from delivery import (
     steady_cpu,
     summarise,
 )
-from varadhi.topics import TopicService
+from varadhi.kafka.topics import TopicService
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "scaling.json"
@@ -109,9 +109,7 @@ def run(env: ClusterEnv, worker_pid: int, nginx_bin: str, topic: str, cores: int
     sub = f"bench-{env.tag}-c{cores}"
     env.use_cores(cores)
     with nginx(nginx_bin) as endpoint:
-        create_subscription(
-            env, sub, topic, endpoint.url, args, consumption={"concurrency": cores}
-        )
+        create_subscription(env, sub, topic, endpoint.url, args, consumption={"concurrency": cores})
         load = os.getloadavg()
         started = time.time() * 1000
         procs = ShardProcesses(env, sub, 1, args.idle_s, logdir)
@@ -198,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     doc = {
         "benchmark": "scaling",
-        "command": "python bench/scaling.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": "python bench/scaling.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "machine": machine(load_at_start, cluster="standalone, 1 worker on loopback"),
         "settings": {

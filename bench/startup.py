@@ -18,7 +18,7 @@ The endpoint is the project's test endpoint (`varadhi.testing.endpoint`, in this
 answering 200). A shard's first delivery is the endpoint's first request for a group the shard
 owns; the run ends (SIGTERM to every shard) once each shard delivered, or after `--timeout`.
 
-Per shard, the timeline comes from the job's `start-up:` log lines (`varadhi.startup`: one INFO
+Per shard, the timeline comes from the job's `start-up:` log lines (`varadhi.spark.startup`: one INFO
 line per phase), put on the bench's clock (seconds since the launch, i.e. `Popen`): the JVM,
 Python, catalog read, Spark session, warehouse and catalog checks, lease, transactional
 producer, last progress, GroupState table, checkpoint and journal, query started, first batch
@@ -50,11 +50,11 @@ from pathlib import Path
 
 from common import machine, write_results
 from delivery import Env
-from varadhi import routing
-from varadhi.producer import Producer
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import routing
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
 from varadhi.testing.endpoint import TestEndpoint
-from varadhi.topics import TopicService
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "startup.json"

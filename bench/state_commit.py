@@ -1,4 +1,4 @@
-"""CPU and wall time of one GroupState commit (`varadhi.state_store.StateStore.commit`), what a
+"""CPU and wall time of one GroupState commit (`varadhi.spark.state_store.StateStore.commit`), what a
 micro-batch with failures pays on top of delivery, in a local Spark session (no Kafka).
 
 The state is what a grouped shard holds with 10% of attempts failing (docs/benchmarks.md,
@@ -34,12 +34,12 @@ import time
 from pathlib import Path
 
 from common import machine, print_table, results_head, write_results
-from varadhi import messages as m
-from varadhi.batch_commit import changes
-from varadhi.group_state import Entry
-from varadhi.spark import get_spark
-from varadhi.state_rows import RESULT_COLUMNS, Kind, frame_of, state_row, touched_row
-from varadhi.state_store import StateStore
+from varadhi.core import messages as m
+from varadhi.core.group_state import Entry
+from varadhi.core.state_rows import RESULT_COLUMNS, Kind, frame_of, state_row, touched_row
+from varadhi.spark.session import get_spark
+from varadhi.spark.shard.commit import changes
+from varadhi.spark.state_store import StateStore
 
 RESULTS = Path(__file__).resolve().parent / "results" / "state_commit.json"
 BODY = b"x" * 1024

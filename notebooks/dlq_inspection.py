@@ -57,8 +57,8 @@ WAIT_S = float(widget("wait_seconds", "300", "Seconds to wait for the shards"))
 if not NAME:
     raise ValueError("set the `subscription` widget to the subscription's name")
 
-from varadhi.dlq import parse_time_ms
-from varadhi.status import shard_rows
+from varadhi.kafka.dlq import parse_time_ms
+from varadhi.ops.status import shard_rows
 
 client = nb.client()  # the widgets bootstrap, catalog_topic, kafka_config, warehouse
 

@@ -72,7 +72,7 @@ WAIT_S = float(widget("wait_seconds", "120", "Seconds to wait for shards"))
 if not NAME:
     raise ValueError("set the `subscription` widget to the subscription's name")
 
-from varadhi.status import shard_rows
+from varadhi.ops.status import shard_rows
 
 client = nb.client(globals().get("spark"))  # Databricks' session; locally one starts if needed
 

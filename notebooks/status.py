@@ -54,13 +54,14 @@ import pandas as pd
 from kafka import TopicPartition
 from pyspark.sql import functions as F
 
-from varadhi import kafka_clients
-from varadhi.status import progress_topic, shard_rows
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka.progress import progress_topic
+from varadhi.ops.status import shard_rows
 
 try:
     spark
 except NameError:  # not on Databricks: a local session with the project's jars
-    from varadhi.spark import get_spark
+    from varadhi.spark.session import get_spark
 
     spark = get_spark("varadhi-status-notebook")
 

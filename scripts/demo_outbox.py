@@ -12,9 +12,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from varadhi.catalog import Catalog
-from varadhi.outbox import Outbox
-from varadhi.topics import TopicService
+from varadhi.kafka.catalog import Catalog
+from varadhi.outbox.relay import Outbox
+from varadhi.kafka.topics import TopicService
 
 ROOT = Path(__file__).resolve().parents[1]
 

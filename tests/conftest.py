@@ -54,7 +54,7 @@ def bootstrap() -> str:
 
 @pytest.fixture(scope="session")
 def settings(bootstrap, tmp_path_factory):
-    from varadhi.settings import Settings
+    from varadhi.kafka.settings import Settings
 
     warehouse = str(tmp_path_factory.mktemp("warehouse"))
     os.environ["VARADHI_WAREHOUSE"] = warehouse  # the CLI, called in-process, must agree
@@ -67,7 +67,7 @@ def settings(bootstrap, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def catalog(settings):
-    from varadhi.catalog import Catalog
+    from varadhi.kafka.catalog import Catalog
 
     cat = Catalog(settings)
     yield cat
@@ -87,7 +87,7 @@ def unique_name():
 @pytest.fixture(scope="session")
 def spark():
     """One local SparkSession (Kafka and Delta jars, UI off) for the whole run."""
-    from varadhi.spark import get_spark
+    from varadhi.spark.session import get_spark
 
     session = get_spark("varadhi-tests")
     yield session

@@ -4,10 +4,9 @@ The public Python API is `Client` (see `varadhi.client`): topics, subscriptions,
 resets, the DLQ, replay, shard-count changes and deletes, from `Settings`.
 """
 
-__version__ = "0.1.0"
-
-from .client import Client, OffsetResetResult, RedriveProgress
-from .errors import VaradhiError
-from .settings import Settings
+from varadhi.client import Client, OffsetResetResult, RedriveProgress
+from varadhi.core.errors import VaradhiError
+from varadhi.core.version import __version__ as __version__
+from varadhi.kafka.settings import Settings
 
 __all__ = ["Client", "OffsetResetResult", "RedriveProgress", "Settings", "VaradhiError"]

@@ -16,7 +16,7 @@ producer), made on first use; `close()` (or `with`) releases it.
 
 Spark is needed only by `change_shards` (state step, in-process feeders), `replay` and deletes of
 a warehouse on a remote file system. `spark`, when given, is used for those; otherwise the
-modules' own default applies (the active session, or a local one from `varadhi.spark`).
+modules' own default applies (the active session, or a local one from `varadhi.spark.session`).
 """
 
 from __future__ import annotations
@@ -26,20 +26,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import dlq, status
-from .catalog import Catalog
-from .errors import InvalidArgument
-from .offsets import Mode, OffsetReset, Plan, Queue
-from .policies import SubscriptionSpec
-from .settings import Settings
-from .subscriptions import Subscription, SubscriptionService, from_snapshot, parse_spec
-from .topics import AddStorageReport, CompositeTopic, TopicService
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.policies import SubscriptionSpec
+from varadhi.kafka import dlq
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.settings import Settings
+from varadhi.kafka.subscriptions import Subscription, SubscriptionService, from_snapshot, parse_spec
+from varadhi.kafka.topics import AddStorageReport, CompositeTopic, TopicService
+from varadhi.ops import status
+from varadhi.ops.offsets import Mode, OffsetReset, Plan, Queue
 
 if TYPE_CHECKING:
-    from .lifecycle import SubscriptionDeletePlan, TopicDeletePlan
-    from .replay import ReplayPlan, ReplayResult
-    from .resharding import FeederMode
-    from .resharding import Plan as ChangeShardsPlan
+    from varadhi.ops.change_shards import FeederMode
+    from varadhi.ops.change_shards import Plan as ChangeShardsPlan
+    from varadhi.ops.lifecycle import SubscriptionDeletePlan, TopicDeletePlan
+    from varadhi.ops.replay import ReplayPlan, ReplayResult
 
 Log = Callable[[str], None]
 
@@ -116,7 +117,9 @@ class Client:
 
     # -- composite topics -------------------------------------------------------------------
 
-    def create_topic(self, name: str, partitions: int, allow_uneven: bool = False) -> CompositeTopic:
+    def create_topic(
+        self, name: str, partitions: int, allow_uneven: bool = False
+    ) -> CompositeTopic:
         return TopicService(self.catalog).create(name, partitions, allow_uneven)
 
     def add_storage(
@@ -154,7 +157,7 @@ class Client:
     ) -> TopicDeletePlan:
         """Delete a composite topic no subscription uses (refused, naming them, otherwise);
         `dry_run`: only the plan. A re-run after a crash finishes it."""
-        from .lifecycle import TopicDeleter
+        from varadhi.ops.lifecycle import TopicDeleter
 
         deleter = TopicDeleter(self.catalog, log)
         return deleter.plan(name, keep_data) if dry_run else deleter.execute(name, keep_data)
@@ -211,7 +214,7 @@ class Client:
         return self._change_shards(log).execute(name, to, allow_uneven, feeders)
 
     def _change_shards(self, log: Log = _quiet):
-        from .resharding import ChangeShards
+        from varadhi.ops.change_shards import ChangeShards
 
         factory = None if self.spark is None else (lambda: self.spark)
         return ChangeShards(self.catalog, spark=factory, log=log)
@@ -222,7 +225,7 @@ class Client:
         """Delete a subscription whose shards are stopped and which has no operation in progress:
         its catalog records and, unless `keep_data`, its RQ/DLQ topics and warehouse folder;
         `dry_run`: only the plan. A re-run after a crash finishes it."""
-        from .lifecycle import SubscriptionDeleter
+        from varadhi.ops.lifecycle import SubscriptionDeleter
 
         deleter = SubscriptionDeleter(self.catalog, log)
         if dry_run:
@@ -263,7 +266,9 @@ class Client:
         if mode == "to-datetime" and isinstance(value, str):
             value = dlq.parse_time_ms(value, "to_datetime")
         if mode == "to-storage-topic" and queue != "main":
-            raise InvalidArgument("--to-storage-topic applies to the main queue only", field="queue")
+            raise InvalidArgument(
+                "--to-storage-topic applies to the main queue only", field="queue"
+            )
         if mode in ("shift-by", "to-storage-topic") and isinstance(value, str):
             value = _integer(value, mode.replace("-", "_"))
         reset = OffsetReset(self.catalog)
@@ -328,7 +333,7 @@ class Client:
         """Check and plan a replay of the main topic's messages with Kafka timestamps in
         [from_, to) (ISO-8601 or epoch ms; `to` default now). Refuses (exit 2) before any side
         effect; reads only the catalog and Kafka offsets."""
-        from . import replay
+        from varadhi.ops import replay
 
         return replay.prepare(self.catalog, name, from_, to, parallelism=parallelism)
 
@@ -336,13 +341,13 @@ class Client:
         """Deliver a planned replay with a bounded Spark job on the client's session, the active
         one, or a local one made and stopped here; the result is recorded in the catalog.
         `result.ok` is False when some messages failed (listed in `result.failures`)."""
-        from . import replay
+        from varadhi.ops import replay
 
         if self.spark is not None:
             return replay.execute(self.spark, self.catalog, plan)
         from pyspark.sql import SparkSession
 
-        from .spark import get_spark
+        from varadhi.spark.session import get_spark
 
         own = SparkSession.getActiveSession() is None
         spark = get_spark(f"varadhi-replay-{plan.subscription}")

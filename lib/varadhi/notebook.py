@@ -74,7 +74,7 @@ class Notebook:
     def client(self, spark: Any = None):
         """A `varadhi.Client` on the connection widgets (see `connection`) and `spark` (the
         notebook's session; None: the client starts one only when an operation needs it)."""
-        from . import Client, Settings
+        from varadhi import Client, Settings
 
         c = self.connection()
         settings = Settings.from_env(

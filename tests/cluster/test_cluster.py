@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from varadhi import dlq, resharding
 from varadhi.cli import main as cli
-from varadhi.producer import Producer
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka import dlq
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import change_shards as resharding
 from varadhi.testing.endpoint import TestEndpoint
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kafka, pytest.mark.spark]
 
@@ -127,7 +128,9 @@ def test_change_shards_with_feeders_on_the_cluster_then_a_replay(
     assert sources == [f"{flow.name}.rq.0", f"{flow.name}.dlq.0"]
 
     # Both feeders at once, as Spark jobs on the cluster.
-    feeders = [submit("--job", "feeder", "--subscription", flow.name, "--source", s) for s in sources]
+    feeders = [
+        submit("--job", "feeder", "--subscription", flow.name, "--source", s) for s in sources
+    ]
     for feeder in feeders:
         assert feeder.wait() == 0, feeder.tail()
     op = catalog.get(resharding.OPERATION, resharding.operation_name(flow.name))

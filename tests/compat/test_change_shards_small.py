@@ -14,13 +14,13 @@ import threading
 
 import pytest
 
-from varadhi import dlq
 from varadhi.cli import main as cli
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka import dlq
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce, wait_for
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.compat, pytest.mark.kafka, pytest.mark.spark]
 

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from varadhi.spark_lines import CURRENT, by_line, line_for
+from varadhi.spark.lines import CURRENT, by_line, line_for
 
 pytestmark = [pytest.mark.compat, pytest.mark.spark]
 

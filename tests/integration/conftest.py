@@ -18,7 +18,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 @pytest.fixture
 def topic_service(catalog):
     """A `TopicService` on the test run's catalog."""
-    from varadhi.topics import TopicService
+    from varadhi.kafka.topics import TopicService
 
     return TopicService(catalog)
 
@@ -112,8 +112,8 @@ def varadhi_processes(bootstrap):
 def make_subscription(catalog, unique_name):
     """Factory: a 2-partition topic and a one-shard grouped subscription delivering to `url`."""
 
-    from varadhi.subscriptions import SubscriptionService, parse_spec
-    from varadhi.topics import TopicService
+    from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+    from varadhi.kafka.topics import TopicService
 
     def make(url: str, **overrides):
         topic = unique_name("ops")

@@ -19,13 +19,14 @@ import pytest
 from kafka import KafkaProducer
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
-from varadhi import messages as m
-from varadhi import replay, resharding
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import messages as m
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import change_shards as resharding
+from varadhi.ops import replay
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 

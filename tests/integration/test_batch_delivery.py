@@ -23,18 +23,18 @@ from typing import Any
 
 import pytest
 
-from varadhi import messages as m
-from varadhi.batch import TICK_HEADER
-from varadhi.batching import BATCH_SIZE_HEADER
-from varadhi.delivery import HttpDeliverer
-from varadhi.group_state import Entry, GroupRun, RunCounts
-from varadhi.policies import DeliveryPolicy, Endpoint, RetryPolicy
-from varadhi.producer import Producer
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import messages as m
+from varadhi.core.batching import BATCH_SIZE_HEADER
+from varadhi.core.delivery import HttpDeliverer
+from varadhi.core.group_state import Entry, GroupRun, RunCounts
+from varadhi.core.policies import DeliveryPolicy, Endpoint, RetryPolicy
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.spark.batch import TICK_HEADER
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import Record, TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.topics import TopicService
 
 # Retries in place (in the task) after 50 ms, at most 3 attempts.
 IN_PLACE = RetryPolicy(

@@ -1,4 +1,4 @@
-"""The two phases of a micro-batch (`varadhi.batch`) against a real HTTP endpoint, without Spark:
+"""The two phases of a micro-batch (`varadhi.spark.batch`) against a real HTTP endpoint, without Spark:
 what phase 1 delivers on its own partition and what it forwards, and phase 2 finishing the
 forwarded groups in order with their pending state."""
 
@@ -9,9 +9,12 @@ import time
 import pandas as pd
 import pyarrow as pa
 
-from varadhi import batch
-from varadhi import messages as m
-from varadhi.batch import (
+from varadhi.core import messages as m
+from varadhi.core.group_state import Entry
+from varadhi.core.state_rows import Kind, state_row
+from varadhi.kafka.subscriptions import parse_spec
+from varadhi.spark import batch
+from varadhi.spark.batch import (
     BatchContext,
     ForwardRule,
     chained,
@@ -20,10 +23,7 @@ from varadhi.batch import (
     process_partition,
     ran_parked,
 )
-from varadhi.batch_commit import stat_rows
-from varadhi.group_state import Entry
-from varadhi.state_rows import Kind, state_row
-from varadhi.subscriptions import parse_spec
+from varadhi.spark.shard.commit import stat_rows
 from varadhi.testing.endpoint import TestEndpoint
 
 MQ = "orders.0"
@@ -167,7 +167,7 @@ def test_a_replayed_batch_sends_only_what_its_journal_lacks_and_journals_the_res
     journal's 60 s close timeout.)"""
     from dataclasses import replace
 
-    from varadhi import journal
+    from varadhi.spark import journal
 
     topic = journal.topic_name(unique_name("s"))
     journal.ensure_topic(settings, topic, 1)

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import pytest
 
-from varadhi import dlq, status
 from varadhi.cli import main as cli
-from varadhi.group_state import OVER_LIMIT
+from varadhi.core.group_state import OVER_LIMIT
+from varadhi.kafka import dlq
+from varadhi.ops import status
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce, run_until_idle
 

@@ -2,7 +2,7 @@
 during a lease heartbeat leaves its lease writer's transaction open (no other process uses that
 transactional id, so nobody fences and aborts it), and read_committed readers see nothing past
 it until the broker aborts it. Every catalog reader must get through within its own wait
-(`varadhi.catalog`, TRANSACTION_TIMEOUT_MS)."""
+(`varadhi.kafka.catalog`, TRANSACTION_TIMEOUT_MS)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import pytest
 
-from varadhi.catalog import Catalog
+from varadhi.kafka.catalog import Catalog
 
 pytestmark = pytest.mark.kafka
 
 # A lease heartbeat's write, in a process of its own (the catalog topic from the environment).
 HEARTBEAT = """
-from varadhi.catalog import Catalog
+from varadhi.kafka.catalog import Catalog
 Catalog(writer="lease.test/0").mutate(lambda _snapshot: {"lease/test/0": {"epoch": 1}})
 """
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from varadhi.catalog import Catalog
+from varadhi.kafka.catalog import Catalog
 
 pytestmark = pytest.mark.kafka
 

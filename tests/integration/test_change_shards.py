@@ -16,13 +16,14 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
-from varadhi import dlq, resharding, subscriptions, topics
 from varadhi.cli import main as cli
-from varadhi.producer import Producer
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka import dlq, subscriptions, topics
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import change_shards as resharding
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 

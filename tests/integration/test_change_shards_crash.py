@@ -23,19 +23,22 @@ from pathlib import Path
 import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from varadhi import journal, layouts, resharding, routing, subscriptions, topics
-from varadhi.catalog import key
-from varadhi.checkpoints import shard_position, uncommitted_plan
 from varadhi.cli import main as cli
-from varadhi.layouts import READER_KIND, Layout
-from varadhi.leases import Lease
-from varadhi.shard import ShardJob
-from varadhi.state_store import StateStore
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import routing
+from varadhi.kafka import subscriptions, topics
+from varadhi.kafka.catalog import key
+from varadhi.kafka.leases import Lease
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import change_shards as resharding
+from varadhi.spark import journal, layouts
+from varadhi.spark.checkpoints import shard_position, uncommitted_plan
+from varadhi.spark.layouts import READER_KIND, Layout
+from varadhi.spark.shard.job import ShardJob
+from varadhi.spark.state_store import StateStore
+from varadhi.spark.warehouse_fs import LocalFS
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import produce, wait_for
-from varadhi.topics import TopicService
-from varadhi.warehouse_fs import LocalFS
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 

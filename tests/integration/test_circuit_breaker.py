@@ -18,14 +18,15 @@ from typing import Any
 
 import pytest
 
-from varadhi import messages as m
-from varadhi import status
-from varadhi.producer import Producer
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import messages as m
+from varadhi.kafka import progress
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import status
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import Record, TestEndpoint
 from varadhi.testing.harness import read_queue, wait_for
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
@@ -48,7 +49,7 @@ def produce(settings, topic: str, produced: dict[str, list[str]], prefix: str, g
 def circuit_history(read_records, settings, name: str) -> list[dict[str, Any]]:
     """Every circuit state the shard published, in order, each once (by state and since)."""
     out: list[dict[str, Any]] = []
-    for r in read_records(status.progress_topic(settings)):
+    for r in read_records(progress.progress_topic(settings)):
         if r.key != f"{name}/0".encode():
             continue
         circuit = json.loads(r.value).get("circuit")

@@ -7,7 +7,7 @@ import time
 import pytest
 from kafka import KafkaProducer
 
-from varadhi import producer, topics
+from varadhi.kafka import producer, topics
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce, run_until_idle
 

@@ -13,11 +13,11 @@ from collections import defaultdict
 
 import pytest
 
-from varadhi import delivery
-from varadhi.delivery import DeliveryStats, HttpDeliverer, Outcome, Request, Wait
-from varadhi.errors import InvalidArgument
-from varadhi.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
-from varadhi.policies import Endpoint
+from varadhi.core import delivery
+from varadhi.core.delivery import DeliveryStats, HttpDeliverer, Outcome, Request, Wait
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
+from varadhi.core.policies import Endpoint
 from varadhi.testing.endpoint import TestEndpoint
 
 

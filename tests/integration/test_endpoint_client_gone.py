@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from varadhi import messages as m
-from varadhi.delivery import HttpDeliverer
-from varadhi.group_state import Entry, GroupRun, RunCounts
-from varadhi.policies import Endpoint as HttpEndpoint
-from varadhi.policies import RetryPolicy
+from varadhi.core import messages as m
+from varadhi.core.delivery import HttpDeliverer
+from varadhi.core.group_state import Entry, GroupRun, RunCounts
+from varadhi.core.policies import Endpoint as HttpEndpoint
+from varadhi.core.policies import RetryPolicy
 from varadhi.testing.endpoint import Record, TestEndpoint
 
 REQUEST = (

@@ -29,14 +29,15 @@ from pathlib import Path
 
 import pytest
 
-from varadhi import layouts, status
-from varadhi import messages as m
-from varadhi.batch import TICK_HEADER
-from varadhi.producer import Producer
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import messages as m
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import status
+from varadhi.spark import layouts
+from varadhi.spark.batch import TICK_HEADER
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 from kafka import KafkaProducer
 
-from varadhi import resharding
 from varadhi.cli import main as cli
-from varadhi.subscriptions import SubscriptionService, parse_spec
-from varadhi.topics import TopicService
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import change_shards as resharding
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 

@@ -1,7 +1,7 @@
 """A grouped subscription with a header filter, end to end in this process: real Kafka, real
 Delta, `TestEndpoint` (tests/integration/test_shard_delivery.py runs shards the same way).
 
-One shard run covers the contract of `varadhi.filters` in the delivery path: only matching
+One shard run covers the contract of `varadhi.core.filters` in the delivery path: only matching
 messages reach the endpoint, per group in produce order, also behind a retry; a group whose
 messages are all filtered blocks nothing; malformed headers are no error; the `filtered` count
 (shard stats and `varadhi status`) is exactly the number dropped; a filter changed with `apply`
@@ -21,14 +21,15 @@ from collections.abc import Callable
 import pytest
 from kafka import KafkaProducer
 
-from varadhi import filters, routing, status
-from varadhi import messages as m
-from varadhi.producer import Producer
-from varadhi.replay import run_replay
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import filters, routing
+from varadhi.core import messages as m
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import status
+from varadhi.ops.replay import run_replay
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 

@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 from kafka import KafkaProducer
 
-from varadhi.catalog import Catalog
-from varadhi.leases import Lease
-from varadhi.status import ProgressPublisher, latest_progress, progress_topic
-from varadhi.subscriptions import SubscriptionService, parse_spec
-from varadhi.topics import TopicService
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.leases import Lease
+from varadhi.kafka.progress import ProgressPublisher, latest_progress, progress_topic
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
 
 pytestmark = [pytest.mark.kafka]
 
@@ -47,7 +47,7 @@ def test_junk_on_the_catalog_and_progress_topics_is_skipped(settings, caplog):
         spec = parse_spec(
             {"name": name, "topic": topic, "endpoint": {"url": "http://127.0.0.1:1/"}}
         )
-        with caplog.at_level(logging.WARNING, logger="varadhi.catalog"):
+        with caplog.at_level(logging.WARNING, logger="varadhi.kafka.catalog"):
             SubscriptionService(catalog).create(spec)  # reads past the junk, then writes
             fresh = Catalog(own)  # a new reader from the start
             try:

@@ -11,10 +11,10 @@ import shlex
 import pytest
 import yaml
 
-from varadhi import jobdefs
-from varadhi.catalog import key
-from varadhi.subscriptions import SubscriptionService, parse_spec
-from varadhi.topics import TopicService
+from varadhi.jobs import definitions as jobdefs
+from varadhi.kafka.catalog import key
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
 
 pytestmark = pytest.mark.kafka
 
@@ -46,9 +46,7 @@ def render(varadhi_cli, name, target, *flags):
     return out
 
 
-def test_databricks_job_and_bundle_follow_the_catalog(
-    varadhi_cli, catalog, settings, subscription
-):
+def test_databricks_job_and_bundle_follow_the_catalog(varadhi_cli, catalog, settings, subscription):
     flags = [
         "--workers",
         "3",

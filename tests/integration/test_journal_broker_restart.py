@@ -1,5 +1,5 @@
 """The delivery journal's writer against a broker that dies and comes back while a task delivers
-(`varadhi.journal.JournalWriter`), on a broker of its own (scripts/kafka on free ports, its data
+(`varadhi.spark.journal.JournalWriter`), on a broker of its own (scripts/kafka on free ports, its data
 folder in tmp; the shared broker on 19092 is never touched). A task that starts while the broker
 is down journals nothing until it is back; none of its entries may be lost for that: the batch's
 re-run and a shard-count change's hand-over read them (docs/architecture.md, "Delivery journal").
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from varadhi import journal
-from varadhi import messages as m
-from varadhi.settings import Settings
+from varadhi.core import messages as m
+from varadhi.kafka.settings import Settings
+from varadhi.spark import journal
 from varadhi.testing.secure_kafka import free_port_pair
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kafka"

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from varadhi import kafka_clients, kafka_config
 from varadhi.cli import main as cli_main
-from varadhi.producer import Producer
-from varadhi.settings import Settings
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import config as kafka_config
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.settings import Settings
 from varadhi.testing.secure_kafka import secured_broker
 
 pytestmark = [pytest.mark.kafka]

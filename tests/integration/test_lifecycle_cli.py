@@ -13,8 +13,9 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
-from varadhi import lifecycle, status
-from varadhi.lifecycle import SubscriptionDeleter
+from varadhi.kafka import progress
+from varadhi.ops import lifecycle
+from varadhi.ops.lifecycle import SubscriptionDeleter
 
 pytestmark = pytest.mark.kafka
 
@@ -72,7 +73,7 @@ def setup(varadhi_cli, unique_name, settings):
 
 
 def publish(settings, sub: str, shard: int, state: str) -> None:
-    pub = status.ProgressPublisher(settings, sub, shard)
+    pub = progress.ProgressPublisher(settings, sub, shard)
     try:
         pub.publish({"state": state, "shard": shard}, force=True, flush=True)
     finally:
@@ -130,7 +131,7 @@ def test_delete_refused_then_dry_run_then_delete_then_recreate(
     assert sub_keys(snapshot, sub) == []
     assert kafka_topics(admin, sub) == []
     assert not os.path.exists(folder)
-    assert status.latest_progress(settings, sub) == {}
+    assert progress.latest_progress(settings, sub) == {}
     code, _, err = varadhi_cli("subscription", "delete", sub)
     assert code == 2 and "does not exist" in err
 

@@ -15,12 +15,12 @@ from collections import Counter, defaultdict
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from varadhi import metrics
-from varadhi.producer import Producer
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.spark import metrics
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
@@ -134,7 +134,7 @@ def test_a_scrape_during_a_shard_run_matches_what_the_endpoint_counted(
         finally:
             job.request_stop()
 
-    caplog.set_level(logging.INFO, logger="varadhi.metrics")
+    caplog.set_level(logging.INFO, logger="varadhi.spark.metrics")
     helper = threading.Thread(target=operator, daemon=True)
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     helper.start()

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from varadhi import dlq, status
 from varadhi.cli import main as cli
-from varadhi.subscriptions import from_snapshot
+from varadhi.kafka import dlq
+from varadhi.kafka.subscriptions import from_snapshot
+from varadhi.ops import status
 from varadhi.testing.harness import delivered, produce, run_until_idle
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
@@ -132,12 +133,13 @@ def test_a_crash_at_any_step_then_a_rerun_ends_where_one_clean_run_does(
 ):
     from kafka import KafkaProducer
 
-    from varadhi import layouts, offsets
-    from varadhi import messages as m
-    from varadhi.catalog import Catalog, key
-    from varadhi.checkpoints import shard_position
-    from varadhi.layouts import READER_KIND, Layout
-    from varadhi.topics import from_snapshot as topic_of
+    from varadhi.core import messages as m
+    from varadhi.kafka.catalog import Catalog, key
+    from varadhi.kafka.topics import from_snapshot as topic_of
+    from varadhi.ops import offsets
+    from varadhi.spark import layouts
+    from varadhi.spark.checkpoints import shard_position
+    from varadhi.spark.layouts import READER_KIND, Layout
 
     spec = make_subscription("http://127.0.0.1:9/")
     mq = topic_of(catalog.snapshot(), spec.topic).storage_topics[0].name

@@ -8,10 +8,11 @@ import time
 
 import pytest
 
-from varadhi import dlq, status, subscriptions
 from varadhi.cli import main as cli
-from varadhi.errors import VaradhiError
-from varadhi.shard import ShardJob
+from varadhi.core.errors import VaradhiError
+from varadhi.kafka import dlq, subscriptions
+from varadhi.ops import status
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce, run_until_idle, wait_for
 

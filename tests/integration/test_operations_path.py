@@ -14,8 +14,8 @@ import threading
 
 import pytest
 
-from varadhi import status
-from varadhi.shard import ShardJob
+from varadhi.ops import status
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import produce, wait_for
 

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from varadhi import routing
-from varadhi.messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS, headers_to_dict
-from varadhi.outbox import (
+from varadhi.core import routing
+from varadhi.core.messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS, headers_to_dict
+from varadhi.kafka.producer import Message
+from varadhi.outbox.relay import (
     ADVISORY_LOCK_CLASS,
     LEASE_TABLE,
     Outbox,
@@ -27,7 +28,6 @@ from varadhi.outbox import (
     advisory_lock_key,
     connector,
 )
-from varadhi.producer import Message
 
 pytestmark = pytest.mark.kafka
 

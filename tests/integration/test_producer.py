@@ -10,10 +10,10 @@ from collections import defaultdict
 import pytest
 from kafka.errors import KafkaTimeoutError
 
-from varadhi import messages, routing
-from varadhi.catalog import Catalog
-from varadhi.errors import InvalidArgument, NotFound
-from varadhi.producer import Message, Producer, SendFailed
+from varadhi.core import messages, routing
+from varadhi.core.errors import InvalidArgument, NotFound
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.producer import Message, Producer, SendFailed
 from varadhi.testing.harness import wait_for
 
 pytestmark = pytest.mark.kafka
@@ -153,7 +153,7 @@ def test_a_running_producer_follows_switch_produce_without_loss_or_duplicates(
             sent(200, "sends before the switch")
             switcher = Catalog(settings)  # like `varadhi topic switch-produce` elsewhere
             try:
-                from varadhi.topics import TopicService
+                from varadhi.kafka.topics import TopicService
 
                 TopicService(switcher).switch_produce(name)
             finally:

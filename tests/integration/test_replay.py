@@ -2,7 +2,7 @@
 
 One composite topic with two storage topics holds three time windows of messages, produced with
 explicit Kafka timestamps (kafka-python's `timestamp_ms`) to the partitions the router chooses
-(`varadhi.producer.plan`): "before" (one ms before the range), "window 1" (the range; partly on
+(`varadhi.kafka.producer.plan`): "before" (one ms before the range), "window 1" (the range; partly on
 storage topic 0, partly on storage topic 1 after a produce switch) and "window 2" (from exactly
 the range's exclusive end on). Replaying window 1 must re-deliver exactly its messages, per group
 in produce order, with the replay header, and leave the subscription's offsets, state and queues
@@ -24,14 +24,15 @@ from pathlib import Path
 import pytest
 from kafka import KafkaProducer
 
-from varadhi import replay, topics
 from varadhi.cli import main as cli
-from varadhi.errors import InvalidArgument
-from varadhi.producer import encode, kafka_headers, plan
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core.errors import InvalidArgument
+from varadhi.kafka import topics
+from varadhi.kafka.producer import encode, kafka_headers, plan
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import replay
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import wait_for
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 

@@ -24,16 +24,16 @@ from pathlib import Path
 import pytest
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
-from varadhi import kafka_config
-from varadhi import messages as m
-from varadhi.batch import TICK_HEADER
-from varadhi.catalog import Catalog
-from varadhi.producer import Producer
-from varadhi.settings import Settings
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import messages as m
+from varadhi.kafka import config as kafka_config
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.settings import Settings
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.spark.batch import TICK_HEADER
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 

@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from varadhi import kafka_clients, kafka_config
 from varadhi.cli import main as cli_main
-from varadhi.errors import NotAuthorized
-from varadhi.settings import Settings
-from varadhi.shard import ShardJob
+from varadhi.core.errors import NotAuthorized
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import config as kafka_config
+from varadhi.kafka.settings import Settings
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, read_queue, run_until_idle
 from varadhi.testing.secure_kafka import free_port_pair, secured_broker
@@ -184,7 +185,9 @@ def as_user(carol_settings, secure_broker, capsys, monkeypatch):
     def run(user: str, *args: str) -> tuple[int, str, str]:
         capsys.readouterr()
         config = str(secure_broker[1] / f"{user}.properties")
-        code = cli_main(["--bootstrap", carol_settings.bootstrap, "--command-config", config, *args])
+        code = cli_main(
+            ["--bootstrap", carol_settings.bootstrap, "--command-config", config, *args]
+        )
         out, err = capsys.readouterr()
         return code, out, err
 
@@ -207,7 +210,7 @@ def denied(secure_broker, carol_settings):
         ResourceType,
     )
 
-    from varadhi import kafka_clients
+    from varadhi.kafka import clients as kafka_clients
 
     admin_settings = Settings(
         bootstrap=carol_settings.bootstrap,
@@ -414,8 +417,13 @@ def _spec(name: str, topic: str, url: str, shards: int = 1) -> dict:
         "topic": topic,
         "endpoint": {"url": url},
         "shards": shards,
-        "retry": {"max_attempts": 3, "min_backoff": "100ms", "max_backoff": "200ms",
-                  "jitter": 0, "in_place_window": 0},  # fmt: skip
+        "retry": {
+            "max_attempts": 3,
+            "min_backoff": "100ms",
+            "max_backoff": "200ms",
+            "jitter": 0,
+            "in_place_window": 0,
+        },  # fmt: skip
         "consumption": {"trigger_interval": "100ms", "journal_interval": "250ms"},
         "circuit_breaker": {"enabled": False},
     }
@@ -440,8 +448,8 @@ def test_both_outbox_relays_as_carol(
 
     import psycopg
 
-    from varadhi.delta_outbox import SCHEMA, DeltaOutbox
-    from varadhi.outbox import Outbox
+    from varadhi.outbox.delta import SCHEMA, DeltaOutbox
+    from varadhi.outbox.relay import Outbox
 
     dsn = os.environ.get("VARADHI_TEST_POSTGRES_DSN")
     if not dsn:

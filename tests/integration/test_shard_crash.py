@@ -2,7 +2,7 @@
 
 The endpoint (`TestEndpoint`) and the judge run in this process; the shard runs as a subprocess
 that calls the endpoint over loopback and is crashed in between its effects (DESIGN hazard 4:
-`VARADHI_CRASH_AT`, see `varadhi.faults`), killed with SIGKILL at random moments, or fenced by a
+`VARADHI_CRASH_AT`, see `varadhi.core.faults`), killed with SIGKILL at random moments, or fenced by a
 second instance of itself (hazard 6). After the last run the contract of DESIGN section 2 must
 hold:
 
@@ -37,17 +37,20 @@ from typing import Any
 
 import pytest
 
-from varadhi import layouts, resharding, status, subscriptions
-from varadhi import messages as m
-from varadhi.batch import TICK_HEADER
-from varadhi.catalog import Catalog
 from varadhi.cli import main as cli
-from varadhi.layouts import Layout
-from varadhi.producer import Producer
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import messages as m
+from varadhi.kafka import subscriptions
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import change_shards as resharding
+from varadhi.ops import status
+from varadhi.spark import layouts
+from varadhi.spark.batch import TICK_HEADER
+from varadhi.spark.layouts import Layout
 from varadhi.testing.endpoint import Record, TestEndpoint
 from varadhi.testing.harness import read_queue, run_until_idle
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
@@ -60,7 +63,7 @@ FENCED = 3
 @pytest.fixture(scope="session")
 def spark():
     """The test run's one SparkSession, to read Delta tables (see tests/spark/conftest.py)."""
-    from varadhi.spark import get_spark
+    from varadhi.spark.session import get_spark
 
     return get_spark("varadhi-tests")
 
@@ -569,7 +572,7 @@ def test_a_second_instance_fences_the_first(scenario, spark):
 def test_a_crash_in_a_large_batch_re_delivers_only_what_its_journal_lacks(scenario, spark):
     """A shard crashes right after delivering a batch, and is SIGKILLed in the middle of a large
     one (3,000 messages): the batch run again sends only what no journal record of the crashed
-    run named (`varadhi.journal`): nothing after the first crash, and after the kill only
+    run named (`varadhi.spark.journal`): nothing after the first crash, and after the kill only
     messages accepted within the last journal interval (250 ms) or so, far fewer than the
     batch. Nothing is lost and every group keeps its order."""
     sc = scenario
@@ -704,7 +707,7 @@ def test_a_shard_count_change_after_a_crash_re_delivers_nothing_the_journal_name
     committing it: the retry of a group with pending state, the group's parked followers and
     new messages. Then the shard count changes from 1 to 2 and the new shards run. They start
     from the old shard's committed position, so they read that batch again (and the fed RQ
-    brings the retry back); the hand-over (`varadhi.journal`) must keep them from delivering
+    brings the retry back); the hand-over (`varadhi.spark.journal`) must keep them from delivering
     anything the crashed batch's journal names: nothing is delivered twice, nothing is lost,
     every group keeps its order. Before it, the new shards sent the whole batch again, the
     retry's attempt 2 included. The count changes twice, 1 -> 2 -> 4, before any new shard

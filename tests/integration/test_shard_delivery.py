@@ -32,17 +32,17 @@ from typing import Any
 import pytest
 from kafka import KafkaProducer
 
-from varadhi import messages as m
-from varadhi import routing
-from varadhi.batch import TICK_HEADER
-from varadhi.catalog import Catalog
-from varadhi.errors import VaradhiError
-from varadhi.producer import Producer
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import messages as m
+from varadhi.core import routing
+from varadhi.core.errors import VaradhiError
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.spark.batch import TICK_HEADER
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import Record, TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
@@ -64,7 +64,7 @@ NO_CIRCUIT_BREAKER = {"enabled": False}
 @pytest.fixture(scope="session")
 def spark():
     """The test run's one SparkSession (see tests/spark/conftest.py: get_spark reuses it)."""
-    from varadhi.spark import get_spark
+    from varadhi.spark.session import get_spark
 
     return get_spark("varadhi-tests")
 

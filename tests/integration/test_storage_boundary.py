@@ -13,13 +13,17 @@ import threading
 
 import pytest
 
-from varadhi import dlq, layouts, routing, shard, status, topics
 from varadhi.cli import main as cli
-from varadhi.shard import ShardJob
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import routing
+from varadhi.kafka import dlq, topics
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import status
+from varadhi.spark import layouts
+from varadhi.spark.shard import job as shard
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import produce, wait_for
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 

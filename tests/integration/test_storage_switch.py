@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from varadhi import layouts, shard
-from varadhi.catalog import key
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.catalog import key
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.spark import layouts
+from varadhi.spark.shard import job as shard
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce, run_until_idle
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
@@ -45,8 +46,8 @@ def test_groups_stay_in_order_across_a_storage_topic_switch(
         raw_t0 = TopicService(catalog).get(topic).storage_topics[0]
         from kafka import KafkaProducer
 
-        from varadhi import messages as m
-        from varadhi.routing import route_group
+        from varadhi.core import messages as m
+        from varadhi.core.routing import route_group
 
         late = KafkaProducer(bootstrap_servers=settings.bootstrap)
         late.send(

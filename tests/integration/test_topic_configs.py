@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 
-from varadhi import topics
-from varadhi.catalog import Catalog
-from varadhi.errors import InvalidArgument
-from varadhi.queue_records import QUEUE_HEADROOM_BYTES
-from varadhi.settings import Settings
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.queue_records import QUEUE_HEADROOM_BYTES
+from varadhi.kafka import topics
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.settings import Settings
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
 
 pytestmark = pytest.mark.kafka
 

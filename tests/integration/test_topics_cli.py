@@ -7,7 +7,8 @@ import json
 import pytest
 from kafka import KafkaConsumer
 
-from varadhi import kafka_clients, messages, routing
+from varadhi.core import messages, routing
+from varadhi.kafka import clients as kafka_clients
 
 pytestmark = pytest.mark.kafka
 
@@ -231,7 +232,7 @@ def test_produce_file_transactional(varadhi_cli, make_topic, read_records, tmp_p
 
 
 def test_concurrent_creates_of_one_name_exactly_one_wins(varadhi_processes, unique_name, catalog):
-    from varadhi.topics import TopicService
+    from varadhi.kafka.topics import TopicService
 
     name = unique_name("race")
     results = varadhi_processes(
@@ -290,7 +291,7 @@ def test_concurrent_add_storage_never_corrupts_the_topic(
 
 def test_concurrent_creates_of_different_names_all_land(varadhi_processes, unique_name, catalog):
     """Writers fence each other on the catalog; every one must still commit its own change."""
-    from varadhi.topics import TopicService
+    from varadhi.kafka.topics import TopicService
 
     names = [unique_name("many") for _ in range(6)]
     results = varadhi_processes([["topic", "create", n, "--partitions", "2"] for n in names])

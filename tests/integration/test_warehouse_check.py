@@ -10,10 +10,13 @@ import dataclasses
 import pytest
 from kafka.admin import KafkaAdminClient
 
-from varadhi import layouts, leases, lifecycle, offsets, resharding, subscriptions, topics
-from varadhi.catalog import Catalog
-from varadhi.errors import InvalidArgument
-from varadhi.shard import ShardJob
+from varadhi.core.errors import InvalidArgument
+from varadhi.kafka import leases, subscriptions, topics
+from varadhi.kafka.catalog import Catalog
+from varadhi.ops import change_shards as resharding
+from varadhi.ops import lifecycle, offsets
+from varadhi.spark import layouts
+from varadhi.spark.shard.job import ShardJob
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 

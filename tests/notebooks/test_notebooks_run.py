@@ -21,7 +21,7 @@ H = [f"h{i}" for i in range(4)]
 def test_dlq_notebook_lists_parked_messages_and_redrives_a_group(
     settings, spark, catalog, failing_subscription, notebook, monkeypatch
 ):
-    from varadhi import dlq
+    from varadhi.kafka import dlq
 
     with TestEndpoint(script={"g1": [404], "h2": [404]}) as endpoint:
         spec = failing_subscription(endpoint, [("g", i) for i in G] + [("h", i) for i in H])

@@ -2,7 +2,7 @@
 
 One SeaweedFS for the tier (`scripts/s3`: a running one is reused, else one is started here and
 stopped with its data at the end), the shared Kafka broker, and the run's one SparkSession with
-the store's `fs.s3a.*` settings (`varadhi.warehouse_fs.hadoop_conf` of the `VARADHI_S3A_*`
+the store's `fs.s3a.*` settings (`varadhi.spark.s3a.hadoop_conf` of the `VARADHI_S3A_*`
 variables `scripts/s3` prints, also exported to this process so the CLI and any subprocess see
 them). The warehouse is `s3a://<bucket>/run-<id>/warehouse`; every test runs with it as
 `$VARADHI_WAREHOUSE` and with a fresh, empty working directory, which must stay empty: nothing
@@ -65,15 +65,15 @@ def object_store():
 def s3_spark(object_store, spark):
     """The run's SparkSession, reaching the store (settings also made on a session that an
     earlier tier started before they were known)."""
-    from varadhi import warehouse_fs
+    from varadhi.spark import s3a
 
-    warehouse_fs.configure(spark, warehouse_fs.hadoop_conf(os.environ))
+    s3a.configure(spark, s3a.hadoop_conf(os.environ))
     return spark
 
 
 @pytest.fixture(scope="session")
 def s3_settings(object_store, bootstrap):
-    from varadhi.settings import Settings
+    from varadhi.kafka.settings import Settings
 
     warehouse = f"s3a://{object_store['VARADHI_S3_BUCKET']}/run-{uuid.uuid4().hex[:8]}/warehouse"
     return Settings(
@@ -83,7 +83,7 @@ def s3_settings(object_store, bootstrap):
 
 @pytest.fixture(scope="session")
 def s3_catalog(s3_settings):
-    from varadhi.catalog import Catalog
+    from varadhi.kafka.catalog import Catalog
 
     cat = Catalog(s3_settings)
     yield cat

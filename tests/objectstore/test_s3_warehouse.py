@@ -20,17 +20,19 @@ from dataclasses import replace
 
 import pytest
 
-from varadhi import messages as m
-from varadhi import offsets, topics, warehouse_fs
-from varadhi.batch_commit import changes
 from varadhi.cli import main as cli_main
-from varadhi.group_state import Entry
-from varadhi.shard import ShardJob
-from varadhi.state_rows import RESULT_COLUMNS, Kind, frame_of, state_row, touched_row
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.core import messages as m
+from varadhi.core.group_state import Entry
+from varadhi.core.state_rows import RESULT_COLUMNS, Kind, frame_of, state_row, touched_row
+from varadhi.kafka import topics
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
+from varadhi.ops import offsets
+from varadhi.spark import warehouse_fs
+from varadhi.spark.shard.commit import changes
+from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
@@ -111,7 +113,9 @@ def test_the_whole_flow_keeps_its_state_on_the_object_store(
         # Fast-forwarding the DLQ skips g3-0 and unblocks g3 (its GroupState, on the store, is
         # advanced); the RQ fast-forward has nothing pending and changes no delivery.
         for queue in ("dlq", "rq"):
-            code, _, err = cli("offsets", "reset", name, "--queue", queue, "--to-latest", "--execute")
+            code, _, err = cli(
+                "offsets", "reset", name, "--queue", queue, "--to-latest", "--execute"
+            )
             assert code == 0, (queue, err)
         run_shards(s3_settings, s3_spark, name, 2)
         assert delivered(endpoint, "g3") == ["g3-1"] and blocked(cli, name) == 0
@@ -133,7 +137,9 @@ def test_the_whole_flow_keeps_its_state_on_the_object_store(
         assert moves and all(m["current"] == ends[m["topic"]][m["partition"]] for m in moves)
 
         # Main back to the earliest: every message again, in group order.
-        code, _, err = cli("offsets", "reset", name, "--queue", "main", "--to-earliest", "--execute")
+        code, _, err = cli(
+            "offsets", "reset", name, "--queue", "main", "--to-earliest", "--execute"
+        )
         assert code == 0, err
         run_shards(s3_settings, s3_spark, name, 2)
         for g in GROUPS:
@@ -157,8 +163,13 @@ def _spec(name: str, topic: str, url: str) -> dict:
         "topic": topic,
         "endpoint": {"url": url},
         "shards": 1,
-        "retry": {"max_attempts": 3, "min_backoff": "100ms", "max_backoff": "200ms",
-                  "jitter": 0, "in_place_window": 0},  # fmt: skip
+        "retry": {
+            "max_attempts": 3,
+            "min_backoff": "100ms",
+            "max_backoff": "200ms",
+            "jitter": 0,
+            "in_place_window": 0,
+        },  # fmt: skip
         "consumption": {"trigger_interval": "100ms"},
         "circuit_breaker": {"enabled": False},
     }
@@ -167,7 +178,7 @@ def _spec(name: str, topic: str, url: str) -> dict:
 def test_a_state_table_on_the_store_is_vacuumed(s3_spark, s3_settings, monkeypatch):
     """`StateStore`'s vacuum (`VACUUM ... LITE`) deletes the removed copies' files on the store
     too (here removed files are deletable at once; a shard's tables keep them an hour)."""
-    from varadhi import state_store
+    from varadhi.spark import state_store
 
     monkeypatch.setattr(state_store, "VACUUM_EVERY", 4)
     path = f"{s3_settings.warehouse}/vacuum-{uuid.uuid4().hex[:6]}/state"

@@ -1,15 +1,15 @@
 """A foreachBatch function's errors as a real streaming query reports them (Py4J, pyspark's
 captured exceptions, the Python traceback inside Java's exception), read by
-`varadhi.jvm_errors.query_failure` and judged by `varadhi.shard_ends.judge`: the shard's stop
+`varadhi.kafka.jvm_errors.query_failure` and judged by `varadhi.spark.shard.ends.judge`: the shard's stop
 and fence by their classes, and a message that only holds their names as a failure."""
 
 from __future__ import annotations
 
 import pytest
 
-from varadhi import jvm_errors
-from varadhi.errors import Fenced, StopRequested
-from varadhi.shard_ends import Verdict, judge
+from varadhi.core.errors import Fenced, StopRequested
+from varadhi.kafka import jvm_errors
+from varadhi.spark.shard.ends import Verdict, judge
 
 
 def failures_of(spark, error: BaseException) -> list[jvm_errors.Diagnosis]:

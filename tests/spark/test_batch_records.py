@@ -1,4 +1,4 @@
-"""`varadhi.shard_query.batch_records`, the columns every micro-batch hands to delivery: the ids
+"""`varadhi.spark.records.batch_records`, the columns every micro-batch hands to delivery: the ids
 and group keys of Kafka-shaped records of every awkward shape agree with the Python rule
 (`record_ids.text_id` over `record_ids.header_value`), grouped and ungrouped, with and without
 the dedup id, and the same columns serve every batch."""
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from varadhi import messages as m
-from varadhi.dedup import dedup_id
-from varadhi.record_ids import header_value, text_id
-from varadhi.shard_query import DELIVERY_COLUMNS, _record_columns, batch_records, delivery_records
+from varadhi.core import messages as m
+from varadhi.core.record_ids import header_value, text_id
+from varadhi.spark.dedup import dedup_id
+from varadhi.spark.records import DELIVERY_COLUMNS, _record_columns, batch_records, delivery_records
 
 SCHEMA = (
     "key binary, value binary, topic string, partition int, offset long, "

@@ -11,10 +11,10 @@ import uuid
 import pytest
 from kafka import KafkaConsumer, TopicPartition
 
-from varadhi import routing
-from varadhi.delta_outbox import MARKER_TOPIC, DeltaOutbox
-from varadhi.messages import H_GROUP_ID, H_MSG_ID, headers_to_dict
-from varadhi.topics import TopicService
+from varadhi.core import routing
+from varadhi.core.messages import H_GROUP_ID, H_MSG_ID, headers_to_dict
+from varadhi.kafka.topics import TopicService
+from varadhi.outbox.delta import MARKER_TOPIC, DeltaOutbox
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
@@ -23,7 +23,7 @@ GROUPS = [f"g{i}" for i in range(6)]
 
 @pytest.fixture(scope="session")
 def spark():
-    from varadhi.spark import get_spark
+    from varadhi.spark.session import get_spark
 
     return get_spark("varadhi-tests")
 
@@ -83,7 +83,7 @@ def read_committed(bootstrap: str, storage: str) -> list:
 
 def append(spark, outbox: DeltaOutbox, rows: list[tuple]) -> None:
     """One append = one Delta commit, written as one file (so a group's rows keep their order)."""
-    from varadhi.delta_outbox import SCHEMA
+    from varadhi.outbox.delta import SCHEMA
 
     outbox.append(spark.createDataFrame(rows, SCHEMA).coalesce(1))
 

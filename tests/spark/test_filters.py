@@ -1,13 +1,14 @@
-"""A subscription filter compiled to Spark (`varadhi.filters.column`) on records of every awkward
-shape, and `varadhi.shard_query.filter_records`: main-topic records only, counted, before Python."""
+"""A subscription filter compiled to Spark (`varadhi.spark.columns.filter_column`) on records of every awkward
+shape, and `varadhi.spark.records.filter_records`: main-topic records only, counted, before Python."""
 
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from varadhi import filters
-from varadhi.shard_query import filter_records
+from varadhi.core import filters
+from varadhi.spark.columns import filter_column
+from varadhi.spark.records import filter_records
 
 SCHEMA = "i int, kind string, key binary, kheaders array<struct<key:string,value:binary>>"
 
@@ -20,7 +21,7 @@ CORPUS = [
     (b"", [("type", b""), ("region", None)]),  # 4: empty key, empty and null values
     (b"\xfftenant-7/", None),  # 5: no headers at all, a key that is not UTF-8
     (b"k", [("type", b"order.viewed"), ("type", b"order.paid")]),  # 6: repeated, first counts
-    (b"k", [("it's \"odd\"", b"v"), ("Type", b"order.paid")]),  # 7: odd name; names are exact
+    (b"k", [('it\'s "odd"', b"v"), ("Type", b"order.paid")]),  # 7: odd name; names are exact
     (b"k", [("type", "größe-日本".encode()), ("region", b"eu-")]),  # 8
 ]
 
@@ -30,7 +31,7 @@ CASES = [
     ({"header": "region", "prefix": "eu-"}, {0, 2, 8}),  # 3's value is not UTF-8
     ({"header": "region", "exists": True}, {0, 1, 2, 3, 8}),  # 4's is null
     ({"header": "type", "exists": False}, {2, 4, 5, 7}),
-    ({"header": "it's \"odd\"", "in": ["v"]}, {7}),
+    ({"header": 'it\'s "odd"', "in": ["v"]}, {7}),
     ({"key": {"prefix": "tenant-7/"}}, {0, 2}),
     ({"key": {"in": ["k", "tenant-8/b"]}}, {1, 6, 7, 8}),
     ({"key": {"exists": False}}, {3, 4}),
@@ -59,7 +60,7 @@ def corpus(spark):
 
 @pytest.mark.parametrize(("doc", "expected"), CASES)
 def test_filter_column(corpus, doc, expected):
-    keep = filters.column(filters.parse(doc), corpus["key"], corpus["kheaders"])
+    keep = filter_column(filters.parse(doc), corpus["key"], corpus["kheaders"])
     frame = corpus.select("i", keep.alias("keep")).toPandas()
     assert frame["keep"].notna().all()  # never null, whatever the bytes
     assert {int(i) for i in frame.loc[frame["keep"], "i"]} == expected
@@ -71,7 +72,7 @@ def test_default_columns_are_the_kafka_sources(spark):
         "i int, key binary, headers array<struct<key:string,value:binary>>",
     )
     f = filters.parse({"all": [{"header": "type", "in": ["x"]}, {"key": {"in": ["a"]}}]})
-    assert [r.i for r in frame.where(filters.column(f)).collect()] == [0]
+    assert [r.i for r in frame.where(filter_column(f)).collect()] == [0]
 
 
 def seen_by_python(frame) -> pd.DataFrame:

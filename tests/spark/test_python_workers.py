@@ -1,4 +1,4 @@
-"""The Python workers of the sessions the project starts (`varadhi.spark.get_spark`, and
+"""The Python workers of the sessions the project starts (`varadhi.spark.session.get_spark`, and
 `./spark-submit.sh`, which sets the same) talk to the JVM over Unix domain sockets
 (`spark.python.unix.domain.socket.enabled`, Spark 4.1+), not loopback TCP. Over TCP, the end
 of a task's input (a few bytes after a large Arrow batch) often waited for the worker's delayed

@@ -1,8 +1,9 @@
-"""The Spark and Python forms of `varadhi.record_ids` agree on every awkward input."""
+"""The Spark and Python forms of `varadhi.core.record_ids` agree on every awkward input."""
 
 from __future__ import annotations
 
-from varadhi.record_ids import text_id, text_id_column
+from varadhi.core.record_ids import text_id
+from varadhi.spark.columns import text_id_column
 
 CORPUS = [
     None,

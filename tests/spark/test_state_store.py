@@ -1,5 +1,5 @@
-"""The GroupState table in Delta (`varadhi.state_store`) with real Spark: a table written with
-the schema of the version before the typed state schema (`varadhi.state_rows`) reads and takes
+"""The GroupState table in Delta (`varadhi.spark.state_store`) with real Spark: a table written with
+the schema of the version before the typed state schema (`varadhi.core.state_rows`) reads and takes
 commits as before, and the executors' result columns (`state_rows.RESULT_SCHEMA`: typed
 counters and a map of the endpoint's answers) come through a Spark job unchanged."""
 
@@ -11,11 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from varadhi import messages as m
-from varadhi import state_store
-from varadhi.batch_commit import changes
-from varadhi.group_state import Entry, RunCounts
-from varadhi.state_rows import (
+from varadhi.core import messages as m
+from varadhi.core.group_state import Entry, RunCounts
+from varadhi.core.state_rows import (
     RESULT_COLUMNS,
     RESULT_SCHEMA,
     Kind,
@@ -30,11 +28,13 @@ from varadhi.state_rows import (
     task_stats,
     touched_row,
 )
-from varadhi.state_store import TABLE_PROPERTIES, StateStore, commit_stamp
+from varadhi.spark import state_store
+from varadhi.spark.shard.commit import changes
+from varadhi.spark.state_store import TABLE_PROPERTIES, StateStore, commit_stamp
 
 pytestmark = pytest.mark.spark
 
-# The GroupState schema as the version before varadhi.state_rows wrote it (batch.STATE_SCHEMA at
+# The GroupState schema as the version before varadhi.core.state_rows wrote it (batch.STATE_SCHEMA at
 # 76a8265), kept as a literal: whatever STATE_COLUMNS becomes, tables written with it must read.
 OLD_SCHEMA = (
     "kind string, group_key string, group_id string, origin_index int, origin_partition int, "

@@ -1,4 +1,4 @@
-"""The batch-commit protocol (`varadhi.batch_commit`) against in-memory fakes, with a crash
+"""The batch-commit protocol (`varadhi.spark.shard.commit`) against in-memory fakes, with a crash
 injected at every step of a three-batch scenario.
 
 The fakes model what survives a crash (`World`: the committed state table, Kafka's committed
@@ -20,14 +20,14 @@ from dataclasses import dataclass, field
 import pandas as pd
 import pytest
 
-from varadhi.batch_commit import BatchCommit, changes, sum_counts
-from varadhi.state_rows import STAT_COLUMNS, TaskStats, stat_row
+from varadhi.core.state_rows import STAT_COLUMNS, TaskStats, stat_row
+from varadhi.spark.shard.commit import BatchCommit, changes, sum_counts
 
 APP = "sub.g1.s1.shard-0.L0"
 
 
 class Crash(Exception):
-    """The process died (`os._exit` in `varadhi.faults`)."""
+    """The process died (`os._exit` in `varadhi.core.faults`)."""
 
 
 class Crasher:
@@ -61,7 +61,7 @@ class World:
 
 class FakeState:
     """`StatePort` over `World.table`: a copy loaded at process start, replaced by `commit`
-    idempotently per (app_id, batch_id), as `varadhi.state_store.StateStore` does in Delta."""
+    idempotently per (app_id, batch_id), as `varadhi.spark.state_store.StateStore` does in Delta."""
 
     def __init__(self, world: World, step: Crasher, writer: str):
         self.world, self.step, self.writer = world, step, writer
@@ -389,7 +389,7 @@ def test_a_crash_at_any_step_then_the_re_run_equals_one_clean_run(at):
 
 
 def test_every_protocol_step_is_crashed_at():
-    """The named crash points of `varadhi.faults` and every port call are among the steps."""
+    """The named crash points of `varadhi.core.faults` and every port call are among the steps."""
     steps = set(CLEAN_STEPS.steps)
     assert {"after_delivery", "after_state_commit", "after_send"} <= steps
     assert {"state.commit", "state.committed", "send.record", "send.commit"} <= steps

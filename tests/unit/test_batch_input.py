@@ -1,4 +1,4 @@
-"""How a phase-1 task reads its Arrow batches (`varadhi.batch.record_rows`, `header_dicts`) and
+"""How a phase-1 task reads its Arrow batches (`varadhi.spark.batch.record_rows`, `header_dicts`) and
 returns its rows (`arrow_batch`): the same values as the record-by-record conversion
 (`messages.headers_to_dict`) on whatever a producer wrote, and exactly Spark's types out."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from varadhi import messages as m
-from varadhi.batch import arrow_batch, header_dicts, record_rows
-from varadhi.group_state import Entry, RunCounts
-from varadhi.state_rows import RESULT_COLUMNS, Kind, TaskStats, stat_row, state_row, task_stats
+from varadhi.core import messages as m
+from varadhi.core.group_state import Entry, RunCounts
+from varadhi.core.state_rows import RESULT_COLUMNS, Kind, TaskStats, stat_row, state_row, task_stats
+from varadhi.spark.batch import arrow_batch, header_dicts, record_rows
 
 HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 

@@ -1,4 +1,4 @@
-"""Batch mode's pure parts (`varadhi.batching`): the request body, what each message of a batch
+"""Batch mode's pure parts (`varadhi.core.batching`): the request body, what each message of a batch
 gets from the endpoint's answer (a malformed 207 is never a success), the retry decision of an
 invalid answer, and the `delivery` section of a subscription document."""
 
@@ -10,8 +10,8 @@ import random
 
 import pytest
 
-from varadhi import messages as m
-from varadhi.batching import (
+from varadhi.core import messages as m
+from varadhi.core.batching import (
     INVALID,
     MAX_ANSWER_BYTES,
     Result,
@@ -20,12 +20,12 @@ from varadhi.batching import (
     encode_entry,
     split_answer,
 )
-from varadhi.errors import InvalidArgument
-from varadhi.group_state import Entry as StateEntry
-from varadhi.group_state import http_headers
-from varadhi.policies import DeliveryPolicy, ResponseRule, RetryPolicy
-from varadhi.retry import decide
-from varadhi.subscriptions import changed_fields, parse_spec, spec_to_dict
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.group_state import Entry as StateEntry
+from varadhi.core.group_state import http_headers
+from varadhi.core.policies import DeliveryPolicy, ResponseRule, RetryPolicy
+from varadhi.core.retry import decide
+from varadhi.kafka.subscriptions import changed_fields, parse_spec, spec_to_dict
 
 SNIPPET = 1024
 IDS = ["a", "b", "c"]
@@ -189,7 +189,7 @@ def test_a_long_unknown_id_is_shortened_in_the_reason():
     assert "q" * 61 + "..." in r.detail and "q" * 70 not in r.detail
 
 
-# -- what an invalid answer means for a message (varadhi.retry) -----------------------------------
+# -- what an invalid answer means for a message (varadhi.core.retry) -----------------------------------
 
 
 def test_an_invalid_answer_is_retried_by_default_and_the_reason_says_why():
@@ -254,7 +254,7 @@ def test_an_invalid_delivery_section_is_refused_naming_the_field(delivery, field
 
 
 def test_apply_may_switch_the_delivery_mode():
-    from varadhi.subscriptions import Subscription
+    from varadhi.kafka.subscriptions import Subscription
 
     current = Subscription(parse_spec(DOC), shard_count=1, created_ms=0)
     new = parse_spec({**DOC, "delivery": {"mode": "batch"}})

@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from varadhi import kafka_clients
-from varadhi.shard_query import Source
+from varadhi.kafka import clients as kafka_clients
+from varadhi.spark.records import Source
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

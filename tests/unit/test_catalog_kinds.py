@@ -1,4 +1,4 @@
-"""The catalog's document and operation kinds (`varadhi.catalog_kinds`): persisted values that
+"""The catalog's document and operation kinds (`varadhi.core.catalog_kinds`): persisted values that
 never change, written as before, and spelled nowhere else in the package."""
 
 from __future__ import annotations
@@ -7,21 +7,13 @@ import ast
 import json
 from pathlib import Path
 
-from varadhi import (
-    dlq,
-    jobdefs,
-    journal,
-    layouts,
-    leases,
-    lifecycle,
-    offsets,
-    replay,
-    resharding,
-    subscriptions,
-    topics,
-)
-from varadhi.catalog import key
-from varadhi.catalog_kinds import DocKind, OpKind
+from varadhi.core.catalog_kinds import DocKind, OpKind
+from varadhi.jobs import definitions as jobdefs
+from varadhi.kafka import dlq, leases, subscriptions, topics
+from varadhi.kafka.catalog import key
+from varadhi.ops import change_shards as resharding
+from varadhi.ops import lifecycle, offsets, replay
+from varadhi.spark import journal, layouts
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lib" / "varadhi"
 

@@ -1,14 +1,14 @@
-"""The circuit breaker's transitions, with a fake clock (`varadhi.circuit`)."""
+"""The circuit breaker's transitions, with a fake clock (`varadhi.core.circuit`)."""
 
 from __future__ import annotations
 
 import pytest
 
-from varadhi.circuit import CircuitBreaker, probe_retry, validate_circuit_policy
-from varadhi.errors import InvalidArgument
-from varadhi.policies import CircuitPolicy, RetryPolicy
-from varadhi.retry import linger_ms, retries_in_place, waits_in_task
-from varadhi.status import circuit_text
+from varadhi.core.circuit import CircuitBreaker, probe_retry, validate_circuit_policy
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.policies import CircuitPolicy, RetryPolicy
+from varadhi.core.retry import linger_ms, retries_in_place, waits_in_task
+from varadhi.ops.status import circuit_text
 
 POLICY = CircuitPolicy(
     failure_rate=0.5,

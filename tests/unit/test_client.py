@@ -8,8 +8,8 @@ import pytest
 
 import varadhi
 from varadhi import Client, OffsetResetResult, RedriveProgress, Settings, VaradhiError
-from varadhi.errors import InvalidArgument
-from varadhi.offsets import Move, Plan
+from varadhi.core.errors import InvalidArgument
+from varadhi.ops.offsets import Move, Plan
 
 NOWHERE = Settings(bootstrap="127.0.0.1:9", catalog_topic="__varadhi_catalog_unit")
 
@@ -77,7 +77,7 @@ def test_redrive_progress_is_complete_once_every_shard_applied_it():
 
 
 def test_a_redrive_not_applied_in_time_is_a_failure_not_a_refusal():
-    from varadhi.dlq import RedriveNotApplied
+    from varadhi.kafka.dlq import RedriveNotApplied
 
     error = RedriveNotApplied("r1", 2.5)
     assert isinstance(error, VaradhiError) and error.exit_code == 1

@@ -1,7 +1,7 @@
 """Re-drive decisions (pure): what an applied re-drive covers, what a new one takes, list states."""
 
-from varadhi.catalog import Snapshot, key
-from varadhi.dlq import (
+from varadhi.kafka.catalog import Snapshot, key
+from varadhi.kafka.dlq import (
     Applied,
     Parked,
     Selector,
@@ -119,8 +119,8 @@ def test_scanned_offsets_merge_per_partition():
 
 
 def test_a_dlq_record_of_another_producer_is_read_with_the_ids_text_forms():
-    from varadhi import messages as m
-    from varadhi.dlq import parked_from_record
+    from varadhi.core import messages as m
+    from varadhi.kafka.dlq import parked_from_record
 
     p = parked_from_record(DLQ, 1, 7, b"\xff\xfe", b"v", [("x", b"\xff"), (m.H_MSG_ID, b"a\nb")])
     assert (p.group_id, p.msg_id) == ("b64://4=", "b64:YQpi")
@@ -132,7 +132,7 @@ def test_a_dlq_record_of_another_producer_is_read_with_the_ids_text_forms():
 def test_truncated_copies_and_records_without_an_origin_are_not_re_driven():
     from dataclasses import replace
 
-    from varadhi import messages as m
+    from varadhi.core import messages as m
 
     truncated = replace(parked("a", offset=1), headers={m.H_TRUNCATED: "5000000"})
     foreign = parked("b", offset=2, origin="junk")

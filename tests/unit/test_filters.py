@@ -1,4 +1,4 @@
-"""Parsing and validation of subscription filters (`varadhi.filters`), alone and in a spec.
+"""Parsing and validation of subscription filters (`varadhi.core.filters`), alone and in a spec.
 
 The Spark expression a filter compiles to is tested on DataFrames in tests/spark/test_filters.py.
 """
@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from varadhi import filters
-from varadhi import subscriptions as subs
-from varadhi.errors import InvalidArgument
-from varadhi.filters import All, AnyOf, Match, Not
+from varadhi.core import filters
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.filters import All, AnyOf, Match, Not
+from varadhi.kafka import subscriptions as subs
 
 EXAMPLE = """
 all:
@@ -38,7 +38,7 @@ def test_parse_example():
     "doc",
     [
         {"header": "type", "in": ["a"]},
-        {"header": "it's \"quoted\"", "prefix": "x"},
+        {"header": 'it\'s "quoted"', "prefix": "x"},
         {"key": {"exists": False}},
         {"key": {"in": ["k1", "k2"]}},
         {"not": {"any": [{"header": "a", "exists": True}, {"key": {"prefix": "p"}}]}},

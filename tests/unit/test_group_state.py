@@ -1,4 +1,4 @@
-"""The per-group "deliver or follow" logic (`varadhi.group_state`) without HTTP, Spark or Kafka.
+"""The per-group "deliver or follow" logic (`varadhi.core.group_state`) without HTTP, Spark or Kafka.
 
 A test drives a `GroupRun` through the delivery engine's Stream protocol by hand: it asks for the
 next request, answers it with an `Outcome` and moves a fake clock. Each DESIGN section 7 hazard
@@ -16,10 +16,9 @@ from dataclasses import replace
 
 import pytest
 
-from varadhi import messages as m
-from varadhi.delivery import Outcome, Wait
-from varadhi.dlq import parked_from_record, redrive_rows
-from varadhi.group_state import (
+from varadhi.core import messages as m
+from varadhi.core.delivery import Outcome, Wait
+from varadhi.core.group_state import (
     OVER_LIMIT,
     Entry,
     GroupRun,
@@ -30,9 +29,10 @@ from varadhi.group_state import (
     merge,
     over_limit,
 )
-from varadhi.policies import BlockedPolicy, RetryPolicy
-from varadhi.queue_records import out_record
-from varadhi.state_rows import Kind, OutRow, entry_of, state_row
+from varadhi.core.policies import BlockedPolicy, RetryPolicy
+from varadhi.core.queue_records import out_record
+from varadhi.core.state_rows import Kind, OutRow, entry_of, state_row
+from varadhi.kafka.dlq import parked_from_record, redrive_rows
 
 T0 = 1_800_000_000_000
 # Every retry goes through the RQ (no retries in place), so the hazards of the RQ path show.
@@ -674,7 +674,7 @@ def test_junk_in_the_produced_at_header_is_not_sent_on():
 def dead_letters_to_redrive(outs: Iterable[Out]) -> list[Entry]:
     """What `dlq unsideline --group-ids g` gives back for these DLQ records: each written as the
     shard writes it (`out_record`), read as a DLQ browse reads it and turned into `held` state
-    rows (`varadhi.dlq`), then read by a batch (`entry_of`)."""
+    rows (`varadhi.kafka.dlq`), then read by a batch (`entry_of`)."""
     parked = []
     for n, out in enumerate(outs):
         record = out_record(OutRow.of(state_row(Kind.OUT, "g", out.entry, target="dlq")), None)

@@ -73,12 +73,12 @@ def reachable(start: str) -> set[str]:
 @pytest.mark.parametrize("job", ["runner", *runner.JOBS])
 def test_no_job_imports_the_cli_even_through_another_module(job):
     modules = reachable(f"varadhi.jobs.{job}")
-    assert "varadhi.settings" in modules  # the walk follows imports
+    assert "varadhi.kafka.settings" in modules  # the walk follows imports
     assert not {m for m in modules if m == "varadhi.cli" or m.startswith("varadhi.cli.")}
 
 
 #: What only the runner does for a job: its logging, its settings and signal handlers that are
-#: put back (`varadhi.stop_signals`), not a job's own copy of them.
+#: put back (`varadhi.spark.stop_signals`), not a job's own copy of them.
 RUNNER_ONLY = {"logging.basicConfig", "Settings.from_env", "signal.signal"}
 
 
@@ -101,7 +101,7 @@ def test_jobs_log_read_settings_and_take_signals_through_the_runner(job):
 
 def test_the_import_walk_sees_relative_and_nested_imports():
     assert "varadhi.jobs.outbox_relay" in reachable("varadhi.cli")
-    assert {"varadhi.kafka_clients", "varadhi.jvm_errors"} <= reachable("varadhi.jobs.runner")
+    assert {"varadhi.kafka.clients", "varadhi.kafka.jvm_errors"} <= reachable("varadhi.jobs.runner")
 
 
 @pytest.mark.parametrize("job", list(runner.JOBS))
@@ -182,7 +182,7 @@ def test_a_checkout_s_entry_point_ends_a_spark_job_s_missing_acl_in_one_line(
     monkeypatch.setenv("VARADHI_KAFKA_CONFIG", str(config))
     monkeypatch.delenv("VARADHI_BOOTSTRAP", raising=False)
     spark = RefusedRead()
-    monkeypatch.setattr("varadhi.spark.get_spark", lambda *a, **k: spark)
+    monkeypatch.setattr("varadhi.spark.session.get_spark", lambda *a, **k: spark)
     monkeypatch.setattr(sys, "argv", [str(CHECKOUT["smoke_count"]), "--topic", "orders.0"])
     with pytest.raises(SystemExit) as exited:
         runpy.run_path(str(CHECKOUT["smoke_count"]), run_name="__main__")

@@ -25,9 +25,11 @@ from databricks.bundles.jobs import Job as BundleJob
 from databricks.sdk.service.compute import DataSecurityMode
 from databricks.sdk.service.jobs import JobSettings
 
-from varadhi import jobdefs, kafka_config, spark_lines
-from varadhi.errors import InvalidArgument
-from varadhi.subscriptions import Subscription, parse_spec
+from varadhi.core.errors import InvalidArgument
+from varadhi.jobs import definitions as jobdefs
+from varadhi.kafka import config as kafka_config
+from varadhi.kafka.subscriptions import Subscription, parse_spec
+from varadhi.spark import lines as spark_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,7 +75,7 @@ def sub_doc(shards=2, shard_count=None, paused=False, generation=0, **spec):
 
 
 def change_shards(step="feed", feeders=None):
-    """An `operation/<sub>/change-shards` document as varadhi.resharding records it."""
+    """An `operation/<sub>/change-shards` document as varadhi.ops.change_shards records it."""
     return {
         "kind": "change-shards",
         "from": 2,

@@ -1,4 +1,4 @@
-"""The delivery journal (`varadhi.journal`) and what a replayed micro-batch does with it
+"""The delivery journal (`varadhi.spark.journal`) and what a replayed micro-batch does with it
 (`GroupRun(replayed=...)`), without HTTP, Spark or Kafka: fakes for the producer and the
 engine, a temporary folder for the checkpoint."""
 
@@ -14,15 +14,15 @@ import pytest
 from kafka.errors import KafkaTimeoutError
 from kafka.future import Future
 
-from varadhi import checkpoints, journal
-from varadhi import messages as m
-from varadhi.delivery import Outcome
-from varadhi.errors import InvalidArgument
-from varadhi.group_state import Entry, GroupRun, RunCounts, merge
-from varadhi.journal import Accepted, JournalTarget, JournalWriter
-from varadhi.policies import RetryPolicy
-from varadhi.subscriptions import parse_spec, spec_to_dict
-from varadhi.warehouse_fs import LocalFS
+from varadhi.core import messages as m
+from varadhi.core.delivery import Outcome
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.group_state import Entry, GroupRun, RunCounts, merge
+from varadhi.core.policies import RetryPolicy
+from varadhi.kafka.subscriptions import parse_spec, spec_to_dict
+from varadhi.spark import checkpoints, journal
+from varadhi.spark.journal import Accepted, JournalTarget, JournalWriter
+from varadhi.spark.warehouse_fs import LocalFS
 
 POLICY = RetryPolicy(max_attempts=3, jitter=0.0, in_place_window_ms=0)
 T0 = 1_800_000_000_000
@@ -151,7 +151,7 @@ def test_a_failing_journal_never_fails_the_task_and_says_what_it_did_not_journal
     writer = JournalWriter(target(interval_ms=60_000), lambda _bootstrap: producer)
     for x in range(3):
         writer.accepted(o(x))
-    with caplog.at_level("WARNING", logger="varadhi.journal"):
+    with caplog.at_level("WARNING", logger="varadhi.spark.journal"):
         writer.close()
     assert writer.unjournaled == 3
     assert "3 accepted messages not journaled" in caplog.text
@@ -411,7 +411,9 @@ def test_uncommitted_batch_is_the_newest_plan_without_a_commit(tmp_path):
     assert checkpoints.uncommitted_batch(str(cp), LocalFS()) == (0, 1_000)
     (cp / "commits").mkdir()
     (cp / "commits" / "0").write_text("v1\n{}\n")
-    assert checkpoints.uncommitted_batch(str(cp), LocalFS()) is None  # committed: the next batch is new
+    assert (
+        checkpoints.uncommitted_batch(str(cp), LocalFS()) is None
+    )  # committed: the next batch is new
     _plan(cp, 1, 2_000)
     assert checkpoints.uncommitted_batch(str(cp), LocalFS()) == (1, 2_000)
     (cp / "offsets" / "1").write_text("v1\n")  # a plan without its metadata line

@@ -1,5 +1,5 @@
-"""The delivery journal's hand-over across a shard-count change (`varadhi.journal`: HandOver,
-hand_over, UncommittedBatch; `varadhi.resharding.drop_delivered`): pure, no services. The last
+"""The delivery journal's hand-over across a shard-count change (`varadhi.spark.journal`: HandOver,
+hand_over, UncommittedBatch; `varadhi.ops.change_shards.drop_delivered`): pure, no services. The last
 tests play a whole change: an old shard's batch delivered part of a group's retries and new
 messages, crashed uncommitted, and the new shards then re-read what it read."""
 
@@ -14,18 +14,18 @@ import pandas as pd
 import pytest
 from kafka.errors import KafkaTimeoutError
 
-from varadhi import checkpoints, journal, layouts
-from varadhi import messages as m
-from varadhi import resharding as rs
-from varadhi import subscriptions as subs
-from varadhi.catalog import Snapshot
-from varadhi.delivery import Outcome
-from varadhi.group_state import Entry, GroupRun, RunCounts, merge
-from varadhi.journal import Accepted, HandOver, UncommittedBatch
-from varadhi.policies import RetryPolicy
-from varadhi.settings import Settings
-from varadhi.topics import new_topic
-from varadhi.warehouse_fs import LocalFS
+from varadhi.core import messages as m
+from varadhi.core.delivery import Outcome
+from varadhi.core.group_state import Entry, GroupRun, RunCounts, merge
+from varadhi.core.policies import RetryPolicy
+from varadhi.kafka import subscriptions as subs
+from varadhi.kafka.catalog import Snapshot
+from varadhi.kafka.settings import Settings
+from varadhi.kafka.topics import new_topic
+from varadhi.ops import change_shards as rs
+from varadhi.spark import checkpoints, journal, layouts
+from varadhi.spark.journal import Accepted, HandOver, UncommittedBatch
+from varadhi.spark.warehouse_fs import LocalFS
 
 NAMES = ["t.0", "t.1"]  # the main topic's storage topics, by index
 
@@ -127,7 +127,7 @@ def test_a_hand_over_belongs_to_its_generation_from_its_layout_on(caplog):
     assert HandOver.of_layout(doc, 1, 1) is None  # an earlier era at this shard count
     assert HandOver.of_layout(doc, 2, 2) is None  # an offset reset: a new generation
     assert HandOver.of_layout(None, 1, 2) is None
-    with caplog.at_level("WARNING", logger="varadhi.journal"):
+    with caplog.at_level("WARNING", logger="varadhi.spark.journal"):
         assert HandOver.of_layout({"generation": 1, "seq": 2}, 1, 2) is None
     assert "not one" in caplog.text
 

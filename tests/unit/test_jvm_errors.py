@@ -1,4 +1,4 @@
-"""Py4J/JVM/pyspark errors read in one place (`varadhi.jvm_errors`), on exceptions built here
+"""Py4J/JVM/pyspark errors read in one place (`varadhi.kafka.jvm_errors`), on exceptions built here
 without a JVM: py4j's `Py4JJavaError` on a stand-in gateway, pyspark's captured exceptions as
 `StreamingQuery.exception()` returns them (4.x and 3.5 attribute names), stack trace text."""
 
@@ -8,9 +8,9 @@ import pytest
 from py4j.protocol import Py4JJavaError, escape_new_line
 from pyspark.errors.exceptions.captured import StreamingQueryException, UnknownException
 
-from varadhi import jvm_errors
-from varadhi.errors import StopRequested as StopRequestedError
-from varadhi.jvm_errors import (
+from varadhi.core.errors import StopRequested as StopRequestedError
+from varadhi.kafka import jvm_errors
+from varadhi.kafka.jvm_errors import (
     Denied,
     Fenced,
     KafkaMetricsNPE,
@@ -40,8 +40,8 @@ STREAM_FAILED = (
 STOPPED = (
     "[STREAM_FAILED] Query [id = 5f1] terminated with exception: An exception was raised by the"
     ' Python Proxy. Return Message: Traceback (most recent call last):\n  File "/x/py4j/'
-    'clientserver.py", line 644, in _call_proxy\n  File "/x/varadhi/shard.py", line 781, in '
-    "_on_batch\nvaradhi.errors.StopRequested\n"
+    'clientserver.py", line 644, in _call_proxy\n  File "/x/varadhi/spark/shard/job.py", line 781, in '
+    "_on_batch\nvaradhi.core.errors.StopRequested\n"
 )
 
 
@@ -207,7 +207,7 @@ def test_a_spark_connect_error_is_read_from_the_server_s_stack_trace():
 def test_the_shard_s_own_errors_raised_in_a_batch():
     stopped = jvm_errors.classify(captured(StreamingQueryException, STOPPED, ""))
     assert StopRequested in stopped and Fenced not in stopped
-    fenced = STOPPED.replace("varadhi.errors.StopRequested", "varadhi.errors.Fenced: lease s/0: "
+    fenced = STOPPED.replace("varadhi.core.errors.StopRequested", "varadhi.core.errors.Fenced: lease s/0: "
                              "fenced (my epoch 3, current epoch 4)")  # fmt: skip
     assert jvm_errors.classify(captured(StreamingQueryException, fenced, "")).facts == (Fenced(),)
     producer = JavaObject("org.apache.kafka.common.errors.ProducerFencedException", "epoch")
@@ -234,11 +234,11 @@ def test_a_stop_is_recognised_by_its_class_not_by_a_word_in_a_message():
     for text in (
         "HTTP 500: StopRequested by upstream",
         "java.lang.IllegalStateException: StopRequested",
-        "varadhi.errors.StopRequestedLater: x",
+        "varadhi.core.errors.StopRequestedLater: x",
         "my.varadhi.errors.StopRequested",
     ):
         assert StopRequested not in jvm_errors.classify(RuntimeError(text)), text
-        answer = STOPPED.replace("varadhi.errors.StopRequested", f"RuntimeError: {text}")
+        answer = STOPPED.replace("varadhi.core.errors.StopRequested", f"RuntimeError: {text}")
         assert StopRequested not in jvm_errors.classify(
             captured(StreamingQueryException, answer, "")
         )
@@ -268,7 +268,9 @@ def test_kafka_s_other_fenced_errors_are_not_a_fence_of_the_shard():
     assert jvm_errors.classify(ServerError(STREAM_FAILED, job.trace())).facts == ()
     for name in ("FencedLeaderEpochError", "FencedInstanceIdError",
                  "TransactionCoordinatorFencedError"):  # fmt: skip
-        python = STOPPED.replace("varadhi.errors.StopRequested", f"kafka.errors.{name}: [Error 74]")
+        python = STOPPED.replace(
+            "varadhi.core.errors.StopRequested", f"kafka.errors.{name}: [Error 74]"
+        )
         assert Fenced not in jvm_errors.classify(captured(StreamingQueryException, python, ""))
 
 
@@ -285,9 +287,9 @@ def test_a_fenced_kafka_python_producer_in_each_form():
     assert Fenced in jvm_errors.classify(text_only)
     # Wherever a message puts the qualified name (not only at the start of a line), and never
     # a longer name that starts with it.
-    inline = "terminated with exception: varadhi.errors.Fenced: lease s/0: fenced"
+    inline = "terminated with exception: varadhi.core.errors.Fenced: lease s/0: fenced"
     assert Fenced in jvm_errors.classify(RuntimeError(inline))
-    assert Fenced not in jvm_errors.classify(RuntimeError("varadhi.errors.FencedLater: x"))
+    assert Fenced not in jvm_errors.classify(RuntimeError("varadhi.core.errors.FencedLater: x"))
 
 
 @pytest.mark.parametrize(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from varadhi import kafka_config as kc
-from varadhi.kafka_config import KafkaConfigError
+from varadhi.kafka import config as kc
+from varadhi.kafka.config import KafkaConfigError
 
 CA = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 KEY = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n" + CA
@@ -238,7 +238,7 @@ def test_oauthbearer_views():
 
 
 def test_settings_carry_the_config(tmp_path, ca, monkeypatch):
-    from varadhi.settings import Settings
+    from varadhi.kafka.settings import Settings
 
     monkeypatch.delenv("VARADHI_BOOTSTRAP", raising=False)
     monkeypatch.setenv("KAFKA_PASSWORD", "pw")
@@ -269,7 +269,7 @@ def test_the_spark_source_answers_an_empty_fetch_soon_and_the_sink_gets_no_consu
     # partition whenever no new record came in (the last batch before traffic stops).
     from types import SimpleNamespace
 
-    from varadhi import kafka_clients
+    from varadhi.kafka import clients as kafka_clients
 
     cfg = kc.load(scram(tmp_path, ca), environ={"KAFKA_PASSWORD": "s3cret-pw"})
     settings = SimpleNamespace(bootstrap="broker:9093", kafka=cfg)

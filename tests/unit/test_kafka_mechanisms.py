@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
-from varadhi import kafka_config as kc
-from varadhi import spark_lines
-from varadhi.kafka_config import KafkaConfigError
+from varadhi.kafka import config as kc
+from varadhi.kafka.config import KafkaConfigError
+from varadhi.spark import lines as spark_lines
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "conf" / "kafka"
 CA = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"

@@ -7,9 +7,10 @@ import itertools
 
 import pytest
 
-from varadhi import layouts, routing
-from varadhi.layouts import Layout
-from varadhi.topics import StorageTopic, add_storage, new_topic
+from varadhi.core import routing
+from varadhi.kafka.topics import StorageTopic, add_storage, new_topic
+from varadhi.spark import layouts
+from varadhi.spark.layouts import Layout
 
 
 def shard_of(group: str, st: StorageTopic, shard_count: int) -> int:

@@ -6,12 +6,13 @@ import copy
 
 import pytest
 
-from varadhi import leases
-from varadhi.catalog import Snapshot, key
 from varadhi.cli.status import standby_text
-from varadhi.errors import Fenced, InvalidArgument
-from varadhi.leases import Lease, Seen, holder_expired, may_take_over, observe, renewal_due
-from varadhi.status import shard_state, standbys_of
+from varadhi.core.errors import Fenced, InvalidArgument
+from varadhi.kafka import leases
+from varadhi.kafka.catalog import Snapshot, key
+from varadhi.kafka.leases import Lease, Seen, holder_expired, may_take_over, observe, renewal_due
+from varadhi.kafka.progress import standbys_of
+from varadhi.ops.status import shard_state
 
 TTL = 15_000
 OWNER = "orders-http/s2/0"

@@ -1,4 +1,4 @@
-"""Planning `subscription delete` and `topic delete` (`varadhi.lifecycle`): what is removed, and
+"""Planning `subscription delete` and `topic delete` (`varadhi.ops.lifecycle`): what is removed, and
 when it is refused, from catalog snapshots alone."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from varadhi import lifecycle as lc
-from varadhi.catalog import Snapshot
 from varadhi.cli import build_parser, version
-from varadhi.errors import InvalidArgument, NotFound
-from varadhi.subscriptions import Subscription, parse_spec
-from varadhi.topics import add_storage, new_topic
-from varadhi.warehouse_fs import LocalFS
+from varadhi.core.errors import InvalidArgument, NotFound
+from varadhi.kafka.catalog import Snapshot
+from varadhi.kafka.subscriptions import Subscription, parse_spec
+from varadhi.kafka.topics import add_storage, new_topic
+from varadhi.ops import lifecycle as lc
+from varadhi.spark.warehouse_fs import LocalFS
 
 WH = "/wh"
 
@@ -149,8 +149,8 @@ def test_finished_operations_and_the_delete_itself_do_not_hold_it_back():
 
 
 def test_refused_while_shards_may_run():
-    from varadhi.status import SILENT_MS
-    from varadhi.subscriptions import Subscription as S
+    from varadhi.kafka.subscriptions import Subscription as S
+    from varadhi.ops.status import SILENT_MS
 
     now = 10_000_000
     fresh = now - 1_000

@@ -1,4 +1,4 @@
-"""The pure parts of `varadhi.metrics`: a micro-batch's counters to metric values, the lag from a
+"""The pure parts of `varadhi.spark.metrics`: a micro-batch's counters to metric values, the lag from a
 query progress, the Prometheus text the exporter serves, the JSON log line, and the options.
 No service starts here (tests/integration/test_metrics.py scrapes a real shard run)."""
 
@@ -11,10 +11,10 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from varadhi import metrics
-from varadhi.batch import http_counts
-from varadhi.delivery import LATENCY_BOUNDS_MS, DeliveryStats
-from varadhi.errors import InvalidArgument
+from varadhi.core.delivery import LATENCY_BOUNDS_MS, DeliveryStats
+from varadhi.core.errors import InvalidArgument
+from varadhi.spark import metrics
+from varadhi.spark.batch import http_counts
 
 BUCKETS = len(LATENCY_BOUNDS_MS) + 1
 
@@ -200,11 +200,13 @@ def test_the_json_line_of_a_batch_carries_the_same_figures():
 
 
 def test_the_json_formatter_writes_one_object_with_the_fields():
-    record = logging.LogRecord("varadhi.metrics", logging.INFO, __file__, 1, "batch %s", (7,), None)
+    record = logging.LogRecord(
+        "varadhi.spark.metrics", logging.INFO, __file__, 1, "batch %s", (7,), None
+    )
     record.fields = {"event": "batch", "delivered": 3}
     doc = json.loads(metrics.JsonFormatter().format(record))
     assert doc["message"] == "batch 7" and doc["level"] == "INFO"
-    assert doc["logger"] == "varadhi.metrics" and doc["delivered"] == 3
+    assert doc["logger"] == "varadhi.spark.metrics" and doc["delivered"] == 3
     assert doc["ts"].endswith("Z") and "\n" not in metrics.JsonFormatter().format(record)
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import pytest
 from kafka.errors import TopicAuthorizationFailedError, TransactionalIdAuthorizationFailedError
 
-from varadhi import kafka_clients, kafka_config
-from varadhi.errors import NotAuthorized, VaradhiError
+from varadhi.core.errors import NotAuthorized, VaradhiError
 from varadhi.jobs import runner
-from varadhi.settings import Settings
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import config as kafka_config
+from varadhi.kafka.settings import Settings
 
 CAROL = Settings(
     kafka=kafka_config.from_properties(
@@ -25,7 +26,7 @@ CAROL = Settings(
 
 DLQ_WRITE = """Traceback (most recent call last):
   File "/x/py4j/clientserver.py", line 644, in _call_proxy
-  File "/x/varadhi/shard.py", line 1024, in _send_outs
+  File "/x/varadhi/spark/shard/job.py", line 1024, in _send_outs
   File "/x/site-packages/kafka/producer/future.py", line 108, in get
 kafka.errors.TopicAuthorizationFailedError: [Error 29] TopicAuthorizationFailedError: {'s.dlq.0'}
 """
@@ -98,7 +99,7 @@ def test_a_refused_write_by_spark_s_kafka_sink_is_named_write_by_its_caller():
 def test_a_line_the_product_raised_inside_a_query_is_kept():
     """A NotAuthorized raised in a foreachBatch function reaches the caller as text."""
     named = NotAuthorized("Write", "TransactionalId", "varadhi-delta-outbox-o", "User:carol")
-    text = f"StreamingQueryException: ... varadhi.errors.NotAuthorized: {named}\n  at ..."
+    text = f"StreamingQueryException: ... varadhi.core.errors.NotAuthorized: {named}\n  at ..."
     e = kafka_clients.refused_in(CAROL, text)
     assert str(e) == str(named) and e.principal == "User:carol"
     anonymous = NotAuthorized("Describe or Read", "Topic", "t.0", None)

@@ -96,7 +96,9 @@ def test_works_through_the_client_not_the_command_line(path):
     calls = client_calls(tree)
     assert calls, "calls the client"
     client = Client(Settings())  # connects to nothing until used
-    missing = [f"{path.name}:{ln}: client.{name}" for ln, name in calls if not hasattr(client, name)]
+    missing = [
+        f"{path.name}:{ln}: client.{name}" for ln, name in calls if not hasattr(client, name)
+    ]
     assert not missing, f"not on varadhi.Client: {missing}"
 
 

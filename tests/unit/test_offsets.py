@@ -5,9 +5,11 @@ import json
 
 import pytest
 
-from varadhi.errors import InvalidArgument
-from varadhi.layouts import Layout
-from varadhi.offsets import (
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.policies import Endpoint, SubscriptionSpec
+from varadhi.kafka.subscriptions import Subscription
+from varadhi.kafka.topics import add_storage, new_topic
+from varadhi.ops.offsets import (
     Offsets,
     Plan,
     decide,
@@ -16,9 +18,7 @@ from varadhi.offsets import (
     positions_after,
     positions_doc,
 )
-from varadhi.policies import Endpoint, SubscriptionSpec
-from varadhi.subscriptions import Subscription
-from varadhi.topics import add_storage, new_topic
+from varadhi.spark.layouts import Layout
 
 
 def sub_of(shards: int, topic: str = "t", allow_uneven: bool = False) -> Subscription:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from varadhi.policies import RetryPolicy
+from varadhi.core.policies import RetryPolicy
 from varadhi.testing.endpoint import Record, TestEndpoint
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from varadhi.errors import InvalidArgument
-from varadhi.outbox import (
+from varadhi.core.errors import InvalidArgument
+from varadhi.outbox.relay import (
     ADVISORY_LOCK_CLASS,
     LEASE_TABLE,
     Outbox,
@@ -47,9 +47,9 @@ def sqlite_db(tmp_path):
 def kafka_free_relay():
     """make(path, outbox, clock) -> a Relay on a SQLite file that has not touched Kafka yet (it
     connects to Kafka only when it has rows to send)."""
-    from varadhi.catalog import Catalog
-    from varadhi.outbox import Relay, connector
-    from varadhi.settings import Settings
+    from varadhi.kafka.catalog import Catalog
+    from varadhi.kafka.settings import Settings
+    from varadhi.outbox.relay import Relay, connector
 
     relays = []
 
@@ -218,7 +218,7 @@ def test_add_uses_the_shard_and_the_groups_partition(sqlite_db):
 
 
 def test_add_many_keeps_order_and_returns_message_ids(sqlite_db):
-    from varadhi.producer import Message
+    from varadhi.kafka.producer import Message
 
     outbox = Outbox()
     path = sqlite_db(outbox)
@@ -345,7 +345,7 @@ def test_delete_removes_exactly_the_rows_read(sqlite_db):
 
 
 def _msg(i: int):
-    from varadhi.producer import Message
+    from varadhi.kafka.producer import Message
 
     return Message(f"v{i}".encode(), "g")
 

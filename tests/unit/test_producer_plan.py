@@ -5,10 +5,11 @@ from collections import Counter
 
 import pytest
 
-from varadhi import messages, routing, topics
 from varadhi.cli.produce import parse_headers, read_messages
-from varadhi.errors import InvalidArgument
-from varadhi.producer import Message, RouteCache, kafka_headers, plan, validate
+from varadhi.core import messages, routing
+from varadhi.core.errors import InvalidArgument
+from varadhi.kafka import topics
+from varadhi.kafka.producer import Message, RouteCache, kafka_headers, plan, validate
 
 
 def grown(*counts: int, switches: int = 0) -> topics.CompositeTopic:

@@ -1,5 +1,5 @@
-"""RQ/DLQ records fitted to the topic's size limit (`varadhi.queue_records`) and catalog
-records another program wrote (`varadhi.catalog.decode_record`)."""
+"""RQ/DLQ records fitted to the topic's size limit (`varadhi.core.queue_records`) and catalog
+records another program wrote (`varadhi.kafka.catalog.decode_record`)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import json
 import pandas as pd
 import pytest
 
-from varadhi import messages as m
-from varadhi.catalog import decode_record
-from varadhi.errors import VaradhiError
-from varadhi.queue_records import OutRecord, out_record
-from varadhi.state_rows import OutRow, StateRow, out_rows
+from varadhi.core import messages as m
+from varadhi.core.errors import VaradhiError
+from varadhi.core.queue_records import OutRecord, out_record
+from varadhi.core.state_rows import OutRow, StateRow, out_rows
+from varadhi.kafka.catalog import decode_record
 
 
 def row(target: str, value: bytes, headers: str = "{}") -> OutRow:

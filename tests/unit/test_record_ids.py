@@ -1,4 +1,4 @@
-"""The text forms of record ids (`varadhi.record_ids.text_id`) and binary-safe headers."""
+"""The text forms of record ids (`varadhi.core.record_ids.text_id`) and binary-safe headers."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import hashlib
 
 import pytest
 
-from varadhi import messages as m
-from varadhi.record_ids import B64_MAX_BYTES, TEXT_MAX_BYTES, header_value, text_id
+from varadhi.core import messages as m
+from varadhi.core.record_ids import B64_MAX_BYTES, TEXT_MAX_BYTES, header_value, text_id
 
 AVRO_KEY = b"\x00\x00\x00\x00\x07\x06abc"  # Schema Registry frame: magic 0, schema id 7
 

@@ -1,4 +1,4 @@
-"""Replay planning and delivery logic (`varadhi.replay`) without Spark, Kafka or HTTP.
+"""Replay planning and delivery logic (`varadhi.ops.replay`) without Spark, Kafka or HTTP.
 
 Planning: time parsing and refusals, offset ranges from Kafka's `offsetsForTimes` answers, empty
 ranges, the Spark source options. Delivery: `ReplayGroup` driven by hand through the Stream
@@ -18,12 +18,14 @@ from collections.abc import Iterable
 import pandas as pd
 import pytest
 
-from varadhi import messages as m
-from varadhi.delivery import Outcome, Request, Wait
-from varadhi.errors import InvalidArgument
-from varadhi.group_state import Entry
-from varadhi.policies import Endpoint, RetryPolicy, SubscriptionSpec
-from varadhi.replay import (
+from varadhi.core import messages as m
+from varadhi.core.delivery import Outcome, Request, Wait
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.group_state import Entry
+from varadhi.core.policies import Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.core.state_rows import frame_of
+from varadhi.kafka.topics import add_storage, new_topic, switch_produce
+from varadhi.ops.replay import (
     HTTP_REPLAY,
     MAX_REPORTED_FAILURES,
     RESULT_COLUMNS,
@@ -44,8 +46,6 @@ from varadhi.replay import (
     resolve_range,
     summarize,
 )
-from varadhi.state_rows import frame_of
-from varadhi.topics import add_storage, new_topic, switch_produce
 
 NOW = 1_800_000_000_000  # 2027-01-15T08:00:00Z
 ISO_NOW = "2027-01-15T08:00:00Z"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from varadhi import delivery
-from varadhi.delivery import Request
-from varadhi.errors import InvalidArgument
+from varadhi.core import delivery
+from varadhi.core.delivery import Request
+from varadhi.core.errors import InvalidArgument
 
 
 def test_a_name_seen_in_a_valid_request_still_refuses_a_bad_value():

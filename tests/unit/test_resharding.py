@@ -8,14 +8,14 @@ from dataclasses import replace
 import pandas as pd
 import pytest
 
-from varadhi import resharding as rs
-from varadhi import routing
-from varadhi.catalog import Snapshot
-from varadhi.errors import InvalidArgument
-from varadhi.layouts import Layout
-from varadhi.status import SILENT_MS
-from varadhi.subscriptions import Subscription, changed_fields, parse_spec
-from varadhi.topics import StorageTopic, add_storage, new_topic, switch_produce
+from varadhi.core import routing
+from varadhi.core.errors import InvalidArgument
+from varadhi.kafka.catalog import Snapshot
+from varadhi.kafka.subscriptions import Subscription, changed_fields, parse_spec
+from varadhi.kafka.topics import StorageTopic, add_storage, new_topic, switch_produce
+from varadhi.ops import change_shards as rs
+from varadhi.ops.status import SILENT_MS
+from varadhi.spark.layouts import Layout
 
 KEYS = [f"group-{i}" for i in range(400)] + [f"~msg-{i}" for i in range(100)]
 

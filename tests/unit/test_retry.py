@@ -4,9 +4,9 @@ from datetime import UTC, datetime
 
 import pytest
 
-from varadhi.errors import InvalidArgument
-from varadhi.policies import DEFAULT_RESPONSES, ResponseRule, RetryPolicy
-from varadhi.retry import (
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.policies import DEFAULT_RESPONSES, ResponseRule, RetryPolicy
+from varadhi.core.retry import (
     MAX_RETRY_AFTER_MS,
     UNMATCHED,
     Decision,

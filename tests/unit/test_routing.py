@@ -3,7 +3,8 @@ from collections import Counter
 
 import pytest
 
-from varadhi import producer, routing, topics
+from varadhi.core import routing
+from varadhi.kafka import producer, topics
 
 # Known routes, computed without varadhi or mmh3 (so a change of hash, encoding or formula shows):
 # h is MurmurHash3_x86_32, seed 0, of the group id's UTF-8 bytes (`s.getBytes(UTF_8)` in Java),

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 from kafka.errors import KafkaConnectionError, KafkaTimeoutError, SaslAuthenticationFailedError
 
-from varadhi import kafka_clients
-from varadhi import kafka_config as kc
-from varadhi.errors import KafkaUnavailable
+from varadhi.core.errors import KafkaUnavailable
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import config as kc
 
 SCRAM = "org.apache.kafka.common.security.scram.ScramLoginModule"
 MANAGER = logging.getLogger("kafka.net.manager")

@@ -1,17 +1,17 @@
-"""What a failed query means for the shard (`varadhi.shard_ends.judge`, pure), on failures read
-by `varadhi.jvm_errors` from constructed cause chains and texts (no JVM)."""
+"""What a failed query means for the shard (`varadhi.spark.shard.ends.judge`, pure), on failures read
+by `varadhi.kafka.jvm_errors` from constructed cause chains and texts (no JVM)."""
 
 from __future__ import annotations
 
-from varadhi import jvm_errors
-from varadhi.jvm_errors import Link
-from varadhi.shard_ends import QueryEnd, RunEnd, Verdict, catalog_change, idle, judge
+from varadhi.kafka import jvm_errors
+from varadhi.kafka.jvm_errors import Link
+from varadhi.spark.shard.ends import QueryEnd, RunEnd, Verdict, catalog_change, idle, judge
 
 NPE_FRAMES = (("org.apache.spark.sql.kafka010.KafkaMicroBatchStream", "metrics"),)
 # A batch function's own error, as it comes back inside the Java PythonException (shortened).
 PYTHON = (
     "An exception was raised by the Python Proxy. Return Message: Traceback (most recent call "
-    'last):\n  File "/x/varadhi/shard.py", line 781, in _on_batch\n{}\n'
+    'last):\n  File "/x/varadhi/spark/shard/job.py", line 781, in _on_batch\n{}\n'
 )
 
 
@@ -38,7 +38,9 @@ def test_a_leader_change_in_a_query_failure_is_a_failure_not_a_fence():
 
 
 def test_the_shard_s_own_fence_and_a_fenced_producer_are_fences():
-    own = PYTHON.format("varadhi.errors.Fenced: lease s/2/0: fenced (my epoch 3, current epoch 4)")
+    own = PYTHON.format(
+        "varadhi.core.errors.Fenced: lease s/2/0: fenced (my epoch 3, current epoch 4)"
+    )
     assert judge(failure(text=own), replayed=False) is Verdict.FENCED
     producer = Link("org.apache.kafka.common.errors.ProducerFencedException", "newer producer")
     assert judge(failure(*job_aborted(producer)), replayed=False) is Verdict.FENCED
@@ -46,7 +48,7 @@ def test_the_shard_s_own_fence_and_a_fenced_producer_are_fences():
 
 def test_a_refused_batch_or_no_failure_is_no_verdict():
     assert judge(None, replayed=True) is None
-    stopped = failure(text=PYTHON.format("varadhi.errors.StopRequested"))
+    stopped = failure(text=PYTHON.format("varadhi.core.errors.StopRequested"))
     assert judge(stopped, replayed=True) is None
     # The word in a message is no stop (it was matched as a substring of any text before).
     word = failure(text=PYTHON.format("RuntimeError: HTTP 500 StopRequested"))

@@ -1,4 +1,4 @@
-"""The shard driver's side of the delivery journal (`varadhi.shard_journal.ShardJournal`) with
+"""The shard driver's side of the delivery journal (`varadhi.spark.shard.journal.ShardJournal`) with
 the topic and the reader injected: where a batch journals, and which batch reads what a crashed
 run journaled. The journal against Kafka is tests/integration/test_shard_crash.py's."""
 
@@ -8,10 +8,10 @@ from dataclasses import replace
 
 from kafka.errors import KafkaTimeoutError
 
-from varadhi import journal
-from varadhi import subscriptions as subs
-from varadhi.settings import Settings
-from varadhi.shard_journal import ShardJournal
+from varadhi.kafka import subscriptions as subs
+from varadhi.kafka.settings import Settings
+from varadhi.spark import journal
+from varadhi.spark.shard.journal import ShardJournal
 
 ACCEPTED = journal.Accepted.of_runs([(0, 3, 10, 19)])
 

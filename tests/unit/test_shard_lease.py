@@ -1,4 +1,4 @@
-"""A shard instance's lease (`varadhi.shard_lease.ShardLease`) with an in-memory catalog and a
+"""A shard instance's lease (`varadhi.spark.shard.lease.ShardLease`) with an in-memory catalog and a
 fake clock: standing by and taking over, following a shard-count change, a Kafka failure while
 watching, which failures are fences, and a clean or failed release. The real takeover between
 two processes is tests/integration/test_failover.py's."""
@@ -10,10 +10,10 @@ import copy
 import pytest
 from kafka.errors import KafkaTimeoutError
 
-from varadhi.catalog import Snapshot, key
-from varadhi.errors import Fenced, InvalidArgument
-from varadhi.leases import KIND, Lease
-from varadhi.shard_lease import ShardLease
+from varadhi.core.errors import Fenced, InvalidArgument
+from varadhi.kafka.catalog import Snapshot, key
+from varadhi.kafka.leases import KIND, Lease
+from varadhi.spark.shard.lease import ShardLease
 
 TTL = 3_000
 OWNER = "orders-http/s2/1"

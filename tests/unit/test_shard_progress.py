@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from varadhi.shard_stats import LISTED_BLOCKED_GROUPS, ShardStats, summarize
-from varadhi.state_rows import Kind, StateRow, state_rows
+from varadhi.core.state_rows import Kind, StateRow, state_rows
+from varadhi.spark.shard.stats import LISTED_BLOCKED_GROUPS, ShardStats, summarize
 
 
 def row(offset: int, location: str, reason: str | None = None, msg_id: str | None = None):
@@ -60,8 +60,8 @@ def test_counters_go_on_from_the_last_progress_of_the_same_shard_count():
 
 
 def test_a_restarted_query_reports_what_the_last_one_consumed_on_the_same_layout():
-    from varadhi.layouts import Layout
-    from varadhi.shard_stats import where_reading
+    from varadhi.spark.layouts import Layout
+    from varadhi.spark.shard.stats import where_reading
 
     layout = Layout(generation=1, seq=2, mq_index=0, starting_offsets={})
     before = {"generation": 1, "shard_count": 2, "layout": 2, "consumed": {"t.0": {"0": 40}}}
@@ -72,7 +72,7 @@ def test_a_restarted_query_reports_what_the_last_one_consumed_on_the_same_layout
 
 
 def test_a_shard_count_change_carries_the_retired_shards_counts():
-    from varadhi.status import carry_totals
+    from varadhi.ops.status import carry_totals
 
     progress = {
         0: {"shard_count": 2, "totals": {"delivered": 5, "routed": 6}},
@@ -84,7 +84,7 @@ def test_a_shard_count_change_carries_the_retired_shards_counts():
 
 
 def test_a_batch_adds_its_counters_and_becomes_the_last_batch():
-    from varadhi.shard_stats import ShardStats
+    from varadhi.spark.shard.stats import ShardStats
 
     s = ShardStats(delivered=5, replays=1)
     counts = {"delivered": 3, "failures": 2, "records": 4, "http": {"200": 3}}
@@ -101,7 +101,7 @@ def test_a_batch_adds_its_counters_and_becomes_the_last_batch():
 
 
 def test_rates_are_over_the_last_minute_and_zero_for_the_first_second():
-    from varadhi.shard_stats import Rates
+    from varadhi.spark.shard.stats import Rates
 
     r = Rates()
     assert r.update(100.0, 0, 0) == {"delivered_per_s": 0.0, "failures_per_s": 0.0}

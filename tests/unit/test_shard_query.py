@@ -1,14 +1,14 @@
-"""What one query of a shard reads (pure): `varadhi.shard_query.Source`."""
+"""What one query of a shard reads (pure): `varadhi.spark.records.Source`."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import replace
 
-from varadhi import subscriptions as subs
-from varadhi.layouts import Layout
-from varadhi.shard_query import Source
-from varadhi.topics import CompositeTopic, StorageTopic
+from varadhi.kafka import subscriptions as subs
+from varadhi.kafka.topics import CompositeTopic, StorageTopic
+from varadhi.spark.layouts import Layout
+from varadhi.spark.records import Source
 
 
 def topic(name: str, *partitions: int, internal: bool = False) -> CompositeTopic:

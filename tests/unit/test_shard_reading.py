@@ -1,4 +1,4 @@
-"""How far a shard's query has read and whether it has caught up (`varadhi.shard_reading`,
+"""How far a shard's query has read and whether it has caught up (`varadhi.spark.shard.reading`,
 pure parts). The layout moves themselves run against Kafka and the catalog in
 tests/integration/test_storage_switch.py and test_storage_boundary.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from varadhi.shard_reading import caught_up, consumed
+from varadhi.spark.shard.reading import caught_up, consumed
 
 
 class Progress:

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from varadhi import shard as shard_module
-from varadhi import warehouse_fs
-from varadhi.errors import InvalidArgument, KafkaUnavailable
-from varadhi.settings import Settings
-from varadhi.shard import ShardJob
-from varadhi.shard_ends import ControlOutage, QueryEnd, RunEnd
+from varadhi.core.errors import InvalidArgument, KafkaUnavailable
+from varadhi.kafka.settings import Settings
+from varadhi.spark import warehouse_fs
+from varadhi.spark.shard import job as shard_module
+from varadhi.spark.shard.ends import ControlOutage, QueryEnd, RunEnd
+from varadhi.spark.shard.job import ShardJob
 
 
 class FakeLease:
@@ -256,7 +256,7 @@ def test_an_authorization_error_between_batches_fails_the_shard_at_once(job, mon
 def test_which_kafka_errors_are_ridden_out(name, transient):
     import kafka.errors
 
-    from varadhi.kafka_clients import transient as is_transient
+    from varadhi.kafka.clients import transient as is_transient
 
     assert is_transient(getattr(kafka.errors, name)("x")) is transient
     assert is_transient(KafkaUnavailable("timed out"))

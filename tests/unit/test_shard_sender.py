@@ -1,4 +1,4 @@
-"""A shard's RQ/DLQ sender (`varadhi.shard_sender`) with an in-memory transactional producer:
+"""A shard's RQ/DLQ sender (`varadhi.spark.shard.sender`) with an in-memory transactional producer:
 where each record goes, one transaction per batch, topic limits read once, and which Kafka
 errors are a fence of the shard. The Kafka side is covered by the integration tests
 (test_shard_delivery, test_failover, test_shard_crash)."""
@@ -11,14 +11,14 @@ import pandas as pd
 import pytest
 from kafka.errors import FencedLeaderEpochError, KafkaError, ProducerFencedError
 
-from varadhi import routing
-from varadhi import subscriptions as subs
-from varadhi.errors import Fenced, VaradhiError
-from varadhi.messages import H_TRUNCATED
-from varadhi.queue_records import MAX_REQUEST_BYTES
-from varadhi.shard_sender import QueueSender, plan, targets, transactional_id
-from varadhi.state_rows import out_rows
-from varadhi.topics import CompositeTopic, StorageTopic
+from varadhi.core import routing
+from varadhi.core.errors import Fenced, VaradhiError
+from varadhi.core.messages import H_TRUNCATED
+from varadhi.core.queue_records import MAX_REQUEST_BYTES
+from varadhi.core.state_rows import out_rows
+from varadhi.kafka import subscriptions as subs
+from varadhi.kafka.topics import CompositeTopic, StorageTopic
+from varadhi.spark.shard.sender import QueueSender, plan, targets, transactional_id
 
 
 def topic(name: str, *partitions: int) -> CompositeTopic:

@@ -1,9 +1,9 @@
-"""When a shard wakes its own query (`varadhi.shard_ticks.tick_due`, pure). The tick records
+"""When a shard wakes its own query (`varadhi.spark.shard.ticks.tick_due`, pure). The tick records
 themselves run in tests/integration (parked retries falling due with no new input)."""
 
 from __future__ import annotations
 
-from varadhi.shard_ticks import REDRIVE_TICK_MS, tick_due
+from varadhi.spark.shard.ticks import REDRIVE_TICK_MS, tick_due
 
 
 def test_one_tick_per_due_time_and_none_when_a_batch_started_since():

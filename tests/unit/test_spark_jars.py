@@ -1,15 +1,18 @@
-"""Where a local Spark session's jars come from (`varadhi.spark`), and the `varadhi-job` runner.
+"""Where a local Spark session's jars come from (`varadhi.spark.session`), and the `varadhi-job` runner.
 Pure decisions and files in tmp_path; no JVM is started."""
 
 from __future__ import annotations
 
 import pytest
 
-from varadhi import spark
-from varadhi.errors import InvalidArgument, UnsupportedSparkVersion
+from varadhi.core.errors import InvalidArgument, UnsupportedSparkVersion
 from varadhi.jobs import runner
+from varadhi.spark import session as spark
 
-PACKAGES = ("org.apache.spark:spark-sql-kafka-0-10_2.13:4.1.1", "io.delta:delta-spark_4.1_2.13:4.1.0")
+PACKAGES = (
+    "org.apache.spark:spark-sql-kafka-0-10_2.13:4.1.1",
+    "io.delta:delta-spark_4.1_2.13:4.1.0",
+)
 DEV = ["/checkout/.jars/spark/a.jar", "/checkout/.jars/spark/b.jar"]
 
 
@@ -78,7 +81,10 @@ def test_launch_settings_without_a_jvm(tmp_path):
         "# comment\nspark.jars.packages   g:a:1,g:b:2\nspark.executor.memory 2g\n"
     )
     env = {"SPARK_CONF_DIR": str(tmp_path), "PYSPARK_SUBMIT_ARGS": "--jars /x.jar pyspark-shell"}
-    assert spark.launch_settings(env) == {"spark.jars.packages": "g:a:1,g:b:2", "spark.jars": "/x.jar"}
+    assert spark.launch_settings(env) == {
+        "spark.jars.packages": "g:a:1,g:b:2",
+        "spark.jars": "/x.jar",
+    }
     assert spark.launch_settings({}) == {}
 
 

@@ -1,4 +1,4 @@
-"""The supported Spark lines and their jars (`varadhi.spark_lines`)."""
+"""The supported Spark lines and their jars (`varadhi.spark.lines`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from varadhi.errors import InvalidArgument, UnsupportedSparkVersion
-from varadhi.spark_lines import CURRENT, LINES, by_line, line_for, packages
+from varadhi.core.errors import InvalidArgument, UnsupportedSparkVersion
+from varadhi.spark.lines import CURRENT, LINES, by_line, line_for, packages
 
 
 def test_the_supported_lines_current_first():
@@ -103,7 +103,9 @@ def test_the_current_line_is_what_pyproject_and_the_jars_pin():
     pom = ET.parse(root / "scripts" / "jars" / "spark-pom.xml").getroot()
     assert pom.findtext("m:properties/m:spark.version", namespaces=ns) == CURRENT.spark_version
     assert pom.findtext("m:properties/m:delta.version", namespaces=ns) == CURRENT.delta_version
-    artifacts = [d.findtext("m:artifactId", namespaces=ns) for d in pom.iterfind(".//m:dependency", ns)]
+    artifacts = [
+        d.findtext("m:artifactId", namespaces=ns) for d in pom.iterfind(".//m:dependency", ns)
+    ]
     assert CURRENT.delta_artifact in artifacts
     assert f"spark-sql-kafka-0-10_{CURRENT.scala}" in artifacts
 
@@ -150,7 +152,7 @@ def outcome_of(code: str) -> dict:
 def test_a_fresh_process_cannot_start_a_jvm():
     """The fresh process's guard holds: a supported pyspark gets as far as starting the JVM."""
     got = outcome_of("""
-        from varadhi import spark
+        from varadhi.spark import session as spark
         try:
             spark.get_spark("varadhi-guard")
         except Exception as e:
@@ -163,7 +165,7 @@ def test_a_fresh_process_cannot_start_a_jvm():
 
 def test_get_spark_refuses_an_unsupported_pyspark_before_starting_a_jvm():
     got = outcome_of("""
-        from varadhi import spark
+        from varadhi.spark import session as spark
         pyspark.__version__ = "3.4.1"
         try:
             spark.get_spark("varadhi-unsupported")
@@ -183,7 +185,9 @@ def test_each_older_lines_jars_are_pinned_as_the_table_says(line):
     pom = ET.parse(root / "scripts" / "jars" / f"spark{line_id}-pom.xml").getroot()
     assert pom.findtext("m:properties/m:spark.version", namespaces=ns) == line.spark_version
     assert pom.findtext("m:properties/m:delta.version", namespaces=ns) == line.delta_version
-    artifacts = [d.findtext("m:artifactId", namespaces=ns) for d in pom.iterfind(".//m:dependency", ns)]
+    artifacts = [
+        d.findtext("m:artifactId", namespaces=ns) for d in pom.iterfind(".//m:dependency", ns)
+    ]
     assert artifacts == [
         f"spark-sql_{line.scala}",
         f"spark-sql-kafka-0-10_{line.scala}",
@@ -197,7 +201,7 @@ def test_each_older_lines_jars_are_pinned_as_the_table_says(line):
 
 def test_get_spark_refuses_an_unsupported_cluster_spark_before_starting_a_jvm():
     got = outcome_of("""
-        from varadhi import spark
+        from varadhi.spark import session as spark
         pyspark.__version__ = "3.3.2"
         try:
             spark.get_spark("varadhi-unsupported", local=False)
@@ -212,7 +216,7 @@ def test_get_spark_refuses_an_unsupported_cluster_spark_before_starting_a_jvm():
 def test_get_spark_refuses_an_active_session_of_an_unsupported_spark(monkeypatch):
     from pyspark.sql import SparkSession
 
-    from varadhi import spark
+    from varadhi.spark import session as spark
 
     class Notebook:  # what a notebook's or spark-submit's session reports; only `version` is read
         version = "3.4.1"

@@ -1,5 +1,5 @@
-"""Start-up phase lines (`varadhi.startup`) and the JVM class-data archive options
-(`varadhi.class_archive`). Pure functions and files in tmp_path; no JVM is started."""
+"""Start-up phase lines (`varadhi.spark.startup`) and the JVM class-data archive options
+(`varadhi.spark.class_archive`). Pure functions and files in tmp_path; no JVM is started."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from varadhi import class_archive, startup
+from varadhi.spark import class_archive, startup
 
 
 def fake_proc(tmp_path, pid: int, start_ticks: int, uptime_s: float, comm: str = "java"):
@@ -63,12 +63,12 @@ def phases(caplog) -> list[str]:
     return [
         r.getMessage()[len(prefix) :].split(" in ")[0]
         for r in caplog.records
-        if r.name == "varadhi.startup" and r.getMessage().startswith(prefix)
+        if r.name == "varadhi.spark.startup" and r.getMessage().startswith(prefix)
     ]
 
 
 def test_each_phase_is_one_info_line_until_the_start_up_is_done(caplog):
-    caplog.set_level(logging.INFO, logger="varadhi.startup")
+    caplog.set_level(logging.INFO, logger="varadhi.spark.startup")
     clock = startup.StartupClock("orders shard 1", launched_s=startup.time.time() - 2.0)
     clock.mark("catalog read")
     clock.finish("first batch done")
@@ -80,11 +80,11 @@ def test_each_phase_is_one_info_line_until_the_start_up_is_done(caplog):
 
 
 def test_a_python_started_by_the_jvm_says_when(caplog):
-    caplog.set_level(logging.INFO, logger="varadhi.startup")
+    caplog.set_level(logging.INFO, logger="varadhi.spark.startup")
     python = startup.process_start_s(os.getpid())
     assert python is not None
     startup.StartupClock("orders shard 1", launched_s=python - 3.0)  # the JVM, 3 s earlier
-    lines = [r.getMessage() for r in caplog.records if r.name == "varadhi.startup"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "varadhi.spark.startup"]
     found = re.search(
         r"JVM up, Python started in ([\d,]+) ms \(([\d,]+) ms since launch\)", lines[0]
     )

@@ -1,4 +1,4 @@
-"""The codecs of a micro-batch's rows (`varadhi.state_rows`), pure: every kind written and read
+"""The codecs of a micro-batch's rows (`varadhi.core.state_rows`), pure: every kind written and read
 back, through the Arrow types Spark uses for the state table and the executors' results."""
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import pandas as pd
 import pyarrow as pa
 import pytest
 
-from varadhi import messages as m
-from varadhi.batch import _ARROW_TYPES as ARROW_TYPES  # the types Spark hands Arrow over in
-from varadhi.group_state import Entry, RunCounts
-from varadhi.state_rows import (
+from varadhi.core import messages as m
+from varadhi.core.group_state import Entry, RunCounts
+from varadhi.core.state_rows import (
     COLUMN_NAMES,
     RESULT_COLUMNS,
     STATE_COLUMNS,
@@ -37,6 +36,7 @@ from varadhi.state_rows import (
     task_stats,
     touched_row,
 )
+from varadhi.spark.batch import _ARROW_TYPES as ARROW_TYPES  # the types Spark hands Arrow over in
 
 
 def through_arrow(frame: pd.DataFrame, columns) -> pd.DataFrame:

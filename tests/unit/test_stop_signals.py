@@ -1,4 +1,4 @@
-"""`varadhi.stop_signals` without Spark: SIGINT and SIGTERM, one or a storm of them, each reach
+"""`varadhi.spark.stop_signals` without Spark: SIGINT and SIGTERM, one or a storm of them, each reach
 `on_signal` once, one after the other, also when a signal arrives while `on_signal` holds a lock
 (as `threading.Event.set`, the shard's `on_signal`, does). The real shard's process group is
 tests/integration/test_shard_crash.py's."""
@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 import varadhi
-from varadhi.stop_signals import StopSignals
+from varadhi.spark.stop_signals import StopSignals
 
 LIB = str(Path(varadhi.__file__).resolve().parents[1])
 
@@ -23,7 +23,7 @@ LIB = str(Path(varadhi.__file__).resolve().parents[1])
 #: from then on (a hang; each further signal nested it once more, up to RecursionError).
 STORM_WHILE_HELD = """
     import os, signal, threading
-    from varadhi.stop_signals import StopSignals
+    from varadhi.spark.stop_signals import StopSignals
 
     lock, done, calls = threading.Lock(), threading.Event(), []
 

@@ -6,11 +6,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from varadhi import subscriptions as subs
-from varadhi.catalog import Snapshot
 from varadhi.cli.subscription import load_specs
-from varadhi.errors import AlreadyExists, InvalidArgument
-from varadhi.policies import (
+from varadhi.core.errors import AlreadyExists, InvalidArgument
+from varadhi.core.policies import (
     DEFAULT_RESPONSES,
     BlockedPolicy,
     CircuitPolicy,
@@ -20,7 +18,9 @@ from varadhi.policies import (
     RetryPolicy,
     SubscriptionSpec,
 )
-from varadhi.topics import CompositeTopic, StorageTopic, new_topic
+from varadhi.kafka import subscriptions as subs
+from varadhi.kafka.catalog import Snapshot
+from varadhi.kafka.topics import CompositeTopic, StorageTopic, new_topic
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "conf" / "subscriptions" / "example.yaml"
 
@@ -393,7 +393,7 @@ def old_record(**consumption) -> dict:
 
 def test_a_record_from_before_the_circuit_breaker_still_loads(caplog):
     record = old_record()
-    with caplog.at_level("WARNING", logger="varadhi.subscriptions"):
+    with caplog.at_level("WARNING", logger="varadhi.kafka.subscriptions"):
         sub = subs.Subscription.from_dict(record)
     # The old defaults (throttle 5 s above a 50% failure rate) are the breaker's defaults.
     assert sub.spec.circuit_breaker == CircuitPolicy()
@@ -403,7 +403,7 @@ def test_a_record_from_before_the_circuit_breaker_still_loads(caplog):
     rewritten = sub.to_dict()
     assert "throttle" not in rewritten["spec"]["consumption"]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="varadhi.subscriptions"):
+    with caplog.at_level("WARNING", logger="varadhi.kafka.subscriptions"):
         assert subs.Subscription.from_dict(rewritten) == sub
     assert not caplog.text
 
@@ -419,7 +419,7 @@ def test_old_throttle_settings_map_to_the_breaker():
 
 
 def test_old_throttle_keys_next_to_a_circuit_breaker_section_are_ignored(caplog):
-    with caplog.at_level("WARNING", logger="varadhi.subscriptions"):
+    with caplog.at_level("WARNING", logger="varadhi.kafka.subscriptions"):
         spec = parse(consumption__throttle="0ms", circuit_breaker__probes=3)
     assert spec.circuit_breaker == CircuitPolicy(probes=3)
     assert "consumption.throttle (in test.yaml) are deprecated, ignored" in caplog.text

@@ -14,9 +14,10 @@ from kafka.errors import (
     UnknownTopicOrPartitionError,
 )
 
-from varadhi import kafka_clients, topics
-from varadhi.errors import InvalidArgument, NotAuthorized, NotFound
-from varadhi.kafka_config import PLAINTEXT, TopicSettings
+from varadhi.core.errors import InvalidArgument, NotAuthorized, NotFound
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import topics
+from varadhi.kafka.config import PLAINTEXT, TopicSettings
 
 
 class FakeAdmin:

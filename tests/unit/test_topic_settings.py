@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from varadhi import kafka_config as kc
-from varadhi import topics
-from varadhi.errors import InvalidArgument
-from varadhi.kafka_config import KafkaConfigError, TopicSettings
-from varadhi.settings import Settings
+from varadhi.core.errors import InvalidArgument
+from varadhi.kafka import config as kc
+from varadhi.kafka import topics
+from varadhi.kafka.config import KafkaConfigError, TopicSettings
+from varadhi.kafka.settings import Settings
 
 
 def cfg(props: dict[str, str]) -> kc.KafkaConfig:
@@ -59,7 +59,7 @@ def test_general_and_per_kind_settings():
             },
             "more than their replication factor 2",
         ),
-        ({"varadhi.topics.replication.factor": "3"}, "unknown property"),
+        ({"varadhi.kafka.topics.replication.factor": "3"}, "unknown property"),
     ],
 )
 def test_refused(props, message):

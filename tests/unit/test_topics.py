@@ -2,8 +2,9 @@
 
 import pytest
 
-from varadhi import routing, topics
-from varadhi.errors import InvalidArgument
+from varadhi.core import routing
+from varadhi.core.errors import InvalidArgument
+from varadhi.kafka import topics
 
 
 def chain(*counts: int, allow_uneven: bool = True) -> tuple[topics.CompositeTopic, list]:

@@ -1,5 +1,5 @@
-"""The warehouse's file access (`varadhi.warehouse_fs`) and the checkpoint logic on top of it
-(`varadhi.checkpoints`), on local folders shaped like Spark's checkpoints. No Spark: the
+"""The warehouse's file access (`varadhi.spark.warehouse_fs`) and the checkpoint logic on top of it
+(`varadhi.spark.checkpoints`), on local folders shaped like Spark's checkpoints. No Spark: the
 `HadoopFS` side runs against a real object store in tests/objectstore."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from varadhi import checkpoints, warehouse_fs
-from varadhi.errors import InvalidArgument
-from varadhi.warehouse_fs import LocalFS, for_path, hadoop_conf
+from varadhi.core.errors import InvalidArgument
+from varadhi.spark import checkpoints, warehouse_fs
+from varadhi.spark.s3a import S3A_PROVIDER, hadoop_conf
+from varadhi.spark.warehouse_fs import LocalFS, for_path
 
 
 @pytest.fixture
@@ -132,7 +133,7 @@ def test_hadoop_conf_from_the_environment():
         "fs.s3a.endpoint.region": "us-east-1",
         "fs.s3a.path.style.access": "true",
         "fs.s3a.connection.ssl.enabled": "false",
-        "fs.s3a.aws.credentials.provider": warehouse_fs.S3A_PROVIDER,
+        "fs.s3a.aws.credentials.provider": S3A_PROVIDER,
         "fs.s3a.access.key": "k",
         "fs.s3a.secret.key": "s",
     }
@@ -157,7 +158,7 @@ def test_hadoop_conf_from_the_environment():
 
 
 def test_the_warehouse_setting_keeps_uris_and_makes_local_paths_absolute(monkeypatch, tmp_path):
-    from varadhi.settings import Settings
+    from varadhi.kafka.settings import Settings
 
     monkeypatch.chdir(tmp_path)
     for uri in (

@@ -1,4 +1,4 @@
-"""`varadhi.zip_imports`: a task start (`importlib.invalidate_caches()`) reads an unchanged zip
+"""`varadhi.spark.zip_imports`: a task start (`importlib.invalidate_caches()`) reads an unchanged zip
 archive on the path no more, and a changed one still, in a Python process of its own (the
 replacement changes a standard-library class for the whole process)."""
 
@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent(
         return len(reads)
 
     if sys.argv[2] == "keep":
-        from varadhi.zip_imports import keep_unchanged_zip_directories
+        from varadhi.spark.zip_imports import keep_unchanged_zip_directories
         assert keep_unchanged_zip_directories() and keep_unchanged_zip_directories()
     first, second = task_start(), task_start()
     with zipfile.ZipFile(sys.argv[1], "a") as z:  # the archive changes: a new module

@@ -34,10 +34,10 @@ from pathlib import Path
 
 import pytest
 
-from varadhi.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.topics import TopicService
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce, wait_for
-from varadhi.topics import TopicService
 
 pytestmark = [pytest.mark.wheel, pytest.mark.spark, pytest.mark.kafka]
 
@@ -110,7 +110,9 @@ def fresh_venv(tmp: Path, wheel: Path) -> Path:
 def clean_env(venv: Path, **extra: str) -> dict[str, str]:
     drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYSPARK_GATEWAY_PORT", "PYSPARK_GATEWAY_SECRET")
     env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("SPARK_")}
-    env = {k: v for k, v in env.items() if k not in ("VARADHI_SPARK_JARS", "VARADHI_SPARK_PACKAGES")}
+    env = {
+        k: v for k, v in env.items() if k not in ("VARADHI_SPARK_JARS", "VARADHI_SPARK_PACKAGES")
+    }
     env.update(
         PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
         PYSPARK_PYTHON=str(venv / "bin" / "python"),
@@ -140,7 +142,11 @@ def test_the_installed_wheel_runs_a_shard_outside_the_checkout(
             zf.read(f).decode() for f in files if f.endswith(".dist-info/entry_points.txt")
         )
     assert {f"varadhi/jobs/{job}.py" for job in JOBS} <= files
-    assert {"varadhi/jobs/runner.py", "varadhi/spark.py", "varadhi/cli/__init__.py"} <= files
+    assert {
+        "varadhi/jobs/runner.py",
+        "varadhi/spark/session.py",
+        "varadhi/cli/__init__.py",
+    } <= files
     assert not [f for f in files if f.startswith("varadhi/testing")], "test helpers in the wheel"
     assert "varadhi-job = varadhi.jobs.runner:main" in entry_points
     assert "varadhi = varadhi.cli:main" in entry_points
@@ -252,7 +258,11 @@ def test_the_installed_wheel_runs_a_shard_outside_the_checkout(
     # configuration (checked without a JVM), and without one it refuses before starting Spark.
     jar_dir = ROOT / ".jars" / "spark"
     configured = run(
-        [py, "-c", "from varadhi.spark import local_jar_settings as s; print(s()['spark.jars'])"],
+        [
+            py,
+            "-c",
+            "from varadhi.spark.session import local_jar_settings as s; print(s()['spark.jars'])",
+        ],
         cwd=work,
         env={**env, "VARADHI_SPARK_JARS": str(jar_dir)},
     )
@@ -266,6 +276,10 @@ def test_the_installed_wheel_runs_a_shard_outside_the_checkout(
         timeout=120,
     )
     assert refused.returncode == 2, refused.stdout + refused.stderr
-    assert refused.stderr.strip().splitlines()[-1].startswith(
-        "varadhi: spark jars: no Kafka connector and Delta jars for Spark: set VARADHI_SPARK_JARS"
+    assert (
+        refused.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            "varadhi: spark jars: no Kafka connector and Delta jars for Spark: set VARADHI_SPARK_JARS"
+        )
     ), refused.stderr

@@ -10,10 +10,10 @@ import sys
 
 from kafka.errors import AuthorizationError
 
-from ..errors import NotAuthorized, VaradhiError
-from ..jobs.runner import refusal_of
-from ..kafka_clients import not_authorized
-from . import dlq, jobs, offsets, outbox, produce, replay, status, subscription, topic
+from varadhi.cli import dlq, jobs, offsets, outbox, produce, replay, status, subscription, topic
+from varadhi.core.errors import NotAuthorized, VaradhiError
+from varadhi.jobs.runner import refusal_of
+from varadhi.kafka.clients import not_authorized
 
 COMMAND_GROUPS = [topic, produce, subscription, status, dlq, offsets, replay, outbox, jobs]
 
@@ -26,7 +26,7 @@ def version() -> str:
     try:
         return installed("varadhi-spark")
     except PackageNotFoundError:
-        from .. import __version__
+        from varadhi.core.version import __version__
 
         return __version__
 

@@ -6,9 +6,9 @@ import argparse
 import json
 from typing import Any
 
-from ..catalog import Catalog
-from ..client import Client
-from ..settings import Settings
+from varadhi.client import Client
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.settings import Settings
 
 
 def settings(args: argparse.Namespace) -> Settings:

@@ -1,5 +1,5 @@
 """`varadhi jobs render NAME --target TARGET`: deployable job definitions for a subscription's
-current state (see `varadhi.jobdefs`); `varadhi jobs launcher`: the file spark-submit runs.
+current state (see `varadhi.jobs.definitions`); `varadhi jobs launcher`: the file spark-submit runs.
 
 Bad input (an unknown target or option, a flag of another target, a local warehouse, an
 unsupported runtime or EMR release) is refused with one line and exit code 2 before the catalog
@@ -12,11 +12,12 @@ import json
 import sys
 from importlib import metadata
 
-from .. import jobdefs, spark_lines
-from ..catalog import Catalog
-from ..errors import InvalidArgument, NotFound
-from ..subscriptions import KIND as SUBSCRIPTION
-from . import common
+from varadhi.cli import common
+from varadhi.core.errors import InvalidArgument, NotFound
+from varadhi.jobs import definitions as jobdefs
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.subscriptions import KIND as SUBSCRIPTION
+from varadhi.spark import lines as spark_lines
 
 _D = jobdefs.DEFAULTS
 _DATABRICKS = ("databricks", "databricks-bundle")
@@ -213,9 +214,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(default: api)",
     )
     r.add_argument("--application-id", help="emr-serverless: the application's id")
-    r.add_argument(
-        "--execution-role-arn", help="emr-serverless: the IAM role the job runs with"
-    )
+    r.add_argument("--execution-role-arn", help="emr-serverless: the IAM role the job runs with")
     r.set_defaults(func=_render)
     launcher = jsub.add_parser(
         "launcher",
@@ -280,8 +279,9 @@ def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobd
         spark_version=args.spark_version or db["spark_version"],
         secret_scope=scope,
         packages=spark_lines.packages(line, extras),
-        python_archive="" if args.python_archive == "none" else args.python_archive
-        or emr["python_archive"],
+        python_archive=""
+        if args.python_archive == "none"
+        else args.python_archive or emr["python_archive"],
         emr_release=args.emr_release or emr["emr_release"],
         cluster_id=args.cluster_id or "",
         application_id=args.application_id or "",

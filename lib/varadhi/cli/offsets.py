@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from . import common
+from varadhi.cli import common
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..jobs.outbox_relay import (
+from varadhi.cli import common
+from varadhi.jobs.outbox_relay import (
     add_database_arguments,
     add_relay_arguments,
     connector_from,
@@ -22,7 +23,6 @@ from ..jobs.outbox_relay import (
     require_tables,
     run_relay,
 )
-from . import common
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -17,9 +17,9 @@ import sys
 from collections.abc import Iterable
 from dataclasses import replace
 
-from ..errors import InvalidArgument
-from ..producer import Message, Producer, RecordMetadata, new_message_id, validate
-from . import common
+from varadhi.cli import common
+from varadhi.core.errors import InvalidArgument
+from varadhi.kafka.producer import Message, Producer, RecordMetadata, new_message_id, validate
 
 FIELDS = {"value", "group_id", "headers", "message_id"}
 

@@ -3,14 +3,14 @@ topic, out of band and in group order, with a bounded Spark job run in this proc
 
 The request is checked (subscription, times, non-empty range) before Spark starts, so a refusal
 is quick and changes nothing. Exit codes: 0 every message of the range was delivered, 1 some
-failed (listed) or the job failed, 2 refused. See `varadhi.replay` and docs/replay.md.
+failed (listed) or the job failed, 2 refused. See `varadhi.ops.replay` and docs/replay.md.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from . import common
+from varadhi.cli import common
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,7 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from .. import replay  # pandas, pycurl: only when replaying, not for every `varadhi` command
+    from varadhi.ops import (
+        replay,  # pandas, pycurl: only when replaying, not for every `varadhi` command
+    )
 
     with common.client(args) as client:
         plan = client.plan_replay(args.name, args.from_, args.to, parallelism=args.parallelism)
@@ -64,4 +66,3 @@ def _replay(args: argparse.Namespace) -> int:
     else:
         print(replay.render_text(doc))
     return 0 if result.ok else 1
-

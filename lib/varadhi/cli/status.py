@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from .. import status
-from . import common
+from varadhi.cli import common
+from varadhi.ops import status
 
 TEXT_BLOCKED = 10  # blocked groups named per shard in text; --output json has up to 100
 

@@ -1,6 +1,6 @@
 """`varadhi subscription ...`: create, apply, describe, list, pause, resume and change-shards.
 
-Options and files are parsed into a `SubscriptionSpec` (`varadhi.subscriptions.parse_spec`)
+Options and files are parsed into a `SubscriptionSpec` (`varadhi.kafka.subscriptions.parse_spec`)
 before the catalog or Kafka is touched, so a refused command changes nothing.
 """
 
@@ -11,10 +11,10 @@ from typing import Any
 
 import yaml
 
-from ..errors import InvalidArgument
-from ..policies import SubscriptionSpec
-from ..subscriptions import Subscription, parse_spec
-from . import common
+from varadhi.cli import common
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.policies import SubscriptionSpec
+from varadhi.kafka.subscriptions import Subscription, parse_spec
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -284,7 +284,7 @@ def _set_paused(args: argparse.Namespace) -> int:
 
 
 def _change_shards(args: argparse.Namespace) -> int:
-    from ..resharding import text_plan
+    from varadhi.ops.change_shards import text_plan
 
     text = args.output == "text"
     with common.client(args) as client:
@@ -296,7 +296,11 @@ def _change_shards(args: argparse.Namespace) -> int:
                 common.emit_json(plan.to_dict())
             return 0
         op = client.change_shards(
-            args.name, args.to, args.allow_uneven, args.feeders, log=print if text else common.silent
+            args.name,
+            args.to,
+            args.allow_uneven,
+            args.feeders,
+            log=print if text else common.silent,
         )
         paused = client.subscription(args.name).paused
     if not text:
@@ -322,7 +326,7 @@ def _change_shards(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from ..lifecycle import text_subscription_plan
+    from varadhi.ops.lifecycle import text_subscription_plan
 
     text = args.output == "text"
     with common.client(args) as client:

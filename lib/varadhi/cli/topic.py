@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Any
 
-from . import common
+from varadhi.cli import common
 
 UNEVEN_HELP = "accept a partition count that cannot be sharded evenly (not 1, 2, 3, 4k or 6k)"
 
@@ -165,7 +165,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _delete(args: argparse.Namespace) -> int:
-    from ..lifecycle import text_topic_plan
+    from varadhi.ops.lifecycle import text_topic_plan
 
     text = args.output == "text"
     with common.client(args) as client:

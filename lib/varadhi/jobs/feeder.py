@@ -1,4 +1,4 @@
-"""One feeder of a shard-count change (see `varadhi.resharding`).
+"""One feeder of a shard-count change (see `varadhi.ops.change_shards`).
 
     varadhi-job feeder --subscription NAME --source STORAGE_TOPIC     (installed package)
     ./spark-submit.sh --job feeder --subscription NAME --source STORAGE_TOPIC     (a checkout)
@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import sys
 
-from varadhi.catalog import Catalog
-from varadhi.errors import VaradhiError
+from varadhi.core.errors import VaradhiError
 from varadhi.jobs import runner
-from varadhi.resharding import check_feeder, feed, feed_if_empty
+from varadhi.kafka.catalog import Catalog
+from varadhi.ops.change_shards import check_feeder, feed, feed_if_empty
 
 
 @runner.entry_point()

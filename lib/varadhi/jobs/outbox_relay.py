@@ -17,11 +17,17 @@ import os
 import sys
 import threading
 
-from varadhi.errors import InvalidArgument
+from varadhi.core.errors import InvalidArgument
 from varadhi.jobs import runner
-from varadhi.outbox import DEFAULT_PARTITIONS, DEFAULT_SHARDS, DEFAULT_TABLE_PREFIX, Outbox, Relay
-from varadhi.outbox import connector as make_connector
-from varadhi.stop_signals import StopSignals
+from varadhi.outbox.relay import (
+    DEFAULT_PARTITIONS,
+    DEFAULT_SHARDS,
+    DEFAULT_TABLE_PREFIX,
+    Outbox,
+    Relay,
+)
+from varadhi.outbox.relay import connector as make_connector
+from varadhi.spark.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +136,7 @@ def run_relay(args: argparse.Namespace) -> int:
             print(f"relayed {n} messages from {', '.join(relay.owned) or 'no table'}")
             return 0
         stop = threading.Event()
-        # SIGINT and SIGTERM stop the relay between polls (`varadhi.stop_signals`, no JVM).
+        # SIGINT and SIGTERM stop the relay between polls (`varadhi.spark.stop_signals`, no JVM).
         with StopSignals(None, lambda _signum: stop.set()):
             log.info("outbox relay %s: polling %s", relay.owner, ", ".join(relay.tables))
             relay.run_forever(stop)

@@ -7,7 +7,7 @@
 Times are ISO-8601 (UTC if no zone) or epoch ms; --from is inclusive, --to exclusive (default:
 now, when the job starts). The subscription's offsets, GroupState, RQ and DLQ are not touched.
 Prints the result (text or --output json) and records it in the catalog under
-operation/<subscription>/replay-<id>. See varadhi.replay and docs/replay.md.
+operation/<subscription>/replay-<id>. See varadhi.ops.replay and docs/replay.md.
 
 Exit codes: 0 every message delivered, 1 some failed (each stopped its group) or the job failed
 or was interrupted (SIGINT or SIGTERM cancel the Spark job; the replay is recorded as failed),
@@ -20,10 +20,10 @@ from __future__ import annotations
 import json
 import sys
 
-from varadhi import replay
-from varadhi.catalog import Catalog
-from varadhi.errors import VaradhiError
+from varadhi.core.errors import VaradhiError
 from varadhi.jobs import runner
+from varadhi.kafka.catalog import Catalog
+from varadhi.ops import replay
 
 
 @runner.entry_point()

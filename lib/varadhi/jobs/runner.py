@@ -26,10 +26,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import NotAuthorized, VaradhiError
-from ..kafka_clients import refusal
-from ..settings import Settings
-from ..stop_signals import StopSignals
+from varadhi.core.errors import NotAuthorized, VaradhiError
+from varadhi.kafka.clients import refusal
+from varadhi.kafka.settings import Settings
+from varadhi.spark.stop_signals import StopSignals
 
 # name -> what it does (the module is varadhi.jobs.<name>)
 JOBS: dict[str, str] = {
@@ -104,8 +104,10 @@ OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "subscription": ("--subscription", {"required": True}),
     "bootstrap": (
         "--bootstrap",
-        {"help": "Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP, else the Kafka client "
-                 "configuration's bootstrap.servers)"},  # fmt: skip
+        {
+            "help": "Kafka bootstrap servers (default: $VARADHI_BOOTSTRAP, else the Kafka client "
+            "configuration's bootstrap.servers)"
+        },  # fmt: skip
     ),
     "warehouse": (
         "--warehouse",
@@ -158,7 +160,7 @@ class SparkRun:
         self._signals: StopSignals | None = None
 
     def start(self) -> Any:
-        from ..spark import get_spark
+        from varadhi.spark.session import get_spark
 
         spark = get_spark(self.app_name, local=not self.args.cluster)
         self._signals = StopSignals.cancelling(spark)

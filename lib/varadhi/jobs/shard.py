@@ -5,7 +5,7 @@
     ./spark-submit.sh SUBSCRIPTION SHARD [--standby]     (a checkout: its jars and venv)
     spark-submit .../varadhi/jobs/shard.py --subscription NAME --shard N --cluster   (a cluster)
 
-Without --cluster the job builds a local Spark session (varadhi.spark: jars from
+Without --cluster the job builds a local Spark session (varadhi.spark.session: jars from
 $VARADHI_SPARK_JARS or $VARADHI_SPARK_PACKAGES); with it, the session spark-submit or the cluster
 configured. A shard holds a lease that it renews every TTL/3 (--lease-ttl, default 15 s or
 $VARADHI_LEASE_TTL_MS). A normal start takes the lease at once (the instance running before is
@@ -29,9 +29,9 @@ from __future__ import annotations
 import sys
 
 from varadhi.jobs import runner
-from varadhi.leases import ttl_from_env
-from varadhi.metrics import MetricsOptions, attach, use_json_logs
-from varadhi.shard import ShardJob
+from varadhi.kafka.leases import ttl_from_env
+from varadhi.spark.metrics import MetricsOptions, attach, use_json_logs
+from varadhi.spark.shard.job import ShardJob
 
 
 @runner.entry_point()
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
         use_json_logs()
     spark = None
     if args.cluster:
-        from varadhi.spark import get_spark
+        from varadhi.spark.session import get_spark
 
         spark = get_spark(f"varadhi-{args.subscription}-{args.shard}", local=False)
     job = ShardJob(

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from varadhi import kafka_clients
 from varadhi.jobs import runner
+from varadhi.kafka import clients as kafka_clients
 
 
 @runner.entry_point()
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     runner.add_options(parser, "bootstrap")
     args = parser.parse_args(argv)
     settings = runner.settings(args)
-    from varadhi.spark import get_spark
+    from varadhi.spark.session import get_spark
 
     spark = get_spark("varadhi-smoke-count")
     counts = (

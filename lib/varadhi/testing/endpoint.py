@@ -20,7 +20,7 @@ sleep `slow_ms` (set it beyond the client's timeout), then answer `ok_status` if
 still there, which is what a slow endpoint does: it may well have processed a request the client
 gave up on.
 
-Batch requests (header `X-Varadhi-Batch-Size`, `varadhi.batching`) are read entry by entry:
+Batch requests (header `X-Varadhi-Batch-Size`, `varadhi.core.batching`) are read entry by entry:
 each entry is recorded and answered as a delivery of its own (`Record.batch` numbers the
 request). When every entry gets the same status, that is the answer; otherwise a 207 with a
 multi-status body (`retry_after` for 429/503). A `"slow"` entry delays the whole answer. The
@@ -59,8 +59,8 @@ from http.server import BaseHTTPRequestHandler
 from typing import IO, Any, Literal
 from urllib.parse import parse_qs, urlsplit
 
-from varadhi.batching import BATCH_SIZE_HEADER
-from varadhi.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
+from varadhi.core.batching import BATCH_SIZE_HEADER
+from varadhi.core.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
 
 Answer = int | Literal["slow", "malformed"]
 

@@ -8,10 +8,10 @@ from collections.abc import Callable, Iterable
 
 from kafka import TopicPartition
 
-from .. import kafka_clients
-from ..producer import Producer
-from ..settings import Settings
-from .endpoint import TestEndpoint
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.settings import Settings
+from varadhi.testing.endpoint import TestEndpoint
 
 
 def produce(settings: Settings, topic: str, messages: Iterable[tuple[str | None, str]]) -> None:
@@ -24,7 +24,7 @@ def produce(settings: Settings, topic: str, messages: Iterable[tuple[str | None,
 
 def run_until_idle(settings: Settings, spark, name: str, shard: int = 0, idle_s: float = 3.0):
     """Run one shard in this process until everything readable is done; returns the job."""
-    from ..shard import ShardJob
+    from varadhi.spark.shard.job import ShardJob
 
     job = ShardJob(name, shard, settings, spark=spark, stop_when_idle_s=idle_s)
     code = job.run()

@@ -1,0 +1,404 @@
+"""Every Kafka client of the product is built here, from `Settings` (bootstrap servers and the
+`KafkaConfig` of `lib/varadhi/kafka/config.py`).
+
+`consumer`, `producer` and `admin` return kafka-python clients with the configured security
+(TLS, SASL); `spark_options` gives the Spark Kafka sink's `kafka.*` options and
+`spark_source_options` the source's. A client that cannot be created (nothing listens, TLS
+refused, wrong credentials) raises `KafkaUnavailable` with one line saying which, within the
+client's timeout, secrets never included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import socket
+import ssl
+import time
+from collections.abc import Collection, Iterator, Sequence
+from typing import Any, Protocol
+
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import ConfigResource, ConfigResourceType
+from kafka.errors import (
+    AuthorizationError,
+    KafkaError,
+    TopicAuthorizationFailedError,
+    UnknownTopicOrPartitionError,
+)
+
+from varadhi.core.errors import KafkaUnavailable, NotAuthorized, NotFound
+from varadhi.kafka import jvm_errors
+from varadhi.kafka.config import PLAINTEXT, KafkaConfig
+
+#: How long a client waits for the cluster's first answer (its bootstrap).
+CONNECT_TIMEOUT_MS = 10_000
+#: What a client's bootstrap failures say when the cause is authentication, not the network.
+_AUTH_FAILURE = r"Authentication|Authorization|UnsupportedSaslMechanism"
+#: TLS alerts of a broker refusing the client's certificate (or its absence): mutual TLS.
+_CERT_REFUSED = re.compile(
+    r"ALERT_(BAD_CERTIFICATE|CERTIFICATE_REQUIRED|CERTIFICATE_UNKNOWN|UNKNOWN_CA)"
+)
+
+
+class HasKafka(Protocol):
+    bootstrap: str
+    kafka: KafkaConfig
+
+
+def transient(error: BaseException) -> bool:
+    """Whether a Kafka error may pass by itself, so that a caller may try again: the product's
+    timeout (`KafkaUnavailable`) or an error the client marks retriable (a timeout, a connection
+    lost or refused, a leader moving). Not an authorization or configuration error (pure)."""
+    if isinstance(error, KafkaUnavailable):
+        return True
+    return isinstance(error, KafkaError) and bool(getattr(error, "retriable", False))
+
+
+def config_of(settings: HasKafka) -> KafkaConfig:
+    return getattr(settings, "kafka", None) or PLAINTEXT
+
+
+def connection_kwargs(settings: HasKafka) -> dict[str, Any]:
+    """bootstrap_servers and the security arguments of kafka-python's clients."""
+    return {"bootstrap_servers": settings.bootstrap, **config_of(settings).python_kwargs()}
+
+
+def spark_options(settings: HasKafka) -> dict[str, str]:
+    """The Spark Kafka source/sink options: kafka.bootstrap.servers and the security ones."""
+    return {"kafka.bootstrap.servers": settings.bootstrap, **config_of(settings).spark_options()}
+
+
+#: The Spark Kafka source's `fetch.max.wait.ms` (a consumer property; a configuration cannot
+#: set it, it is not one of `kafka_config.KNOWN`): 0, the broker answers a fetch at once.
+#: - After every poll, Spark's consumer asks the broker for the partition's offset range
+#:   (`InternalKafkaConsumer.getAvailableOffsetRange`). By then the consumer has already sent its
+#:   next fetch, which the broker holds until new records arrive or this time passes, and a broker
+#:   answers one connection's requests in order.
+#: - With Kafka's default (500 ms), a task waited up to 500 ms for each partition it read when no
+#:   new record came in meanwhile: every batch of a quiet subscription, and the last batch before
+#:   traffic stops (2.2 s for 4 partitions in one task, in `bench/delivery.py --only latency`).
+#: - With traffic, it waits for the next record: at 1,000 msg/s over 4 partitions, a task's
+#:   first records reached Python 41 ms after it started with a 10 ms wait, 19 ms with 1 ms and
+#:   13 ms with 0 (docs/benchmarks.md, "Latency").
+#: - Spark polls only for offsets it planned (the latest under read_committed), so an immediate
+#:   answer adds no polling loop: at most one empty fetch answered sooner, per poll. Hazard: a
+#:   fetch of offsets the broker cannot serve yet (a follower behind its leader, with `client.rack`)
+#:   is asked again at once, for as long as that lasts, rather than once per wait.
+SOURCE_FETCH_MAX_WAIT_MS = 0
+
+
+def spark_source_options(settings: HasKafka) -> dict[str, str]:
+    """The Spark Kafka source's options: `spark_options` and `kafka.fetch.max.wait.ms`
+    (`SOURCE_FETCH_MAX_WAIT_MS`). Not for the sink: its producer would warn about a consumer
+    property."""
+    return {**spark_options(settings), "kafka.fetch.max.wait.ms": str(SOURCE_FETCH_MAX_WAIT_MS)}
+
+
+class _Failures(logging.Handler):
+    """Collects kafka-python's connection failures while a client bootstraps (it retries them
+    until its timeout and then reports only the timeout)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.args and isinstance(record.args, tuple):
+            for arg in record.args:
+                if isinstance(arg, BaseException):
+                    self.seen.append(f"{type(arg).__name__}: {arg}")
+        # The broker's answer to the SASL handshake (e.g. UnsupportedSaslMechanismError) is only
+        # logged by the connection; the broker then closes it, and the manager's own failure
+        # may be just "socket disconnected".
+        if isinstance(record.msg, str) and "SaslHandshake failed" in record.msg:
+            self.seen.append(record.getMessage())
+
+
+@contextlib.contextmanager
+def _watching() -> Iterator[_Failures]:
+    logger = logging.getLogger("kafka.net.manager")
+    network = logging.getLogger("kafka.net")
+    handler, quiet = _Failures(), logging.NullHandler()
+    level, propagate = logger.level, network.propagate
+    network.addHandler(handler)  # kafka.net.manager's and kafka.net.connection's records
+    if logger.getEffectiveLevel() >= logging.WARNING:  # not --verbose
+        logger.setLevel(logging.WARNING)
+        # Collected, not logged: they end in the client's one-line error (KafkaUnavailable).
+        # Hazard: kafka.net records of other clients of this process are not logged meanwhile.
+        network.propagate = False
+        network.addHandler(quiet)
+    try:
+        yield handler
+    finally:
+        network.removeHandler(handler)
+        logger.setLevel(level)
+        network.removeHandler(quiet)
+        network.propagate = propagate
+
+
+#: How often a client is built when a SASL connection closes with no answer read (`_build`).
+SASL_CLOSE_TRIES = 4
+
+
+def _build(cls: type, settings: HasKafka, kwargs: dict[str, Any]) -> Any:
+    """A kafka-python client, or `KafkaUnavailable` with one line saying why not.
+
+    A broker that refuses SASL credentials answers, then closes the connection (after
+    `connection.failed.authentication.delay.ms`, 100 ms by default); a client whose event loop
+    is held up that long sees the close first and reports only "socket disconnected"; a broker
+    refusing a mechanism its listener does not offer may close before its answer is read, too
+    (seen about once in eight tries on a quiet machine). Such a failure on a SASL connection is
+    therefore tried up to `SASL_CLOSE_TRIES` times before it is reported."""
+    args = {"bootstrap_timeout_ms": CONNECT_TIMEOUT_MS, **connection_kwargs(settings)}
+    args.update(kwargs)
+    for attempt in range(1, SASL_CLOSE_TRIES + 1):
+        with _watching() as failures:
+            try:
+                return cls(**args)
+            except KafkaError as e:
+                auth = [f for f in failures.seen if re.search(_AUTH_FAILURE, f)]
+                # the last entry is often the bootstrap timeout itself: the one before says why
+                why = [f for f in failures.seen if not f.startswith("KafkaTimeoutError")]
+                if attempt < SASL_CLOSE_TRIES and not auth and _closed_during_sasl(settings, why):
+                    continue
+                cause = (auth or why or [None])[-1]
+                raise KafkaUnavailable(explain(settings, cause or e)) from None
+    raise AssertionError("unreachable")  # the last attempt returns or raises
+
+
+def _closed_during_sasl(settings: HasKafka, failures: list[str]) -> bool:
+    """The broker closed a SASL connection without an answer the client read (see `_build`)."""
+    return config_of(settings).mechanism is not None and any(
+        "socket disconnected" in f for f in failures
+    )
+
+
+def consumer(settings: HasKafka, **kwargs: Any) -> KafkaConsumer:
+    return _build(KafkaConsumer, settings, kwargs)
+
+
+def producer(settings: HasKafka, **kwargs: Any) -> KafkaProducer:
+    made = _build(_Producer, settings, kwargs)
+    made._settings = settings
+    return made
+
+
+def admin(settings: HasKafka, **kwargs: Any) -> KafkaAdminClient:
+    return _build(KafkaAdminClient, settings, kwargs)
+
+
+def explain(settings: HasKafka, error: BaseException | str) -> str:
+    """One line: what failed connecting to the cluster (probes the first bootstrap server)."""
+    cfg = config_of(settings)
+    where = f"Kafka at {settings.bootstrap} ({cfg.summary()})"
+    cause = probe(settings)
+    if cause is None:
+        text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        cause = cfg.redact(text)
+        if "SaslAuthenticationFailed" in text:
+            cause = (
+                "authentication failed (wrong user name, password or mechanism): "
+                + cause.rsplit("Error: ", 1)[-1]
+            )
+        elif "UnsupportedSaslMechanism" in text:
+            cause = (
+                f"the listener does not offer sasl.mechanism {cfg.mechanism} (check the "
+                f"mechanism, and the port: clusters often have one port per mechanism)"
+            )
+        elif _CERT_REFUSED.search(text):
+            cause = (
+                "the broker requires a client certificate (mutual TLS) and none is configured: "
+                "set ssl.keystore.location to a PEM file with the client's key and certificate"
+                if not cfg.get("ssl.keystore.location")
+                else "the broker did not accept the client certificate in ssl.keystore.location "
+                "(not signed by a CA the broker trusts, or expired)"
+            ) + f" ({cause.rsplit('] ', 1)[-1]})"
+    return f"cannot connect to {where}: {cause}"
+
+
+def probe(settings: HasKafka, timeout: float = 5.0) -> str | None:
+    """Why the first bootstrap server cannot be used, or None when TCP (and TLS) work: nothing
+    listening, TLS refused or the broker's certificate not trusted (a SASL failure is reported
+    by the caller's own error)."""
+    cfg = config_of(settings)
+    first = settings.bootstrap.split(",")[0].strip()
+    host, _, port = first.rpartition(":")
+    host = host.strip("[]")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+    except (OSError, ValueError) as e:
+        return f"nothing answers at {first} ({getattr(e, 'strerror', None) or e})"
+    try:
+        if not cfg.uses_tls:
+            return _speaks_tls(sock, host, timeout)
+        context = ssl.create_default_context(cafile=cfg.get("ssl.truststore.location"))
+        context.check_hostname = bool(cfg.get("ssl.endpoint.identification.algorithm", "https"))
+        if not context.check_hostname:
+            context.verify_mode = ssl.CERT_REQUIRED
+        try:
+            with context.wrap_socket(sock, server_hostname=host) as tls:
+                tls.settimeout(timeout)
+        except ssl.SSLCertVerificationError as e:
+            return (
+                f"the broker's TLS certificate is not trusted: {e.verify_message} (check "
+                f"ssl.truststore.location{' and the host name' if 'match' in str(e) else ''})"
+            )
+        except (ssl.SSLError, OSError) as e:
+            return f"TLS handshake failed ({e}); is this a TLS listener?"
+        return None
+    finally:
+        sock.close()
+
+
+def _speaks_tls(sock: socket.socket, host: str, timeout: float) -> str | None:
+    """A plaintext client's hint: the listener answers a TLS handshake."""
+    context = ssl.create_default_context()
+    context.check_hostname = False
+    context.verify_mode = ssl.CERT_NONE
+    try:
+        sock.settimeout(timeout)
+        with context.wrap_socket(sock, server_hostname=host):
+            return "the listener speaks TLS: set security.protocol=SSL or SASL_SSL"
+    except (ssl.SSLError, OSError):
+        return None
+
+
+#: How long `topic_configs` waits for a topic the broker does not describe yet (one just
+#: created: the controller has it, the broker answering may not).
+TOPIC_CONFIGS_WAIT_S = 10.0
+
+
+def topic_configs(
+    admin: KafkaAdminClient,
+    settings: HasKafka | None,
+    names: Sequence[str],
+    keys: Sequence[str],
+    wait_s: float = TOPIC_CONFIGS_WAIT_S,
+) -> dict[str, dict[str, str]]:
+    """Each topic's effective values of `keys` (its own or the broker's default):
+    name -> key -> value.
+
+    Hazard: kafka-python's `describe_configs` drops each resource's error code, so a topic the
+    answering broker does not know yet, or may not describe, comes back with no configs at all.
+    Such topics are asked again until `wait_s` has passed; then the cause is found with
+    `describe_topics` and raised: `NotAuthorized` (Describe, or DescribeConfigs on the topic)
+    or `NotFound` (`settings` only names the principal; None when unknown)."""
+    found: dict[str, dict[str, str]] = {}
+    missing = list(dict.fromkeys(names))
+    deadline = time.monotonic() + wait_s
+    while True:
+        answer = admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, n, configs=list(keys)) for n in missing],
+            config_filter="all",
+        ).get("topic", {})
+        for n in missing:
+            configs = answer.get(n) or {}
+            if all(k in configs for k in keys):
+                found[n] = {k: configs[k]["value"] for k in keys}
+        missing = [n for n in missing if n not in found]
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    for described in admin.describe_topics(missing) if missing else ():
+        name, code = described.get("topic"), described.get("error_code")
+        if code == TopicAuthorizationFailedError.errno:
+            raise NotAuthorized("Describe", "Topic", name, principal(settings))
+        if code == UnknownTopicOrPartitionError.errno:
+            raise NotFound("Kafka topic", name)
+        raise NotAuthorized("DescribeConfigs", "Topic", name, principal(settings))
+    return found
+
+
+def principal(settings: HasKafka | None) -> str | None:
+    """`User:<name>` of the configured SASL user (None without SASL)."""
+    user = config_of(settings).username
+    return f"User:{user}" if user else None
+
+
+def refused(
+    settings: HasKafka, error: BaseException, operation: str, name: str | None = None
+) -> NotAuthorized:
+    """The typed error for a kafka-python authorization failure met doing `operation` on `name`
+    (default: the resource kafka-python names, e.g. the topic of a refused produce)."""
+    kind = jvm_errors.resource_of(error)
+    if name is None:
+        args = [a for a in getattr(error, "args", ()) if a]
+        first = args[0] if args else "?"
+        name = ",".join(sorted(first)) if isinstance(first, (set, list, tuple)) else str(first)
+    return NotAuthorized(operation, kind, "kafka-cluster" if kind == "Cluster" else name,
+                         principal(settings))  # fmt: skip
+
+
+def refused_in(settings: HasKafka, text: str, writes: Collection[str] = ()) -> NotAuthorized | None:
+    """The typed error for an authorization failure reported in `text` (a failed Spark query's
+    message, with its Python traceback and Java causes), or None when it reports none
+    (`jvm_errors.denied_in` reads it).
+
+    - A `NotAuthorized` line in `text` (raised by the product inside a Spark query, e.g. in a
+      `foreachBatch` function) is taken as it is.
+    - A kafka-python error in a traceback names its resource; its operation is taken from the
+      client that raised it (a producer: Write, a consumer: Read).
+    - Kafka's Java client (the Spark Kafka source and sink) names only the topics
+      (`Not authorized to access topics: [...]`), and its error carries no stack of its own, so
+      the text cannot tell a refused read from a refused write. `writes` are the topics the
+      failed action wrote and did not read (its caller knows them): a refusal naming only such
+      topics is Write; any other is "Describe or Read"."""
+    denied = jvm_errors.denied_in(text)
+    return None if denied is None else as_error(settings, denied, writes)
+
+
+def refusal(
+    settings: HasKafka, error: BaseException, writes: Collection[str] = ()
+) -> NotAuthorized | None:
+    """The missing ACL that `error` reports, itself or through the errors it was raised from
+    (a Spark job's Py4J error with Kafka's Java message, a wrapped kafka-python error with its
+    traceback), as the typed error; None when it reports none, and when `error` already is a
+    `NotAuthorized`. `writes`: as for `refused_in`."""
+    if isinstance(error, NotAuthorized):
+        return None
+    denied = jvm_errors.classify(error).of(jvm_errors.Denied)
+    return None if denied is None else as_error(settings, denied, writes)
+
+
+def as_error(
+    settings: HasKafka, denied: jvm_errors.Denied, writes: Collection[str] = ()
+) -> NotAuthorized:
+    """The `NotAuthorized` error of a refusal found in a failure (`refused_in` tells the
+    rules): the principal is the one `settings` configure, unless a product's line named one."""
+    if denied.by == "varadhi":
+        return NotAuthorized(denied.operation or "Describe or Read", denied.resource_type,
+                             denied.name, denied.principal)  # fmt: skip
+    operation = denied.operation
+    if operation is None:  # the Java client's topics: written only, or maybe read
+        refused_topics = {t.strip() for t in denied.name.split(",")}
+        operation = "Write" if refused_topics <= set(writes) else "Describe or Read"
+    return NotAuthorized(operation, denied.resource_type, denied.name, principal(settings))
+
+
+class _Producer(KafkaProducer):
+    """A KafkaProducer whose `init_transactions` names the refused transactional id."""
+
+    _settings: HasKafka
+
+    def init_transactions(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().init_transactions(*args, **kwargs)
+        except AuthorizationError as e:
+            raise refused(self._settings, e, "Write", self.config["transactional_id"]) from None
+
+
+def not_authorized(error: BaseException) -> str:
+    """One line for a Kafka authorization failure (a missing ACL): which kind, which request
+    and resource, without the request's dump."""
+    text = str(error)
+    request = re.search(r"Request '(\w+?)Request", text)
+    resource = re.search(r"name='([^']*)'", text)
+    what = type(error).__name__.replace("AuthorizationFailedError", "").lower() or "resource"
+    parts = [f"not authorized by the cluster's ACLs ({type(error).__name__})"]
+    if request:
+        parts.append(f"for {request.group(1)}")
+    if resource:
+        parts.append(f"on {what} {resource.group(1)}")
+    return " ".join(parts)

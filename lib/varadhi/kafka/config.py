@@ -1,0 +1,930 @@
+"""One Kafka client configuration for every component.
+
+A Kafka-style client properties file (what `kafka-console-producer.sh --command-config` takes),
+named by `varadhi --command-config FILE` or `$VARADHI_KAFKA_CONFIG`, plus single keys from the
+environment (`VARADHI_KAFKA_SASL_MECHANISM=SCRAM-SHA-512` sets `sasl.mechanism`: the key in
+upper case, dots as underscores). `load` parses, resolves and validates it into a frozen
+`KafkaConfig` with two views:
+
+- `python_kwargs()`: kafka-python's arguments (`security_protocol`, `ssl_cafile`, `sasl_*`, ...);
+- `spark_options()`: the Spark Kafka source/sink's `kafka.`-prefixed options (the Java client
+  takes the properties as written, with references resolved).
+
+Supported: security.protocol PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL; TLS with a PEM CA file
+(`ssl.truststore.type=PEM`, `ssl.truststore.location`), a PEM client key and certificate chain for
+mutual TLS (`ssl.keystore.type=PEM`, `ssl.keystore.location`, `ssl.key.password`), hostname
+verification on unless `ssl.endpoint.identification.algorithm=` (empty); sasl.mechanism PLAIN,
+SCRAM-SHA-256, SCRAM-SHA-512 (username and password from `sasl.jaas.config`) and OAUTHBEARER in
+three forms (`oauth_flavor`):
+
+- client credentials: `clientId`, `clientSecret`, `scope` in `sasl.jaas.config` and
+  `sasl.oauthbearer.token.endpoint.url` (an OAuth 2 identity provider);
+- unsecured JWT: `unsecuredLoginStringClaim_sub="<principal>"` in `sasl.jaas.config` (Kafka's
+  built-in development login; the broker must use its unsecured validator). The Python clients
+  build the same unsigned token (`alg: none`) as the Java login handler;
+- Amazon MSK IAM: `sasl.login.callback.handler.class` (and `sasl.client.callback.handler.class`)
+  `software.amazon.msk.auth.iam.IAMOAuthBearerLoginCallbackHandler`, the cluster's region in
+  `varadhi.aws.region`. The Python clients sign tokens with aws-msk-iam-sasl-signer-python (the
+  AWS credentials of the environment: variables, profile, instance role); the Java clients need
+  the `MSK_IAM_PACKAGE` jar (`spark_extras()`).
+
+Secrets by reference: a value may contain `${env:NAME}` (an environment variable) or
+`${file:/path}` (a file's content, without its trailing newline). The resolved values live only
+in the `KafkaConfig` object; its `repr`, `describe()` and `summary()` show the references, never
+the values, and `redact(text)` removes them from any text (error messages).
+
+Bad configuration raises `KafkaConfigError` (exit code 2) with one line naming the problem: an
+unknown or misspelt property (with the likely intended one), a missing variable or file, a
+mechanism without its credentials, TLS settings under a plaintext protocol.
+"""
+
+from __future__ import annotations
+
+import base64
+import difflib
+import json
+import os
+import re
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kafka.net.sasl.oauth import AbstractTokenProvider
+
+from varadhi.core.errors import InvalidArgument
+
+CONFIG_ENV = "VARADHI_KAFKA_CONFIG"
+ENV_PREFIX = "VARADHI_KAFKA_"
+
+PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
+MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER")
+OAUTH_HANDLER = "org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginCallbackHandler"
+UNSECURED_HANDLER = (
+    "org.apache.kafka.common.security.oauthbearer.OAuthBearerUnsecuredLoginCallbackHandler"
+)
+MSK_IAM_HANDLER = "software.amazon.msk.auth.iam.IAMOAuthBearerLoginCallbackHandler"
+#: The Java side of MSK IAM (Maven Central; the shaded `all` classifier bundles the AWS SDK).
+MSK_IAM_PACKAGE = "software.amazon.msk:aws-msk-iam-auth:2.3.9"
+#: The Python side of MSK IAM (PyPI; pyproject.toml's `msk` extra).
+MSK_IAM_PYPI = "aws-msk-iam-sasl-signer-python==1.0.2"
+#: The product's own keys of the file (never passed to a client), besides `varadhi.topic.*`.
+PRODUCT_KEYS: dict[str, str] = {
+    "varadhi.aws.region": "MSK IAM: the cluster's AWS region (us-east-1, ...) for the token signer",
+}
+
+#: Every property this product understands (Java client names), with what it is for.
+KNOWN: dict[str, str] = {
+    "bootstrap.servers": "host:port[,host:port...] (--bootstrap and $VARADHI_BOOTSTRAP win)",
+    "client.dns.lookup": "Java clients only: use_all_dns_ips or resolve_canonical_bootstrap_servers_only",
+    "security.protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
+    "ssl.truststore.type": "PEM (the Python clients read PEM only)",
+    "ssl.truststore.location": "a PEM file of the CA certificates that sign the brokers' certificates",
+    "ssl.truststore.password": "ignored for PEM; accepted for property files shared with Java tools",
+    "ssl.keystore.type": "PEM",
+    "ssl.keystore.location": "a PEM file with the client's private key and certificate chain",
+    "ssl.keystore.password": "ignored for PEM; accepted for property files shared with Java tools",
+    "ssl.key.password": "the password of an encrypted private key in ssl.keystore.location",
+    "ssl.endpoint.identification.algorithm": "https (default: hostname verification) or empty",
+    "sasl.mechanism": "PLAIN, SCRAM-SHA-256, SCRAM-SHA-512 or OAUTHBEARER",
+    "sasl.jaas.config": "the login module and its options (username/password, clientId/...)",
+    "sasl.login.callback.handler.class": "the OAUTHBEARER login handler (OAuth, MSK IAM)",
+    "sasl.client.callback.handler.class": "Java clients: MSK IAM's login callback handler",
+    "sasl.oauthbearer.token.endpoint.url": "OAUTHBEARER: the OAuth token endpoint",
+    "sasl.oauthbearer.scope.claim.name": "Java clients: OAUTHBEARER scope claim name",
+    "sasl.oauthbearer.sub.claim.name": "Java clients: OAUTHBEARER subject claim name",
+}
+#: The topics this product creates, and the properties that shape them (not client properties:
+#: never passed to a client). `varadhi.topic.replication.factor` and
+#: `varadhi.topic.config.<topic config>` apply to every kind; `varadhi.topic.<kind>.<...>` to
+#: one kind and win over the general ones. Unset, a topic gets the cluster's defaults
+#: (`default.replication.factor`, `min.insync.replicas`, ...): replication factor -1 (KIP-464).
+TOPIC_PREFIX = "varadhi.topic."
+TOPIC_KINDS = ("storage", "rq", "dlq", "catalog", "progress", "journal")
+#: Kafka's topic-level configs (Kafka 4.1), for did-you-mean on a misspelt one.
+TOPIC_CONFIGS = frozenset(
+    [
+        "cleanup.policy",
+        "compression.type",
+        "compression.gzip.level",
+        "compression.lz4.level",
+        "compression.zstd.level",
+        "delete.retention.ms",
+        "file.delete.delay.ms",
+        "flush.messages",
+        "flush.ms",
+        "follower.replication.throttled.replicas",
+        "index.interval.bytes",
+        "leader.replication.throttled.replicas",
+        "local.retention.bytes",
+        "local.retention.ms",
+        "max.compaction.lag.ms",
+        "max.message.bytes",
+        "message.timestamp.after.max.ms",
+        "message.timestamp.before.max.ms",
+        "message.timestamp.type",
+        "min.cleanable.dirty.ratio",
+        "min.compaction.lag.ms",
+        "min.insync.replicas",
+        "preallocate",
+        "remote.log.copy.disable",
+        "remote.log.delete.on.disable",
+        "remote.storage.enable",
+        "retention.bytes",
+        "retention.ms",
+        "segment.bytes",
+        "segment.index.bytes",
+        "segment.jitter.ms",
+        "segment.ms",
+        "unclean.leader.election.enable",
+    ]
+)
+_TOPIC_KEY = re.compile(
+    r"varadhi\.topic\.(?:(" + "|".join(TOPIC_KINDS) + r")\.)?(replication\.factor|config\.(.+))"
+)
+
+
+@dataclass(frozen=True)
+class TopicSettings:
+    """How to create one kind of topic: the replication factor (-1: the cluster's default) and
+    topic configs (only those set; the cluster's defaults for the rest)."""
+
+    replication_factor: int = -1
+    configs: tuple[tuple[str, str], ...] = ()
+
+    def config(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The configs, with `extra` (the product's own, e.g. `cleanup.policy=compact` for the
+        catalog) under them: a configured value wins."""
+        return {**(extra or {}), **dict(self.configs)}
+
+    def with_defaults(self, extra: Mapping[str, str]) -> TopicSettings:
+        """These settings with `extra` configs where none is configured."""
+        return TopicSettings(self.replication_factor, tuple(sorted(self.config(extra).items())))
+
+
+def _topic_property(key: str, value: str, where: str) -> None:
+    """Refuse a bad `varadhi.topic.*` property."""
+    m = _TOPIC_KEY.fullmatch(key)
+    if not m:
+        forms = [
+            f"{TOPIC_PREFIX}{k}replication.factor" for k in ("", *[f"{k}." for k in TOPIC_KINDS])
+        ] + list(PRODUCT_KEYS)
+        close = difflib.get_close_matches(key, forms, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise KafkaConfigError(
+            f"{where}unknown property {key!r}{hint}: use {TOPIC_PREFIX}[<kind>.]replication.factor "
+            f"or {TOPIC_PREFIX}[<kind>.]config.<topic config>, kind one of {', '.join(TOPIC_KINDS)}"
+        )
+    kind, what, config = m.groups()
+    if config is None:
+        if not re.fullmatch(r"-1|[1-9]\d{0,4}", value.strip()):
+            raise KafkaConfigError(
+                f"{where}{key} must be a positive integer or -1 (the cluster's "
+                f"default.replication.factor), not {value!r}"
+            )
+        return
+    if config not in TOPIC_CONFIGS:
+        close = difflib.get_close_matches(config, TOPIC_CONFIGS, n=1, cutoff=0.75)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise KafkaConfigError(f"{where}{key}: {config!r} is not a Kafka topic config{hint}")
+    if kind == "catalog" and config == "cleanup.policy" and "compact" not in value:
+        raise KafkaConfigError(
+            f"{where}{key}={value}: the catalog topic must be compacted (cleanup.policy=compact)"
+        )
+
+
+def topic_settings(props: Mapping[str, str], kind: str) -> TopicSettings:
+    """The `TopicSettings` of `kind` from resolved properties (validated by `load`)."""
+    if kind not in TOPIC_KINDS:
+        raise ValueError(kind)
+    factor = -1
+    general: dict[str, str] = {}
+    specific: dict[str, str] = {}
+    specific_factor = None
+    for key, value in props.items():
+        m = _TOPIC_KEY.fullmatch(key)
+        if not m or m.group(1) not in (None, kind):
+            continue
+        if m.group(3) is None:
+            if m.group(1) is None:
+                factor = int(value)
+            else:
+                specific_factor = int(value)
+        else:
+            (general if m.group(1) is None else specific)[m.group(3)] = value.strip()
+    configs = {**general, **specific}
+    if kind == "catalog" and "compact" not in configs.get("cleanup.policy", "compact"):
+        configs.pop("cleanup.policy")  # a general delete policy never applies to the catalog
+    return TopicSettings(
+        specific_factor if specific_factor is not None else factor, tuple(sorted(configs.items()))
+    )
+
+
+def _check_topics(props: Mapping[str, str], where: str) -> None:
+    for kind in TOPIC_KINDS:
+        ts = topic_settings(props, kind)
+        isr = dict(ts.configs).get("min.insync.replicas")
+        if isr is not None and not re.fullmatch(r"[1-9]\d{0,4}", isr):
+            raise KafkaConfigError(
+                f"{where}min.insync.replicas must be a positive integer, not {isr!r}"
+            )
+        if isr is not None and ts.replication_factor != -1 and int(isr) > ts.replication_factor:
+            raise KafkaConfigError(
+                f"{where}{kind} topics: min.insync.replicas {isr} is more than their replication "
+                f"factor {ts.replication_factor}: no write could ever succeed"
+            )
+
+
+#: Keys whose value is secret as a whole; sasl.jaas.config has secret options inside.
+SECRET_KEYS = {"ssl.truststore.password", "ssl.keystore.password", "ssl.key.password"}
+SECRET_OPTIONS = {"password", "clientSecret", "client_secret", "token"}
+
+_REF = re.compile(r"\$\{(env|file):([^}]*)\}")
+_HIDDEN = "[hidden]"
+
+
+class KafkaConfigError(InvalidArgument):
+    """The Kafka client configuration is invalid; nothing was started."""
+
+
+# -- Java properties ------------------------------------------------------------------------------
+def parse_properties(text: str, source: str = "properties") -> dict[str, str]:
+    """Java `.properties` syntax: `key=value`, `key: value` or `key value`; `#`/`!` comments;
+    a trailing backslash continues a line; backslash escapes (`\\t`, `\\n`, `\\uXXXX`, ...)."""
+    props: dict[str, str] = {}
+    logical: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.lstrip()
+        if not pending and (not line or line[0] in "#!"):
+            continue
+        trailing = len(line) - len(line.rstrip("\\"))
+        if trailing % 2 == 1:
+            pending += line[:-1]
+            continue
+        logical.append(pending + line)
+        pending = ""
+    if pending:
+        logical.append(pending)
+    for line in logical:
+        key, value = _split(line)
+        if not key:
+            raise KafkaConfigError(f"{source}: a line has no property name: {line[:40]!r}")
+        props[key] = value
+    return props
+
+
+def _split(line: str) -> tuple[str, str]:
+    i, n = 0, len(line)
+    while i < n and line[i] not in "=: \t\f":
+        i += 2 if line[i] == "\\" else 1
+    key = _unescape(line[:i])
+    j = i
+    while j < n and line[j] in " \t\f":
+        j += 1
+    if j < n and line[j] in "=:":
+        j += 1
+        while j < n and line[j] in " \t\f":
+            j += 1
+    return key, _unescape(line[j:])
+
+
+def _unescape(s: str) -> str:
+    out, i = [], 0
+    while i < len(s):
+        c = s[i]
+        if c == "\\" and i + 1 < len(s):
+            nxt = s[i + 1]
+            if nxt == "u" and re.fullmatch(r"[0-9a-fA-F]{4}", s[i + 2 : i + 6]):
+                out.append(chr(int(s[i + 2 : i + 6], 16)))
+                i += 6
+                continue
+            out.append({"t": "\t", "n": "\n", "r": "\r", "f": "\f"}.get(nxt, nxt))
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out)
+
+
+# -- JAAS -----------------------------------------------------------------------------------------
+_JAAS = re.compile(
+    r"\s*([\w.$]+)\s+(required|requisite|sufficient|optional)\s*(.*?)\s*;?\s*$", re.S
+)
+_OPTION = re.compile(r'\s*([\w.-]+)\s*=\s*("(?:[^"\\]|\\.)*"|[^\s;]+)')
+
+
+def parse_jaas(value: str) -> tuple[str, dict[str, str]]:
+    """`<LoginModule> required key="value" ...;` -> (login module class, options)."""
+    m = _JAAS.fullmatch(value)
+    if not m:
+        raise KafkaConfigError(
+            "sasl.jaas.config is not '<LoginModule> required key=\"value\" ...;'"
+        )
+    options: dict[str, str] = {}
+    rest = m.group(3)
+    pos = 0
+    while pos < len(rest):
+        om = _OPTION.match(rest, pos)
+        if not om:
+            if rest[pos:].strip(" ;\n\t"):
+                raise KafkaConfigError(
+                    f"sasl.jaas.config: cannot read the options after {rest[:pos].strip()[:20]!r}"
+                    if pos
+                    else "sasl.jaas.config: cannot read its options"
+                )
+            break
+        v = om.group(2)
+        if v.startswith('"'):
+            v = re.sub(r"\\(.)", r"\1", v[1:-1])
+        options[om.group(1)] = v
+        pos = om.end()
+    return m.group(1), options
+
+
+def _jaas_display(value: str) -> str:
+    """The jaas config with inline secret options hidden (references are shown as written)."""
+
+    def hide(m: re.Match) -> str:
+        name, v = m.group(1), m.group(2)
+        if name in SECRET_OPTIONS and not _REF.fullmatch(v.strip('"')):
+            return f'{m.group(0)[: m.start(2) - m.start(0)]}"{_HIDDEN}"'
+        return m.group(0)
+
+    return _OPTION.sub(hide, value)
+
+
+# -- the configuration ----------------------------------------------------------------------------
+@dataclass(frozen=True, repr=False)
+class KafkaConfig:
+    """Resolved client properties. `written` holds them as written (references unresolved)."""
+
+    written: tuple[tuple[str, str], ...] = ()
+    resolved: tuple[tuple[str, str], ...] = ()
+    source: str | None = None
+
+    # -- reading
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return dict(self.resolved).get(key, default)
+
+    @property
+    def protocol(self) -> str:
+        return (self.get("security.protocol") or "PLAINTEXT").upper()
+
+    @property
+    def mechanism(self) -> str | None:
+        return self.get("sasl.mechanism") if self.protocol.startswith("SASL_") else None
+
+    @property
+    def bootstrap(self) -> str | None:
+        return self.get("bootstrap.servers")
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.protocol in ("SSL", "SASL_SSL")
+
+    def _jaas_options(self) -> dict[str, str]:
+        jaas = self.get("sasl.jaas.config")
+        return parse_jaas(jaas)[1] if jaas else {}
+
+    @property
+    def username(self) -> str | None:
+        options = self._jaas_options()
+        return (
+            options.get("username")
+            or options.get("clientId")
+            or options.get("unsecuredLoginStringClaim_sub")
+        )
+
+    @property
+    def oauth_flavor(self) -> str | None:
+        """For OAUTHBEARER: 'msk-iam', 'unsecured' or 'client-credentials' (`oauth_flavor`)."""
+        return oauth_flavor(dict(self.resolved)) if self.mechanism == "OAUTHBEARER" else None
+
+    # -- views
+    def python_kwargs(self) -> dict[str, Any]:
+        """kafka-python's security arguments (nothing for PLAINTEXT)."""
+        kw: dict[str, Any] = {}
+        if self.protocol == "PLAINTEXT":
+            return kw
+        kw["security_protocol"] = self.protocol
+        if self.uses_tls:
+            if self.get("ssl.truststore.location"):
+                kw["ssl_cafile"] = self.get("ssl.truststore.location")
+            if self.get("ssl.keystore.location"):
+                kw["ssl_certfile"] = self.get("ssl.keystore.location")
+                kw["ssl_keyfile"] = self.get("ssl.keystore.location")
+                if self.get("ssl.key.password"):
+                    kw["ssl_password"] = self.get("ssl.key.password")
+            algorithm = self.get("ssl.endpoint.identification.algorithm", "https")
+            kw["ssl_check_hostname"] = bool(algorithm)
+        mechanism = self.mechanism
+        if mechanism:
+            kw["sasl_mechanism"] = mechanism
+            options = self._jaas_options()
+            flavor = self.oauth_flavor
+            if flavor == "msk-iam":
+                kw["sasl_oauth_token_provider"] = MskIamTokenProvider(
+                    self.get("varadhi.aws.region") or "",
+                    profile=options.get("awsProfileName"),
+                    role_arn=options.get("awsRoleArn"),
+                    session_name=options.get("awsRoleSessionName"),
+                )
+            elif flavor == "unsecured":
+                kw["sasl_oauth_token_provider"] = UnsecuredJwtProvider.from_jaas(options)
+            elif flavor == "client-credentials":
+                kw["sasl_oauth_token_provider"] = _token_provider(
+                    self.get("sasl.oauthbearer.token.endpoint.url") or "",
+                    options.get("clientId", ""),
+                    options.get("clientSecret", ""),
+                    options.get("scope"),
+                )
+            else:
+                kw["sasl_plain_username"] = options["username"]
+                kw["sasl_plain_password"] = options["password"]
+        return kw
+
+    def spark_options(self) -> dict[str, str]:
+        """The Spark Kafka source/sink's options (`kafka.` + the Java client property), without
+        bootstrap.servers (the caller sets `kafka.bootstrap.servers`)."""
+        props = {
+            k: v
+            for k, v in self.resolved
+            if k != "bootstrap.servers" and not k.startswith("varadhi.")  # the product's keys
+        }
+        if props.get("ssl.truststore.location") and "ssl.truststore.type" not in props:
+            props["ssl.truststore.type"] = "PEM"
+        if props.get("ssl.keystore.location") and "ssl.keystore.type" not in props:
+            props["ssl.keystore.type"] = "PEM"
+        flavor = self.oauth_flavor
+        if flavor == "client-credentials":
+            props.setdefault("sasl.login.callback.handler.class", OAUTH_HANDLER)
+        elif flavor == "msk-iam":
+            props.setdefault("sasl.client.callback.handler.class", MSK_IAM_HANDLER)
+        return {f"kafka.{k}": v for k, v in props.items()}
+
+    def spark_extras(self) -> tuple[str, ...]:
+        """What the Spark Kafka source/sink needs beyond the Kafka connector for this
+        configuration, as `spark_lines.packages` extras: ("msk-iam",) (the `MSK_IAM_PACKAGE`
+        jar) for MSK IAM, else none."""
+        return ("msk-iam",) if self.oauth_flavor == "msk-iam" else ()
+
+    def topics(self, kind: str) -> TopicSettings:
+        """How to create the product's topics of `kind` (one of `TOPIC_KINDS`)."""
+        return topic_settings(dict(self.resolved), kind)
+
+    def describe(self) -> dict[str, str]:
+        """The properties as written, inline secrets hidden (safe to print and log)."""
+        shown = {}
+        for key, value in self.written:
+            if key in SECRET_KEYS and not _REF.fullmatch(value):
+                shown[key] = _HIDDEN
+            elif key == "sasl.jaas.config":
+                shown[key] = _jaas_display(value)
+            else:
+                shown[key] = value
+        return shown
+
+    def summary(self) -> str:
+        """A short description for messages: 'SASL_SSL, SCRAM-SHA-512 as alice'."""
+        parts = [self.protocol]
+        if self.oauth_flavor == "msk-iam":
+            parts.append(f"OAUTHBEARER (MSK IAM, {self.get('varadhi.aws.region')})")
+        elif self.mechanism:
+            user = self.username
+            parts.append(f"{self.mechanism} as {user}" if user else self.mechanism)
+        elif self.get("ssl.keystore.location"):
+            parts.append("client certificate")
+        return ", ".join(parts)
+
+    def secrets(self) -> list[str]:
+        found = [v for k, v in self.resolved if k in SECRET_KEYS and v]
+        for name, v in self._jaas_options().items() if self.get("sasl.jaas.config") else ():
+            if name in SECRET_OPTIONS and v:
+                found.append(v)
+        return sorted(set(found), key=len, reverse=True)
+
+    def redact(self, text: str) -> str:
+        """`text` with every secret value of this configuration replaced by [hidden]."""
+        for secret in self.secrets():
+            if len(secret) >= 3:
+                text = text.replace(secret, _HIDDEN)
+        return text
+
+    def __repr__(self) -> str:
+        return f"KafkaConfig({self.source or 'defaults'}: {self.describe()})"
+
+
+PLAINTEXT = KafkaConfig()
+
+
+def env_name(key: str) -> str:
+    """The environment variable that overrides one property: security.protocol ->
+    VARADHI_KAFKA_SECURITY_PROTOCOL."""
+    return ENV_PREFIX + key.upper().replace(".", "_")
+
+
+def load(path: str | None = None, environ: Mapping[str, str] | None = None) -> KafkaConfig:
+    """The configuration from `path` (else `$VARADHI_KAFKA_CONFIG`, else none) and the
+    single-key environment overrides; validated, references resolved."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get(CONFIG_ENV) or None
+    props: dict[str, str] = {}
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise KafkaConfigError(
+                f"cannot read the Kafka client configuration {path}: {e.strerror or e}"
+            ) from None
+        props = parse_properties(text, source=path)
+    for key in KNOWN:
+        value = environ.get(env_name(key))
+        if value is not None:
+            props[key] = value
+    return from_properties(props, source=path, environ=environ)
+
+
+def from_properties(
+    props: Mapping[str, str],
+    source: str | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> KafkaConfig:
+    environ = os.environ if environ is None else environ
+    where = f"{source}: " if source else ""
+    for key in props:
+        if key in PRODUCT_KEYS:
+            continue
+        if key.startswith("varadhi."):
+            _topic_property(key, props[key], where)
+        elif key not in KNOWN:
+            close = difflib.get_close_matches(key, KNOWN, n=1, cutoff=0.75)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            raise KafkaConfigError(f"{where}unknown Kafka client property {key!r}{hint}")
+    resolved = {k: _resolve(k, v, environ, where) for k, v in props.items()}
+    _validate(resolved, where)
+    _check_topics(resolved, where)
+    return KafkaConfig(
+        written=tuple(sorted(props.items())),
+        resolved=tuple(sorted(resolved.items())),
+        source=source,
+    )
+
+
+def _resolve(key: str, value: str, environ: Mapping[str, str], where: str) -> str:
+    def one(m: re.Match) -> str:
+        kind, name = m.group(1), m.group(2).strip()
+        if kind == "env":
+            if name not in environ:
+                raise KafkaConfigError(
+                    f"{where}{key} names the environment variable {name}, which is not set"
+                )
+            return environ[name]
+        try:
+            with open(name, encoding="utf-8") as f:
+                return f.read().rstrip("\r\n")
+        except OSError as e:
+            raise KafkaConfigError(
+                f"{where}{key} names the file {name}, which cannot be read "
+                f"({e.strerror or type(e).__name__})"
+            ) from None
+
+    return _REF.sub(one, value)
+
+
+def _readable(key: str, path: str, where: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 20)
+    except OSError as e:
+        raise KafkaConfigError(
+            f"{where}{key}: cannot read {path} ({e.strerror or type(e).__name__})"
+        ) from None
+    return head.decode("latin-1")
+
+
+def _validate(props: dict[str, str], where: str) -> None:
+    protocol = props.get("security.protocol", "PLAINTEXT").upper()
+    if protocol not in PROTOCOLS:
+        raise KafkaConfigError(
+            f"{where}security.protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}"
+        )
+    tls = protocol in ("SSL", "SASL_SSL")
+    ssl_keys = sorted(k for k in props if k.startswith("ssl."))
+    if ssl_keys and not tls:
+        raise KafkaConfigError(
+            f"{where}{ssl_keys[0]} is set but security.protocol is {protocol} (no TLS): "
+            f"use SSL or SASL_SSL"
+        )
+    for kind in ("truststore", "keystore"):
+        location = props.get(f"ssl.{kind}.location")
+        type_ = props.get(f"ssl.{kind}.type", "").upper()
+        if type_ and type_ != "PEM":
+            raise KafkaConfigError(
+                f"{where}ssl.{kind}.type {type_} cannot be read by the Python clients: use PEM "
+                f"files (openssl pkcs12 -in store.p12 -nodes, or keytool -exportcert -rfc)"
+            )
+        if location:
+            head = _readable(f"ssl.{kind}.location", location, where)
+            if "-----BEGIN" not in head:
+                raise KafkaConfigError(
+                    f"{where}ssl.{kind}.location {location} is not a PEM file (JKS and PKCS12 "
+                    f"stores cannot be read by the Python clients; convert them to PEM)"
+                )
+            parts = (("PRIVATE KEY-----", "private key"), ("CERTIFICATE-----", "certificate"))
+            for part, what in parts:
+                if kind == "keystore" and part not in head:
+                    raise KafkaConfigError(
+                        f"{where}ssl.keystore.location {location} holds no {what} (it needs the "
+                        f"client's private key and certificate chain, for mutual TLS)"
+                    )
+            legacy = re.search(r"-----BEGIN (RSA|EC|DSA) PRIVATE KEY-----", head)
+            if kind == "keystore" and legacy:
+                raise KafkaConfigError(
+                    f"{where}ssl.keystore.location {location} holds a {legacy.group(1)} private "
+                    f"key in the old format, which the Java clients (Spark) cannot read: convert "
+                    f"it to PKCS#8 (openssl pkcs8 -topk8 -nocrypt -in key.pem -out key8.pem)"
+                )
+        elif props.get(f"ssl.{kind}.type"):
+            raise KafkaConfigError(f"{where}ssl.{kind}.type is set without ssl.{kind}.location")
+    algorithm = props.get("ssl.endpoint.identification.algorithm")
+    if algorithm not in (None, "", "https", "HTTPS"):
+        raise KafkaConfigError(
+            f"{where}ssl.endpoint.identification.algorithm must be https or empty, not "
+            f"{algorithm!r}"
+        )
+
+    sasl = protocol.startswith("SASL_")
+    mechanism = props.get("sasl.mechanism")
+    sasl_keys = sorted(k for k in props if k.startswith("sasl."))
+    if sasl_keys and not sasl:
+        raise KafkaConfigError(
+            f"{where}{sasl_keys[0]} is set but security.protocol is {protocol}: "
+            f"use SASL_SSL (or SASL_PLAINTEXT)"
+        )
+    if not sasl:
+        return
+    if not mechanism:
+        raise KafkaConfigError(
+            f"{where}security.protocol {protocol} needs sasl.mechanism "
+            f"({', '.join(MECHANISMS)}; Kafka's default GSSAPI/Kerberos is not supported)"
+        )
+    if mechanism not in MECHANISMS:
+        raise KafkaConfigError(
+            f"{where}sasl.mechanism {mechanism!r} is not supported: use one of "
+            f"{', '.join(MECHANISMS)}"
+        )
+    jaas = props.get("sasl.jaas.config")
+    if not jaas:
+        raise KafkaConfigError(f"{where}sasl.mechanism {mechanism} needs sasl.jaas.config")
+    module, options = parse_jaas(jaas)
+    expected = {
+        "PLAIN": "PlainLoginModule",
+        "SCRAM-SHA-256": "ScramLoginModule",
+        "SCRAM-SHA-512": "ScramLoginModule",
+        "OAUTHBEARER": "OAuthBearerLoginModule",
+    }[mechanism]
+    if module.rsplit(".", 1)[-1] != expected:
+        raise KafkaConfigError(
+            f"{where}sasl.mechanism {mechanism} needs {expected} in sasl.jaas.config, not "
+            f"{module.rsplit('.', 1)[-1]}"
+        )
+    if mechanism == "OAUTHBEARER":
+        _validate_oauth(props, options, protocol, where)
+        return
+    for option in ("username", "password"):
+        if not options.get(option):
+            raise KafkaConfigError(
+                f'{where}sasl.mechanism {mechanism} needs {option}="..." in sasl.jaas.config'
+            )
+
+
+def oauth_flavor(props: Mapping[str, str]) -> str:
+    """Which OAUTHBEARER login `props` configure: 'msk-iam' (the MSK IAM login handler),
+    'unsecured' (`unsecuredLogin*` options and no other handler) or 'client-credentials'."""
+    handlers = {
+        (props.get(k) or "").strip()
+        for k in ("sasl.login.callback.handler.class", "sasl.client.callback.handler.class")
+    }
+    if MSK_IAM_HANDLER in handlers:
+        return "msk-iam"
+    jaas = props.get("sasl.jaas.config")
+    options = parse_jaas(jaas)[1] if jaas else {}
+    login = (props.get("sasl.login.callback.handler.class") or "").strip()
+    if login in ("", UNSECURED_HANDLER) and any(o.startswith("unsecuredLogin") for o in options):
+        return "unsecured"
+    return "client-credentials"
+
+
+def _validate_oauth(
+    props: Mapping[str, str], options: Mapping[str, str], protocol: str, where: str
+) -> None:
+    flavor = oauth_flavor(props)
+    if flavor == "msk-iam":
+        if protocol != "SASL_SSL":
+            raise KafkaConfigError(f"{where}MSK IAM needs security.protocol SASL_SSL")
+        region = (props.get("varadhi.aws.region") or "").strip()
+        if not region:
+            raise KafkaConfigError(
+                f"{where}MSK IAM ({MSK_IAM_HANDLER.rsplit('.', 1)[-1]}) needs "
+                f"varadhi.aws.region=<the cluster's AWS region, e.g. us-east-1>"
+            )
+        if not re.fullmatch(r"[a-z]{2}(-[a-z]+)+-\d", region):
+            raise KafkaConfigError(
+                f"{where}varadhi.aws.region {region!r} is not an AWS region (e.g. us-east-1)"
+            )
+        return
+    if flavor == "unsecured":
+        if not options.get("unsecuredLoginStringClaim_sub"):
+            raise KafkaConfigError(
+                f"{where}the unsecured OAUTHBEARER login needs "
+                f'unsecuredLoginStringClaim_sub="<principal>" in sasl.jaas.config'
+            )
+        UnsecuredJwtProvider.from_jaas(options, where)  # refuses a bad lifetime or claim
+        return
+    for option in ("clientId", "clientSecret"):
+        if not options.get(option):
+            raise KafkaConfigError(
+                f'{where}sasl.mechanism OAUTHBEARER needs {option}="..." in sasl.jaas.config '
+                f'(or unsecuredLoginStringClaim_sub="..." for unsecured tokens, or MSK IAM\'s '
+                f"login handler)"
+            )
+    url = props.get("sasl.oauthbearer.token.endpoint.url", "")
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        raise KafkaConfigError(
+            f"{where}sasl.mechanism OAUTHBEARER needs sasl.oauthbearer.token.endpoint.url "
+            f"(an http(s) URL)"
+        )
+
+
+# -- OAUTHBEARER client credentials -------------------------------------------------------------
+_providers: dict[tuple, Any] = {}
+_providers_lock = threading.Lock()
+
+
+def _token_provider(url: str, client_id: str, secret: str, scope: str | None) -> Any:
+    key = (url, client_id, secret, scope)
+    with _providers_lock:
+        if key not in _providers:
+            _providers[key] = ClientCredentialsTokenProvider(url, client_id, secret, scope)
+        return _providers[key]
+
+
+class ClientCredentialsTokenProvider(AbstractTokenProvider):
+    """kafka-python's token provider for OAUTHBEARER: the OAuth 2 client-credentials grant
+    against the token endpoint, the token reused until 30 s before it expires."""
+
+    def __init__(self, url: str, client_id: str, secret: str, scope: str | None = None):
+        self.url, self.client_id, self._secret, self.scope = url, client_id, secret, scope
+        self._token: str | None = None
+        self._expires = 0.0
+        self._lock = threading.Lock()
+
+    def token(self) -> str:
+        with self._lock:
+            if self._token is None or time.monotonic() > self._expires - 30:
+                form = {"grant_type": "client_credentials"}
+                if self.scope:
+                    form["scope"] = self.scope
+                request = urllib.request.Request(
+                    self.url,
+                    data=urllib.parse.urlencode(form).encode(),
+                    headers={"Content-Type": "application/x-www-form-urlencoded"},
+                )
+                basic = f"{urllib.parse.quote(self.client_id)}:{urllib.parse.quote(self._secret)}"
+                request.add_header(
+                    "Authorization", "Basic " + base64.b64encode(basic.encode()).decode()
+                )
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    body = json.load(response)
+                self._token = body["access_token"]
+                self._expires = time.monotonic() + float(body.get("expires_in", 3600))
+            return self._token
+
+    def extensions(self) -> dict:
+        return {}
+
+    def __repr__(self) -> str:
+        return f"ClientCredentialsTokenProvider({self.url}, {self.client_id})"
+
+
+# -- OAUTHBEARER unsecured JWT (development, tests) ---------------------------------------------
+class UnsecuredJwtProvider(AbstractTokenProvider):
+    """kafka-python's token provider for Kafka's unsecured OAUTHBEARER login: what the Java
+    `OAuthBearerUnsecuredLoginCallbackHandler` makes from the same JAAS options, an unsigned JWT
+    (`{"alg":"none"}`) with `sub`, `iat`, `exp` (`unsecuredLoginLifetimeSeconds`, default 3600)
+    and every `unsecuredLoginStringClaim_<name>`, `unsecuredLoginNumberClaim_<name>` and
+    `unsecuredLoginListClaim_<name>` (its first character separates the items). A new token is
+    made when less than a tenth of the lifetime is left. Anyone can forge such a token: only for
+    brokers that run the unsecured validator (development and tests)."""
+
+    def __init__(self, claims: Mapping[str, Any], lifetime: float = 3600.0):
+        self.claims = dict(claims)
+        self.lifetime = lifetime
+        self._token: str | None = None
+        self._expires = 0.0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_jaas(cls, options: Mapping[str, str], where: str = "") -> UnsecuredJwtProvider:
+        claims: dict[str, Any] = {}
+        lifetime = 3600.0
+        for name, value in options.items():
+            kind, _, claim = name.partition("_")
+            if kind == "unsecuredLoginStringClaim":
+                claims[claim] = value
+            elif kind == "unsecuredLoginNumberClaim":
+                claims[claim] = _number(name, value, where)
+            elif kind == "unsecuredLoginListClaim":
+                items = value[1:].split(value[:1]) if value else []
+                claims[claim] = [item for item in items if item]
+            elif name == "unsecuredLoginLifetimeSeconds":
+                lifetime = _number(name, value, where)
+                if lifetime <= 0:
+                    raise KafkaConfigError(f"{where}{name} must be positive, not {value!r}")
+        if not claims.get("sub"):
+            raise KafkaConfigError(
+                f'{where}the unsecured OAUTHBEARER login needs unsecuredLoginStringClaim_sub="..."'
+            )
+        return cls(claims, lifetime)
+
+    def token(self) -> str:
+        with self._lock:
+            now = time.time()
+            if self._token is None or now > self._expires - self.lifetime / 10:
+                self._expires = now + self.lifetime
+                payload = {**self.claims, "iat": round(now, 3), "exp": round(self._expires, 3)}
+                self._token = ".".join(
+                    [_b64url({"alg": "none"}), _b64url(payload), ""]
+                )  # header.payload. (no signature)
+            return self._token
+
+    def __repr__(self) -> str:
+        return f"UnsecuredJwtProvider(sub={self.claims.get('sub')})"
+
+
+def _number(name: str, value: str, where: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise KafkaConfigError(f"{where}{name} must be a number, not {value!r}") from None
+
+
+def _b64url(doc: Mapping[str, Any]) -> str:
+    raw = json.dumps(doc, separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+# -- OAUTHBEARER Amazon MSK IAM ------------------------------------------------------------------
+class MskIamTokenProvider(AbstractTokenProvider):
+    """kafka-python's token provider for Amazon MSK IAM: a SigV4-signed token from
+    aws-msk-iam-sasl-signer-python for `region`, with the AWS credentials of the environment
+    (or `profile`, or `role_arn` assumed through STS), reused until a minute before it expires.
+    Signing is local: no request leaves the machine except with `role_arn`. The token carries
+    the access key id and a signature, never the secret key; it is itself a credential, so
+    `repr` never shows it."""
+
+    def __init__(
+        self,
+        region: str,
+        profile: str | None = None,
+        role_arn: str | None = None,
+        session_name: str | None = None,
+    ):
+        try:
+            from aws_msk_iam_sasl_signer import MSKAuthTokenProvider
+        except ImportError:
+            raise KafkaConfigError(
+                f"MSK IAM needs the Python package aws-msk-iam-sasl-signer-python "
+                f"(pip install {MSK_IAM_PYPI}, or the msk extra: pip install 'varadhi-spark[msk]')"
+            ) from None
+        self._signer = MSKAuthTokenProvider
+        self.region, self.profile, self.role_arn = region, profile, role_arn
+        self.session_name = session_name
+        self._token: str | None = None
+        self._expires_ms = 0
+        self._lock = threading.Lock()
+
+    def token(self) -> str:
+        with self._lock:
+            if self._token is None or time.time() * 1000 > self._expires_ms - 60_000:
+                if self.role_arn:
+                    args = [self.region, self.role_arn]
+                    if self.session_name:
+                        args.append(self.session_name)
+                    token, expires_ms = self._signer.generate_auth_token_from_role_arn(*args)
+                elif self.profile:
+                    token, expires_ms = self._signer.generate_auth_token_from_profile(
+                        self.region, self.profile
+                    )
+                else:
+                    token, expires_ms = self._signer.generate_auth_token(self.region)
+                self._token, self._expires_ms = token, int(expires_ms)
+            return self._token
+
+    def __repr__(self) -> str:
+        return f"MskIamTokenProvider({self.region})"

@@ -1,0 +1,521 @@
+"""The dead-letter queue: browse parked messages and re-drive (unsideline) them.
+
+Browsing reads the subscription's DLQ storage topics with kafka-python (read_committed), so it
+needs no Spark. Re-driving is an operation recorded in the catalog
+(`operation/<subscription>/redrive-<id>`); each shard applies it at its next micro-batch, between
+batches of its own, so no other writer ever touches its GroupState:
+
+- every parked message of the shard that matches the selector goes back into the shard's state
+  as a `held` entry at its original position (origin), with its attempts reset;
+- in block mode the group's `dlq` entry is replaced by it, so the group unblocks as soon as the
+  re-driven messages are delivered, in their original order, and the group's live traffic, which
+  queued behind them, follows;
+- the shard marks the operation done for itself once that state is committed.
+
+A dead letter is re-driven at most once. A shard applying a re-drive reads its DLQ partitions up
+to the end offsets they had when it started (`scanned`), in chunks, keeping only the records
+the selector takes; the end offsets are recorded in its GroupState commit (a `redrive` row, in
+the same Delta commit as the `held` entries) and then in the operation document. A DLQ record
+below the `scanned` offset of an applied re-drive whose selector matches it was re-driven by
+that re-drive, so a later re-drive (the same selector again, an overlapping one) skips it; a
+message that failed again after its re-drive is a new DLQ record above those offsets, so it can
+be re-driven again. A shard that crashed after its commit but before marking the operation done
+finds its `redrive` row and only marks it done, without scanning again. Memory is bounded by
+the selection (and one chunk), not by the DLQ.
+
+DLQ records stay in Kafka (it is append-only); `list_parked` reports a record as `redriven` when
+an applied re-drive covers it in that way.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from kafka import TopicPartition
+
+from varadhi.core import messages as m
+from varadhi.core.catalog_kinds import DocKind, OpKind
+from varadhi.core.errors import InvalidArgument, VaradhiError
+from varadhi.core.group_state import Entry
+from varadhi.core.record_ids import header_value, text_id
+from varadhi.core.state_rows import Kind, Scanned, StateRow, state_row
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import subscriptions, topics
+from varadhi.kafka.catalog import Catalog, Snapshot, key
+
+log = logging.getLogger(__name__)
+
+OPERATION = DocKind.OPERATION
+RETRY_HEADERS = (
+    m.H_ORIGIN,
+    m.H_ATTEMPTS,
+    m.H_DUE_MS,
+    m.H_FIRST_FAILURE_MS,
+    m.H_LAST_FAILURE_MS,
+    m.H_REASON,
+    m.H_STATUS,
+    m.H_RESPONSE,
+)
+
+
+class RedriveNotApplied(VaradhiError):
+    """Not every shard applied a re-drive within the time waited (exit 1: it stays recorded and
+    running shards still apply it)."""
+
+    def __init__(self, op_id: str, seconds: float):
+        super().__init__(
+            f"re-drive {op_id} not applied by every shard within {seconds:g} s "
+            "(are the shards running?)"
+        )
+        self.op_id = op_id
+        self.seconds = seconds
+
+
+@dataclass(frozen=True)
+class Parked:
+    msg_id: str
+    group_id: str | None
+    origin: str
+    reason: str | None
+    status: int | None
+    attempts: int
+    first_failure_ms: int | None
+    last_failure_ms: int | None
+    topic: str
+    partition: int
+    offset: int
+    value: bytes | None = field(repr=False, default=None)
+    headers: dict[str, str] = field(repr=False, default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("value")
+        d.pop("headers")
+        d["value_bytes"] = None if self.value is None else len(self.value)
+        return d
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Which parked messages a re-drive takes: any of the ids, or a failure-time range."""
+
+    group_ids: tuple[str, ...] = ()
+    message_ids: tuple[str, ...] = ()
+    failed_since_ms: int | None = None
+    failed_until_ms: int | None = None
+
+    def validate(self) -> Selector:
+        if self.failed_until_ms is not None and self.failed_since_ms is None:
+            raise InvalidArgument("--failed-until needs --failed-since", field="failed_until")
+        if not (self.group_ids or self.message_ids or self.failed_since_ms is not None):
+            raise InvalidArgument(
+                "say which messages to re-drive: --group-ids, --message-ids or --failed-since",
+                field="selector",
+            )
+        if (
+            self.failed_until_ms is not None
+            and self.failed_since_ms is not None
+            and self.failed_until_ms < self.failed_since_ms
+        ):
+            raise InvalidArgument("--failed-until is before --failed-since", field="failed_until")
+        return self
+
+    def matches(self, p: Parked) -> bool:
+        if self.group_ids and p.group_id in self.group_ids:
+            return True
+        if self.message_ids and p.msg_id in self.message_ids:
+            return True
+        if self.failed_since_ms is not None and p.last_failure_ms is not None:
+            until = self.failed_until_ms if self.failed_until_ms is not None else 2**63
+            return self.failed_since_ms <= p.last_failure_ms <= until
+        return False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Selector:
+        return cls(
+            tuple(d.get("group_ids") or ()),
+            tuple(d.get("message_ids") or ()),
+            d.get("failed_since_ms"),
+            d.get("failed_until_ms"),
+        )
+
+
+def parse_time_ms(text: str, field_name: str) -> int:
+    """ISO-8601 (`2026-11-25T10:00:00Z`, a naive time is UTC) or ms since the epoch."""
+    if text.isdigit():
+        return int(text)
+    try:
+        dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+    except ValueError:
+        raise InvalidArgument(
+            f"{text!r} is not a time: use ISO-8601 like 2026-11-25T10:00:00Z or ms since the epoch",
+            field=field_name,
+        ) from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)
+    return int(dt.timestamp() * 1000)
+
+
+def parked_from_record(
+    topic: str, partition: int, offset: int, key_: bytes | None, value, headers
+) -> Parked:
+    """A DLQ record as a Parked message, its ids read as the shard reads them (their text forms,
+    `varadhi.core.record_ids`), whoever wrote it."""
+    h = m.headers_to_dict(headers)
+    group = text_id(header_value(headers, m.H_GROUP_ID)) or text_id(key_)
+    msg_id = text_id(header_value(headers, m.H_MSG_ID)) or f"{topic}-{partition}-{offset}"
+    return Parked(
+        msg_id=msg_id,
+        group_id=group,
+        origin=h.get(m.H_ORIGIN, ""),
+        reason=h.get(m.H_REASON),
+        status=_int(h.get(m.H_STATUS)),
+        attempts=_int(h.get(m.H_ATTEMPTS)) or 0,
+        first_failure_ms=_int(h.get(m.H_FIRST_FAILURE_MS)),
+        last_failure_ms=_int(h.get(m.H_LAST_FAILURE_MS)),
+        topic=topic,
+        partition=partition,
+        offset=offset,
+        value=value,
+        headers=h,
+    )
+
+
+def _int(v: str | None) -> int | None:
+    try:
+        return None if v in (None, "") else int(v)
+    except ValueError:
+        return None
+
+
+CHUNK_RECORDS = 500
+
+
+def iter_parked(
+    settings,
+    partitions: dict[str, Sequence[int]],
+    start: dict[str, dict[str, int]] | None = None,
+    timeout_s: float = 30,
+    ends: Scanned | None = None,
+    chunk: int = CHUNK_RECORDS,
+) -> Iterator[list[Parked]]:
+    """The records of the given DLQ partitions (storage topic -> partitions) in chunks of at most
+    `chunk`, each partition oldest first, from `start` (an offset reset's fast-forward of the
+    DLQ) or the beginning, to `ends` (default: the end offsets when the scan starts). Raises
+    TimeoutError when no record arrives for `timeout_s`."""
+    tps = [TopicPartition(t, p) for t, parts in partitions.items() for p in parts]
+    if not tps:
+        return
+    consumer = kafka_clients.consumer(
+        settings,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_poll_records=chunk,
+    )
+    try:
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        if ends is None:
+            stop = consumer.end_offsets(tps)
+        else:
+            stop = {tp: int(ends.get(tp.topic, {}).get(str(tp.partition), 0)) for tp in tps}
+        for tp in tps:
+            offset = (start or {}).get(tp.topic, {}).get(str(tp.partition))
+            if offset is not None and offset >= 0:
+                consumer.seek(tp, min(int(offset), stop[tp]))
+        deadline = time.monotonic() + timeout_s
+        while any(consumer.position(tp) < stop[tp] for tp in tps):
+            if time.monotonic() > deadline:
+                raise TimeoutError("timed out reading the DLQ")
+            out: list[Parked] = []
+            for tp, records in consumer.poll(timeout_ms=200, max_records=chunk).items():
+                for r in records:
+                    if r.offset < stop[tp]:
+                        out.append(
+                            parked_from_record(
+                                tp.topic, tp.partition, r.offset, r.key, r.value, r.headers
+                            )
+                        )
+            if out:
+                deadline = time.monotonic() + timeout_s
+                yield out
+    finally:
+        consumer.close()
+
+
+def read_parked(
+    settings,
+    partitions: dict[str, Sequence[int]],
+    start: dict[str, dict[str, int]] | None = None,
+    timeout_s: float = 30,
+) -> list[Parked]:
+    """Every record of the given DLQ partitions (storage topic -> partitions), oldest first,
+    from `start` (an offset reset's fast-forward of the DLQ) or the beginning."""
+    return [p for chunk in iter_parked(settings, partitions, start, timeout_s) for p in chunk]
+
+
+def end_offsets(settings, partitions: dict[str, Sequence[int]]) -> Scanned:
+    """The (read_committed) end offsets of the given DLQ partitions."""
+    tps = [TopicPartition(t, p) for t, parts in partitions.items() for p in parts]
+    if not tps:
+        return {}
+    consumer = kafka_clients.consumer(
+        settings,
+        isolation_level="read_committed",
+        enable_auto_commit=False,
+    )
+    try:
+        out: Scanned = {}
+        for tp, end in consumer.end_offsets(tps).items():
+            out.setdefault(tp.topic, {})[str(tp.partition)] = int(end)
+        return out
+    finally:
+        consumer.close()
+
+
+def dlq_partitions(
+    sub, dlq: topics.CompositeTopic, shard: int | None = None
+) -> dict[str, list[int]]:
+    """DLQ partitions to read: all of them (browsing), or those `shard` owns in the storage topics
+    the current shards own (`dlq_from` on; older ones are drained by feeders)."""
+    if shard is None:
+        return {st.name: list(range(st.partitions)) for st in dlq.storage_topics}
+    return {
+        st.name: subscriptions.internal_partitions(sub, dlq, i, shard)
+        for i, st in enumerate(dlq.storage_topics)
+        if i >= sub.dlq_from
+    }
+
+
+def dlq_start(snapshot: Snapshot, name: str) -> dict[str, dict[str, int]]:
+    """Where the DLQ starts for browsing and re-driving, after an offset reset fast-forwarded it."""
+    doc = snapshot.get(DocKind.SUBSCRIPTION, name) or {}
+    return doc.get("state", {}).get("dlq_start", {})
+
+
+def redrives(snapshot: Snapshot, name: str) -> dict[str, dict[str, Any]]:
+    """The subscription's re-drive operations: id -> document."""
+    prefix = f"{name}/redrive-"
+    return {
+        k[len(name) + 1 :]: v for k, v in snapshot.items(OPERATION).items() if k.startswith(prefix)
+    }
+
+
+def pending_for(snapshot: Snapshot, name: str, shard: int) -> dict[str, Selector]:
+    """Re-drives that `shard` has not applied yet: op id -> selector (pure)."""
+    return {
+        op_id: Selector.from_dict(doc["selector"])
+        for op_id, doc in redrives(snapshot, name).items()
+        if shard not in doc.get("done", [])
+    }
+
+
+@dataclass(frozen=True)
+class Applied:
+    """What an applied re-drive covers (pure): the DLQ records below its `scanned` end offsets
+    that its selector matches. A document recorded before re-drives kept `scanned` covers, once
+    some shard applied it, the matches whose last failure was not after it was requested."""
+
+    selector: Selector
+    scanned: Scanned
+    legacy_created_ms: int | None = None
+
+    def covers(self, p: Parked) -> bool:
+        if not self.selector.matches(p):
+            return False
+        if self.legacy_created_ms is not None:
+            return self.legacy_created_ms >= (p.last_failure_ms or 0)
+        return p.offset < int(self.scanned.get(p.topic, {}).get(str(p.partition), 0))
+
+
+def applied_redrives(snapshot: Snapshot, name: str) -> list[Applied]:
+    """Every re-drive some shard has applied, as `Applied` (pure)."""
+    out = []
+    for doc in redrives(snapshot, name).values():
+        selector = Selector.from_dict(doc["selector"])
+        if "scanned" in doc:
+            if doc["scanned"]:
+                out.append(Applied(selector, doc["scanned"]))
+        elif doc.get("done"):
+            out.append(Applied(selector, {}, int(doc["created_ms"])))
+    return out
+
+
+def select_redrive(
+    parked: Iterable[Parked], selectors: Iterable[Selector], applied: Sequence[Applied]
+) -> list[Parked]:
+    """The records a re-drive takes (pure): those one of `selectors` matches that no applied
+    re-drive covers (re-driven already)."""
+    selectors = list(selectors)
+    return [
+        p
+        for p in parked
+        if any(sel.matches(p) for sel in selectors) and not any(a.covers(p) for a in applied)
+    ]
+
+
+def apply_redrives(
+    settings,
+    snapshot: Snapshot,
+    sub,
+    dlq: topics.CompositeTopic,
+    shard: int,
+    store,
+    ops: Mapping[str, Selector],
+) -> int:
+    """Apply the re-drives `ops` (pending for `shard`) to the shard's state copy `store`, between
+    its batches; the next state commit persists them with a `redrive` row per operation (its
+    scan's end offsets). An operation whose row is in the table already (committed, not yet
+    marked done) is not applied again. Returns how many entries were added or replaced."""
+    committed = store.redrives_applied()
+    store.forget_redrives(set(committed) - set(ops))  # marked done since: no longer needed
+    todo = {op_id: sel for op_id, sel in ops.items() if op_id not in committed}
+    if not todo:
+        return 0
+    partitions = dlq_partitions(sub, dlq, shard)
+    scanned = end_offsets(settings, partitions)
+    applied = applied_redrives(snapshot, sub.name) + [
+        Applied(ops[op_id], committed[op_id]) for op_id in committed if op_id in ops
+    ]
+    chosen: list[Parked] = []
+    for chunk in iter_parked(settings, partitions, dlq_start(snapshot, sub.name), ends=scanned):
+        chosen.extend(select_redrive(chunk, todo.values(), applied))
+    added = store.redrive(redrive_rows(chosen, sub.spec.grouped))
+    store.record_redrives(dict.fromkeys(todo, scanned))
+    return added
+
+
+def finish_redrives(catalog: Catalog, name: str, shard: int, store, ops: Iterable[str]) -> None:
+    """After the state commit: mark done the operations of `ops` whose `redrive` row the table
+    holds, with their scanned offsets, and drop the rows from the copy (the next commit)."""
+    applied = {op_id: sc for op_id, sc in store.redrives_applied().items() if op_id in set(ops)}
+    if applied:
+        mark_done(catalog, name, applied, shard, scanned=applied)
+        store.forget_redrives(applied)
+
+
+def redrive_state(p: Parked, docs: Mapping[str, dict[str, Any]], shard_count: int) -> str:
+    """`parked`, `redrive requested` or `redriven` for one DLQ record (pure)."""
+    state = "parked"
+    for doc in docs.values():
+        sel = Selector.from_dict(doc["selector"])
+        if not sel.matches(p):
+            continue
+        complete = len(doc.get("done", [])) >= shard_count
+        if "scanned" not in doc:  # recorded before re-drives kept their scanned offsets
+            if int(doc["created_ms"]) >= (p.last_failure_ms or 0):
+                if complete:
+                    return "redriven"
+                state = "redrive requested"
+        elif Applied(sel, doc["scanned"]).covers(p):
+            return "redriven"
+        elif not complete and str(p.partition) not in doc["scanned"].get(p.topic, {}):
+            state = "redrive requested"  # its shard has not applied it yet
+    return state
+
+
+def list_parked(
+    catalog: Catalog, name: str, group_id: str | None = None, limit: int = 100
+) -> list[dict[str, Any]]:
+    """The newest `limit` (0: all) DLQ records with their re-drive state, oldest first."""
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
+    ops = redrives(snap, name)
+    rows: deque[dict[str, Any]] = deque(maxlen=limit or None)
+    for chunk in iter_parked(catalog.settings, dlq_partitions(sub, dlq), dlq_start(snap, name)):
+        for p in chunk:
+            if group_id is not None and p.group_id != group_id:
+                continue
+            rows.append(p.summary() | {"state": redrive_state(p, ops, sub.shard_count)})
+    return list(rows)
+
+
+def request_unsideline(catalog: Catalog, name: str, selector: Selector) -> str:
+    """Record a re-drive for every shard to apply; returns its operation id."""
+    selector.validate()
+    op_id = f"redrive-{int(time.time())}-{uuid.uuid4().hex[:6]}"
+
+    def change(snap: Snapshot):
+        subscriptions.from_snapshot(snap, name)  # must exist
+        doc = {
+            "kind": OpKind.UNSIDELINE,
+            "selector": selector.to_dict(),
+            "created_ms": int(time.time() * 1000),
+            "done": [],
+            "scanned": {},
+        }
+        return {key(OPERATION, f"{name}/{op_id}"): doc}
+
+    catalog.mutate(change)
+    return op_id
+
+
+def mark_done(
+    catalog: Catalog,
+    name: str,
+    op_ids: Iterable[str],
+    shard: int,
+    scanned: Mapping[str, Scanned] | None = None,
+) -> None:
+    """Mark the operations applied by `shard`, adding its scans' end offsets (`scanned`: op id
+    -> end offsets of the shard's DLQ partitions) to what each covers."""
+
+    def change(snap: Snapshot):
+        out = {}
+        for op_id in op_ids:
+            doc = snap.get(OPERATION, f"{name}/{op_id}")
+            if doc is not None and shard not in doc.get("done", []):
+                new = dict(doc, done=sorted({*doc.get("done", []), shard}))
+                if "scanned" in doc and scanned and op_id in scanned:
+                    new["scanned"] = merged_scanned(doc["scanned"], scanned[op_id])
+                out[key(OPERATION, f"{name}/{op_id}")] = new
+        return out
+
+    catalog.mutate(change)
+
+
+def merged_scanned(base: Scanned, newer: Scanned) -> Scanned:
+    out = {t: dict(parts) for t, parts in base.items()}
+    for t, parts in newer.items():
+        out.setdefault(t, {}).update({str(p): int(o) for p, o in parts.items()})
+    return out
+
+
+def redrive_rows(parked: Iterable[Parked], grouped: bool) -> list[StateRow]:
+    """Parked messages as `held` pending state rows at their origin, attempts reset (pure)."""
+    rows = []
+    seen = set()
+    for p in parked:
+        where = f"{p.topic}/{p.partition}/{p.offset}"
+        try:
+            origin = m.Origin.decode(p.origin)
+        except ValueError:
+            log.warning("DLQ record %s has no valid %s: not re-driven", where, m.H_ORIGIN)
+            continue
+        if m.H_TRUNCATED in p.headers:
+            log.warning(
+                "DLQ record %s is a truncated copy: not re-driven; replay its origin %s",
+                where,
+                p.origin,
+            )
+            continue
+        if origin in seen or p.value is None:
+            continue
+        seen.add(origin)
+        headers = {k: v for k, v in p.headers.items() if k not in RETRY_HEADERS}
+        group_key = p.group_id if (grouped and p.group_id) else f"~{p.msg_id}"
+        entry = Entry(origin, p.msg_id, p.group_id, "held", p.value, headers, source=where)
+        rows.append(state_row(Kind.PENDING, group_key, entry))
+    return rows

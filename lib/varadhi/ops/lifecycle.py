@@ -1,0 +1,502 @@
+"""Deleting subscriptions and topics (`varadhi subscription delete`, `varadhi topic delete`).
+
+What a delete removes is planned by pure functions of a catalog `Snapshot`
+(`plan_subscription_delete`, `plan_topic_delete`, `operations_in_progress`), so `--dry-run`
+prints exactly what the command would remove, and the refusals are tested without Kafka.
+
+A subscription owns, in the catalog, its record `subscription/<sub>`, its RQ/DLQ composite
+topics `topic/<sub>.rq` and `topic/<sub>.dlq`, and every key whose name is `<sub>` or starts
+with `<sub>/` in any other kind (leases and reader layouts `<sub>/s<S>/<i>`, operations
+`<sub>/...`); outside it, the RQ/DLQ Kafka storage topics, its warehouse folder
+`<warehouse>/<sub>` (GroupState, checkpoints, dedup tables) and its progress documents
+(`<catalog>_progress`, keys `<sub>/...`).
+
+`SubscriptionDeleter.execute` runs in three steps, each safe to repeat, so running the same
+command again after a crash part way finishes the job:
+
+1. mark: one catalog transaction pauses the subscription and records `operation/<sub>/delete`
+   (status shows it; a shard started meanwhile does not consume);
+2. data: unless `--keep-data`, delete the RQ/DLQ storage topics (and wait until Kafka has
+   removed them, so a subscription created again with the name gets new, empty ones) and the
+   warehouse folder; tombstone the progress documents;
+3. forget: one catalog transaction tombstones every catalog record of the subscription, the
+   mark included.
+
+A topic is deleted data first (its storage topics), then its record, so a crash in between
+leaves the record, and the same command finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kafka.errors import KafkaError
+
+from varadhi.core.catalog_kinds import DocKind, OpKind
+from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotFound, VaradhiError
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import progress, subscriptions, topics
+from varadhi.kafka.catalog import Catalog, Snapshot, key
+from varadhi.ops import status
+from varadhi.spark import warehouse_fs
+from varadhi.spark.warehouse_fs import WarehouseFS
+
+log = logging.getLogger(__name__)
+
+OPERATION = DocKind.OPERATION
+DELETE_OP = "delete"  # operation/<sub>/delete: a subscription delete in progress
+# Warehouse folders other components keep next to subscriptions' (`delta_outbox` checkpoints
+# live in `<warehouse>/checkpoints/delta_outbox/<name>`): a subscription named `checkpoints`
+# has its own folders deleted, never these.
+FOREIGN_WAREHOUSE_CHILDREN = {"checkpoints": ("delta_outbox",)}
+TOPIC_DELETE_WAIT_S = 60.0
+
+
+# -- pure planning ----------------------------------------------------------------------------
+
+
+def delete_op_name(name: str) -> str:
+    return f"{name}/{DELETE_OP}"
+
+
+def subscription_keys(snapshot: Snapshot, name: str) -> list[str]:
+    """Every catalog key that belongs to subscription `name` (pure): its record, its RQ/DLQ
+    composite topics, and the keys of any other kind named `<name>` or `<name>/...`. A topic
+    named like the subscription is not its (topics and subscriptions have separate names)."""
+    queues = {key(topics.KIND, f"{name}.rq"), key(topics.KIND, f"{name}.dlq")}
+    out = []
+    for k in snapshot.all_keys():
+        kind, _, rest = k.partition("/")
+        if k in queues or rest.startswith(f"{name}/") or (rest == name and kind != topics.KIND):
+            out.append(k)
+    return out
+
+
+def operations_in_progress(snapshot: Snapshot, name: str, shard_count: int) -> dict[str, str]:
+    """Operations of subscription `name` not finished (pure): key -> what it is.
+
+    A shard-count change, an offset reset or a replay is in progress while its `step` is not
+    `done` (nor `failed`, for a replay); a re-drive until every current shard applied it. The
+    subscription's own delete (`<name>/delete`) is not counted."""
+    out = {}
+    for rest, doc in snapshot.items(OPERATION).items():
+        if rest != name and not rest.startswith(f"{name}/"):
+            continue
+        if rest == delete_op_name(name):
+            continue
+        op = rest[len(name) + 1 :] or rest
+        if doc.get("kind") == OpKind.UNSIDELINE or op.startswith("redrive-"):
+            done = {int(s) for s in doc.get("done", [])}
+            missing = [s for s in range(shard_count) if s not in done]
+            if missing:
+                out[key(OPERATION, rest)] = f"re-drive {op} not yet applied by shards {missing}"
+        elif "step" in doc and doc["step"] not in ("done", "failed"):
+            out[key(OPERATION, rest)] = f"{doc.get('kind') or op} at step {doc['step']}"
+    return out
+
+
+@dataclass(frozen=True)
+class WarehouseFolder:
+    """A subscription's folder in the warehouse; `keep` names children that are not its."""
+
+    path: str
+    keep: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, **({"keep": list(self.keep)} if self.keep else {})}
+
+
+def warehouse_folder(warehouse: str, name: str) -> WarehouseFolder:
+    return WarehouseFolder(
+        f"{warehouse.rstrip('/')}/{name}", FOREIGN_WAREHOUSE_CHILDREN.get(name, ())
+    )
+
+
+@dataclass(frozen=True)
+class SubscriptionDeletePlan:
+    """What `subscription delete` removes (`kafka_topics` and `warehouse` empty/None with
+    `keep_data`: they are listed in `kept`)."""
+
+    name: str
+    exists: bool  # False: only leftovers of the subscription are in the catalog
+    resuming: bool  # an earlier delete of it stopped part way
+    catalog_keys: tuple[str, ...]
+    kafka_topics: tuple[str, ...]
+    warehouse: WarehouseFolder | None
+    progress_keys: tuple[str, ...] = ()
+    keep_data: bool = False
+    kept: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "subscription": self.name,
+            "exists": self.exists,
+            "resuming": self.resuming,
+            "catalog_records": list(self.catalog_keys),
+            "kafka_topics": list(self.kafka_topics),
+            "warehouse": self.warehouse.to_dict() if self.warehouse else None,
+            "progress_documents": list(self.progress_keys),
+            "keep_data": self.keep_data,
+            "kept": self.kept,
+        }
+
+
+def queue_storage_topics(snapshot: Snapshot, name: str) -> list[str]:
+    """The Kafka storage topics of the RQ and DLQ of subscription `name`, as the catalog
+    records them (every storage topic, those of earlier shard counts too)."""
+    out = []
+    for queue in (f"{name}.rq", f"{name}.dlq"):
+        doc = snapshot.get(topics.KIND, queue)
+        if doc is not None:
+            out += [st["name"] for st in doc["storage_topics"]]
+    return out
+
+
+def plan_subscription_delete(
+    snapshot: Snapshot,
+    name: str,
+    warehouse: str,
+    keep_data: bool = False,
+    progress_keys: Iterable[str] = (),
+) -> SubscriptionDeletePlan:
+    """Plan deleting subscription `name` (pure). `NotFound` when the catalog holds nothing of
+    it; `InvalidArgument` while one of its operations is in progress. Whether shards run is
+    `check_stopped`'s (it needs their progress documents)."""
+    topics.validate_name(name)
+    keys = subscription_keys(snapshot, name)
+    doc = snapshot.get(subscriptions.KIND, name)
+    if not keys:
+        raise NotFound("subscription", name)
+    if doc is not None:
+        sub = subscriptions.from_snapshot(snapshot, name)
+        busy = operations_in_progress(snapshot, name, sub.shard_count)
+        if busy:
+            raise InvalidArgument(
+                f"cannot delete subscription {name} while an operation is in progress: "
+                + "; ".join(f"{k} ({v})" for k, v in sorted(busy.items()))
+                + "; finish it (run its command again) first",
+                field="subscription",
+            )
+    storage = queue_storage_topics(snapshot, name)
+    folder = warehouse_folder(warehouse, name)
+    progress = tuple(sorted(progress_keys))
+    return SubscriptionDeletePlan(
+        name=name,
+        exists=doc is not None,
+        resuming=snapshot.get(OPERATION, delete_op_name(name)) is not None,
+        catalog_keys=tuple(keys),
+        kafka_topics=() if keep_data else tuple(storage),
+        warehouse=None if keep_data else folder,
+        progress_keys=progress,
+        keep_data=keep_data,
+        kept={"kafka_topics": storage, "warehouse": folder.to_dict()} if keep_data else {},
+    )
+
+
+def check_stopped(
+    sub: subscriptions.Subscription,
+    progress: Mapping[int, Mapping[str, Any]],
+    leases: Mapping[int, dict[str, Any] | None],
+    now_ms: int,
+) -> None:
+    """Refuse while any shard of `sub` may be running (`status.running_shards`; a shard that
+    reported paused while the subscription is paused counts as stopped) (pure)."""
+    running = status.running_shards(sub, progress, leases, now_ms)
+    if running:
+        listed = ", ".join(f"{s} ({state})" for s, state in sorted(running.items()))
+        raise InvalidArgument(
+            f"cannot delete subscription {sub.name} while its shards may be running: {listed}; "
+            f"stop them (SIGTERM), or `varadhi subscription pause {sub.name}` and wait until "
+            "they report paused",
+            field="subscription",
+        )
+
+
+def topic_users(snapshot: Snapshot, name: str) -> list[str]:
+    """The subscriptions that consume composite topic `name` (pure)."""
+    return sorted(
+        s for s, d in snapshot.items(subscriptions.KIND).items() if d["spec"]["topic"] == name
+    )
+
+
+@dataclass(frozen=True)
+class TopicDeletePlan:
+    name: str
+    catalog_keys: tuple[str, ...]
+    kafka_topics: tuple[str, ...]
+    keep_data: bool = False
+    kept: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "topic": self.name,
+            "catalog_records": list(self.catalog_keys),
+            "kafka_topics": list(self.kafka_topics),
+            "keep_data": self.keep_data,
+            "kept": self.kept,
+        }
+
+
+def plan_topic_delete(snapshot: Snapshot, name: str, keep_data: bool = False) -> TopicDeletePlan:
+    """Plan deleting composite topic `name` (pure): refused while a subscription uses it (they
+    are named), and for a subscription's RQ/DLQ (deleted with the subscription)."""
+    doc = snapshot.get(topics.KIND, name)
+    if doc is None:
+        topics.validate_name(name)
+        raise NotFound("topic", name)
+    topic = topics.CompositeTopic.from_dict(doc)
+    if topic.internal:
+        owner = name.rsplit(".", 1)[0]
+        raise InvalidArgument(
+            f"{name} is a queue of subscription {owner}; it is deleted with "
+            f"`varadhi subscription delete {owner}`",
+            field="topic",
+        )
+    users = topic_users(snapshot, name)
+    if users:
+        raise InvalidArgument(
+            f"cannot delete topic {name}: subscription(s) {', '.join(users)} use it; delete "
+            "them first (`varadhi subscription delete NAME`)",
+            field="topic",
+        )
+    storage = [st.name for st in topic.storage_topics]
+    return TopicDeletePlan(
+        name=name,
+        catalog_keys=(key(topics.KIND, name),),
+        kafka_topics=() if keep_data else tuple(storage),
+        keep_data=keep_data,
+        kept={"kafka_topics": storage} if keep_data else {},
+    )
+
+
+def text_subscription_plan(plan: SubscriptionDeletePlan, done: bool = False) -> list[str]:
+    """The plan as lines for the terminal (pure)."""
+    verb = "deleted" if done else "would delete"
+    head = f"{verb} subscription {plan.name}"
+    if not plan.exists:
+        head += " (only leftovers in the catalog)"
+    if plan.resuming and not done:
+        head += " (finishing an earlier delete)"
+    lines = [head + ":"]
+    lines.append(f"  catalog records ({len(plan.catalog_keys)}): {', '.join(plan.catalog_keys)}")
+    if plan.kafka_topics:
+        lines.append(f"  Kafka topics ({len(plan.kafka_topics)}): {', '.join(plan.kafka_topics)}")
+    if plan.warehouse:
+        extra = f" (except {', '.join(plan.warehouse.keep)})" if plan.warehouse.keep else ""
+        lines.append(
+            f"  warehouse folder: {plan.warehouse.path}{extra} (GroupState, checkpoints, dedup)"
+        )
+    if plan.progress_keys:
+        lines.append(f"  progress documents: {', '.join(plan.progress_keys)}")
+    if plan.keep_data:
+        kept = plan.kept
+        lines.append(
+            f"  kept (--keep-data): Kafka topics {', '.join(kept['kafka_topics']) or '-'}; "
+            f"warehouse folder {kept['warehouse']['path']}"
+        )
+    return lines
+
+
+def text_topic_plan(plan: TopicDeletePlan, done: bool = False) -> list[str]:
+    verb = "deleted" if done else "would delete"
+    lines = [f"{verb} topic {plan.name}:", f"  catalog records: {', '.join(plan.catalog_keys)}"]
+    if plan.kafka_topics:
+        lines.append(f"  Kafka topics ({len(plan.kafka_topics)}): {', '.join(plan.kafka_topics)}")
+    if plan.keep_data:
+        lines.append(f"  kept (--keep-data): Kafka topics {', '.join(plan.kept['kafka_topics'])}")
+    return lines
+
+
+# -- files: `varadhi.spark.warehouse_fs` (Hadoop FileSystem through Spark, or the local one) -------
+
+
+def files_for(path: str, spark: Any = None) -> WarehouseFS:
+    """How to delete under `path` (`warehouse_fs.for_path`): a warehouse that is not local and
+    no Spark session that can be started is refused in one line, before anything is deleted."""
+    try:
+        return warehouse_fs.for_path(path, spark, purpose="varadhi-delete")
+    except InvalidArgument as e:
+        raise InvalidArgument(
+            f"{e}; run the delete where Spark is available, or pass --keep-data and remove the "
+            "folder yourself"
+        ) from None
+
+
+def delete_folder(files: WarehouseFS, folder: WarehouseFolder) -> None:
+    if not folder.keep:
+        files.delete(folder.path)
+        return
+    for name in files.list(folder.path):
+        if name not in folder.keep:
+            files.delete(warehouse_fs.child(folder.path, name))
+
+
+# -- Kafka ------------------------------------------------------------------------------------
+
+
+def delete_kafka_topics(
+    settings: kafka_clients.HasKafka, names: Iterable[str], wait_s: float = TOPIC_DELETE_WAIT_S
+) -> None:
+    """Delete Kafka topics (those already gone are fine) and wait until the cluster no longer
+    lists them, so a topic created again with the name is a new one."""
+    names = sorted(set(names))
+    if not names:
+        return
+    try:
+        admin = kafka_clients.admin(settings, client_id="varadhi-admin")
+    except KafkaError as e:
+        raise KafkaUnavailable(f"cannot reach Kafka at {settings.bootstrap}: {e}") from e
+    try:
+        present = [n for n in names if n in set(admin.list_topics())]
+        if present:
+            result = admin.delete_topics(present, timeout_ms=30_000, raise_errors=False)
+            for t in result.get("topics", []):
+                code = t.get("error_code", 0)
+                if code not in (0, 3):  # 3: UNKNOWN_TOPIC_OR_PARTITION, gone already
+                    raise VaradhiError(
+                        f"Kafka refused to delete topic {t.get('name')}: error code {code} "
+                        f"({t.get('error_message') or 'see the broker log'}); nothing else "
+                        "was removed after it, run the command again once fixed"
+                    )
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = sorted(set(names) & set(admin.list_topics()))
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise VaradhiError(
+                    f"Kafka has not finished deleting {', '.join(left)} after {wait_s:.0f}s; "
+                    "run the command again"
+                )
+            time.sleep(0.2)
+    finally:
+        admin.close()
+
+
+def tombstone_progress(settings: Any, keys: Iterable[str]) -> None:
+    """Write a tombstone (no value) for each progress key: `progress.progress_documents` then
+    forgets the key, so a subscription created again with the name starts without them."""
+    keys = list(keys)
+    if not keys:
+        return
+    producer = kafka_clients.producer(settings, acks="all")
+    try:
+        for k in keys:
+            producer.send(
+                progress.progress_topic(settings), key=k.encode(), value=None, partition=0
+            )
+        producer.flush(30)
+    finally:
+        producer.close(timeout=5)
+
+
+# -- the commands -------------------------------------------------------------------------------
+
+
+class SubscriptionDeleter:
+    """`subscription delete`: plan (refusing before any side effect), then execute."""
+
+    def __init__(self, catalog: Catalog, log_line: Callable[[str], None] = lambda _l: None):
+        self.catalog = catalog
+        self.log = log_line
+
+    def plan(self, name: str, keep_data: bool = False) -> SubscriptionDeletePlan:
+        snap = self.catalog.snapshot()
+        topics.validate_name(name)
+        found = progress.progress_documents(self.catalog.settings, name)
+        progress_keys = [f"{name}/{k}" for k in found]
+        plan = plan_subscription_delete(
+            snap, name, self.catalog.settings.warehouse, keep_data, progress_keys
+        )
+        if plan.exists:
+            sub = subscriptions.from_snapshot(snap, name)
+            now = int(time.time() * 1000)
+            check_stopped(
+                sub, progress.shard_documents(found), status.leases_of(snap, sub, now), now
+            )
+        return plan
+
+    def execute(
+        self, name: str, keep_data: bool = False, spark: Any = None
+    ) -> SubscriptionDeletePlan:
+        plan = self.plan(name, keep_data)
+        files = files_for(plan.warehouse.path, spark) if plan.warehouse else None
+        if plan.warehouse and files is not None:  # refuse before the catalog mark
+            try:
+                warehouse_fs.check_writable(files, self.catalog.settings.warehouse)
+            except InvalidArgument as e:
+                raise InvalidArgument(
+                    f"{e}; fix the warehouse's permissions, or pass --keep-data and remove "
+                    "the folder yourself"
+                ) from None
+        if plan.exists:
+            self._mark(name)
+        if plan.kafka_topics:
+            self.log(f"deleting Kafka topics {', '.join(plan.kafka_topics)}")
+            delete_kafka_topics(self.catalog.settings, plan.kafka_topics)
+        if plan.warehouse and files is not None:
+            self.log(f"deleting {plan.warehouse.path} ({files.where})")
+            delete_folder(files, plan.warehouse)
+        tombstone_progress(self.catalog.settings, plan.progress_keys)
+        written = self.catalog.mutate(lambda snap: {k: None for k in subscription_keys(snap, name)})
+        return replace(plan, catalog_keys=tuple(sorted(set(plan.catalog_keys) | set(written))))
+
+    def _mark(self, name: str) -> None:
+        def change(snap: Snapshot):
+            doc = snap.get(subscriptions.KIND, name)
+            if doc is None:
+                return {}
+            sub = subscriptions.from_snapshot(snap, name)
+            busy = operations_in_progress(snap, name, sub.shard_count)
+            if busy:
+                raise InvalidArgument(
+                    f"cannot delete subscription {name}: an operation started meanwhile: "
+                    + ", ".join(sorted(busy)),
+                    field="subscription",
+                )
+            out: dict[str, Any] = {}
+            if not doc["state"].get("paused"):
+                out[key(subscriptions.KIND, name)] = {
+                    **doc,
+                    "state": {**doc["state"], "paused": True},
+                }
+            if snap.get(OPERATION, delete_op_name(name)) is None:
+                out[key(OPERATION, delete_op_name(name))] = {
+                    "kind": OpKind.DELETE,
+                    "step": "deleting",
+                    "started_ms": int(time.time() * 1000),
+                }
+            return out
+
+        self.catalog.mutate(change)
+
+
+class TopicDeleter:
+    """`topic delete`: plan (refusing before any side effect), then execute."""
+
+    def __init__(self, catalog: Catalog, log_line: Callable[[str], None] = lambda _l: None):
+        self.catalog = catalog
+        self.log = log_line
+
+    def plan(self, name: str, keep_data: bool = False) -> TopicDeletePlan:
+        return plan_topic_delete(self.catalog.snapshot(), name, keep_data)
+
+    def execute(self, name: str, keep_data: bool = False) -> TopicDeletePlan:
+        plan = self.plan(name, keep_data)
+        if plan.kafka_topics:
+            plan_topic_delete(self.catalog.snapshot(), name, keep_data)  # re-check just before
+            self.log(f"deleting Kafka topics {', '.join(plan.kafka_topics)}")
+            delete_kafka_topics(self.catalog.settings, plan.kafka_topics)
+
+        def change(snap: Snapshot):
+            if snap.get(topics.KIND, name) is None:
+                return {}
+            plan_topic_delete(snap, name, keep_data)  # a subscription created meanwhile
+            return {key(topics.KIND, name): None}
+
+        self.catalog.mutate(change)
+        return plan

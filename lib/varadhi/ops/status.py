@@ -1,0 +1,320 @@
+"""Subscription status: the newest progress document of each shard (`varadhi.kafka.progress`)
+and what Kafka knows now.
+
+`varadhi status` reads the newest document of each shard and adds what Kafka knows now (log-end
+offsets, hence lag, and DLQ depth), so status needs neither Spark nor a running shard.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from varadhi.core.catalog_kinds import DocKind
+from varadhi.kafka import subscriptions, topics
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.leases import KIND as LEASE_KIND
+from varadhi.kafka.leases import lease_view
+from varadhi.kafka.progress import (
+    latest_progress,
+    progress_documents,
+    progress_of_subscriptions,
+    shard_documents,
+    standbys_of,
+)
+from varadhi.spark import layouts
+
+log = logging.getLogger(__name__)
+
+
+def lag(
+    consumed: dict[str, dict[str, int]], ends: dict[str, list[int]], owned: dict[str, list[int]]
+) -> int:
+    """Messages not yet read by a shard: log end minus consumed, over the partitions it owns.
+    A partition the shard has not started reading counts from its log start (0) (pure)."""
+    total = 0
+    for topic, parts in owned.items():
+        for p in parts:
+            total += max(0, ends[topic][p] - int(consumed.get(topic, {}).get(str(p), 0)))
+    return total
+
+
+def circuit_text(circuit: dict[str, Any] | None, now_ms: int) -> str:
+    """A shard's circuit breaker in one word for `varadhi status` (pure): closed, half-open,
+    open with the seconds left (and `xN` for the N-th open in a row), off, or "-" (no report)."""
+    if not circuit:
+        return "-"
+    if not circuit.get("enabled", True):
+        return "off"
+    state = circuit.get("state")
+    if state == "open":
+        left = max(0, int(circuit.get("open_until_ms") or now_ms) - now_ms) / 1000
+        opens = int(circuit.get("consecutive_opens") or 1)
+        return f"open {left:.0f}s" + (f" x{opens}" if opens > 1 else "")
+    return "half-open" if state == "half_open" else str(state)
+
+
+# A running shard publishes progress at least every 5 s: silent this long, it is taken for dead.
+SILENT_MS = 60_000
+# States in which a shard does nothing (`paused` too, while the subscription is paused).
+IDLE_STATES = ("stopped", "fenced", "never started", "silent", "dead")
+
+
+def shard_state(
+    doc: dict[str, Any],
+    age_ms: int | None,
+    lease: dict[str, Any] | None,
+    silent_ms: int = SILENT_MS,
+) -> tuple[str, int | None]:
+    """A shard's state for status (pure) and, when `dead`, ms since its lease was last renewed.
+
+    `doc` is its newest progress document (`age_ms` old, None: none), `lease` its `lease_view`.
+    Dead: its lease is held with a heartbeat and was not renewed for its TTL, and the progress
+    document is at least that old and does not say the process ended (the process died or hangs;
+    a standby takes over). Without a heartbeat (an older shard), silent after `silent_ms`."""
+    said = str(doc.get("state", "never started")) if age_ms is not None else "never started"
+    if said not in ("stopped", "fenced") and lease and lease["expired"]:
+        ttl = int(lease["ttl_ms"])
+        if age_ms is None or age_ms >= ttl:
+            return "dead", lease["renewed_age_ms"]
+    if age_ms is not None and age_ms >= silent_ms:
+        return "silent", None
+    return said, None
+
+
+def running_shards(
+    sub: subscriptions.Subscription,
+    progress: Mapping[int, Mapping[str, Any]],
+    leases: Mapping[int, dict[str, Any] | None],
+    now_ms: int,
+) -> dict[int, str]:
+    """The shards of `sub` that may still be running, with their state (pure): not those that
+    said they stopped or were fenced, never started, are dead by their lease or silent
+    (`shard_state`: a killed process cannot say it stopped), nor those paused while the
+    subscription is paused. A progress document of another shard count is an earlier era's
+    shard of that number, not this one. Operations that need the shards stopped refuse while
+    any is."""
+    running = {}
+    for shard in range(sub.shard_count):
+        doc = progress.get(shard)
+        if not doc or doc.get("shard_count", sub.shard_count) != sub.shard_count:
+            continue
+        age = now_ms - int(doc["updated_ms"]) if doc.get("updated_ms") else None
+        state, _ = shard_state(dict(doc), age, leases.get(shard))
+        if state in IDLE_STATES or (state == "paused" and sub.paused):
+            continue
+        running[shard] = state
+    return running
+
+
+def shards_running(catalog: Catalog, name: str) -> dict[int, str]:
+    """`running_shards` of subscription `name` now, from the catalog, progress and leases."""
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    now = int(time.time() * 1000)
+    progress = latest_progress(catalog.settings, name)
+    return running_shards(sub, progress, leases_of(snap, sub, now), now)
+
+
+def leases_of(snap, sub: subscriptions.Subscription, now_ms: int) -> dict[int, Any]:
+    """Each shard's lease as `lease_view` shows it (None: no lease document)."""
+    return {
+        shard: lease_view(
+            snap.get(LEASE_KIND, layouts.owner(sub.name, sub.shard_count, shard)), now_ms
+        )
+        for shard in range(sub.shard_count)
+    }
+
+
+STAT_NAMES = ("inserted", "routed", "emitted", "acknowledged")
+
+
+def carry_totals(
+    carried: Mapping[str, int], progress: Mapping[int, Mapping[str, Any]], shard_count: int
+) -> dict[str, int]:
+    """`carried` plus the counters (`totals`) of shards 0..shard_count-1 from their latest
+    progress documents of that shard count (pure). A shard-count change records this for the
+    shards it retires, so the subscription's counts go on across the change."""
+    out = {k: int(v) for k, v in carried.items()}
+    for shard in range(shard_count):
+        doc = progress.get(shard) or {}
+        if doc.get("shard_count", shard_count) != shard_count:
+            continue
+        for k, v in (doc.get("totals") or {}).items():
+            if isinstance(v, int):
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+def stats_of(inserted: int, totals: dict[str, int]) -> dict[str, int]:
+    """Seed 002's counters for one shard: messages produced to its partitions (inserted), read by
+    it from the main topic (routed), delivery attempts (emitted) and successes (acknowledged)."""
+    return {
+        "inserted": inserted,
+        "routed": int(totals.get("routed", 0)),
+        "emitted": int(totals.get("attempts", 0)),
+        "acknowledged": int(totals.get("delivered", 0)),
+    }
+
+
+def topic_statistics(catalog: Catalog, topic: str) -> dict[str, Any]:
+    """Counters of a composite topic: messages inserted, and per subscription of it what its
+    shards routed, emitted and had acknowledged (from their latest progress)."""
+    return topics_statistics(catalog, [topic])[topic]
+
+
+def topics_statistics(
+    catalog: Catalog, names: Sequence[str], ends: Mapping[str, list[int]] | None = None
+) -> dict[str, dict[str, Any]]:
+    """`topic_statistics` of each composite topic in `names`, with one end-offsets request and
+    one read of the progress topic whatever their number (`topic list`). `ends`: the storage
+    topics' end offsets when the caller has read them already (`topics.end_offsets`)."""
+    snap = catalog.snapshot()
+    mqs = {name: topics.from_snapshot(snap, name) for name in names}
+    if ends is None:
+        ends = topics.end_offsets(catalog, [st for mq in mqs.values() for st in mq.storage_topics])
+    out: dict[str, dict[str, Any]] = {
+        name: {"inserted": sum(sum(ends[st.name]) for st in mq.storage_topics), "subscriptions": {}}
+        for name, mq in mqs.items()
+    }
+    subs = {n: d for n, d in snap.items(subscriptions.KIND).items() if d["spec"]["topic"] in out}
+    progress = progress_of_subscriptions(catalog.settings, set(subs)) if subs else {}
+    for name, doc in subs.items():
+        carried = doc.get("state", {}).get("carried_totals", {})
+        per_shard = [
+            stats_of(0, p.get("totals", {}))
+            for p in shard_documents(progress.get(name, {})).values()
+        ]
+        per_shard.append(stats_of(0, carried))
+        out[doc["spec"]["topic"]]["subscriptions"][name] = {
+            k: sum(s[k] for s in per_shard) for k in STAT_NAMES if k != "inserted"
+        }
+    return out
+
+
+def collect(catalog: Catalog, name: str) -> dict[str, Any]:
+    """Status of subscription `name`: per shard and queue, lag, rates, blocked groups, DLQ depth,
+    generation and operations in progress."""
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    mq = topics.from_snapshot(snap, sub.spec.topic)
+    rq = topics.from_snapshot(snap, sub.spec.rq_topic)
+    dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
+    ends = topics.end_offsets(catalog, mq.storage_topics + rq.storage_topics + dlq.storage_topics)
+    found = progress_documents(catalog.settings, name)
+    progress = shard_documents(found)
+    now = int(time.time() * 1000)
+    standbys = standbys_of(found, now)
+    leases = leases_of(snap, sub, now)
+    shards = []
+    for shard in range(sub.shard_count):
+        doc = progress.get(shard, {})
+        if doc.get("shard_count", sub.shard_count) != sub.shard_count:
+            doc = {}  # the last word of shard `shard` of the count before a change: not this one
+        consumed = doc.get("consumed") or {}
+        mq_owned = {
+            st.name: subscriptions.owned_partitions(sub, mq, i, shard)
+            for i, st in enumerate(mq.storage_topics)
+            if i >= int(doc.get("mq_index", 0))
+        }
+        # Older RQ/DLQ storage topics (before rq_from/dlq_from) are a previous shard count's;
+        # feeders copy them into the current ones, which the shards read.
+        rq_owned = {
+            st.name: subscriptions.internal_partitions(sub, rq, i, shard)
+            for i, st in enumerate(rq.storage_topics)
+            if i >= sub.rq_from
+        }
+        dlq_owned = {
+            st.name: subscriptions.internal_partitions(sub, dlq, i, shard)
+            for i, st in enumerate(dlq.storage_topics)
+            if i >= sub.dlq_from
+        }
+        age = (now - int(doc["updated_ms"])) if doc.get("updated_ms") else None
+        totals = doc.get("totals", {})
+        inserted = sum(
+            ends[st.name][p]
+            for i, st in enumerate(mq.storage_topics)
+            for p in subscriptions.owned_partitions(sub, mq, i, shard)
+        )
+        held = leases[shard]
+        state, dead_ms = shard_state(doc, age, held)
+        shards.append(
+            {
+                "shard": shard,
+                "state": state,
+                "dead_for_ms": dead_ms,
+                "lease": held,
+                "standbys": [
+                    {k: s.get(k) for k in ("instance", "updated_ms", "watching")}
+                    for s in standbys.get(shard, [])
+                    if s.get("shard_count", sub.shard_count) == sub.shard_count
+                ],
+                "progress_age_ms": age,
+                "generation": doc.get("generation"),
+                "layout": doc.get("layout"),
+                "instance": doc.get("instance"),
+                "queues": {
+                    "main": {"lag": lag(consumed, ends, mq_owned)},
+                    "rq": {
+                        "lag": lag(consumed, ends, rq_owned),
+                        "pending": doc.get("rq_pending", 0),
+                    },
+                    "dlq": {
+                        "depth": sum(ends[t][p] for t, parts in dlq_owned.items() for p in parts),
+                        "parked": doc.get("dlq_pending", 0),
+                    },
+                },
+                "blocked_groups": doc.get("blocked_groups", 0),
+                "blocked": doc.get("blocked", []),
+                # at the end of a storage topic, before one that gives groups other shards
+                "waiting": doc.get("waiting"),
+                "held": doc.get("held", 0),
+                "circuit": doc.get("circuit"),
+                "rates": doc.get("rates", {}),
+                "totals": totals,
+                "stats": stats_of(inserted, totals),
+                "filtered": int(totals.get("filtered", 0)),
+            }
+        )
+    operations = {
+        k: v
+        for k, v in snap.items(DocKind.OPERATION).items()
+        if k == name or k.startswith(f"{name}/")
+    }
+    # Counts of the shards a shard-count change retired (`carry_totals`) go on in the totals.
+    carried = (snap.get(subscriptions.KIND, name) or {}).get("state", {}).get("carried_totals", {})
+    before = stats_of(0, carried)
+    return {
+        "stats": {k: before[k] + sum(s["stats"][k] for s in shards) for k in STAT_NAMES},
+        # Main-topic messages the subscription's filter dropped (`varadhi.core.filters`).
+        "filtered": int(carried.get("filtered", 0)) + sum(s["filtered"] for s in shards),
+        "subscription": name,
+        "paused": sub.paused,
+        "generation": sub.generation,
+        "shard_count": sub.shard_count,
+        "shards": shards,
+        "operations": operations,
+    }
+
+
+def shard_rows(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per shard of a `collect` document (pure): the columns `varadhi status` shows
+    as text, for a table (a DataFrame in the notebooks)."""
+    return [
+        {
+            "shard": s["shard"],
+            "state": s["state"],
+            "generation": s["generation"],
+            "main_lag": s["queues"]["main"]["lag"],
+            "rq_lag": s["queues"]["rq"]["lag"],
+            "rq_pending": s["queues"]["rq"]["pending"],
+            "dlq_parked": s["queues"]["dlq"]["parked"],
+            "dlq_depth": s["queues"]["dlq"]["depth"],
+            "blocked_groups": s["blocked_groups"],
+            "delivered_per_s": s["rates"].get("delivered_per_s", 0),
+            "failures_per_s": s["rates"].get("failures_per_s", 0),
+        }
+        for s in doc["shards"]
+    ]

@@ -1,0 +1,1 @@
+"""The transactional outbox (seed 004): the application-side tables, the relay, the Delta outbox."""
