@@ -37,7 +37,8 @@ from pathlib import Path
 
 from common import endpoint_process, machine, print_table, results_head, write_results
 from harness import bench_topic, parser, run_shard
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.core.subscription_spec import parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.spark.shard.job import ShardJob
 
 ROOT = Path(__file__).resolve().parents[1]

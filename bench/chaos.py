@@ -86,11 +86,12 @@ from pathlib import Path
 from kafka import KafkaProducer
 
 from common import endpoint_process, machine, write_results
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import dlq, subscriptions, topics
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards as resharding
 from varadhi.ops import status

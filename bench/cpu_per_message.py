@@ -70,7 +70,7 @@ from common import machine, nginx_binary, write_results
 from delivery import nginx
 from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request
-from varadhi.kafka.subscriptions import parse_spec
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.spark import batch
 from varadhi.spark.batch import BatchContext, ForwardRule, deliver_records
 

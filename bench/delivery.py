@@ -98,10 +98,11 @@ from http_engine import _free_port, _wait_listening, run_wrk
 from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request
 from varadhi.core.policies import ConsumptionPolicy, Endpoint, RetryPolicy
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService, end_offsets
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,8 +17,9 @@ from pathlib import Path
 
 from common import endpoint_process
 from delivery import Env
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.producer import Producer
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark.shard.job import ShardJob
 

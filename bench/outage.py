@@ -571,8 +571,9 @@ def sample_status(catalog, name: str, out: list[dict], stop: threading.Event) ->
 
 def run_mode(env, spark, topic: str, mode: str, args, work: Path) -> dict:
     """One mode's run (module docstring) and its verdict."""
+    from varadhi.core.subscription_spec import parse_spec
     from varadhi.kafka.catalog import Catalog
-    from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+    from varadhi.kafka.subscriptions import SubscriptionService
     from varadhi.spark.shard.job import ShardJob
     from varadhi.testing.endpoint import read_records
 

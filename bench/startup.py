@@ -51,8 +51,9 @@ from pathlib import Path
 from common import machine, write_results
 from delivery import Env
 from varadhi.core import routing
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.producer import Producer
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.testing.endpoint import TestEndpoint
 

@@ -22,12 +22,13 @@ import uuid
 from collections import defaultdict
 from pathlib import Path
 
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import dlq
 from varadhi.kafka.catalog import Catalog
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
+from varadhi.kafka.topics import TopicService
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import produce
-from varadhi.kafka.topics import TopicService
 
 ROOT = Path(__file__).resolve().parents[1]
 

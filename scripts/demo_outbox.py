@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 
 from varadhi.kafka.catalog import Catalog
-from varadhi.outbox.relay import Outbox
 from varadhi.kafka.topics import TopicService
+from varadhi.outbox.relay import Outbox
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -28,10 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import SubscriptionSpec
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import dlq
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.settings import Settings
-from varadhi.kafka.subscriptions import Subscription, SubscriptionService, from_snapshot, parse_spec
+from varadhi.kafka.subscriptions import Subscription, SubscriptionService, from_snapshot
 from varadhi.kafka.topics import AddStorageReport, CompositeTopic, TopicService
 from varadhi.ops import status
 from varadhi.ops.offsets import Mode, OffsetReset, Plan, Queue

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from varadhi.cli import main as cli
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import dlq
 from varadhi.kafka.producer import Producer
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards as resharding
 from varadhi.testing.endpoint import TestEndpoint

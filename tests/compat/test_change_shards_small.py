@@ -15,8 +15,9 @@ import threading
 import pytest
 
 from varadhi.cli import main as cli
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import dlq
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint

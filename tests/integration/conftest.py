@@ -112,7 +112,8 @@ def varadhi_processes(bootstrap):
 def make_subscription(catalog, unique_name):
     """Factory: a 2-partition topic and a one-shard grouped subscription delivering to `url`."""
 
-    from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+    from varadhi.core.subscription_spec import parse_spec
+    from varadhi.kafka.subscriptions import SubscriptionService
     from varadhi.kafka.topics import TopicService
 
     def make(url: str, **overrides):

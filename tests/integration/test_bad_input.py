@@ -20,7 +20,8 @@ from kafka import KafkaProducer
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from varadhi.core import messages as m
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.core.subscription_spec import parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards as resharding
 from varadhi.ops import replay

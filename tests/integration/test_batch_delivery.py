@@ -28,8 +28,9 @@ from varadhi.core.batching import BATCH_SIZE_HEADER
 from varadhi.core.delivery import HttpDeliverer
 from varadhi.core.group_state import Entry, GroupRun, RunCounts
 from varadhi.core.policies import DeliveryPolicy, Endpoint, RetryPolicy
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.producer import Producer
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark.batch import TICK_HEADER
 from varadhi.spark.shard.job import ShardJob

@@ -12,7 +12,7 @@ import pyarrow as pa
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry
 from varadhi.core.state_rows import Kind, state_row
-from varadhi.kafka.subscriptions import parse_spec
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.spark import batch
 from varadhi.spark.batch import (
     BatchContext,

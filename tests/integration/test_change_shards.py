@@ -17,9 +17,10 @@ import pytest
 from kafka import KafkaProducer
 
 from varadhi.cli import main as cli
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import dlq, subscriptions, topics
 from varadhi.kafka.producer import Producer
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards as resharding
 from varadhi.spark.shard.job import ShardJob

@@ -25,10 +25,11 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from varadhi.cli import main as cli
 from varadhi.core import routing
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import key
 from varadhi.kafka.leases import Lease
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards as resharding
 from varadhi.spark import journal, layouts

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from varadhi.core import messages as m
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import progress
 from varadhi.kafka.producer import Producer
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import status
 from varadhi.spark.shard.job import ShardJob

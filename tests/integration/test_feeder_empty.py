@@ -9,7 +9,8 @@ import pytest
 from kafka import KafkaProducer
 
 from varadhi.cli import main as cli
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.core.subscription_spec import parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards as resharding
 

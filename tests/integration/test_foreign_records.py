@@ -10,10 +10,11 @@ from dataclasses import replace
 import pytest
 from kafka import KafkaProducer
 
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.leases import Lease
 from varadhi.kafka.progress import ProgressPublisher, latest_progress, progress_topic
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 
 pytestmark = [pytest.mark.kafka]

@@ -11,9 +11,10 @@ import shlex
 import pytest
 import yaml
 
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.jobs import definitions as jobdefs
 from varadhi.kafka.catalog import key
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 
 pytestmark = pytest.mark.kafka

@@ -15,8 +15,9 @@ from collections import Counter, defaultdict
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.producer import Producer
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark import metrics
 from varadhi.spark.shard.job import ShardJob

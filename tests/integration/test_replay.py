@@ -26,9 +26,10 @@ from kafka import KafkaProducer
 
 from varadhi.cli import main as cli
 from varadhi.core.errors import InvalidArgument
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import topics
 from varadhi.kafka.producer import encode, kafka_headers, plan
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import replay
 from varadhi.testing.endpoint import TestEndpoint

@@ -25,11 +25,12 @@ import pytest
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from varadhi.core import messages as m
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import config as kafka_config
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark.batch import TICK_HEADER
 from varadhi.testing.endpoint import TestEndpoint

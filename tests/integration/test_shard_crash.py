@@ -39,10 +39,11 @@ import pytest
 
 from varadhi.cli import main as cli
 from varadhi.core import messages as m
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import subscriptions
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards as resharding
 from varadhi.ops import status

@@ -35,9 +35,10 @@ from kafka import KafkaProducer
 from varadhi.core import messages as m
 from varadhi.core import routing
 from varadhi.core.errors import VaradhiError
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark.batch import TICK_HEADER
 from varadhi.spark.shard.job import ShardJob

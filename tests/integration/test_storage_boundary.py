@@ -15,8 +15,9 @@ import pytest
 
 from varadhi.cli import main as cli
 from varadhi.core import routing
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import dlq, topics
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import status
 from varadhi.spark import layouts

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.catalog import key
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark import layouts
 from varadhi.spark.shard import job as shard

@@ -14,7 +14,8 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
 from varadhi import cli
-from varadhi.kafka.subscriptions import KIND, spec_to_dict
+from varadhi.core.subscription_spec import spec_to_dict
+from varadhi.kafka.subscriptions import KIND
 from varadhi.kafka.topics import TopicService
 
 pytestmark = pytest.mark.kafka
@@ -531,7 +532,7 @@ def test_pause_unknown(run, unique_name):
 
 
 def test_spec_document_in_catalog_is_spec_to_dict(stored, existing):
-    from varadhi.kafka.subscriptions import spec_from_dict
+    from varadhi.core.subscription_spec import spec_from_dict
 
     stored = stored(existing["name"])["spec"]
     assert spec_to_dict(spec_from_dict(stored)) == stored

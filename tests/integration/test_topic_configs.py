@@ -8,10 +8,11 @@ from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, Ne
 
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.queue_records import QUEUE_HEADROOM_BYTES
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import topics
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.settings import Settings
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 
 pytestmark = pytest.mark.kafka
 

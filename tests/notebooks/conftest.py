@@ -73,7 +73,8 @@ def failing_subscription(settings, spark, catalog, unique_name):
     subscription of a fresh 2-partition topic delivering to `endpoint`, after `messages` ((group,
     id) pairs) were produced and a shard ran until idle (the endpoint's script decides which
     fail); `spec` overrides fields of the subscription document."""
-    from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+    from varadhi.kafka.subscriptions import SubscriptionService
+    from varadhi.core.subscription_spec import parse_spec
     from varadhi.testing.harness import produce, run_until_idle
     from varadhi.kafka.topics import TopicService
 

@@ -24,8 +24,9 @@ from varadhi.cli import main as cli_main
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry
 from varadhi.core.state_rows import RESULT_COLUMNS, Kind, frame_of, state_row, touched_row
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import topics
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import offsets
 from varadhi.spark import warehouse_fs

@@ -25,7 +25,8 @@ from varadhi.core.group_state import Entry as StateEntry
 from varadhi.core.group_state import http_headers
 from varadhi.core.policies import DeliveryPolicy, ResponseRule, RetryPolicy
 from varadhi.core.retry import decide
-from varadhi.kafka.subscriptions import changed_fields, parse_spec, spec_to_dict
+from varadhi.core.subscription_spec import parse_spec, spec_to_dict
+from varadhi.kafka.subscriptions import changed_fields
 
 SNIPPET = 1024
 IDS = ["a", "b", "c"]

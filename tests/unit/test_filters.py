@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from varadhi.core import filters
+from varadhi.core import filters, subscription_spec
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.filters import All, AnyOf, Match, Not
 from varadhi.kafka import subscriptions as subs
@@ -116,30 +116,34 @@ def spec_doc(**extra):
 
 
 def test_spec_carries_the_filter_through_the_catalog_form():
-    assert subs.parse_spec(spec_doc()).filter is None
-    assert subs.parse_spec(spec_doc(filter=None)).filter is None
-    spec = subs.parse_spec(spec_doc(filter=yaml.safe_load(EXAMPLE)))
+    assert subscription_spec.parse_spec(spec_doc()).filter is None
+    assert subscription_spec.parse_spec(spec_doc(filter=None)).filter is None
+    spec = subscription_spec.parse_spec(spec_doc(filter=yaml.safe_load(EXAMPLE)))
     assert isinstance(spec.filter, All)
-    stored = subs.spec_to_dict(spec)
+    stored = subscription_spec.spec_to_dict(spec)
     assert stored["filter"] == filters.to_dict(spec.filter)
-    assert subs.spec_from_dict(stored) == spec
-    assert subs.spec_to_dict(subs.parse_spec(spec_doc()))["filter"] is None
+    assert subscription_spec.spec_from_dict(stored) == spec
+    assert (
+        subscription_spec.spec_to_dict(subscription_spec.parse_spec(spec_doc()))["filter"] is None
+    )
 
 
 def test_spec_errors_name_the_filter_field():
     doc = spec_doc(filter={"all": [{"header": "type", "in": ["a"]}, {"header": "r", "prefx": "e"}]})
     with pytest.raises(InvalidArgument) as e:
-        subs.parse_spec(doc, source="orders.yaml")
+        subscription_spec.parse_spec(doc, source="orders.yaml")
     assert e.value.field == "filter.all[1]"
     assert "exactly one of in, prefix, exists" in str(e.value) and "orders.yaml" in str(e.value)
 
 
 def test_apply_may_change_the_filter():
-    current = subs.Subscription(subs.parse_spec(spec_doc()), shard_count=1, created_ms=0)
-    new = subs.parse_spec(spec_doc(filter={"header": "type", "in": ["a"]}))
+    current = subs.Subscription(
+        subscription_spec.parse_spec(spec_doc()), shard_count=1, created_ms=0
+    )
+    new = subscription_spec.parse_spec(spec_doc(filter={"header": "type", "in": ["a"]}))
     assert subs.changed_fields(current, new) == ["filter"]
     # The same filter written differently (order, repeats) is no change.
     again = subs.Subscription(new, shard_count=1, created_ms=0)
-    same = subs.parse_spec(spec_doc(filter={"header": "type", "in": ["a", "a"]}))
+    same = subscription_spec.parse_spec(spec_doc(filter={"header": "type", "in": ["a", "a"]}))
     assert subs.changed_fields(again, same) == []
-    assert subs.changed_fields(again, subs.parse_spec(spec_doc())) == ["filter"]
+    assert subs.changed_fields(again, subscription_spec.parse_spec(spec_doc())) == ["filter"]

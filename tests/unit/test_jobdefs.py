@@ -26,9 +26,10 @@ from databricks.sdk.service.compute import DataSecurityMode
 from databricks.sdk.service.jobs import JobSettings
 
 from varadhi.core.errors import InvalidArgument
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.jobs import definitions as jobdefs
 from varadhi.kafka import config as kafka_config
-from varadhi.kafka.subscriptions import Subscription, parse_spec
+from varadhi.kafka.subscriptions import Subscription
 from varadhi.spark import lines as spark_lines
 
 ROOT = Path(__file__).resolve().parents[2]

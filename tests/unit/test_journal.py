@@ -19,7 +19,7 @@ from varadhi.core.delivery import Outcome
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.group_state import Entry, GroupRun, RunCounts, merge
 from varadhi.core.policies import RetryPolicy
-from varadhi.kafka.subscriptions import parse_spec, spec_to_dict
+from varadhi.core.subscription_spec import parse_spec, spec_to_dict
 from varadhi.spark import checkpoints, journal
 from varadhi.spark.journal import Accepted, JournalTarget, JournalWriter
 from varadhi.spark.warehouse_fs import LocalFS

@@ -15,10 +15,10 @@ import pytest
 from kafka.errors import KafkaTimeoutError
 
 from varadhi.core import messages as m
+from varadhi.core import subscription_spec
 from varadhi.core.delivery import Outcome
 from varadhi.core.group_state import Entry, GroupRun, RunCounts, merge
 from varadhi.core.policies import RetryPolicy
-from varadhi.kafka import subscriptions as subs
 from varadhi.kafka.catalog import Snapshot
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.topics import new_topic
@@ -201,7 +201,7 @@ class _Catalog:
 def _change_with_a_crashed_shard(tmp_path, monkeypatch, read):
     """Two old shards going to three; old shard 1 crashed in batch 4 (planned, not committed);
     `read` stands in for the journal (`journal.read_shard`)."""
-    spec = subs.parse_spec(
+    spec = subscription_spec.parse_spec(
         {
             "name": "orders-http",
             "topic": "orders",

@@ -9,8 +9,9 @@ import pytest
 
 from varadhi.cli import build_parser, version
 from varadhi.core.errors import InvalidArgument, NotFound
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.catalog import Snapshot
-from varadhi.kafka.subscriptions import Subscription, parse_spec
+from varadhi.kafka.subscriptions import Subscription
 from varadhi.kafka.topics import add_storage, new_topic
 from varadhi.ops import lifecycle as lc
 from varadhi.spark.warehouse_fs import LocalFS

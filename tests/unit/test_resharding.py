@@ -10,8 +10,9 @@ import pytest
 
 from varadhi.core import routing
 from varadhi.core.errors import InvalidArgument
+from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.catalog import Snapshot
-from varadhi.kafka.subscriptions import Subscription, changed_fields, parse_spec
+from varadhi.kafka.subscriptions import Subscription, changed_fields
 from varadhi.kafka.topics import StorageTopic, add_storage, new_topic, switch_produce
 from varadhi.ops import change_shards as rs
 from varadhi.ops.status import SILENT_MS

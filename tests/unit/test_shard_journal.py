@@ -8,6 +8,7 @@ from dataclasses import replace
 
 from kafka.errors import KafkaTimeoutError
 
+from varadhi.core import subscription_spec
 from varadhi.kafka import subscriptions as subs
 from varadhi.kafka.settings import Settings
 from varadhi.spark import journal
@@ -17,7 +18,7 @@ ACCEPTED = journal.Accepted.of_runs([(0, 3, 10, 19)])
 
 
 def sub_of(journal_ms: int) -> subs.Subscription:
-    spec = subs.parse_spec(
+    spec = subscription_spec.parse_spec(
         {"name": "orders-http", "topic": "orders", "endpoint": {"url": "http://127.0.0.1:1/x"}},
         source="test.yaml",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
+from varadhi.core import subscription_spec
 from varadhi.kafka import subscriptions as subs
 from varadhi.kafka.topics import CompositeTopic, StorageTopic
 from varadhi.spark.layouts import Layout
@@ -17,7 +18,7 @@ def topic(name: str, *partitions: int, internal: bool = False) -> CompositeTopic
 
 
 def sub_of(shards: int) -> subs.Subscription:
-    spec = subs.parse_spec(
+    spec = subscription_spec.parse_spec(
         {"name": "orders-http", "topic": "orders", "endpoint": {"url": "http://127.0.0.1:1/x"}},
         source="test.yaml",
     )

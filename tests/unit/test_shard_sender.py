@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 from kafka.errors import FencedLeaderEpochError, KafkaError, ProducerFencedError
 
-from varadhi.core import routing
+from varadhi.core import routing, subscription_spec
 from varadhi.core.errors import Fenced, VaradhiError
 from varadhi.core.messages import H_TRUNCATED
 from varadhi.core.queue_records import MAX_REQUEST_BYTES
@@ -27,7 +27,7 @@ def topic(name: str, *partitions: int) -> CompositeTopic:
 
 
 def sub_of(shards: int) -> subs.Subscription:
-    spec = subs.parse_spec(
+    spec = subscription_spec.parse_spec(
         {"name": "orders-http", "topic": "orders", "endpoint": {"url": "http://127.0.0.1:1/x"}},
         source="test.yaml",
     )

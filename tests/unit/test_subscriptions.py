@@ -7,6 +7,7 @@ import pytest
 import yaml
 
 from varadhi.cli.subscription import load_specs
+from varadhi.core import subscription_spec
 from varadhi.core.errors import AlreadyExists, InvalidArgument
 from varadhi.core.policies import (
     DEFAULT_RESPONSES,
@@ -41,7 +42,7 @@ def doc(**overrides):
 
 
 def parse(**overrides):
-    return subs.parse_spec(doc(**overrides), source="test.yaml")
+    return subscription_spec.parse_spec(doc(**overrides), source="test.yaml")
 
 
 def field_of(**overrides) -> str:
@@ -169,7 +170,7 @@ def test_null_means_default():
      ("1h", 3_600_000), (" 3 s ", 3000)],
 )  # fmt: skip
 def test_parse_duration_ms(text, ms):
-    assert subs.parse_duration_ms(text, "x.y") == ms
+    assert subscription_spec.parse_duration_ms(text, "x.y") == ms
 
 
 @pytest.mark.parametrize(
@@ -177,13 +178,13 @@ def test_parse_duration_ms(text, ms):
 )
 def test_parse_duration_ms_refuses(text):
     with pytest.raises(InvalidArgument) as e:
-        subs.parse_duration_ms(text, "retry.min_backoff")
+        subscription_spec.parse_duration_ms(text, "retry.min_backoff")
     assert e.value.field == "retry.min_backoff"
 
 
 def test_a_duration_string_without_unit_says_so():
     with pytest.raises(InvalidArgument, match="'500' has no unit: write 500ms or 500s"):
-        subs.parse_duration_ms("500", "retry.min_backoff")
+        subscription_spec.parse_duration_ms("500", "retry.min_backoff")
 
 
 def test_durations_in_documents():
@@ -302,7 +303,7 @@ def test_invalid_values_name_their_field(overrides, field):
 
 def test_document_must_be_a_mapping():
     with pytest.raises(InvalidArgument) as e:
-        subs.parse_spec(["name"], source="x.yaml")  # type: ignore[arg-type]
+        subscription_spec.parse_spec(["name"], source="x.yaml")  # type: ignore[arg-type]
     assert e.value.field is None and "mapping" in str(e.value)
 
 
@@ -377,15 +378,15 @@ def rich_spec() -> SubscriptionSpec:
 
 @pytest.mark.parametrize("spec", [parse(), rich_spec()], ids=["defaults", "rich"])
 def test_spec_round_trips_through_the_catalog_encoding(spec):
-    d = subs.spec_to_dict(spec)
+    d = subscription_spec.spec_to_dict(spec)
     stored = json.loads(json.dumps(d, sort_keys=True))  # what Catalog.mutate writes
-    assert subs.spec_from_dict(stored) == spec
-    assert subs.spec_to_dict(subs.spec_from_dict(stored)) == d
+    assert subscription_spec.spec_from_dict(stored) == spec
+    assert subscription_spec.spec_to_dict(subscription_spec.spec_from_dict(stored)) == d
 
 
 def old_record(**consumption) -> dict:
     """A catalog record as a version before the circuit breaker wrote it."""
-    d = subs.spec_to_dict(parse())
+    d = subscription_spec.spec_to_dict(parse())
     d.pop("circuit_breaker")
     d["consumption"].update({"error_rate_threshold": 0.5, "throttle": 5000, **consumption})
     return {"spec": d, "state": {"shard_count": 1, "created_ms": 0}}
@@ -426,28 +427,31 @@ def test_old_throttle_keys_next_to_a_circuit_breaker_section_are_ignored(caplog)
 
 
 def test_spec_to_dict_is_the_yaml_shape():
-    d = subs.spec_to_dict(rich_spec())
+    d = subscription_spec.spec_to_dict(rich_spec())
     assert d["endpoint"]["headers"] == {"Accept": "*/*", "X-Z": "z"}
     assert d["dedup_window"] == 3_600_000 and d["retry"]["min_backoff"] == 1000
     assert d["allow_uneven"] is True
-    assert subs.parse_spec(d) == rich_spec()
+    assert subscription_spec.parse_spec(d) == rich_spec()
 
 
 def test_blocked_limits_default_to_a_thousand_messages_and_16_mib_and_reach_the_catalog():
     assert parse().blocked == BlockedPolicy(max_held=1000, max_held_bytes=16 * 1_048_576)
     assert rich_spec().blocked == BlockedPolicy(max_held=0, max_held_bytes=4096)
-    assert subs.spec_to_dict(rich_spec())["blocked"] == {"max_held": 0, "max_held_bytes": 4096}
+    assert subscription_spec.spec_to_dict(rich_spec())["blocked"] == {
+        "max_held": 0,
+        "max_held_bytes": 4096,
+    }
     # A record written before the policy existed loads with its defaults.
-    d = subs.spec_to_dict(parse())
+    d = subscription_spec.spec_to_dict(parse())
     d.pop("blocked")
-    assert subs.spec_from_dict(d).blocked == BlockedPolicy()
+    assert subscription_spec.spec_from_dict(d).blocked == BlockedPolicy()
 
 
 def test_spec_from_dict_refuses_an_invalid_record():
-    d = subs.spec_to_dict(parse())
+    d = subscription_spec.spec_to_dict(parse())
     d["shards"] = 0
     with pytest.raises(InvalidArgument, match="catalog"):
-        subs.spec_from_dict(d)
+        subscription_spec.spec_from_dict(d)
 
 
 def test_subscription_round_trip_and_document_shape():
@@ -706,7 +710,7 @@ def test_a_record_left_at_the_creation_shard_count_is_read_with_the_live_one():
 
 def test_example_parses_and_shows_every_field_at_its_default():
     raw = yaml.safe_load(EXAMPLE.read_text())
-    spec = subs.parse_spec(raw, source=str(EXAMPLE))
+    spec = subscription_spec.parse_spec(raw, source=str(EXAMPLE))
     assert spec == SubscriptionSpec(
         name=spec.name,
         topic=spec.topic,
@@ -723,7 +727,7 @@ def test_example_parses_and_shows_every_field_at_its_default():
                 out |= keys(v, f"{prefix}{k}.")
         return out
 
-    assert keys(raw) == keys(subs.spec_to_dict(spec))  # every field, nothing else
+    assert keys(raw) == keys(subscription_spec.spec_to_dict(spec))  # every field, nothing else
 
 
 def test_load_specs_single_and_list(tmp_path):

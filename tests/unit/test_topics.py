@@ -2,7 +2,7 @@
 
 import pytest
 
-from varadhi.core import routing
+from varadhi.core import names, routing
 from varadhi.core.errors import InvalidArgument
 from varadhi.kafka import topics
 
@@ -82,14 +82,14 @@ def test_add_storage_does_not_move_the_produce_pointer_and_names_storage_topics_
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 6, 8, 12, 18, 24, 30, 48, 10_000 - 4])
 def test_even_partition_counts_are_accepted(p):
-    assert topics.validate_partitions(p) == p
+    assert names.validate_partitions(p) == p
 
 
 @pytest.mark.parametrize("p", [5, 7, 9, 10, 14, 22])
 def test_uneven_counts_need_allow_uneven(p):
     with pytest.raises(InvalidArgument, match="--allow-uneven"):
-        topics.validate_partitions(p)
-    assert topics.validate_partitions(p, allow_uneven=True) == p
+        names.validate_partitions(p)
+    assert names.validate_partitions(p, allow_uneven=True) == p
     with pytest.raises(InvalidArgument):
         topics.new_topic("orders", p)
     base = topics.new_topic("orders", 2)
@@ -97,10 +97,10 @@ def test_uneven_counts_need_allow_uneven(p):
         topics.add_storage(base, p)
 
 
-@pytest.mark.parametrize("p", [0, -1, -4, True, 4.0, "4", None, topics.MAX_PARTITIONS + 4])
+@pytest.mark.parametrize("p", [0, -1, -4, True, 4.0, "4", None, names.MAX_PARTITIONS + 4])
 def test_bad_partition_counts_are_refused_even_when_uneven_is_allowed(p):
     with pytest.raises(InvalidArgument, match="partitions"):
-        topics.validate_partitions(p, allow_uneven=True)
+        names.validate_partitions(p, allow_uneven=True)
 
 
 def test_switch_produce_moves_one_step_and_records_when():
@@ -139,7 +139,7 @@ def test_dict_round_trip():
 
 @pytest.mark.parametrize("name", ["orders", "a", "Orders_2", "x-y-z", "9lives", "a" * 200])
 def test_valid_names(name):
-    assert topics.validate_name(name) == name
+    assert names.validate_name(name) == name
 
 
 @pytest.mark.parametrize(
@@ -147,12 +147,12 @@ def test_valid_names(name):
 )
 def test_invalid_names(name):
     with pytest.raises(InvalidArgument, match="name"):
-        topics.validate_name(name)
+        names.validate_name(name)
 
 
 def test_internal_names_are_the_subscription_queues_only():
-    assert topics.validate_name("orders-http.rq", internal=True)
-    assert topics.validate_name("orders-http.dlq", internal=True)
+    assert names.validate_name("orders-http.rq", internal=True)
+    assert names.validate_name("orders-http.dlq", internal=True)
     for bad in ("orders", "orders.0", "orders.rq.rq"):
         with pytest.raises(InvalidArgument):
-            topics.validate_name(bad, internal=True)
+            names.validate_name(bad, internal=True)

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from varadhi.kafka.subscriptions import SubscriptionService, parse_spec
+from varadhi.core.subscription_spec import parse_spec
+from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce, wait_for

@@ -1,6 +1,6 @@
 """`varadhi subscription ...`: create, apply, describe, list, pause, resume and change-shards.
 
-Options and files are parsed into a `SubscriptionSpec` (`varadhi.kafka.subscriptions.parse_spec`)
+Options and files are parsed into a `SubscriptionSpec` (`varadhi.kafka.subscription_spec.parse_spec`)
 before the catalog or Kafka is touched, so a refused command changes nothing.
 """
 
@@ -14,7 +14,8 @@ import yaml
 from varadhi.cli import common
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import SubscriptionSpec
-from varadhi.kafka.subscriptions import Subscription, parse_spec
+from varadhi.core.subscription_spec import parse_spec
+from varadhi.kafka.subscriptions import Subscription
 
 
 def register(sub: argparse._SubParsersAction) -> None:

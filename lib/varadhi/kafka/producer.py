@@ -47,7 +47,7 @@ from kafka import KafkaProducer
 from kafka.errors import AuthorizationError, KafkaConfigurationError, KafkaError
 from kafka.producer.future import FutureRecordMetadata, RecordMetadata
 
-from varadhi.core import routing
+from varadhi.core import names, routing
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotAuthorized, VaradhiError
 from varadhi.core.messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS
 from varadhi.kafka import clients as kafka_clients
@@ -302,12 +302,12 @@ class Producer:
         max_message_bytes: int = 1_048_576,
         **kafka_config,
     ):
-        if isinstance(topic, str) and topics.INTERNAL_NAME_RE.fullmatch(topic):
+        if isinstance(topic, str) and names.INTERNAL_NAME_RE.fullmatch(topic):
             raise InvalidArgument(
                 f"{topic} is a subscription's internal queue; it cannot be produced to",
                 field="topic",
             )
-        topics.validate_name(topic)
+        names.validate_name(topic)
         if refresh_interval_s <= 0:
             raise InvalidArgument(
                 f"must be positive, got {refresh_interval_s}", field="refresh_interval_s"

@@ -11,7 +11,6 @@ so they never collide with storage topics or with a subscription's internal queu
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -24,43 +23,13 @@ from kafka.errors import KafkaError, TopicAlreadyExistsError
 from varadhi.core import routing
 from varadhi.core.catalog_kinds import DocKind
 from varadhi.core.errors import AlreadyExists, InvalidArgument, KafkaUnavailable, NotFound
+from varadhi.core.names import validate_name, validate_partitions
 from varadhi.core.queue_records import QUEUE_HEADROOM_BYTES
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka.catalog import Catalog, Snapshot, key
 from varadhi.kafka.config import TOPIC_CONFIGS, TopicSettings
 
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,199}$")
-INTERNAL_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,199}\.(rq|dlq)$")
-MAX_PARTITIONS = 10_000
 KIND = DocKind.TOPIC
-
-
-def validate_name(name: str, internal: bool = False) -> str:
-    pattern = INTERNAL_NAME_RE if internal else NAME_RE
-    if not isinstance(name, str) or not pattern.fullmatch(name):
-        raise InvalidArgument(
-            f"{name!r} is not a valid name: use 1-200 letters, digits, '_' or '-', "
-            "starting with a letter or digit",
-            field="name",
-        )
-    return name
-
-
-def validate_partitions(partitions: int, allow_uneven: bool = False) -> int:
-    """Refuse counts that cannot be sharded evenly (seed 000) unless `allow_uneven`."""
-    if not isinstance(partitions, int) or isinstance(partitions, bool) or partitions < 1:
-        raise InvalidArgument(f"must be a positive integer, got {partitions!r}", field="partitions")
-    if partitions > MAX_PARTITIONS:
-        raise InvalidArgument(
-            f"must be at most {MAX_PARTITIONS}, got {partitions}", field="partitions"
-        )
-    if not allow_uneven and not routing.is_even_partition_count(partitions):
-        raise InvalidArgument(
-            f"{partitions} cannot be sharded evenly; use 1, 2, 3 or a multiple of 4 or 6 "
-            "(or pass --allow-uneven to accept uneven shards)",
-            field="partitions",
-        )
-    return partitions
 
 
 @dataclass(frozen=True)

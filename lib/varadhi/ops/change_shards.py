@@ -78,7 +78,7 @@ from typing import Any, Literal
 import pandas as pd
 from kafka import TopicPartition
 
-from varadhi.core import routing
+from varadhi.core import names, routing
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.errors import InvalidArgument, NotFound, VaradhiError
 from varadhi.core.messages import Origin
@@ -421,8 +421,8 @@ def plan_change(
     """
     if not isinstance(to, int) or isinstance(to, bool) or to < 1:
         raise InvalidArgument(f"must be a positive integer, got {to!r}", field="to")
-    if to > topics.MAX_PARTITIONS:
-        raise InvalidArgument(f"must be at most {topics.MAX_PARTITIONS}, got {to}", field="to")
+    if to > names.MAX_PARTITIONS:
+        raise InvalidArgument(f"must be at most {names.MAX_PARTITIONS}, got {to}", field="to")
     old = sub.shard_count
     if to == old:
         raise InvalidArgument(f"subscription {sub.name} already has {old} shards", field="to")

@@ -36,6 +36,7 @@ from typing import Any
 
 from kafka.errors import KafkaError
 
+from varadhi.core import names
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotFound, VaradhiError
 from varadhi.kafka import clients as kafka_clients
@@ -166,7 +167,7 @@ def plan_subscription_delete(
     """Plan deleting subscription `name` (pure). `NotFound` when the catalog holds nothing of
     it; `InvalidArgument` while one of its operations is in progress. Whether shards run is
     `check_stopped`'s (it needs their progress documents)."""
-    topics.validate_name(name)
+    names.validate_name(name)
     keys = subscription_keys(snapshot, name)
     doc = snapshot.get(subscriptions.KIND, name)
     if not keys:
@@ -246,7 +247,7 @@ def plan_topic_delete(snapshot: Snapshot, name: str, keep_data: bool = False) ->
     are named), and for a subscription's RQ/DLQ (deleted with the subscription)."""
     doc = snapshot.get(topics.KIND, name)
     if doc is None:
-        topics.validate_name(name)
+        names.validate_name(name)
         raise NotFound("topic", name)
     topic = topics.CompositeTopic.from_dict(doc)
     if topic.internal:
@@ -406,7 +407,7 @@ class SubscriptionDeleter:
 
     def plan(self, name: str, keep_data: bool = False) -> SubscriptionDeletePlan:
         snap = self.catalog.snapshot()
-        topics.validate_name(name)
+        names.validate_name(name)
         found = progress.progress_documents(self.catalog.settings, name)
         progress_keys = [f"{name}/{k}" for k in found]
         plan = plan_subscription_delete(

@@ -54,6 +54,7 @@ from kafka import KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from kafka.errors import AuthorizationError, KafkaError, TopicAlreadyExistsError
 
+from varadhi.core import names
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from varadhi.core.messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS
 from varadhi.kafka import clients as kafka_clients
@@ -183,7 +184,7 @@ class DeltaOutbox:
         send_timeout_s: float = 60.0,
         **kafka_config: Any,
     ):
-        topics.validate_name(name)
+        names.validate_name(name)
         self.spark = spark
         self.path = path.rstrip("/")
         self.name = name

@@ -69,7 +69,7 @@ from kafka.protocol.producer import ProduceRequest
 from kafka.record.default_records import DefaultRecordBatchBuilder
 from kafka.structs import TopicPartition
 
-from varadhi.core import routing
+from varadhi.core import names, routing
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import topics
@@ -331,12 +331,12 @@ class Outbox:
 
     @staticmethod
     def _check_topic(topic: str) -> None:
-        if isinstance(topic, str) and topics.INTERNAL_NAME_RE.match(topic):
+        if isinstance(topic, str) and names.INTERNAL_NAME_RE.match(topic):
             raise InvalidArgument(
                 f"{topic} is a subscription's internal queue; it cannot be produced to",
                 field="topic",
             )
-        topics.validate_name(topic)
+        names.validate_name(topic)
 
 
 # -- connections --------------------------------------------------------------------------
