@@ -35,7 +35,8 @@ from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Message
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.topics import TopicService, end_offsets
-from varadhi.outbox.relay import Outbox, Relay, connector
+from varadhi.outbox.relay import Relay, connector
+from varadhi.outbox.tables import Outbox
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "outbox_relay.json"

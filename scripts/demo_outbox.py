@@ -14,7 +14,7 @@ from pathlib import Path
 
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.topics import TopicService
-from varadhi.outbox.relay import Outbox
+from varadhi.outbox.tables import Outbox
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,14 +20,8 @@ import pytest
 from varadhi.core import routing
 from varadhi.core.messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS, headers_to_dict
 from varadhi.kafka.producer import Message
-from varadhi.outbox.relay import (
-    ADVISORY_LOCK_CLASS,
-    LEASE_TABLE,
-    Outbox,
-    Relay,
-    advisory_lock_key,
-    connector,
-)
+from varadhi.outbox.relay import ADVISORY_LOCK_CLASS, Relay, advisory_lock_key, connector
+from varadhi.outbox.tables import LEASE_TABLE, Outbox
 
 pytestmark = pytest.mark.kafka
 

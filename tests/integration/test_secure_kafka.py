@@ -449,7 +449,7 @@ def test_both_outbox_relays_as_carol(
     import psycopg
 
     from varadhi.outbox.delta import SCHEMA, DeltaOutbox
-    from varadhi.outbox.relay import Outbox
+    from varadhi.outbox.tables import Outbox
 
     dsn = os.environ.get("VARADHI_TEST_POSTGRES_DSN")
     if not dsn:

@@ -9,16 +9,8 @@ from collections import Counter
 import pytest
 
 from varadhi.core.errors import InvalidArgument
-from varadhi.outbox.relay import (
-    ADVISORY_LOCK_CLASS,
-    LEASE_TABLE,
-    Outbox,
-    _SqliteStore,
-    advisory_lock_key,
-    dialect_of,
-    partition_for,
-    table_name,
-)
+from varadhi.outbox.relay import ADVISORY_LOCK_CLASS, _SqliteStore, advisory_lock_key
+from varadhi.outbox.tables import LEASE_TABLE, Outbox, dialect_of, partition_for, table_name
 
 
 class FakeClock:

@@ -19,14 +19,14 @@ import threading
 
 from varadhi.core.errors import InvalidArgument
 from varadhi.jobs import runner
-from varadhi.outbox.relay import (
+from varadhi.outbox.relay import Relay
+from varadhi.outbox.relay import connector as make_connector
+from varadhi.outbox.tables import (
     DEFAULT_PARTITIONS,
     DEFAULT_SHARDS,
     DEFAULT_TABLE_PREFIX,
     Outbox,
-    Relay,
 )
-from varadhi.outbox.relay import connector as make_connector
 from varadhi.spark.stop_signals import StopSignals
 
 log = logging.getLogger(__name__)

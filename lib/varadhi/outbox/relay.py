@@ -1,22 +1,8 @@
-"""Transactional outbox (seed 004): messages written in the application's own database transaction,
-relayed to composite topics afterwards.
-
-    outbox = Outbox()                        # 2 shards (shard 1 is a spare), 1 partition each
-    outbox.create_tables(conn)               # once
-    with conn:                               # the application's transaction
-        conn.execute("UPDATE accounts ...")
-        outbox.add(conn, "orders", b'{"id": 1}', group_id="customer-42")
-    # commit: the message is stored and will be sent; rollback: neither stored nor sent
+"""The transactional outbox's relay (seed 004): sends the rows applications committed to their
+outbox tables (`varadhi.outbox.tables`) to their composite topics, and deletes them once Kafka has
+them.
 
     Relay(connector(sqlite="app.db")).run_forever()   # or: varadhi outbox relay --sqlite app.db
-
-Tables. Every (shard, partition) pair has its own table `outgoing_message_<shard>_<partition>`
-with the primary-key index only (`id` autoincrement, `topic`, `group_id`, `message_id`, `headers`
-as JSON text, `value` bytes, `created_ms`): no status column, no secondary index, so an insert and
-a delete each touch one heap row and one index entry. A message's partition is a stable hash of
-its group id, so one group always uses one table of its shard; ungrouped messages are spread by a
-hash of their message id. The message id is fixed when the row is written, so a re-sent row carries
-the same idempotency key as the first copy.
 
 The relay, per table it owns: read up to `batch_size` rows in id order, send them to the composite
 topic's produce topic (partition from `producer.plan`, headers from `producer.kafka_headers`), wait
@@ -57,11 +43,10 @@ import threading
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
-import mmh3
 from kafka import errors as kafka_errors
 from kafka.errors import KafkaError
 from kafka.net.compat import KafkaNetClient
@@ -69,28 +54,26 @@ from kafka.protocol.producer import ProduceRequest
 from kafka.record.default_records import DefaultRecordBatchBuilder
 from kafka.structs import TopicPartition
 
-from varadhi.core import names, routing
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import topics
 from varadhi.kafka.catalog import Catalog
-from varadhi.kafka.producer import Message, Record, kafka_headers, plan, validate
+from varadhi.kafka.producer import Record, kafka_headers, plan
 from varadhi.kafka.settings import Settings
+from varadhi.outbox.tables import (
+    LEASE_TABLE,
+    Clock,
+    Dialect,
+    Outbox,
+    dialect_of,
+    lease_table_ddl,
+)
 
 log = logging.getLogger(__name__)
 
-Dialect = Literal["postgres", "sqlite"]
-Clock = Callable[[], float]
-
-DEFAULT_SHARDS = 2
-DEFAULT_PARTITIONS = 1
-DEFAULT_TABLE_PREFIX = "outgoing_message"
-LEASE_TABLE = "outbox_leases"
 # The first key of every advisory lock the relay takes ("vard"); the second is the table's CRC-32.
 ADVISORY_LOCK_CLASS = 0x76617264
-_PREFIX_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_")
 _COLUMNS = "id, topic, group_id, message_id, headers, value, created_ms"
-_INSERT_COLUMNS = "topic, group_id, message_id, headers, value, created_ms"
 
 # A record batch stays below Kafka's default `message.max.bytes` (1 MiB + 12 bytes); a larger
 # record travels alone in its batch (and fails there if the broker's limit is lower).
@@ -101,242 +84,10 @@ class OutboxError(VaradhiError):
     """The outbox database could not be used (connection lost, table missing, locked too long)."""
 
 
-# -- pure decisions ---------------------------------------------------------------------------
-
-
-def table_name(shard: int, partition: int, prefix: str = DEFAULT_TABLE_PREFIX) -> str:
-    """`<prefix>_<shard>_<partition>`, e.g. `outgoing_message_0_0`."""
-    return f"{prefix}_{shard}_{partition}"
-
-
-def partition_for(group_id: str | None, message_id: str, partitions: int) -> int:
-    """The outbox partition (table) of a message: by group id, so one group uses one table of its
-    shard (its order is kept); an ungrouped message by its message id (spread evenly)."""
-    if partitions < 1:
-        raise ValueError(f"partitions must be positive, got {partitions}")
-    if group_id is not None:
-        return routing.group_hash(group_id) % partitions
-    return mmh3.hash(message_id.encode("utf-8"), 0, signed=False) % partitions
-
-
 def advisory_lock_key(table: str) -> tuple[int, int]:
     """The two int4 keys of the PostgreSQL advisory lock that guards `table`."""
     crc = zlib.crc32(table.encode("utf-8"))
     return ADVISORY_LOCK_CLASS, crc - (1 << 32) if crc >= 1 << 31 else crc
-
-
-def dialect_of(conn_or_cursor: Any) -> Dialect:
-    """`postgres` for a psycopg 3 connection or cursor, `sqlite` for a sqlite3 one."""
-    module = type(conn_or_cursor).__module__
-    if module.startswith("psycopg"):
-        return "postgres"
-    if module.startswith("sqlite3"):
-        return "sqlite"
-    raise InvalidArgument(
-        f"unsupported connection type {type(conn_or_cursor).__qualname__} from {module}: "
-        "use a psycopg 3 (PostgreSQL) or sqlite3 connection or cursor",
-        field="connection",
-    )
-
-
-def create_statements(dialect: Dialect, table: str) -> list[str]:
-    """DDL of one outbox table (idempotent). PostgreSQL tables vacuum after a fixed number of
-    deleted rows rather than a fraction of the table: a queue table is mostly dead rows, and index
-    scans in id order slow down while they pile up."""
-    if dialect == "postgres":
-        return [
-            f"CREATE TABLE IF NOT EXISTS {table} ("
-            "id bigserial PRIMARY KEY, topic text NOT NULL, group_id text, "
-            "message_id text NOT NULL, headers text, value bytea NOT NULL, "
-            "created_ms bigint NOT NULL) WITH (autovacuum_vacuum_scale_factor = 0, "
-            "autovacuum_vacuum_threshold = 10000, autovacuum_vacuum_insert_scale_factor = 0, "
-            "autovacuum_vacuum_insert_threshold = 100000)"
-        ]
-    return [
-        f"CREATE TABLE IF NOT EXISTS {table} ("
-        "id INTEGER PRIMARY KEY AUTOINCREMENT, topic TEXT NOT NULL, group_id TEXT, "
-        "message_id TEXT NOT NULL, headers TEXT, value BLOB NOT NULL, "
-        "created_ms INTEGER NOT NULL)"
-    ]
-
-
-def _lease_ddl() -> str:
-    return (
-        f"CREATE TABLE IF NOT EXISTS {LEASE_TABLE} (table_name TEXT PRIMARY KEY, "
-        "owner TEXT NOT NULL, expires_ms INTEGER NOT NULL)"
-    )
-
-
-# -- writing (inside the application's transaction) -------------------------------------------
-
-
-class Outbox:
-    """The outbox tables: `shards` x `partitions` of them (defaults 2 x 1, shard 1 a spare).
-
-    Writing needs no relay and no Kafka: `add` and `add_many` only insert rows, in the caller's
-    transaction, on the caller's connection (psycopg 3 or sqlite3), and never commit.
-    """
-
-    def __init__(
-        self,
-        shards: int = DEFAULT_SHARDS,
-        partitions: int = DEFAULT_PARTITIONS,
-        *,
-        table_prefix: str = DEFAULT_TABLE_PREFIX,
-        max_message_bytes: int = 1_048_576,
-        clock: Clock = time.time,
-    ):
-        for name, n in (("shards", shards), ("partitions", partitions)):
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 1000:
-                raise InvalidArgument(f"must be an integer in 1..1000, got {n!r}", field=name)
-        if not table_prefix or not set(table_prefix) <= _PREFIX_CHARS or table_prefix[0].isdigit():
-            raise InvalidArgument(
-                f"must be lower-case letters, digits and '_', not starting with a digit: "
-                f"{table_prefix!r}",
-                field="table_prefix",
-            )
-        if max_message_bytes < 1:
-            raise InvalidArgument(
-                f"must be positive, got {max_message_bytes}", field="max_message_bytes"
-            )
-        self.shards = shards
-        self.partitions = partitions
-        self.table_prefix = table_prefix
-        self.max_message_bytes = max_message_bytes
-        self._clock = clock
-
-    def table(self, shard: int, partition: int) -> str:
-        self._check_shard(shard)
-        if not 0 <= partition < self.partitions:
-            raise InvalidArgument(
-                f"{partition} is outside 0..{self.partitions - 1}", field="partition"
-            )
-        return table_name(shard, partition, self.table_prefix)
-
-    def tables(self, shards: Iterable[int] | None = None) -> list[str]:
-        """Every table name, shard by shard (or only those of `shards`)."""
-        wanted = range(self.shards) if shards is None else sorted(set(shards))
-        return [self.table(s, p) for s in wanted for p in range(self.partitions)]
-
-    def create_tables(self, conn: Any) -> None:
-        """Create the outbox tables (and, on SQLite, the lease table) if missing, and commit.
-
-        On SQLite this also switches the database file to WAL journaling, so that the relay's
-        reads never wait for the application's writers (it is a property of the file)."""
-        dialect = dialect_of(conn)
-        if dialect == "sqlite":
-            conn.execute("PRAGMA journal_mode=WAL")
-        statements = [s for t in self.tables() for s in create_statements(dialect, t)]
-        if dialect == "sqlite":
-            statements.append(_lease_ddl())
-        cur = conn.cursor()
-        for statement in statements:
-            cur.execute(statement)
-        conn.commit()
-
-    def add(
-        self,
-        conn_or_cursor: Any,
-        topic: str,
-        value: bytes | str,
-        group_id: str | None = None,
-        headers: Mapping[str, str] | None = None,
-        message_id: str | None = None,
-        shard: int = 0,
-    ) -> str:
-        """Insert one message in the caller's open transaction; returns its message id.
-
-        Validation is `producer.validate`'s (value size, group id, headers outside `varadhi-`,
-        message id) plus the topic name; it raises `InvalidArgument` before anything is written.
-        Commit or roll back as usual: the relay sees the row only once it is committed.
-        """
-        return self.add_many(
-            conn_or_cursor, topic, [Message(value, group_id, headers or {}, message_id)], shard
-        )[0]
-
-    def add_many(
-        self, conn_or_cursor: Any, topic: str, messages: Iterable[Message], shard: int = 0
-    ) -> list[str]:
-        """Insert many messages to `topic` in the caller's transaction (in order); returns their
-        message ids. Everything is validated first. PostgreSQL rows go in with one binary `COPY`
-        per table, SQLite rows with `executemany`."""
-        self._check_topic(topic)
-        self._check_shard(shard)
-        by_table: dict[str, list[tuple]] = {}
-        ids: list[str] = []
-        now_ms = int(self._clock() * 1000)
-        for i, message in enumerate(messages):
-            if not isinstance(message, Message):
-                raise InvalidArgument(
-                    f"must be a producer.Message, got {type(message).__name__}", f"messages[{i}]"
-                )
-            try:
-                record = validate(message, self.max_message_bytes)
-            except InvalidArgument as e:
-                raise InvalidArgument(str(e), field=f"messages[{i}]") from None
-            partition = partition_for(record.group_id, record.message_id, self.partitions)
-            headers = (
-                json.dumps(dict(message.headers), separators=(",", ":"))
-                if message.headers
-                else None
-            )
-            row = (topic, record.group_id, record.message_id, headers, record.value, now_ms)
-            by_table.setdefault(table_name(shard, partition, self.table_prefix), []).append(row)
-            ids.append(record.message_id)
-        if not ids:
-            return ids
-        dialect = dialect_of(conn_or_cursor)
-        cur = conn_or_cursor.cursor() if hasattr(conn_or_cursor, "cursor") else conn_or_cursor
-        for table, rows in by_table.items():
-            if dialect == "postgres":
-                if len(rows) == 1:
-                    cur.execute(
-                        f"INSERT INTO {table} ({_INSERT_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s)",
-                        rows[0],
-                    )
-                    continue
-                with cur.copy(f"COPY {table} ({_INSERT_COLUMNS}) FROM STDIN (FORMAT BINARY)") as cp:
-                    cp.set_types(["text", "text", "text", "text", "bytea", "int8"])
-                    for row in rows:
-                        cp.write_row(row)
-            else:
-                cur.executemany(
-                    f"INSERT INTO {table} ({_INSERT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)", rows
-                )
-        return ids
-
-    def pending(self, conn: Any) -> dict[str, int]:
-        """Rows waiting in each table (a full count: for operators and tests, not hot paths)."""
-        cur = conn.cursor()
-        out = {}
-        for table in self.tables():
-            cur.execute(f"SELECT count(*) FROM {table}")
-            out[table] = int(cur.fetchone()[0])
-        return out
-
-    def missing_tables(self, conn: Any) -> list[str]:
-        """The outbox tables that do not exist in this database (any DB-API connection)."""
-        missing = []
-        for table in self.tables():
-            try:
-                conn.cursor().execute(f"SELECT 1 FROM {table} WHERE 1 = 0")
-            except Exception:  # noqa: BLE001 - sqlite3 and psycopg raise different error types
-                missing.append(table)
-                conn.rollback()  # PostgreSQL aborts the transaction on an error
-        return missing
-
-    def _check_shard(self, shard: int) -> None:
-        if not isinstance(shard, int) or isinstance(shard, bool) or not 0 <= shard < self.shards:
-            raise InvalidArgument(f"{shard!r} is outside 0..{self.shards - 1}", field="shard")
-
-    @staticmethod
-    def _check_topic(topic: str) -> None:
-        if isinstance(topic, str) and names.INTERNAL_NAME_RE.match(topic):
-            raise InvalidArgument(
-                f"{topic} is a subscription's internal queue; it cannot be produced to",
-                field="topic",
-            )
-        names.validate_name(topic)
 
 
 # -- connections --------------------------------------------------------------------------
@@ -620,7 +371,7 @@ class _SqliteStore:
         self.ttl_ms = int(ttl_s * 1000)
         self.clock = clock
         self._expires: dict[str, int] = {}
-        conn.execute(_lease_ddl())
+        conn.execute(lease_table_ddl())
 
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
