@@ -120,7 +120,7 @@ def test_a_scrape_during_a_shard_run_matches_what_the_endpoint_counted(
             seen["final"] = scrape(telemetry.port)
             seen["endpoint"] = ep.stats()
             # Spark's metrics system has the running query's own source (metricsEnabled).
-            query = job._query  # the test looks inside: the query that runs now
+            query = job.query  # the query that runs now
             system = spark._jsc.sc().env().metricsSystem()
             seen["spark_source"] = system.getSourcesByName(f"spark.streaming.{query.name}").size()
             # ... and varadhi's source, whose registry Spark's sinks read.

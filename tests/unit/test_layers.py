@@ -75,7 +75,7 @@ def of_layer(layer: str) -> list[str]:
 def test_the_walk_sees_every_kind_of_import():
     """The rules below are only as good as `imports`: it must see absolute, relative and lazy
     imports (the shard job imports its parts; `varadhi.spark.session` imports pyspark lazily)."""
-    assert {"varadhi.spark.shard.commit", "varadhi.spark.shard.ends"} <= internal(
+    assert {"varadhi.spark.shard.query_run", "varadhi.spark.shard.ends"} <= internal(
         "varadhi.spark.shard.job"
     )
     assert "pyspark" in external_roots("varadhi.spark.warehouse_fs")

@@ -1,6 +1,7 @@
 """`ShardJob.run` before its control loop, with fakes for Spark, the catalog and the lease: every
 way out of it puts back the SIGINT/SIGTERM handlers it installed and closes the lease, a standby
-that took the lease and then failed included. The real runs are tests/integration's."""
+that took the lease and then failed included. Then `QueryRun` watching a query between batches
+with fake looks. The real runs are tests/integration's."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ from varadhi.core.errors import InvalidArgument, KafkaUnavailable
 from varadhi.kafka.settings import Settings
 from varadhi.spark import warehouse_fs
 from varadhi.spark.shard import job as shard_module
+from varadhi.spark.shard import query_run
 from varadhi.spark.shard.ends import ControlOutage, QueryEnd, RunEnd
+from varadhi.spark.shard.gate import BatchGate
 from varadhi.spark.shard.job import ShardJob
+from varadhi.spark.shard.parts import Loaded
+from varadhi.spark.shard.progress import ShardProgress
+from varadhi.spark.shard.query_run import QueryRun
 
 
 class FakeLease:
@@ -68,7 +74,7 @@ def job(monkeypatch):
         count = next(reads)
         if made.shard >= count:
             raise InvalidArgument(f"shard {made.shard} is outside 0..{count - 1} of orders-http")
-        return SimpleNamespace(shard_count=count), None, None, None
+        return Loaded(SimpleNamespace(shard_count=count), None, None, None)
 
     monkeypatch.setattr(made, "_load", load)
     monkeypatch.setattr(made, "_stand_by", lambda lease: lease.take("orders-http/s1/0") or True)
@@ -95,7 +101,9 @@ def test_a_heartbeat_that_cannot_start_restores_signals_and_closes_the_lease(
     job, monkeypatch, standby
 ):
     monkeypatch.setattr(FakeLease, "heartbeat_fails", True)
-    monkeypatch.setattr(job, "_load", lambda: (SimpleNamespace(shard_count=1), None, None, None))
+    monkeypatch.setattr(
+        job, "_load", lambda: Loaded(SimpleNamespace(shard_count=1), None, None, None)
+    )
     job.standby = standby
     before = handlers()
     with pytest.raises(KafkaUnavailable):
@@ -121,7 +129,7 @@ def steps(job, monkeypatch):
 
     def load():
         seen.append("catalog read")
-        return SimpleNamespace(shard_count=1), None, None, None
+        return Loaded(SimpleNamespace(shard_count=1), None, None, None)
 
     def spark(_self):
         seen.append("Spark session")
@@ -173,8 +181,21 @@ class RunningQuery:
     isActive = True
 
 
-def looks(job, monkeypatch, *answers):
-    """`job._look` gives `answers` in turn (an exception is raised); `_watch` does not sleep."""
+@pytest.fixture
+def run(monkeypatch):
+    """A `QueryRun` with only the parts `_watch` and `run` use: the gate, progress, a label;
+    `_watch` does not sleep."""
+    monkeypatch.setattr(query_run.time, "sleep", lambda _s: None)
+    parts = SimpleNamespace(
+        gate=BatchGate("orders-http shard 0"),
+        progress=ShardProgress(Settings.from_env(), "orders-http", 0, circuit=None),
+        label="orders-http shard 0",
+    )
+    return QueryRun(parts, None, None)
+
+
+def looks(run, monkeypatch, *answers):
+    """`run._look` gives `answers` in turn (an exception is raised)."""
     queue = list(answers)
 
     def look(*_args):
@@ -183,29 +204,28 @@ def looks(job, monkeypatch, *answers):
             raise answer
         return answer
 
-    monkeypatch.setattr(job, "_look", look)
-    monkeypatch.setattr(shard_module.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(run, "_look", look)
     return queue
 
 
-def test_the_control_loop_rides_out_kafka_errors_while_the_query_runs(job, monkeypatch):
+def test_the_control_loop_rides_out_kafka_errors_while_the_query_runs(run, monkeypatch):
     """A broker restarting made a catalog read time out between batches, and the shard failed
     (exit 1) although its query delivered on: now it tries again at its next look."""
     from kafka.errors import KafkaTimeoutError
 
     left = looks(
-        job,
+        run,
         monkeypatch,
         KafkaUnavailable("timed out reading the catalog topic"),
         KafkaTimeoutError("no metadata"),
         None,
         QueryEnd.STOP,
     )
-    assert job._watch(RunningQuery(), None, None, None, None, None) is QueryEnd.STOP
+    assert run._watch(RunningQuery(), None, None) is QueryEnd.STOP
     assert left == []
 
 
-def test_a_kafka_error_after_the_look_stopped_the_query_fails_the_shard(job, monkeypatch):
+def test_a_kafka_error_after_the_look_stopped_the_query_fails_the_shard(run, monkeypatch):
     query = RunningQuery()
     error = KafkaUnavailable("the layout could not be saved")
 
@@ -213,18 +233,18 @@ def test_a_kafka_error_after_the_look_stopped_the_query_fails_the_shard(job, mon
         query.isActive = False
         raise error
 
-    monkeypatch.setattr(job, "_look", stopped_then_failed)
+    monkeypatch.setattr(run, "_look", stopped_then_failed)
     with pytest.raises(KafkaUnavailable):
-        job._watch(query, None, None, None, None, None)
+        run._watch(query, None, None)
 
 
-def test_an_outage_longer_than_the_limit_fails_the_shard(job, monkeypatch):
-    monkeypatch.setattr(shard_module, "ControlOutage", lambda: ControlOutage(limit_s=0))
+def test_an_outage_longer_than_the_limit_fails_the_shard(run, monkeypatch):
+    monkeypatch.setattr(query_run, "ControlOutage", lambda: ControlOutage(limit_s=0))
     clock = iter(range(100))
-    monkeypatch.setattr(shard_module.time, "monotonic", lambda: next(clock))
-    looks(job, monkeypatch, KafkaUnavailable("down"), KafkaUnavailable("still down"))
+    monkeypatch.setattr(query_run.time, "monotonic", lambda: next(clock))
+    looks(run, monkeypatch, KafkaUnavailable("down"), KafkaUnavailable("still down"))
     with pytest.raises(KafkaUnavailable, match="still down"):
-        job._watch(RunningQuery(), None, None, None, None, None)
+        run._watch(RunningQuery(), None, None)
 
 
 def test_control_outage_rides_out_up_to_its_limit_and_starts_again_after_ok():
@@ -235,12 +255,12 @@ def test_control_outage_rides_out_up_to_its_limit_and_starts_again_after_ok():
     assert outage.since is None and outage.ride_out(200) and outage.since == 200
 
 
-def test_an_authorization_error_between_batches_fails_the_shard_at_once(job, monkeypatch):
+def test_an_authorization_error_between_batches_fails_the_shard_at_once(run, monkeypatch):
     from kafka.errors import TopicAuthorizationFailedError
 
-    looks(job, monkeypatch, TopicAuthorizationFailedError("catalog"), QueryEnd.STOP)
+    looks(run, monkeypatch, TopicAuthorizationFailedError("catalog"), QueryEnd.STOP)
     with pytest.raises(TopicAuthorizationFailedError):
-        job._watch(RunningQuery(), None, None, None, None, None)
+        run._watch(RunningQuery(), None, None)
 
 
 @pytest.mark.parametrize(
@@ -263,18 +283,17 @@ def test_which_kafka_errors_are_ridden_out(name, transient):
     assert not is_transient(ValueError("not Kafka"))
 
 
-def test_the_progress_after_a_query_says_what_its_last_batch_read(job, monkeypatch):
+def test_the_progress_after_a_query_says_what_its_last_batch_read(run, monkeypatch):
     """A pause or stop seen between batches ends the query before another look records what its
     last batch read: the next progress document (`paused`, `stopped`) must still say it, or
     status counts that batch's records as lag (5 read of 10 showed lag 10 while paused)."""
-    job._where["consumed"] = {"orders.0": {"0": 0}}  # as of the look before the last batch
+    progress = run.parts.progress
+    progress.where["consumed"] = {"orders.0": {"0": 0}}  # as of the look before the last batch
     done = {"sources": [{"endOffset": {"orders.0": {"0": 5}}}]}  # its last batch's progress
     query = SimpleNamespace(isActive=False, lastProgress=done)
-    plan = SimpleNamespace(
-        source=SimpleNamespace(assign={"orders.0": [0]}), state_path="s", app_id="a"
-    )
-    monkeypatch.setattr(job, "_prepare_query", lambda *_a: plan)
-    monkeypatch.setattr(job, "_start_query", lambda *_a: query)
-    monkeypatch.setattr(job, "_watch", lambda *_a: QueryEnd.PAUSED)
-    assert job._run_query(None, None, None, None, None, None) is QueryEnd.PAUSED
-    assert job._where["consumed"] == {"orders.0": {"0": 5}}
+    source = SimpleNamespace(assign={"orders.0": [0]})
+    monkeypatch.setattr(run, "_prepare", lambda: (None, source, 10))
+    monkeypatch.setattr(run, "_start", lambda *_a: query)
+    monkeypatch.setattr(run, "_watch", lambda *_a: QueryEnd.PAUSED)
+    assert run.run() is QueryEnd.PAUSED
+    assert progress.where["consumed"] == {"orders.0": {"0": 5}}

@@ -47,6 +47,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 from itertools import pairwise
+from typing import Protocol
 
 import pandas as pd
 import pyarrow as pa
@@ -65,6 +66,7 @@ from varadhi.core.state_rows import (
     done_row,
     entry_of,
     frame_of,
+    normalise,
     retry_state,
     stat_row,
     state_row,
@@ -423,6 +425,75 @@ def chained(
     for key, rows in by_group(first[again]).items():
         state.setdefault(key, []).extend(rows)
     return first[~again], state
+
+
+# -- the plan of one micro-batch's jobs (driver side) ----------------------------------------
+
+
+class HeldState(Protocol):
+    """What the plan reads of the shard's GroupState copy (`varadhi.spark.state_store.StateStore`,
+    the batch-commit protocol's state port): which groups have parked bodies, and those rows."""
+
+    def held_groups(self) -> set[str]: ...
+
+    def held_rows(self, keys: Iterable[str]) -> pd.DataFrame: ...
+
+
+class Executors(Protocol):
+    """Where a micro-batch's tasks run: Spark's executors (`varadhi.spark.shard.micro_batch.
+    SparkExecutors`) or, for a test, this process. Both return every result row
+    (`state_rows.RESULT_SCHEMA`) as one frame."""
+
+    def first(
+        self,
+        ctx: BatchContext,
+        forward: ForwardRule,
+        local: dict[str, list[StateRow]],
+        parked: dict[str, list[StateRow]] | None,
+    ) -> pd.DataFrame:
+        """Phase 1: `deliver_records` over the batch's records, in `concurrency` tasks."""
+        ...
+
+    def second(
+        self, rows: pd.DataFrame, ctx: BatchContext, involved: dict[str, list[StateRow]]
+    ) -> pd.DataFrame:
+        """Phase 2: `process_partition` over `rows` (`STATE_SCHEMA`), by group key."""
+        ...
+
+
+def deliver_batch(
+    ctx: BatchContext,
+    state: HeldState,
+    pending: dict[str, list[StateRow]],
+    due_groups: list[str],
+    executors: Executors,
+) -> pd.DataFrame:
+    """Deliver one micro-batch in one or two jobs (module docstring) and return every result
+    row. Phase 1 runs over the batch's records; when groups have pending state, its forwarded
+    rows come back here, are joined by the parked bodies their groups (and groups whose parked
+    head is due) need, and go to phase 2. Reads the state only through `state`."""
+    # Ungrouped: RQ records and due parked retries are merged in phase 1 (`ForwardRule.of`).
+    forward = ForwardRule.of(pending, ctx.spec.grouped, due_groups)
+    parked = None
+    if forward.parked:
+        parked, forward = parked_within(by_group(state.held_rows(forward.parked)), forward)
+    local = {k: pending[k] for k in forward.local | forward.parked}
+    first = executors.first(ctx, forward, local, parked)
+    if not pending:
+        return first
+    is_fwd = first["kind"] == Kind.FWD
+    forwarded = first[is_fwd]
+    held = state.held_rows(
+        (set(due_groups) - ran_parked(first, forward))
+        | (set(forwarded["group_key"]) & state.held_groups())
+    )
+    if not len(forwarded) and not len(held):
+        return first
+    rows = normalise(pd.concat([normalise(forwarded), held]))  # in the state's column types
+    # Only the state of the groups that take part travels with the tasks; a group phase 1 ran
+    # already goes on from its result there (`chained`).
+    first, involved = chained(first[~is_fwd], set(rows["group_key"]), pending)
+    return pd.concat([first, executors.second(rows, ctx, involved)], ignore_index=True)
 
 
 def _attempt() -> int:

@@ -20,9 +20,12 @@ each batch's tasks journal what the endpoint accepted, and what a re-run batch s
   its planning time minus `journal.LOOKBACK_MS`); None for every other batch, or when the journal
   cannot be read after `journal.READ_TRIES` tries (`journal.read_again`; logged: the batch is delivered again whole, rather
   than failing the query: duplicates of one batch against a shard that stops delivering).
+- `expect_handover(handover, layout)` and `handed_over(checkpoint, fs)`: what a shard-count
+  change handed this shard (`journal.HandOver`: messages an old shard's uncommitted batch
+  delivered), which every batch skips while the query reads below those messages.
 
-Contract: `target` and `replayed` run on the batch's thread, `ensure` and `plan_replay` on the
-control loop's before the query starts. The topic and the reader are injected (unit-tested in
+Contract: `target`, `replayed` and `handed_over` run on the batch's thread, `ensure`,
+`plan_replay` and `expect_handover` on the control loop's before the query starts. The topic and the reader are injected (unit-tested in
 tests/unit/test_shard_journal.py; a real crash and re-run in tests/integration/
 test_shard_crash.py, the journal over SASL_SSL in test_secure_kafka.py).
 """
@@ -39,7 +42,9 @@ from varadhi.core.errors import VaradhiError
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions
 from varadhi.kafka.settings import Settings
-from varadhi.spark import journal
+from varadhi.spark import checkpoints, journal, layouts
+from varadhi.spark.layouts import Layout
+from varadhi.spark.warehouse_fs import WarehouseFS
 
 log = logging.getLogger("varadhi.spark.shard.job")
 
@@ -59,6 +64,8 @@ class ShardJournal:
         self._ensure_topic, self._read = ensure_topic, read
         self.partitions: int | None = None  # the topic's partition count once it exists
         self._replay: tuple[str, int, int] | None = None  # (checkpoint, batch id, planned ms)
+        # What a shard-count change handed this shard's layout (`journal.HandOver`), if any.
+        self._handover: tuple[journal.HandOver, Layout] | None = None
 
     def ensure(self, sub: subscriptions.Subscription) -> None:
         if sub.spec.consumption.journal_interval_ms <= 0 or self.partitions:
@@ -78,6 +85,31 @@ class ShardJournal:
 
     def plan_replay(self, checkpoint: str, uncommitted: tuple[int, int] | None) -> None:
         self._replay = (checkpoint, *uncommitted) if uncommitted else None
+
+    def expect_handover(self, handover: journal.HandOver | None, layout: Layout) -> None:
+        """The hand-over a shard-count change left for `layout`'s query (None: none)."""
+        self._handover = (handover, layout) if handover else None
+
+    def handed_over(self, checkpoint: str, fs: WarehouseFS) -> journal.Accepted | None:
+        """The origins a shard-count change handed this shard (`journal.HandOver`: messages an
+        old shard's uncommitted batch delivered) while the query (`checkpoint`) reads below
+        them; forgotten once it has committed past them all."""
+        if self._handover is None:
+            return None
+        handover, layout = self._handover
+        committed = checkpoints.committed_offsets(checkpoint, fs) or {}
+        accepted = handover.accepted_below(layouts.merged(layout.starting_offsets, committed))
+        if accepted is None:
+            self._handover = None
+            return None
+        log.info(
+            "%s shard %d: %d messages an old shard delivered before the shard-count change "
+            "are not sent again when this batch reads them (hand-over)",
+            self.name,
+            self.shard,
+            len(accepted),
+        )
+        return accepted
 
     def target(
         self, sub: subscriptions.Subscription, app_id: str, batch_id: int
