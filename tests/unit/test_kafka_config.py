@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from varadhi.core.errors import KafkaConfigError
 from varadhi.kafka import config as kc
-from varadhi.kafka.config import KafkaConfigError
 
 CA = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 KEY = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n" + CA

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
+from varadhi.core.errors import KafkaConfigError
 from varadhi.kafka import config as kc
-from varadhi.kafka.config import KafkaConfigError
 from varadhi.spark import lines as spark_lines
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "conf" / "kafka"

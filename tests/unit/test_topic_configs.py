@@ -17,7 +17,8 @@ from kafka.errors import (
 from varadhi.core.errors import InvalidArgument, NotAuthorized, NotFound
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import topics
-from varadhi.kafka.config import PLAINTEXT, TopicSettings
+from varadhi.kafka.config import PLAINTEXT
+from varadhi.kafka.topic_settings import TopicSettings
 
 
 class FakeAdmin:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from varadhi.core.errors import InvalidArgument
+from varadhi.core.errors import InvalidArgument, KafkaConfigError
 from varadhi.kafka import config as kc
 from varadhi.kafka import topics
-from varadhi.kafka.config import KafkaConfigError, TopicSettings
 from varadhi.kafka.settings import Settings
+from varadhi.kafka.topic_settings import TOPIC_KINDS, TopicSettings
 
 
 def cfg(props: dict[str, str]) -> kc.KafkaConfig:
@@ -16,7 +16,7 @@ def cfg(props: dict[str, str]) -> kc.KafkaConfig:
 
 
 def test_defaults_are_the_clusters():
-    for kind in kc.TOPIC_KINDS:
+    for kind in TOPIC_KINDS:
         assert kc.PLAINTEXT.topics(kind) == TopicSettings(-1, ())
 
 

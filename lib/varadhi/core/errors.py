@@ -69,6 +69,10 @@ class KafkaUnavailable(VaradhiError):
     """The Kafka cluster could not be reached within the configured time."""
 
 
+class KafkaConfigError(InvalidArgument):
+    """The Kafka client configuration is invalid; nothing was started."""
+
+
 class UnsupportedSparkVersion(InvalidArgument):
     """The running (or asked for) Spark version is outside the supported lines
     (`varadhi.spark.lines`). Raised before any side effect."""

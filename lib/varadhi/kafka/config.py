@@ -36,26 +36,36 @@ the values, and `redact(text)` removes them from any text (error messages).
 Bad configuration raises `KafkaConfigError` (exit code 2) with one line naming the problem: an
 unknown or misspelt property (with the likely intended one), a missing variable or file, a
 mechanism without its credentials, TLS settings under a plaintext protocol.
+
+The product's own keys are never passed to a client: `varadhi.aws.region` (MSK IAM) and
+`varadhi.topic.*`, how its topics are created (`varadhi.kafka.topic_settings`). The Python
+clients' OAUTHBEARER tokens come from `varadhi.kafka.oauth_tokens`.
 """
 
 from __future__ import annotations
 
-import base64
 import difflib
-import json
 import os
 import re
-import threading
-import time
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kafka.net.sasl.oauth import AbstractTokenProvider
-
-from varadhi.core.errors import InvalidArgument
+from varadhi.core.errors import KafkaConfigError
+from varadhi.kafka.oauth_tokens import (
+    MskIamTokenProvider,
+    UnsecuredJwtProvider,
+    client_credentials_provider,
+)
+from varadhi.kafka.topic_settings import (
+    TOPIC_CONFIGS,
+    TOPIC_KEY,
+    TOPIC_KINDS,
+    TOPIC_PREFIX,
+    TopicSettings,
+    topic_settings,
+)
 
 CONFIG_ENV = "VARADHI_KAFKA_CONFIG"
 ENV_PREFIX = "VARADHI_KAFKA_"
@@ -69,8 +79,6 @@ UNSECURED_HANDLER = (
 MSK_IAM_HANDLER = "software.amazon.msk.auth.iam.IAMOAuthBearerLoginCallbackHandler"
 #: The Java side of MSK IAM (Maven Central; the shaded `all` classifier bundles the AWS SDK).
 MSK_IAM_PACKAGE = "software.amazon.msk:aws-msk-iam-auth:2.3.9"
-#: The Python side of MSK IAM (PyPI; pyproject.toml's `msk` extra).
-MSK_IAM_PYPI = "aws-msk-iam-sasl-signer-python==1.0.2"
 #: The product's own keys of the file (never passed to a client), besides `varadhi.topic.*`.
 PRODUCT_KEYS: dict[str, str] = {
     "varadhi.aws.region": "MSK IAM: the cluster's AWS region (us-east-1, ...) for the token signer",
@@ -97,77 +105,11 @@ KNOWN: dict[str, str] = {
     "sasl.oauthbearer.scope.claim.name": "Java clients: OAUTHBEARER scope claim name",
     "sasl.oauthbearer.sub.claim.name": "Java clients: OAUTHBEARER subject claim name",
 }
-#: The topics this product creates, and the properties that shape them (not client properties:
-#: never passed to a client). `varadhi.topic.replication.factor` and
-#: `varadhi.topic.config.<topic config>` apply to every kind; `varadhi.topic.<kind>.<...>` to
-#: one kind and win over the general ones. Unset, a topic gets the cluster's defaults
-#: (`default.replication.factor`, `min.insync.replicas`, ...): replication factor -1 (KIP-464).
-TOPIC_PREFIX = "varadhi.topic."
-TOPIC_KINDS = ("storage", "rq", "dlq", "catalog", "progress", "journal")
-#: Kafka's topic-level configs (Kafka 4.1), for did-you-mean on a misspelt one.
-TOPIC_CONFIGS = frozenset(
-    [
-        "cleanup.policy",
-        "compression.type",
-        "compression.gzip.level",
-        "compression.lz4.level",
-        "compression.zstd.level",
-        "delete.retention.ms",
-        "file.delete.delay.ms",
-        "flush.messages",
-        "flush.ms",
-        "follower.replication.throttled.replicas",
-        "index.interval.bytes",
-        "leader.replication.throttled.replicas",
-        "local.retention.bytes",
-        "local.retention.ms",
-        "max.compaction.lag.ms",
-        "max.message.bytes",
-        "message.timestamp.after.max.ms",
-        "message.timestamp.before.max.ms",
-        "message.timestamp.type",
-        "min.cleanable.dirty.ratio",
-        "min.compaction.lag.ms",
-        "min.insync.replicas",
-        "preallocate",
-        "remote.log.copy.disable",
-        "remote.log.delete.on.disable",
-        "remote.storage.enable",
-        "retention.bytes",
-        "retention.ms",
-        "segment.bytes",
-        "segment.index.bytes",
-        "segment.jitter.ms",
-        "segment.ms",
-        "unclean.leader.election.enable",
-    ]
-)
-_TOPIC_KEY = re.compile(
-    r"varadhi\.topic\.(?:(" + "|".join(TOPIC_KINDS) + r")\.)?(replication\.factor|config\.(.+))"
-)
-
-
-@dataclass(frozen=True)
-class TopicSettings:
-    """How to create one kind of topic: the replication factor (-1: the cluster's default) and
-    topic configs (only those set; the cluster's defaults for the rest)."""
-
-    replication_factor: int = -1
-    configs: tuple[tuple[str, str], ...] = ()
-
-    def config(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The configs, with `extra` (the product's own, e.g. `cleanup.policy=compact` for the
-        catalog) under them: a configured value wins."""
-        return {**(extra or {}), **dict(self.configs)}
-
-    def with_defaults(self, extra: Mapping[str, str]) -> TopicSettings:
-        """These settings with `extra` configs where none is configured."""
-        return TopicSettings(self.replication_factor, tuple(sorted(self.config(extra).items())))
 
 
 def _topic_property(key: str, value: str, where: str) -> None:
     """Refuse a bad `varadhi.topic.*` property."""
-    m = _TOPIC_KEY.fullmatch(key)
+    m = TOPIC_KEY.fullmatch(key)
     if not m:
         forms = [
             f"{TOPIC_PREFIX}{k}replication.factor" for k in ("", *[f"{k}." for k in TOPIC_KINDS])
@@ -196,33 +138,6 @@ def _topic_property(key: str, value: str, where: str) -> None:
         )
 
 
-def topic_settings(props: Mapping[str, str], kind: str) -> TopicSettings:
-    """The `TopicSettings` of `kind` from resolved properties (validated by `load`)."""
-    if kind not in TOPIC_KINDS:
-        raise ValueError(kind)
-    factor = -1
-    general: dict[str, str] = {}
-    specific: dict[str, str] = {}
-    specific_factor = None
-    for key, value in props.items():
-        m = _TOPIC_KEY.fullmatch(key)
-        if not m or m.group(1) not in (None, kind):
-            continue
-        if m.group(3) is None:
-            if m.group(1) is None:
-                factor = int(value)
-            else:
-                specific_factor = int(value)
-        else:
-            (general if m.group(1) is None else specific)[m.group(3)] = value.strip()
-    configs = {**general, **specific}
-    if kind == "catalog" and "compact" not in configs.get("cleanup.policy", "compact"):
-        configs.pop("cleanup.policy")  # a general delete policy never applies to the catalog
-    return TopicSettings(
-        specific_factor if specific_factor is not None else factor, tuple(sorted(configs.items()))
-    )
-
-
 def _check_topics(props: Mapping[str, str], where: str) -> None:
     for kind in TOPIC_KINDS:
         ts = topic_settings(props, kind)
@@ -244,10 +159,6 @@ SECRET_OPTIONS = {"password", "clientSecret", "client_secret", "token"}
 
 _REF = re.compile(r"\$\{(env|file):([^}]*)\}")
 _HIDDEN = "[hidden]"
-
-
-class KafkaConfigError(InvalidArgument):
-    """The Kafka client configuration is invalid; nothing was started."""
 
 
 # -- Java properties ------------------------------------------------------------------------------
@@ -436,7 +347,7 @@ class KafkaConfig:
             elif flavor == "unsecured":
                 kw["sasl_oauth_token_provider"] = UnsecuredJwtProvider.from_jaas(options)
             elif flavor == "client-credentials":
-                kw["sasl_oauth_token_provider"] = _token_provider(
+                kw["sasl_oauth_token_provider"] = client_credentials_provider(
                     self.get("sasl.oauthbearer.token.endpoint.url") or "",
                     options.get("clientId", ""),
                     options.get("clientSecret", ""),
@@ -759,172 +670,3 @@ def _validate_oauth(
             f"{where}sasl.mechanism OAUTHBEARER needs sasl.oauthbearer.token.endpoint.url "
             f"(an http(s) URL)"
         )
-
-
-# -- OAUTHBEARER client credentials -------------------------------------------------------------
-_providers: dict[tuple, Any] = {}
-_providers_lock = threading.Lock()
-
-
-def _token_provider(url: str, client_id: str, secret: str, scope: str | None) -> Any:
-    key = (url, client_id, secret, scope)
-    with _providers_lock:
-        if key not in _providers:
-            _providers[key] = ClientCredentialsTokenProvider(url, client_id, secret, scope)
-        return _providers[key]
-
-
-class ClientCredentialsTokenProvider(AbstractTokenProvider):
-    """kafka-python's token provider for OAUTHBEARER: the OAuth 2 client-credentials grant
-    against the token endpoint, the token reused until 30 s before it expires."""
-
-    def __init__(self, url: str, client_id: str, secret: str, scope: str | None = None):
-        self.url, self.client_id, self._secret, self.scope = url, client_id, secret, scope
-        self._token: str | None = None
-        self._expires = 0.0
-        self._lock = threading.Lock()
-
-    def token(self) -> str:
-        with self._lock:
-            if self._token is None or time.monotonic() > self._expires - 30:
-                form = {"grant_type": "client_credentials"}
-                if self.scope:
-                    form["scope"] = self.scope
-                request = urllib.request.Request(
-                    self.url,
-                    data=urllib.parse.urlencode(form).encode(),
-                    headers={"Content-Type": "application/x-www-form-urlencoded"},
-                )
-                basic = f"{urllib.parse.quote(self.client_id)}:{urllib.parse.quote(self._secret)}"
-                request.add_header(
-                    "Authorization", "Basic " + base64.b64encode(basic.encode()).decode()
-                )
-                with urllib.request.urlopen(request, timeout=10) as response:
-                    body = json.load(response)
-                self._token = body["access_token"]
-                self._expires = time.monotonic() + float(body.get("expires_in", 3600))
-            return self._token
-
-    def extensions(self) -> dict:
-        return {}
-
-    def __repr__(self) -> str:
-        return f"ClientCredentialsTokenProvider({self.url}, {self.client_id})"
-
-
-# -- OAUTHBEARER unsecured JWT (development, tests) ---------------------------------------------
-class UnsecuredJwtProvider(AbstractTokenProvider):
-    """kafka-python's token provider for Kafka's unsecured OAUTHBEARER login: what the Java
-    `OAuthBearerUnsecuredLoginCallbackHandler` makes from the same JAAS options, an unsigned JWT
-    (`{"alg":"none"}`) with `sub`, `iat`, `exp` (`unsecuredLoginLifetimeSeconds`, default 3600)
-    and every `unsecuredLoginStringClaim_<name>`, `unsecuredLoginNumberClaim_<name>` and
-    `unsecuredLoginListClaim_<name>` (its first character separates the items). A new token is
-    made when less than a tenth of the lifetime is left. Anyone can forge such a token: only for
-    brokers that run the unsecured validator (development and tests)."""
-
-    def __init__(self, claims: Mapping[str, Any], lifetime: float = 3600.0):
-        self.claims = dict(claims)
-        self.lifetime = lifetime
-        self._token: str | None = None
-        self._expires = 0.0
-        self._lock = threading.Lock()
-
-    @classmethod
-    def from_jaas(cls, options: Mapping[str, str], where: str = "") -> UnsecuredJwtProvider:
-        claims: dict[str, Any] = {}
-        lifetime = 3600.0
-        for name, value in options.items():
-            kind, _, claim = name.partition("_")
-            if kind == "unsecuredLoginStringClaim":
-                claims[claim] = value
-            elif kind == "unsecuredLoginNumberClaim":
-                claims[claim] = _number(name, value, where)
-            elif kind == "unsecuredLoginListClaim":
-                items = value[1:].split(value[:1]) if value else []
-                claims[claim] = [item for item in items if item]
-            elif name == "unsecuredLoginLifetimeSeconds":
-                lifetime = _number(name, value, where)
-                if lifetime <= 0:
-                    raise KafkaConfigError(f"{where}{name} must be positive, not {value!r}")
-        if not claims.get("sub"):
-            raise KafkaConfigError(
-                f'{where}the unsecured OAUTHBEARER login needs unsecuredLoginStringClaim_sub="..."'
-            )
-        return cls(claims, lifetime)
-
-    def token(self) -> str:
-        with self._lock:
-            now = time.time()
-            if self._token is None or now > self._expires - self.lifetime / 10:
-                self._expires = now + self.lifetime
-                payload = {**self.claims, "iat": round(now, 3), "exp": round(self._expires, 3)}
-                self._token = ".".join(
-                    [_b64url({"alg": "none"}), _b64url(payload), ""]
-                )  # header.payload. (no signature)
-            return self._token
-
-    def __repr__(self) -> str:
-        return f"UnsecuredJwtProvider(sub={self.claims.get('sub')})"
-
-
-def _number(name: str, value: str, where: str) -> float:
-    try:
-        return float(value)
-    except ValueError:
-        raise KafkaConfigError(f"{where}{name} must be a number, not {value!r}") from None
-
-
-def _b64url(doc: Mapping[str, Any]) -> str:
-    raw = json.dumps(doc, separators=(",", ":")).encode()
-    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-
-# -- OAUTHBEARER Amazon MSK IAM ------------------------------------------------------------------
-class MskIamTokenProvider(AbstractTokenProvider):
-    """kafka-python's token provider for Amazon MSK IAM: a SigV4-signed token from
-    aws-msk-iam-sasl-signer-python for `region`, with the AWS credentials of the environment
-    (or `profile`, or `role_arn` assumed through STS), reused until a minute before it expires.
-    Signing is local: no request leaves the machine except with `role_arn`. The token carries
-    the access key id and a signature, never the secret key; it is itself a credential, so
-    `repr` never shows it."""
-
-    def __init__(
-        self,
-        region: str,
-        profile: str | None = None,
-        role_arn: str | None = None,
-        session_name: str | None = None,
-    ):
-        try:
-            from aws_msk_iam_sasl_signer import MSKAuthTokenProvider
-        except ImportError:
-            raise KafkaConfigError(
-                f"MSK IAM needs the Python package aws-msk-iam-sasl-signer-python "
-                f"(pip install {MSK_IAM_PYPI}, or the msk extra: pip install 'varadhi-spark[msk]')"
-            ) from None
-        self._signer = MSKAuthTokenProvider
-        self.region, self.profile, self.role_arn = region, profile, role_arn
-        self.session_name = session_name
-        self._token: str | None = None
-        self._expires_ms = 0
-        self._lock = threading.Lock()
-
-    def token(self) -> str:
-        with self._lock:
-            if self._token is None or time.time() * 1000 > self._expires_ms - 60_000:
-                if self.role_arn:
-                    args = [self.region, self.role_arn]
-                    if self.session_name:
-                        args.append(self.session_name)
-                    token, expires_ms = self._signer.generate_auth_token_from_role_arn(*args)
-                elif self.profile:
-                    token, expires_ms = self._signer.generate_auth_token_from_profile(
-                        self.region, self.profile
-                    )
-                else:
-                    token, expires_ms = self._signer.generate_auth_token(self.region)
-                self._token, self._expires_ms = token, int(expires_ms)
-            return self._token
-
-    def __repr__(self) -> str:
-        return f"MskIamTokenProvider({self.region})"

@@ -27,7 +27,7 @@ from varadhi.core.names import validate_name, validate_partitions
 from varadhi.core.queue_records import QUEUE_HEADROOM_BYTES
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka.catalog import Catalog, Snapshot, key
-from varadhi.kafka.config import TOPIC_CONFIGS, TopicSettings
+from varadhi.kafka.topic_settings import TOPIC_CONFIGS, TopicSettings
 
 KIND = DocKind.TOPIC
 
@@ -110,7 +110,7 @@ class CompositeTopic:
 
     @property
     def kind(self) -> str:
-        """The kind of topic settings (`kafka_config.TOPIC_KINDS`) its storage topics use."""
+        """The kind of topic settings (`topic_settings.TOPIC_KINDS`) its storage topics use."""
         if self.internal and self.name.rsplit(".", 1)[-1] in ("rq", "dlq"):
             return self.name.rsplit(".", 1)[-1]
         return "storage"
