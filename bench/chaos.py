@@ -94,7 +94,7 @@ from varadhi.kafka.settings import Settings
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards as resharding
-from varadhi.ops import status
+from varadhi.ops import change_shards_plan, status
 from varadhi.spark import checkpoints, layouts
 from varadhi.spark.warehouse_fs import for_path
 from varadhi.testing.endpoint import read_records
@@ -433,7 +433,7 @@ def change_shards(catalog: Catalog, shards: Shards, name: str, to: int, env, t0)
         log(t0, f"change-shards refused ({output.returncode}); again in 10 s")
         time.sleep(10)
     output.check_returncode()
-    op = catalog.snapshot().get("operation", resharding.operation_name(name)) or {}
+    op = catalog.snapshot().get("operation", change_shards_plan.operation_name(name)) or {}
     sources = [f["source"] for f in op.get("feeders", []) if not f.get("done")]
     feeders = [
         subprocess.Popen(

@@ -38,8 +38,8 @@ from varadhi.ops import status
 from varadhi.ops.offsets import Mode, OffsetReset, Plan, Queue
 
 if TYPE_CHECKING:
-    from varadhi.ops.change_shards import FeederMode
-    from varadhi.ops.change_shards import Plan as ChangeShardsPlan
+    from varadhi.ops.change_shards_plan import FeederMode
+    from varadhi.ops.change_shards_plan import Plan as ChangeShardsPlan
     from varadhi.ops.lifecycle import SubscriptionDeletePlan, TopicDeletePlan
     from varadhi.ops.replay import ReplayPlan, ReplayResult
 

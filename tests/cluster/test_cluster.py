@@ -25,7 +25,7 @@ from varadhi.kafka import dlq
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.ops import change_shards as resharding
+from varadhi.ops import change_shards_plan
 from varadhi.testing.endpoint import TestEndpoint
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kafka, pytest.mark.spark]
@@ -134,7 +134,7 @@ def test_change_shards_with_feeders_on_the_cluster_then_a_replay(
     ]
     for feeder in feeders:
         assert feeder.wait() == 0, feeder.tail()
-    op = catalog.get(resharding.OPERATION, resharding.operation_name(flow.name))
+    op = catalog.get(change_shards_plan.OPERATION, change_shards_plan.operation_name(flow.name))
     assert op["step"] == "done" and all(f["done"] for f in op["feeders"]), op
     parked = dlq.list_parked(catalog, flow.name)
     assert {(p["msg_id"], p["topic"]) for p in parked if p["topic"] == f"{flow.name}.dlq.1"} == {

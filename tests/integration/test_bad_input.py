@@ -23,8 +23,7 @@ from varadhi.core import messages as m
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.ops import change_shards as resharding
-from varadhi.ops import replay
+from varadhi.ops import feeders, replay
 from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
@@ -305,7 +304,7 @@ def test_every_kind_of_bad_input_is_delivered_or_dead_lettered_and_nothing_dies(
         assert code == 0, out + err
         for queue in ("rq", "dlq"):
             source = f"{name}.{queue}.0"
-            copied = resharding.feed(spark, catalog, name, source)
+            copied = feeders.feed(spark, catalog, name, source)
             expected = [
                 r
                 for r in read_queue(settings.bootstrap, source)

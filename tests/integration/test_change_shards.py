@@ -22,7 +22,7 @@ from varadhi.kafka import dlq, subscriptions, topics
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.ops import change_shards as resharding
+from varadhi.ops import change_shards_plan
 from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 
@@ -140,7 +140,7 @@ def test_change_shards_two_four_three_keeps_group_order_and_loses_nothing(
         assert change(name, 4, "--dry-run") == 0
         plan = json.loads(capsys.readouterr().out)
         assert [f["source"] for f in plan["feeders"]] == [f"{name}.rq.0", f"{name}.dlq.0"]
-        assert catalog.get("operation", resharding.operation_name(name)) is None
+        assert catalog.get("operation", change_shards_plan.operation_name(name)) is None
 
         assert change(name, 4) == 0
         op = json.loads(capsys.readouterr().out)
@@ -253,5 +253,7 @@ def test_a_signal_cancels_an_external_feeder_which_stays_to_run(
     text = log.read_text(errors="replace")[-3000:]
     assert code == 1, text
     assert "varadhi: interrupted by SIGTERM" in text and "Fatal Python error" not in text, text
-    op = catalog.snapshot().get(resharding.OPERATION, resharding.operation_name(name))
+    op = catalog.snapshot().get(
+        change_shards_plan.OPERATION, change_shards_plan.operation_name(name)
+    )
     assert [f["done"] for f in op["feeders"] if f["source"] == f"{name}.rq.0"] == [False]

@@ -31,7 +31,7 @@ from varadhi.kafka.catalog import key
 from varadhi.kafka.leases import Lease
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.ops import change_shards as resharding
+from varadhi.ops import change_shards, change_shards_plan, feeders
 from varadhi.spark import journal, layouts
 from varadhi.spark.checkpoints import shard_position, uncommitted_plan
 from varadhi.spark.layouts import READER_KIND, Layout
@@ -258,7 +258,9 @@ def outcome(settings, spark, catalog, name: str) -> dict:
     return _norm(
         {
             "subscription": snap.get(subscriptions.KIND, name),
-            "operation": snap.get(resharding.OPERATION, resharding.operation_name(name)),
+            "operation": snap.get(
+                change_shards_plan.OPERATION, change_shards_plan.operation_name(name)
+            ),
             "readers": {j: snap.get(READER_KIND, layouts.owner(name, TO, j)) for j in range(TO)},
             "handover": {
                 j: snap.get(journal.HANDOVER_KIND, layouts.owner(name, TO, j)) for j in range(TO)
@@ -290,7 +292,7 @@ def crash_after(monkeypatch, owner, attr: str, nth: int = 1, before: bool = Fals
     monkeypatch.setattr(owner, attr, crashing)
 
 
-CS = resharding.ChangeShards
+CS = change_shards.ChangeShards
 # (owner, attribute, nth call, crash instead of the call): every step boundary of `execute`.
 CRASH_POINTS = {
     "recorded": (CS, "_write_op", 1, False),  # the plan written, nothing done
@@ -300,9 +302,9 @@ CRASH_POINTS = {
     "state": (CS, "_step_state", 1, False),  # tables, records and hand-over written
     "layouts": (CS, "_step_layouts", 1, False),
     "activate": (CS, "_step_activate", 1, False),
-    "fed-unmarked": (resharding, "_mark_fed", 1, True),  # RQ copied, not marked
-    "fed-rq": (resharding, "_mark_fed", 1, False),
-    "done": (resharding, "_mark_fed", 2, False),
+    "fed-unmarked": (feeders, "_mark_fed", 1, True),  # RQ copied, not marked
+    "fed-rq": (feeders, "_mark_fed", 1, False),
+    "done": (feeders, "_mark_fed", 2, False),
 }
 
 

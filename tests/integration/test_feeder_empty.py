@@ -1,5 +1,5 @@
 """A feeder whose old RQ/DLQ storage topic holds nothing is marked done without Spark
-(`resharding.feed_if_empty`, which `varadhi-job feeder` calls first); one whose topic holds a
+(`varadhi.ops.feeders.feed_if_empty`, which `varadhi-job feeder` calls first); one whose topic holds a
 record is left to copy. Against the real broker; the change-shards before it uses the
 session's Spark."""
 
@@ -12,13 +12,16 @@ from varadhi.cli import main as cli
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.ops import change_shards as resharding
+from varadhi.ops import change_shards_plan
+from varadhi.ops.feeders import feed_if_empty
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
 
 def feeders(catalog, name: str) -> dict[str, dict]:
-    op = catalog.snapshot().get(resharding.OPERATION, resharding.operation_name(name))
+    op = catalog.snapshot().get(
+        change_shards_plan.OPERATION, change_shards_plan.operation_name(name)
+    )
     return {f["source"]: f for f in op["feeders"]}
 
 
@@ -46,10 +49,12 @@ def test_an_empty_source_is_fed_without_spark_and_a_full_one_is_not(
     producer.send(dlq, key=b"g1", value=b"a dead letter", partition=0).get(30)
     producer.close()
 
-    assert resharding.feed_if_empty(catalog, name, rq) is True
-    assert resharding.feed_if_empty(catalog, name, dlq) is False
+    assert feed_if_empty(catalog, name, rq) is True
+    assert feed_if_empty(catalog, name, dlq) is False
     found = feeders(catalog, name)
     assert (found[rq]["done"], found[rq]["records"]) == (True, 0)
     assert found[dlq]["done"] is False  # its record is copied by `feed`, with Spark
-    op = catalog.snapshot().get(resharding.OPERATION, resharding.operation_name(name))
+    op = catalog.snapshot().get(
+        change_shards_plan.OPERATION, change_shards_plan.operation_name(name)
+    )
     assert op["step"] == "feed"  # not done while a feeder is not

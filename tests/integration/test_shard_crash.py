@@ -45,8 +45,7 @@ from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.ops import change_shards as resharding
-from varadhi.ops import status
+from varadhi.ops import change_shards_plan, status
 from varadhi.spark import layouts
 from varadhi.spark.batch import TICK_HEADER
 from varadhi.spark.layouts import Layout
@@ -734,7 +733,7 @@ def test_a_shard_count_change_after_a_crash_re_delivers_nothing_the_journal_name
     sc.wait_for("the lease to expire", lambda: not status.shards_running(sc.catalog, sc.name))
 
     assert cli(["subscription", "change-shards", sc.name, "--to", "2"]) == 0
-    first = sc.catalog.get(resharding.OPERATION, resharding.operation_name(sc.name))
+    first = sc.catalog.get(change_shards_plan.OPERATION, change_shards_plan.operation_name(sc.name))
     assert cli(["subscription", "change-shards", sc.name, "--to", "4"]) == 0
     with ThreadPoolExecutor(4) as pool:  # the new shards, in this process, until idle
         shards = (0, 1, 2, 3)
@@ -749,7 +748,7 @@ def test_a_shard_count_change_after_a_crash_re_delivers_nothing_the_journal_name
     assert [b["batch"] for b in handover["batches"]] == [1]
     assert handover["pending_dropped"] >= 2  # g00's retry and at least one parked follower
     assert sum(handover["handed_over"].values()) > 0 and handover["left_out"] == 0
-    op = sc.catalog.get(resharding.OPERATION, resharding.operation_name(sc.name))
+    op = sc.catalog.get(change_shards_plan.OPERATION, change_shards_plan.operation_name(sc.name))
     again = op["state"]["handover"]
     print(again)
     # the 2 shards never ran: what they were handed is handed on whole (batch -1: carried)

@@ -13,8 +13,7 @@ from kafka.admin import KafkaAdminClient
 from varadhi.core.errors import InvalidArgument
 from varadhi.kafka import leases, subscriptions, topics
 from varadhi.kafka.catalog import Catalog
-from varadhi.ops import change_shards as resharding
-from varadhi.ops import lifecycle, offsets
+from varadhi.ops import change_shards, change_shards_plan, lifecycle, offsets
 from varadhi.spark import layouts
 from varadhi.spark.shard.job import ShardJob
 
@@ -74,10 +73,10 @@ def test_a_shard_count_change_refuses_an_unwritable_warehouse_before_its_first_s
 ):
     spec = make_subscription("http://127.0.0.1:9/never-called")
     with pytest.raises(InvalidArgument) as refused:
-        resharding.ChangeShards(unwritable, spark=lambda: spark).execute(spec.name, 2)
+        change_shards.ChangeShards(unwritable, spark=lambda: spark).execute(spec.name, 2)
     refused_line(refused)
     snap = catalog.snapshot()
-    assert snap.get(offsets.OPERATION, resharding.operation_name(spec.name)) is None
+    assert snap.get(offsets.OPERATION, change_shards_plan.operation_name(spec.name)) is None
     owner = layouts.owner(spec.name, 1, 0)
     assert snap.get(leases.KIND, owner) is None  # not fenced
 

@@ -11,8 +11,7 @@ from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.jobs import definitions as jobdefs
 from varadhi.kafka import dlq, leases, subscriptions, topics
 from varadhi.kafka.catalog import key
-from varadhi.ops import change_shards as resharding
-from varadhi.ops import lifecycle, offsets, replay
+from varadhi.ops import change_shards_plan, lifecycle, offsets, replay
 from varadhi.spark import journal, layouts
 
 PACKAGE = Path(__file__).resolve().parents[2] / "lib" / "varadhi"
@@ -44,10 +43,10 @@ def test_each_module_s_kind_is_the_one_enum_member():
     assert topics.KIND is DocKind.TOPIC and subscriptions.KIND is DocKind.SUBSCRIPTION
     assert leases.KIND is DocKind.LEASE and layouts.READER_KIND is DocKind.READER
     assert journal.HANDOVER_KIND is DocKind.HANDOVER
-    for module in (dlq, lifecycle, offsets, replay, resharding):
+    for module in (dlq, lifecycle, offsets, replay, change_shards_plan):
         assert module.OPERATION is DocKind.OPERATION
     assert jobdefs.OPERATION_KIND is DocKind.OPERATION
-    assert resharding.KIND is jobdefs.CHANGE_SHARDS is OpKind.CHANGE_SHARDS
+    assert change_shards_plan.KIND is jobdefs.CHANGE_SHARDS is OpKind.CHANGE_SHARDS
 
 
 CATALOGS = ("catalog", "snapshot", "snap")  # what the package names a catalog or a snapshot

@@ -1,5 +1,5 @@
 """The delivery journal's hand-over across a shard-count change (`varadhi.spark.journal`: HandOver,
-hand_over, UncommittedBatch; `varadhi.ops.change_shards.drop_delivered`): pure, no services. The last
+hand_over, UncommittedBatch; `varadhi.ops.change_shards_plan.drop_delivered`): pure, no services. The last
 tests play a whole change: an old shard's batch delivered part of a group's retries and new
 messages, crashed uncommitted, and the new shards then re-read what it read."""
 
@@ -21,10 +21,13 @@ from varadhi.core.group_state import Entry, GroupRun, RunCounts, merge
 from varadhi.core.policies import RetryPolicy
 from varadhi.kafka.catalog import Snapshot
 from varadhi.kafka.settings import Settings
+from varadhi.kafka.subscriptions import Subscription
 from varadhi.kafka.topics import new_topic
-from varadhi.ops import change_shards as rs
+from varadhi.ops.change_shards import ChangeShards, HandOverUnreadable
+from varadhi.ops.change_shards_plan import carried, drop_delivered, plan_change
 from varadhi.spark import checkpoints, journal, layouts
 from varadhi.spark.journal import Accepted, HandOver, UncommittedBatch
+from varadhi.spark.layouts import Layout
 from varadhi.spark.warehouse_fs import LocalFS
 
 NAMES = ["t.0", "t.1"]  # the main topic's storage topics, by index
@@ -146,9 +149,9 @@ def test_a_second_change_hands_on_what_the_first_handed_an_old_shard_and_it_has_
     # 2 -> 4 handed new shard 0 (layout generation 0, seq 1) offsets 10-14 of t.0/0; it then
     # crashed again in a batch from 10 that delivered 20-22 (it skipped 10-14, so its journal
     # names only 20-22). The 4 -> 2 change must hand on both, bounded by the furthest plan.
-    layout = rs.Layout(0, 1, 0, {"t.0": {"0": 10}})
+    layout = Layout(0, 1, 0, {"t.0": {"0": 10}})
     doc = HandOver(0, 1, ((0, 0, 10, 14),), {"t.0": {"0": 15}}).to_dict()
-    earlier = rs.carried(0, layout, {"t.0": {"0": 10}}, doc)
+    earlier = carried(0, layout, {"t.0": {"0": 10}}, doc)
     assert earlier == UncommittedBatch(
         0, -1, {"t.0": {"0": 10}}, {"t.0": {"0": 15}}, Accepted.of_runs([(0, 0, 10, 14)])
     )
@@ -157,9 +160,9 @@ def test_a_second_change_hands_on_what_the_first_handed_an_old_shard_and_it_has_
     assert docs == {0: HandOver(0, 2, ((0, 0, 10, 14), (0, 0, 20, 22)), {"t.0": {"0": 30}})}
     assert journal.hand_over([again, earlier], NAMES, [{"t.0": [0, 1]}], 0, 2)[0] == docs
     # once the old shard read past it, or for another layout era, nothing is carried
-    assert rs.carried(0, layout, {"t.0": {"0": 15}}, doc) is None
-    assert rs.carried(0, rs.Layout(1, 0, 0), {"t.0": {"0": 10}}, doc) is None
-    assert rs.carried(0, layout, {"t.0": {"0": 10}}, None) is None
+    assert carried(0, layout, {"t.0": {"0": 15}}, doc) is None
+    assert carried(0, Layout(1, 0, 0), {"t.0": {"0": 10}}, doc) is None
+    assert carried(0, layout, {"t.0": {"0": 10}}, None) is None
 
 
 # -- the planned end of an uncommitted batch --------------------------------------------------------
@@ -190,7 +193,7 @@ def test_uncommitted_plan_has_the_planned_end_offsets(tmp_path):
 class _Catalog:
     """What `ChangeShards._uncommitted_batches` reads of the catalog: a snapshot and settings."""
 
-    def __init__(self, warehouse: str, sub: rs.Subscription):
+    def __init__(self, warehouse: str, sub: Subscription):
         self.settings = Settings(bootstrap="127.0.0.1:1", warehouse=warehouse)
         self._snap = Snapshot({f"subscription/{sub.name}": sub.to_dict()})
 
@@ -210,25 +213,25 @@ def _change_with_a_crashed_shard(tmp_path, monkeypatch, read):
         },
         source="test.yaml",
     )
-    sub = rs.Subscription(spec, shard_count=2, created_ms=7)
+    sub = Subscription(spec, shard_count=2, created_ms=7)
     mq = new_topic("orders", 6)
     rq, dlq = (
         new_topic("orders-http.rq", 4, internal=True),
         new_topic("orders-http.dlq", 2, internal=True),
     )
     positions = {
-        s: (rs.Layout(0, 0, 0, {}), {"orders.0": {str(p): 0 for p in range(s * 3, s * 3 + 3)}})
+        s: (Layout(0, 0, 0, {}), {"orders.0": {str(p): 0 for p in range(s * 3, s * 3 + 3)}})
         for s in range(2)
     }
-    plan = rs.plan_change(sub, mq, rq, dlq, positions, 3)
-    cp = Path(layouts.checkpoint_path(str(tmp_path), sub.name, 2, 1, rs.Layout(0, 0, 0, {})))
+    plan = plan_change(sub, mq, rq, dlq, positions, 3)
+    cp = Path(layouts.checkpoint_path(str(tmp_path), sub.name, 2, 1, Layout(0, 0, 0, {})))
     (cp / "offsets").mkdir(parents=True)
     (cp / "commits").mkdir()
     meta = json.dumps({"batchWatermarkMs": 0, "batchTimestampMs": 50_000, "conf": {}})
     (cp / "offsets" / "4").write_text(f'v1\n{meta}\n{{"orders.0":{{"3":20,"4":20,"5":20}}}}\n')
-    monkeypatch.setattr(rs.journal, "READ_RETRY_S", 0)
-    monkeypatch.setattr(rs.journal, "read_shard", read)
-    return rs.ChangeShards(_Catalog(str(tmp_path), sub)), plan
+    monkeypatch.setattr(journal, "READ_RETRY_S", 0)
+    monkeypatch.setattr(journal, "read_shard", read)
+    return ChangeShards(_Catalog(str(tmp_path), sub)), plan
 
 
 def test_change_shards_refuses_when_an_uncommitted_batch_s_journal_cannot_be_read(
@@ -245,12 +248,12 @@ def test_change_shards_refuses_when_an_uncommitted_batch_s_journal_cannot_be_rea
         raise KafkaTimeoutError("journal orders-http.journal/1 not read to its end in 30 s")
 
     change, plan = _change_with_a_crashed_shard(tmp_path, monkeypatch, unreadable)
-    with pytest.raises(rs.HandOverUnreadable) as e:
+    with pytest.raises(HandOverUnreadable) as e:
         change._uncommitted_batches(plan)
     assert e.value.exit_code == 1 and e.value.shard == 1  # at the state step: it resumes there
     assert "old shard 1" in str(e.value) and "\n" not in str(e.value)
     assert reads == [(1, "orders-http.g0.s2.1.L0/4@7", 50_000 - journal.LOOKBACK_MS)] * 3
-    with pytest.raises(rs.HandOverUnreadable) as e:
+    with pytest.raises(HandOverUnreadable) as e:
         change._uncommitted_batches(plan, started=False)  # before the first step
     assert e.value.exit_code == 2 and "nothing was changed" in str(e.value)
 
@@ -300,14 +303,14 @@ def test_drop_delivered_drops_each_groups_leading_journaled_entries_only():
         ]
     )  # fmt: skip
     accepted = Accepted.of([o(1), o(4), o(5), o(3)])
-    kept = rs.drop_delivered(table, accepted)
+    kept = drop_delivered(table, accepted)
     rows = zip(kept["group_key"], kept["origin_offset"], strict=True)
     offsets = {(g, int(x)) for g, x in rows if g}
     # a: 1 and 4 went (7 stays); b: 2 was not accepted, so 5 behind it stays too; c: gone.
     assert offsets == {("a", 7), ("b", 2), ("b", 5), ("a", 1)}  # ("a", 1): the out row
     assert list(kept["kind"]).count("pending") == 3 and "meta" in set(kept["kind"])
-    assert rs.drop_delivered(table, Accepted()) is table
-    assert rs.drop_delivered(table.iloc[:0], accepted).empty
+    assert drop_delivered(table, Accepted()) is table
+    assert drop_delivered(table.iloc[:0], accepted).empty
 
 
 # -- a whole change, played without services -----------------------------------------------------------
@@ -352,7 +355,7 @@ def change():
         {"t.0": {"0": 20}},
         Accepted.of_runs([(0, 0, 1, 2), (0, 0, 10, 14)]),
     )
-    kept = rs.drop_delivered(table, batch.accepted)
+    kept = drop_delivered(table, batch.accepted)
     docs, _ = journal.hand_over([batch], NAMES, [{"t.0": [0]}], 0, 0)
     return kept, docs[0]
 

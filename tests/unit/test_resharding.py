@@ -14,7 +14,8 @@ from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.catalog import Snapshot
 from varadhi.kafka.subscriptions import Subscription, changed_fields
 from varadhi.kafka.topics import StorageTopic, add_storage, new_topic, switch_produce
-from varadhi.ops import change_shards as rs
+from varadhi.ops import change_shards_plan as rs
+from varadhi.ops.feeders import feeder_source
 from varadhi.ops.status import SILENT_MS
 from varadhi.spark.layouts import Layout
 
@@ -386,10 +387,10 @@ def test_dry_run_output_and_operation_document():
 def test_feeder_source_checks_the_operation():
     op = {"step": "state", "feeders": [{"queue": "rq", "source": "s.rq.0", "done": False}]}
     with pytest.raises(InvalidArgument, match="feeders run once it reaches `feed`"):
-        rs.feeder_source(op, "s.rq.0")
+        feeder_source(op, "s.rq.0")
     with pytest.raises(InvalidArgument, match="not a feeder source"):
-        rs.feeder_source(dict(op, step="feed"), "s.rq.9")
-    assert rs.feeder_source(dict(op, step="feed"), "s.rq.0")["queue"] == "rq"
+        feeder_source(dict(op, step="feed"), "s.rq.9")
+    assert feeder_source(dict(op, step="feed"), "s.rq.0")["queue"] == "rq"
 
 
 def test_activate_sets_the_spec_shard_count_with_the_state():

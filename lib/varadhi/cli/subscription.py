@@ -285,7 +285,7 @@ def _set_paused(args: argparse.Namespace) -> int:
 
 
 def _change_shards(args: argparse.Namespace) -> int:
-    from varadhi.ops.change_shards import text_plan
+    from varadhi.ops.change_shards_plan import text_plan
 
     text = args.output == "text"
     with common.client(args) as client:

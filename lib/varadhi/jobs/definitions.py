@@ -88,9 +88,7 @@ sys.exit(script.load()())
 '''
 OPERATION_KIND = DocKind.OPERATION
 CHANGE_SHARDS = OpKind.CHANGE_SHARDS
-FEED_STEP = (
-    "feed"  # varadhi.ops.change_shards.STEPS: fence, queues, state, layouts, activate, feed, done
-)
+FEED_STEP = "feed"  # varadhi.ops.change_shards_plan.STEPS: fence, ..., activate, feed, done
 
 # The Kafka source/sink and Delta for the current Spark line (spark-submit's default).
 SPARK_PACKAGES: tuple[str, ...] = spark_lines.packages(spark_lines.CURRENT)

@@ -1,4 +1,4 @@
-"""One feeder of a shard-count change (see `varadhi.ops.change_shards`).
+"""One feeder of a shard-count change (see `varadhi.ops.feeders`).
 
     varadhi-job feeder --subscription NAME --source STORAGE_TOPIC     (installed package)
     ./spark-submit.sh --job feeder --subscription NAME --source STORAGE_TOPIC     (a checkout)
@@ -22,7 +22,7 @@ import sys
 from varadhi.core.errors import VaradhiError
 from varadhi.jobs import runner
 from varadhi.kafka.catalog import Catalog
-from varadhi.ops.change_shards import check_feeder, feed, feed_if_empty
+from varadhi.ops.feeders import check_feeder, feed, feed_if_empty
 
 
 @runner.entry_point()

@@ -105,7 +105,7 @@ def live_record(snapshot: Snapshot, doc: Mapping[str, Any]) -> Mapping[str, Any]
     """A subscription record whose spec has the live shard count (pure).
 
     `subscription change-shards` sets the spec's `shards`, `rq_partitions` and `dlq_partitions`
-    with `state.shard_count` (`resharding.activated`). Records changed by earlier versions
+    with `state.shard_count` (`change_shards_plan.activated`). Records changed by earlier versions
     kept the creation values in the spec (`spec.shards` 2, `state.shard_count` 4), which made
     every later edit, `pause` and `resume` included, fail as a shard-count change. Such a record
     is read with the live values: the state's shard count and the partitions of the RQ/DLQ

@@ -110,7 +110,7 @@ def group_key_column(
     id when the subscription is ungrouped. `group_id` / `msg_id`: the record's ids as
     `group_id_column` / `msg_id_column` give them (default: those columns).
 
-    Shards, feeders (`varadhi.ops.change_shards`) and replay must agree on it: a record's group key
+    Shards, feeders (`varadhi.ops.feeders`) and replay must agree on it: a record's group key
     decides which GroupState entry it belongs to and which shard's partitions a feeder routes it
     to."""
     from pyspark.sql import functions as F

@@ -53,7 +53,7 @@ batch's messages again. `subscription change-shards` therefore hands the journal
 (`UncommittedBatch`: where it started, where its plan ends, what its journal holds):
 
 - GroupState: in each old table, per group, the leading pending entries (origin order) that
-  the journal names are dropped before the entries move (`resharding.drop_delivered`): retries
+  the journal names are dropped before the entries move (`change_shards_plan.drop_delivered`): retries
   and parked followers the crashed batch delivered (the state commit it never made). Their RQ
   records, copied by the feeders, then match no entry and are dropped as stale duplicates;
 - main-topic messages: the accepted origins inside the ranges the batch read (`covered`, from
@@ -69,7 +69,7 @@ Accepted origins of neither kind (none, in a consistent catalog) are left alone.
 a subset of what the endpoint accepted, so any part of it lost (more than `MAX_HANDOVER_NUMBERS`
 offsets for one new shard: the rest is delivered again) costs duplicates, never a message or
 the order. A journal that cannot be read is never taken for an empty one (`read_shard` reads
-to the partition's end or raises): the change refuses (`resharding.HandOverUnreadable`).
+to the partition's end or raises): the change refuses (`change_shards.HandOverUnreadable`).
 
 Hazards. `read` finds a batch's records by time: records of a batch whose crashed run started
 longer ago than the topic's retention (`RETENTION_MS`) are gone, and the batch is delivered
