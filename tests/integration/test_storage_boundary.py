@@ -21,7 +21,6 @@ from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import status
 from varadhi.spark import layouts
-from varadhi.spark.shard import job as shard
 from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import produce, wait_for
@@ -116,8 +115,7 @@ def grow_with_k1(settings, catalog, topic: str, groups: list[str]) -> list[tuple
 
 @pytest.fixture
 def short_grace(monkeypatch):
-    monkeypatch.setattr(shard, "SEAL_GRACE_MS", 1_000)
-    monkeypatch.setattr(topics, "SEAL_GRACE_MS", 1_000, raising=False)
+    monkeypatch.setattr(topics, "SEAL_GRACE_MS", 1_000)
 
 
 def test_k1_growth_shards_wait_at_the_boundary_then_change_shards_keeps_order_and_the_block(

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 
 from varadhi.core.subscription_spec import parse_spec
+from varadhi.kafka import topics as composite_topics
 from varadhi.kafka.catalog import key
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark import layouts
-from varadhi.spark.shard import job as shard
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, produce, run_until_idle
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 def test_groups_stay_in_order_across_a_storage_topic_switch(
     settings, spark, catalog, unique_name, monkeypatch
 ):
-    monkeypatch.setattr(shard, "SEAL_GRACE_MS", 1_000)
+    monkeypatch.setattr(composite_topics, "SEAL_GRACE_MS", 1_000)
     topics = TopicService(catalog)
     name, topic = unique_name("switch-sub"), unique_name("switch")
     topics.create(topic, 2)

@@ -16,7 +16,7 @@ Contract (what readers of the topic rely on):
   drain a storage topic, plus a grace period (`topics.sealed`), before they read the next one.
   Hazard: the Kafka client retries a batch for up to `delivery_timeout_ms` (30 s here), so a
   record can reach the old storage topic up to that long after a switch; shards wait
-  `shard.SEAL_GRACE_MS` (35 s) before they leave a storage topic. Do not raise the timeout
+  `topics.SEAL_GRACE_MS` (35 s) before they leave a storage topic. Do not raise the timeout
   above the grace period.
 - `send` is asynchronous and at-least-once from the caller's point of view: if `get` raises, the
   message may or may not have been written; re-sending it with the same `message_id` lets
@@ -63,7 +63,7 @@ RESERVED_HEADER_PREFIX = "varadhi-"
 # idempotent producer needs (no duplicates from its own retries); linger_ms=5 is the Java client's
 # default since Kafka 4.0 and lets batches fill under load for at most 5 ms of added latency.
 # A record is retried for at most 30 s (Kafka's default is 120 s) and then reported as failed:
-# readers treat a storage topic as closed `shard.SEAL_GRACE_MS` (35 s) after produce moved off it,
+# readers treat a storage topic as closed `topics.SEAL_GRACE_MS` (35 s) after produce moved off it,
 # so nothing may land on it later than that.
 KAFKA_DEFAULTS: dict[str, object] = {
     "acks": "all",

@@ -19,7 +19,6 @@ query delivers on; the lease's expiry still fences.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from kafka.errors import KafkaError
@@ -27,7 +26,7 @@ from kafka.errors import KafkaError
 from varadhi.core.errors import Fenced, KafkaUnavailable, VaradhiError
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import dlq as dlq_ops
-from varadhi.kafka import jvm_errors, subscriptions
+from varadhi.kafka import jvm_errors, subscriptions, topics
 from varadhi.spark import checkpoints, journal, layouts
 from varadhi.spark.layouts import Layout
 from varadhi.spark.records import Source, batch_records
@@ -39,10 +38,6 @@ from varadhi.spark.shard.stats import next_due
 from varadhi.spark.warehouse_fs import HadoopFS
 
 log = logging.getLogger("varadhi.spark.shard.job")
-
-# Producers learn of a switch within a second and give up on a record after 30 s
-# (producer.KAFKA_DEFAULTS), so nothing reaches a storage topic later than this after the switch.
-SEAL_GRACE_MS = int(os.environ.get("VARADHI_SEAL_GRACE_MS", "35000"))
 
 # How long the control loop sleeps between two looks at a running query.
 LOOK_INTERVAL_S = 0.5
@@ -267,7 +262,8 @@ class QueryRun:
         p = self.parts
         pending = int(p.progress.summary.get("blocked_groups", 0))
         read = consumed(query.lastProgress)
-        ready, waiting = p.layouts.ready(inputs.sub, inputs.layout, read, pending, SEAL_GRACE_MS)
+        grace = topics.SEAL_GRACE_MS  # read here: tests shorten it
+        ready, waiting = p.layouts.ready(inputs.sub, inputs.layout, read, pending, grace)
         if waiting is not None:
             p.progress.where["waiting"] = waiting
         if not ready:
