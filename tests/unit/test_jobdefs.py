@@ -27,7 +27,10 @@ from databricks.sdk.service.jobs import JobSettings
 
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.subscription_spec import parse_spec
+from varadhi.jobs import databricks_definitions as databricks_defs
 from varadhi.jobs import definitions as jobdefs
+from varadhi.jobs import emr_definitions as emr_defs
+from varadhi.jobs import spark_submit_definitions as spark_submit_defs
 from varadhi.kafka import config as kafka_config
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.spark import lines as spark_lines
@@ -156,15 +159,15 @@ def check_request(service: str, operation: str, params: dict) -> None:
 
 def test_the_model_checks_catch_what_they_are_for():
     """The checks fail on a bad document (so a passing one means something)."""
-    body = jobdefs.databricks_job(jobdefs.plan(sub_doc()), CFG)
+    body = databricks_defs.databricks_job(jobdefs.plan(sub_doc()), CFG)
     with pytest.raises(AssertionError):
         check_job_settings({**body, "max_retries": -1})  # a task field at the job level
     with pytest.raises(AssertionError):
         check_job_settings({**body, "tasks": [{**body["tasks"][0], "retries": 3}]})
-    request = jobdefs.emr_add_steps(jobdefs.plan(sub_doc()), EMR_CFG)
+    request = emr_defs.emr_add_steps(jobdefs.plan(sub_doc()), EMR_CFG)
     with pytest.raises(botocore.exceptions.ParamValidationError):
         check_request("emr", "AddJobFlowSteps", {"Steps": request["Steps"]})
-    run = jobdefs.emr_serverless_runs(jobdefs.plan(sub_doc()), EMR_CFG)[0]
+    run = emr_defs.emr_serverless_runs(jobdefs.plan(sub_doc()), EMR_CFG)[0]
     with pytest.raises(AssertionError):
         check_request("emr-serverless", "StartJobRun", {**run, "mode": "CONTINUOUS"})
     with pytest.raises(AssertionError):
@@ -209,8 +212,8 @@ def test_a_change_before_its_feed_step_is_noted_not_fed():
     assert p.feeders == ()
     note = jobdefs.operation_note(p)
     assert "step state" in note and "change-shards orders-http --to 4" in note
-    assert "keep the shards stopped" in jobdefs.spark_submit_script(p, CFG)
-    assert "keep the shards stopped" in jobdefs.databricks_job(p, CFG)["description"]
+    assert "keep the shards stopped" in spark_submit_defs.spark_submit_script(p, CFG)
+    assert "keep the shards stopped" in databricks_defs.databricks_job(p, CFG)["description"]
     assert "2 feeder(s)" in jobdefs.operation_note(jobdefs.plan(sub_doc(), change_shards()))
     assert jobdefs.operation_note(jobdefs.plan(sub_doc(), change_shards(step="done"))) is None
 
@@ -239,7 +242,7 @@ def test_malformed_operations_are_refused_by_field(operation, field):
 
 
 def test_databricks_job_runs_the_wheel_one_task_per_shard():
-    body = jobdefs.databricks_job(jobdefs.plan(sub_doc(shards=3)), CFG)
+    body = databricks_defs.databricks_job(jobdefs.plan(sub_doc(shards=3)), CFG)
     check_job_settings(body)
     assert body["name"] == "varadhi-orders-http"
     assert [t["task_key"] for t in body["tasks"]] == ["shard-0", "shard-1", "shard-2"]
@@ -273,21 +276,21 @@ def test_databricks_job_runs_the_wheel_one_task_per_shard():
 def test_databricks_restarts_one_failed_shard_and_leaves_the_others_running():
     """Triggered job, tasks side by side, each retried without limit (a continuous job's
     ON_FAILURE retry would cancel every shard once each had failed once)."""
-    body = jobdefs.databricks_job(jobdefs.plan(sub_doc(shards=2), change_shards()), CFG)
+    body = databricks_defs.databricks_job(jobdefs.plan(sub_doc(shards=2), change_shards()), CFG)
     check_job_settings(body)
     assert not {"continuous", "schedule", "trigger"} & set(body)
     assert body["max_concurrent_runs"] == 1 and body["queue"] == {"enabled": False}
     for task in body["tasks"]:
         assert "depends_on" not in task and "timeout_seconds" not in task
         assert task["max_retries"] == -1
-        assert task["min_retry_interval_millis"] == jobdefs.RETRY_INTERVAL_MS
+        assert task["min_retry_interval_millis"] == databricks_defs.RETRY_INTERVAL_MS
         assert task["retry_on_timeout"] is False
 
 
 def test_databricks_kafka_config_and_secrets_are_references_never_values():
     doc = sub_doc(endpoint={"url": "https://example.test/x", "auth_env": "ORDERS_TOKEN"})
     cfg = replace(CFG, secret_scope="prod", secrets=(KAFKA_SECRET,))
-    body = jobdefs.databricks_job(jobdefs.plan(doc), cfg)
+    body = databricks_defs.databricks_job(jobdefs.plan(doc), cfg)
     check_job_settings(body)
     assert body["job_clusters"][0]["new_cluster"]["spark_env_vars"] == {
         "VARADHI_CATALOG_TOPIC": "__varadhi_catalog",
@@ -297,7 +300,7 @@ def test_databricks_kafka_config_and_secrets_are_references_never_values():
     }
     # The endpoint's credential may come from another scope and key.
     other = replace(cfg, secrets=(jobdefs.parse_secret("ORDERS_TOKEN=ops/orders-token", "x"),))
-    env = jobdefs.databricks_env(jobdefs.plan(doc), other)
+    env = databricks_defs.databricks_env(jobdefs.plan(doc), other)
     assert env["ORDERS_TOKEN"] == "{{secrets/ops/orders-token}}"
 
 
@@ -311,11 +314,11 @@ def test_databricks_kafka_config_and_secrets_are_references_never_values():
 def test_databricks_run_as_dedicates_the_cluster_to_it(who, field):
     cfg = replace(CFG, run_as=who)
     jobdefs.check_config("databricks", cfg)
-    body = jobdefs.databricks_job(jobdefs.plan(sub_doc()), cfg)
+    body = databricks_defs.databricks_job(jobdefs.plan(sub_doc()), cfg)
     check_job_settings(body)
     assert body["run_as"] == {field: who}
     assert body["job_clusters"][0]["new_cluster"]["single_user_name"] == who
-    assert "run_as" not in jobdefs.databricks_job(jobdefs.plan(sub_doc()), CFG)
+    assert "run_as" not in databricks_defs.databricks_job(jobdefs.plan(sub_doc()), CFG)
 
 
 HOOK = "1b2c3d4e-5f60-4718-8a9b-0c1d2e3f4a5b"
@@ -330,7 +333,7 @@ def test_databricks_backlog_rules_and_failure_notifications_when_asked():
         notify_webhooks=(HOOK,),
     )
     jobdefs.check_config("databricks", cfg)
-    body = jobdefs.databricks_job(jobdefs.plan(sub_doc(), change_shards()), cfg)
+    body = databricks_defs.databricks_job(jobdefs.plan(sub_doc(), change_shards()), cfg)
     check_job_settings(body)
     assert body["health"]["rules"] == [
         {"metric": "STREAMING_BACKLOG_SECONDS", "op": "GREATER_THAN", "value": 300},
@@ -350,7 +353,7 @@ def test_databricks_backlog_rules_and_failure_notifications_when_asked():
     for task in body["tasks"]:
         assert task["email_notifications"] == {"on_failure": emails}
         assert task["webhook_notifications"] == {"on_failure": [{"id": HOOK}]}
-    bundle = jobdefs.databricks_bundle(jobdefs.plan(sub_doc()), cfg)
+    bundle = databricks_defs.databricks_bundle(jobdefs.plan(sub_doc()), cfg)
     (job,) = bundle["resources"]["jobs"].values()
     check_job_settings(job)
     assert job["health"] == body["health"]
@@ -358,14 +361,16 @@ def test_databricks_backlog_rules_and_failure_notifications_when_asked():
 
 def test_databricks_notifications_without_rules_are_failures_only_and_nothing_by_default():
     cfg = replace(CFG, notify_emails=("ops@example.com",))
-    body = jobdefs.databricks_job(jobdefs.plan(sub_doc()), cfg)
+    body = databricks_defs.databricks_job(jobdefs.plan(sub_doc()), cfg)
     check_job_settings(body)
     assert "health" not in body and "webhook_notifications" not in body
     assert body["email_notifications"] == {"on_failure": ["ops@example.com"]}
-    plain = jobdefs.databricks_job(jobdefs.plan(sub_doc()), CFG)
+    plain = databricks_defs.databricks_job(jobdefs.plan(sub_doc()), CFG)
     assert not {"health", "email_notifications", "webhook_notifications"} & set(plain)
     assert not any("email_notifications" in t for t in plain["tasks"])
-    rules_only = jobdefs.databricks_job(jobdefs.plan(sub_doc()), replace(CFG, backlog_records=10))
+    rules_only = databricks_defs.databricks_job(
+        jobdefs.plan(sub_doc()), replace(CFG, backlog_records=10)
+    )
     check_job_settings(rules_only)
     assert rules_only["health"]["rules"][0]["metric"] == "STREAMING_BACKLOG_RECORDS"
 
@@ -419,10 +424,10 @@ def test_a_secret_value_of_the_kafka_configuration_is_never_written():
         environ={"KAFKA_PASSWORD": "s3cr3t-pw"},
     )
     p = jobdefs.plan(sub_doc())
-    ok = json.dumps(jobdefs.databricks_job(p, CFG))
+    ok = json.dumps(databricks_defs.databricks_job(p, CFG))
     jobdefs.check_no_secret_values(ok, kafka.secrets())
     typed_in = replace(CFG, kafka_config="/Volumes/main/varadhi/conf/s3cr3t-pw")  # a slip
-    leaked = json.dumps(jobdefs.databricks_job(p, typed_in))
+    leaked = json.dumps(databricks_defs.databricks_job(p, typed_in))
     with pytest.raises(InvalidArgument) as e:
         jobdefs.check_no_secret_values(leaked, kafka.secrets())
     assert "s3cr3t-pw" not in str(e.value)
@@ -430,7 +435,7 @@ def test_a_secret_value_of_the_kafka_configuration_is_never_written():
 
 def test_databricks_feeder_tasks_only_while_the_operation_needs_them():
     doc = sub_doc(shards=2, shard_count=4)
-    feeding = jobdefs.databricks_job(jobdefs.plan(doc, change_shards()), CFG)
+    feeding = databricks_defs.databricks_job(jobdefs.plan(doc, change_shards()), CFG)
     check_job_settings(feeding)
     keys = [t["task_key"] for t in feeding["tasks"]]
     assert keys == ["shard-0", "shard-1", "shard-2", "shard-3", "feeder-0", "feeder-1"]
@@ -441,13 +446,13 @@ def test_databricks_feeder_tasks_only_while_the_operation_needs_them():
         ["feeder", "--subscription", "orders-http", "--source", "orders-http.dlq.0", *cluster],
     ]
     assert "change-shards 2 -> 4" in feeding["description"]
-    done = jobdefs.databricks_job(jobdefs.plan(doc, change_shards(step="done")), CFG)
+    done = databricks_defs.databricks_job(jobdefs.plan(doc, change_shards(step="done")), CFG)
     assert [t["task_key"] for t in done["tasks"]] == keys[:4]
 
 
 def test_bundle_holds_the_same_job():
     p = jobdefs.plan(sub_doc(name="orders-http-v2"))
-    text = jobdefs.bundle_yaml(p, CFG)
+    text = databricks_defs.bundle_yaml(p, CFG)
     bundle = yaml.safe_load(text)
     # Top-level keys: no schema of databricks.yml ships offline on PyPI; these are the ones the
     # bundle format documents for what this file uses.
@@ -457,7 +462,7 @@ def test_bundle_holds_the_same_job():
     assert list(jobs) == ["varadhi_orders_http_v2"]
     job = jobs["varadhi_orders_http_v2"]
     check_job_settings(job)
-    assert job == jobdefs.databricks_job(p, CFG)
+    assert job == databricks_defs.databricks_job(p, CFG)
     assert "databricks bundle run varadhi_orders_http_v2" in text
 
 
@@ -583,7 +588,7 @@ def test_emr_release_sets_the_spark_line_and_packages():
 
 
 def test_emr_add_steps_is_a_valid_request_per_shard():
-    request = jobdefs.emr_add_steps(jobdefs.plan(sub_doc(shards=2)), EMR_CFG)
+    request = emr_defs.emr_add_steps(jobdefs.plan(sub_doc(shards=2)), EMR_CFG)
     check_request("emr", "AddJobFlowSteps", request)
     assert request["JobFlowId"] == "j-2AXXXXXXGAPLF"
     steps = request["Steps"]
@@ -620,7 +625,7 @@ def test_emr_add_steps_is_a_valid_request_per_shard():
 
 def test_emr_feeder_steps_only_while_the_operation_needs_them():
     doc = sub_doc(shards=2)
-    feeding = jobdefs.emr_add_steps(jobdefs.plan(doc, change_shards()), EMR_CFG)
+    feeding = emr_defs.emr_add_steps(jobdefs.plan(doc, change_shards()), EMR_CFG)
     check_request("emr", "AddJobFlowSteps", feeding)
     assert [s["Name"].rsplit("-", 2)[1:] for s in feeding["Steps"]] == [
         ["shard", "0"],
@@ -636,7 +641,7 @@ def test_emr_feeder_steps_only_while_the_operation_needs_them():
         "--source",
         "orders-http.dlq.0",
     ]
-    assert len(jobdefs.emr_steps(jobdefs.plan(doc, change_shards(step="done")), EMR_CFG)) == 2
+    assert len(emr_defs.emr_steps(jobdefs.plan(doc, change_shards(step="done")), EMR_CFG)) == 2
 
 
 def test_emr_secrets_are_never_in_the_requests():
@@ -644,14 +649,14 @@ def test_emr_secrets_are_never_in_the_requests():
     p = jobdefs.plan(doc)
     assert jobdefs.secret_env_names(p, EMR_CFG) == ["KAFKA_PASSWORD", "ORDERS_TOKEN"]
     rendered = json.dumps(
-        [jobdefs.emr_add_steps(p, EMR_CFG), jobdefs.emr_serverless_runs(p, EMR_CFG)]
+        [emr_defs.emr_add_steps(p, EMR_CFG), emr_defs.emr_serverless_runs(p, EMR_CFG)]
     )
     assert "ORDERS_TOKEN" not in rendered and "KAFKA_PASSWORD" not in rendered
 
 
 def test_emr_cli_shape_carries_the_same_steps():
-    steps = jobdefs.emr_steps(jobdefs.plan(sub_doc(), change_shards()), EMR_CFG)
-    cli = jobdefs.emr_cli_steps(steps)
+    steps = emr_defs.emr_steps(jobdefs.plan(sub_doc(), change_shards()), EMR_CFG)
+    cli = emr_defs.emr_cli_steps(steps)
     assert len(cli) == len(steps)
     for api, c in zip(steps, cli, strict=True):
         assert set(c) == {"Type", "Name", "ActionOnFailure", "Jar", "Args"}
@@ -661,7 +666,7 @@ def test_emr_cli_shape_carries_the_same_steps():
 
 
 def test_emr_serverless_runs_are_valid_streaming_start_job_run_requests():
-    runs = jobdefs.emr_serverless_runs(jobdefs.plan(sub_doc(shards=2), change_shards()), EMR_CFG)
+    runs = emr_defs.emr_serverless_runs(jobdefs.plan(sub_doc(shards=2), change_shards()), EMR_CFG)
     assert [r["name"] for r in runs] == [
         "varadhi-orders-http-shard-0",
         "varadhi-orders-http-shard-1",
@@ -691,18 +696,18 @@ def test_emr_serverless_runs_are_valid_streaming_start_job_run_requests():
 def test_emr_without_an_archive_uses_the_nodes_or_images_python():
     cfg = replace(EMR_CFG, python_archive="")
     jobdefs.check_config("emr-serverless", cfg)
-    (run,) = jobdefs.emr_serverless_runs(jobdefs.plan(sub_doc(shards=1)), cfg)
+    (run,) = emr_defs.emr_serverless_runs(jobdefs.plan(sub_doc(shards=1)), cfg)
     check_request("emr-serverless", "StartJobRun", run)
     params = run["jobDriver"]["sparkSubmit"]["sparkSubmitParameters"]
     assert "spark.archives" not in params and "PYSPARK_PYTHON" not in params
-    (step,) = jobdefs.emr_steps(jobdefs.plan(sub_doc(shards=1)), cfg)
+    (step,) = emr_defs.emr_steps(jobdefs.plan(sub_doc(shards=1)), cfg)
     assert not any("PYSPARK_PYTHON" in a for a in emr_args(step))
 
 
 def test_emr_serverless_refuses_values_it_would_split():
     cfg = replace(EMR_CFG, catalog_topic="my catalog")
     with pytest.raises(InvalidArgument):
-        jobdefs.emr_serverless_runs(jobdefs.plan(sub_doc()), cfg)
+        emr_defs.emr_serverless_runs(jobdefs.plan(sub_doc()), cfg)
 
 
 MSK = pytest.mark.skipif("msk-iam" not in spark_lines.EXTRAS, reason="no msk-iam extra yet")
@@ -711,11 +716,11 @@ MSK = pytest.mark.skipif("msk-iam" not in spark_lines.EXTRAS, reason="no msk-iam
 @MSK
 def test_msk_iam_jar_comes_with_the_clusters_spark_line():
     cfg = replace(CFG, extras=("msk-iam",))
-    body = jobdefs.databricks_job(jobdefs.plan(sub_doc()), cfg)
+    body = databricks_defs.databricks_job(jobdefs.plan(sub_doc()), cfg)
     check_job_settings(body)
     (msk,) = spark_lines.packages(spark_lines.CURRENT, ["msk-iam"])[2:]
     assert body["tasks"][0]["libraries"] == [{"whl": CFG.wheel}, {"maven": {"coordinates": msk}}]
-    steps = jobdefs.emr_steps(jobdefs.plan(sub_doc()), replace(EMR_CFG, extras=("msk-iam",)))
+    steps = emr_defs.emr_steps(jobdefs.plan(sub_doc()), replace(EMR_CFG, extras=("msk-iam",)))
     args = emr_args(steps[0])
     assert args[args.index("--packages") + 1].split(",")[2:] == [msk]
 
@@ -736,7 +741,7 @@ def commands(script: str) -> list[list[str]]:
 
 def test_spark_submit_script_has_local_and_cluster_commands_per_shard():
     cfg = replace(CFG, code_path="/opt/varadhi", warehouse="hdfs:///varadhi/warehouse", secrets=())
-    script = jobdefs.spark_submit_script(jobdefs.plan(sub_doc(shards=2)), cfg)
+    script = spark_submit_defs.spark_submit_script(jobdefs.plan(sub_doc(shards=2)), cfg)
     cmds = commands(script)
     assert cmds[:3] == [
         ["export", "VARADHI_BOOTSTRAP=kafka-1:9092,kafka-2:9092"],
@@ -771,7 +776,7 @@ def test_spark_submit_script_has_local_and_cluster_commands_per_shard():
 
 def test_spark_submit_feeders_secrets_and_pause_note():
     doc = sub_doc(shards=2, paused=True)
-    script = jobdefs.spark_submit_script(jobdefs.plan(doc, change_shards()), CFG)
+    script = spark_submit_defs.spark_submit_script(jobdefs.plan(doc, change_shards()), CFG)
     cmds = commands(script)
     for source in ("orders-http.rq.0", "orders-http.dlq.0"):
         local = ["./spark-submit.sh", "--job", "feeder", "--subscription", "orders-http"]
@@ -785,14 +790,14 @@ def test_spark_submit_feeders_secrets_and_pause_note():
     ]
     assert "# the subscription is paused" in script
     assert "$KAFKA_PASSWORD" in script  # named as a variable to provide, never a value
-    assert "feeder" not in jobdefs.spark_submit_script(
+    assert "feeder" not in spark_submit_defs.spark_submit_script(
         jobdefs.plan(doc, change_shards(step="done")), CFG
     )
 
 
 def test_spark_submit_quotes_what_the_shell_would_split():
     cfg = replace(CFG, warehouse="hdfs:///shared drive/warehouse", catalog_topic="cat$alog")
-    script = jobdefs.spark_submit_script(jobdefs.plan(sub_doc()), cfg)
+    script = spark_submit_defs.spark_submit_script(jobdefs.plan(sub_doc()), cfg)
     cmds = commands(script)
     assert ["export", "VARADHI_CATALOG_TOPIC=cat$alog"] in cmds
     assert all(c[-1] == "hdfs:///shared drive/warehouse" for c in cmds if c[0] == "spark-submit")
@@ -818,7 +823,7 @@ def job_flags(job: str, capsys) -> set[str]:
 
 
 def test_rendered_arguments_are_flags_of_the_jobs(capsys):
-    body = jobdefs.databricks_job(jobdefs.plan(sub_doc(), change_shards()), CFG)
+    body = databricks_defs.databricks_job(jobdefs.plan(sub_doc(), change_shards()), CFG)
     for task in (body["tasks"][0], body["tasks"][-1]):
         job, *args = task["python_wheel_task"]["parameters"]
         assert {a for a in args if a.startswith("--")} <= job_flags(job, capsys), job

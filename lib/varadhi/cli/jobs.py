@@ -14,7 +14,10 @@ from importlib import metadata
 
 from varadhi.cli import common
 from varadhi.core.errors import InvalidArgument, NotFound
+from varadhi.jobs import databricks_definitions as databricks_defs
 from varadhi.jobs import definitions as jobdefs
+from varadhi.jobs import emr_definitions as emr_defs
+from varadhi.jobs import spark_submit_definitions as spark_submit_defs
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.subscriptions import KIND as SUBSCRIPTION
 from varadhi.spark import lines as spark_lines
@@ -306,16 +309,16 @@ def render(args: argparse.Namespace, cfg: jobdefs.DeployConfig, catalog: Catalog
     op_doc = snap.get(jobdefs.OPERATION_KIND, f"{args.name}/{jobdefs.CHANGE_SHARDS}")
     p = jobdefs.plan(sub_doc, op_doc)
     if args.target == "spark-submit":
-        return jobdefs.spark_submit_script(p, cfg)  # notes are comments in the script
+        return spark_submit_defs.spark_submit_script(p, cfg)  # notes are comments in the script
     note = jobdefs.operation_note(p)
     if note:
         _note(note)
     if p.paused:
         _note(f"{args.name} is paused; its shards will wait until resumed")
     if args.target == "databricks":
-        return json.dumps(jobdefs.databricks_job(p, cfg), indent=2) + "\n"
+        return json.dumps(databricks_defs.databricks_job(p, cfg), indent=2) + "\n"
     if args.target == "databricks-bundle":
-        return jobdefs.bundle_yaml(p, cfg)
+        return databricks_defs.bundle_yaml(p, cfg)
     names = jobdefs.secret_env_names(p, cfg)
     if names:
         _note(
@@ -323,11 +326,11 @@ def render(args: argparse.Namespace, cfg: jobdefs.DeployConfig, catalog: Catalog
             "them in the driver's and executors' environment (they are not in the definition)"
         )
     if args.target == "emr-serverless":
-        data: object = jobdefs.emr_serverless_runs(p, cfg)
+        data: object = emr_defs.emr_serverless_runs(p, cfg)
     elif args.emr_format == "cli":
-        data = jobdefs.emr_cli_steps(jobdefs.emr_steps(p, cfg))
+        data = emr_defs.emr_cli_steps(emr_defs.emr_steps(p, cfg))
     else:
-        data = jobdefs.emr_add_steps(p, cfg)
+        data = emr_defs.emr_add_steps(p, cfg)
     return json.dumps(data, indent=2) + "\n"
 
 

@@ -1,18 +1,17 @@
-"""Job definitions for a subscription: spark-submit commands, a Databricks job (Jobs API 2.2 and
-an Asset Bundle), EMR on EC2 steps and EMR Serverless job runs.
+"""Job definitions for a subscription, what every target shares: which jobs to run, their
+arguments and environment on a cluster, and the configurations to refuse. The renderers turn a
+plan and a `DeployConfig` into one target's definition:
+
+- `varadhi.jobs.spark_submit_definitions`: a script of spark-submit commands, for this checkout
+  and for a YARN or Kubernetes cluster;
+- `varadhi.jobs.databricks_definitions`: a Jobs API 2.2 job, and the same job as an Asset Bundle;
+- `varadhi.jobs.emr_definitions`: EMR on EC2 steps and EMR Serverless job runs.
 
 Pure functions from catalog documents to deployable definitions. `plan` reads the
 subscription's record (`subscription/<name>`) and its shard-count change, if any
 (`operation/<name>/change-shards`); `check_config` refuses a configuration that could only
-render a job that fails later; the renderers turn the plan and a `DeployConfig` into:
-
-- `spark_submit_script`: one `./spark-submit.sh SUB SHARD` line per shard for this checkout, and
-  the same jobs as plain `spark-submit` commands for a YARN or Kubernetes cluster;
-- `databricks_job`: the body of a Jobs API 2.2 `POST /api/2.2/jobs/create` request, and
-  `databricks_bundle` the same job as a `databricks.yml` Asset Bundle;
-- `emr_add_steps`: an EMR `AddJobFlowSteps` request (`emr_steps` its `Steps`, `emr_cli_steps`
-  the shape `aws emr add-steps --steps file://...` reads);
-- `emr_serverless_runs`: one EMR Serverless `StartJobRun` request (`mode: STREAMING`) per job.
+render a job that fails later; `jobs_to_run`, `job_env` and `secrets` are what every renderer
+puts into its definition.
 
 Every definition runs one job per shard of the *current* shard count, plus one feeder per entry
 of the change-shards operation's `feeders` while that operation is in its feed step (feeders
@@ -24,7 +23,7 @@ Every cluster job runs the installed wheel's `varadhi-job NAME [options]` (`vara
 Databricks as a `python_wheel_task`, spark-submit and EMR through `LAUNCHER` (spark-submit needs
 a file; `varadhi jobs launcher` prints it), which calls the same console script.
 
-Cluster hazards the definitions take care of:
+Cluster hazards every target shares:
 
 - Jobs on a cluster must read the same catalog the definition was rendered from: the bootstrap
   servers are passed as `--bootstrap`, the catalog topic as `VARADHI_CATALOG_TOPIC`.
@@ -33,27 +32,21 @@ Cluster hazards the definitions take care of:
   moves. `check_config` refuses a local path (`check_warehouse`).
 - Secrets are passed by reference only, never as values: the Kafka client configuration is a
   properties file named by `VARADHI_KAFKA_CONFIG` whose secret values are `${env:NAME}` (or
-  `${file:...}`) references; on Databricks each such variable, and the endpoint's credential
-  (`endpoint.auth_env`), is a `{{secrets/<scope>/<key>}}` reference in `spark_env_vars`. On EMR
-  and spark-submit the variables must already be in the driver's and executors' environment;
-  the definitions name them (`secret_env_names`) but cannot set them without writing the secret
-  into a command line.
-- The Kafka connector and Delta jars must match the cluster's Spark: EMR takes them from the
-  Spark line of the chosen EMR release (`emr_line`, `varadhi.spark.lines`); Databricks runtimes
-  bring their own.
-- EMR's default Python is older than the 3.11 the package needs: EMR jobs run in a virtualenv
-  archive (`spark.archives` + `PYSPARK_PYTHON`, `python_conf`) built with the wheel installed.
+  `${file:...}`) references, and the jobs' other secrets (`secrets`: the configured ones and the
+  endpoint's credential, `endpoint.auth_env`) are named, never given (each renderer says how its
+  cluster provides them). `check_no_secret_values` refuses a rendered definition that holds a
+  secret value.
+- The Kafka connector and Delta jars must match the cluster's Spark: `databricks_line` and
+  `emr_line` give the Spark line (`varadhi.spark.lines`) of a Databricks Runtime or an EMR
+  release, and refuse one outside the supported lines.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
-
-import yaml
 
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.errors import InvalidArgument
@@ -109,13 +102,6 @@ DATABRICKS_LINES: dict[int, str] = {15: "3.5", 16: "3.5", 17: "4.0", 18: "4.1"}
 _DBR_RE = re.compile(r"(\d+)\.(\d+)\.x-(?:[a-z0-9-]+-)?scala(2\.1[23])")
 # EMR Serverless retries job runs (`retryPolicy`, job resiliency) from this release on.
 SERVERLESS_RETRIES = (7, 1, 0)
-# Where the virtualenv archive is unpacked in each container (`spark.archives` ...#environment).
-VENV_DIR = "environment"
-VENV_PYTHON = f"./{VENV_DIR}/bin/python"
-
-# A Databricks task is retried without limit, at most once a minute; a retry of one task leaves
-# the job's other tasks running (see `databricks_job`).
-RETRY_INTERVAL_MS = 60_000
 
 # Kafka topic names (the feeders' sources): Kafka's own rule.
 _KAFKA_TOPIC_RE = re.compile(r"[A-Za-z0-9._-]{1,249}")
@@ -125,9 +111,8 @@ _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 _CLUSTER_ID_RE = re.compile(r"j-[0-9A-Z]{1,255}")
 _APPLICATION_ID_RE = re.compile(r"[0-9a-z]{1,64}")
 _ROLE_ARN_RE = re.compile(r"arn:aws[a-zA-Z0-9-]*:iam::\d{12}:role/[\w+=,.@/-]+")
-_EMAIL_RE = re.compile(r"[^@\s]+@[^@\s]+")
+EMAIL_RE = re.compile(r"[^@\s]+@[^@\s]+")
 _UUID_RE = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
-JOB_CLUSTER_KEY = "varadhi"
 
 
 @dataclass(frozen=True)
@@ -431,7 +416,7 @@ def check_config(target: str, cfg: DeployConfig) -> None:
         databricks_line(cfg.spark_version)
         if not cfg.wheel.endswith(".whl"):
             raise InvalidArgument(f"{cfg.wheel!r} is not a .whl file", field="wheel")
-        if cfg.run_as and not (_EMAIL_RE.fullmatch(cfg.run_as) or _UUID_RE.fullmatch(cfg.run_as)):
+        if cfg.run_as and not (EMAIL_RE.fullmatch(cfg.run_as) or _UUID_RE.fullmatch(cfg.run_as)):
             raise InvalidArgument(
                 f"{cfg.run_as!r}: expected a user's e-mail or a service principal's application id",
                 field="run_as",
@@ -488,7 +473,7 @@ def check_alerts(cfg: DeployConfig) -> None:
         if getattr(cfg, name) < 0:
             raise InvalidArgument(f"must be 0 (no rule) or more, got {getattr(cfg, name)}", name)
     for email in cfg.notify_emails:
-        if not _EMAIL_RE.fullmatch(email):
+        if not EMAIL_RE.fullmatch(email):
             raise InvalidArgument(f"{email!r} is not an e-mail address", field="notify_email")
     for hook in cfg.notify_webhooks:
         if not _UUID_RE.fullmatch(hook):
@@ -530,7 +515,7 @@ def cluster_args(cfg: DeployConfig, warehouse: bool = True) -> list[str]:
     return args + ["--warehouse", cfg.warehouse] if warehouse else args
 
 
-def _jobs(p: JobPlan, cfg: DeployConfig) -> list[tuple[str, list[str]]]:
+def jobs_to_run(p: JobPlan, cfg: DeployConfig) -> list[tuple[str, list[str]]]:
     """(key, `varadhi-job` arguments) of every job: shards first, then feeders."""
     jobs = [(f"shard-{s}", [SHARD_JOB, *shard_args(p, s), *cluster_args(cfg)]) for s in p.shards]
     jobs += [
@@ -538,13 +523,6 @@ def _jobs(p: JobPlan, cfg: DeployConfig) -> list[tuple[str, list[str]]]:
         for i, f in enumerate(p.feeders)
     ]
     return jobs
-
-
-def _description(p: JobPlan, key: str) -> str:
-    if key.startswith("feeder-"):
-        feeder = p.feeders[int(key.split("-", 1)[1])]
-        return f"drain {feeder.source} ({feeder.queue}) into the current shards"
-    return f"shard {key.split('-', 1)[1]} of {p.subscription}"
 
 
 def kafka_config_path(cfg: DeployConfig) -> str:
@@ -592,370 +570,8 @@ def operation_note(p: JobPlan) -> str | None:
     )
 
 
-def _submit_conf(conf: Mapping[str, str]) -> list[str]:
+def submit_conf(conf: Mapping[str, str]) -> list[str]:
     args: list[str] = []
     for k, v in conf.items():
         args += ["--conf", f"{k}={v}"]
     return args
-
-
-# -- spark-submit ----------------------------------------------------------------------------
-
-
-def spark_submit_commands(p: JobPlan, cfg: DeployConfig) -> tuple[list[list[str]], list[list[str]]]:
-    """(local commands for this checkout's `./spark-submit.sh`, plain `spark-submit` commands
-    for a cluster), each shards first, then feeders, as argument lists."""
-    local = [["./spark-submit.sh", p.subscription, str(s)] for s in p.shards]
-    local += [["./spark-submit.sh", "--job", "feeder", *feeder_args(p, f)] for f in p.feeders]
-    submit = ["spark-submit", "--packages", ",".join(cfg.packages)]
-    submit += _submit_conf({**DELTA_CONF, **STREAMING_CONF})
-    launcher = f"{cfg.code_path.rstrip('/')}/{LAUNCHER}"
-    cluster = [[*submit, launcher, *args] for _key, args in _jobs(p, cfg)]
-    return local, cluster
-
-
-def spark_submit_script(p: JobPlan, cfg: DeployConfig) -> str:
-    """A shell script: the environment, then one line per job, local and cluster variants.
-
-    Every job runs until stopped, so each line is meant for its own terminal or service unit.
-    The cluster commands run the driver in client mode on the submitting host (so the exported
-    environment reaches it) with the cluster's default master; the wheel must be installed on
-    every node (docs/deployment.md for YARN and Kubernetes).
-    """
-    local, cluster = spark_submit_commands(p, cfg)
-    env = {"VARADHI_BOOTSTRAP": cfg.bootstrap_servers, **job_env(cfg)}
-    lines = [
-        f"# varadhi jobs for subscription {p.subscription}: {p.shard_count} shard(s), "
-        f"generation {p.generation}",
-    ]
-    if p.paused:
-        lines.append(
-            "# the subscription is paused: shards started now wait until "
-            f"`varadhi subscription resume {p.subscription}`"
-        )
-    note = operation_note(p)
-    if note:
-        lines.append(f"# {note}")
-    names = secret_env_names(p, cfg)
-    if names:
-        lines.append(
-            f"# secrets read from the environment on the driver and every executor: "
-            f"{', '.join('$' + n for n in names)}; export them (locally) or set them in the "
-            "cluster's driver and executor environment"
-        )
-    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-    lines += ["", "# this checkout (local Spark, the project's jars and venv), one per terminal:"]
-    lines += [shlex.join(c) for c in local]
-    lines += [
-        "# optional standbys (another host or terminal): each waits, Spark started, and takes its",
-        "# shard over once the active instance's lease has not been renewed for its TTL:",
-    ]
-    lines += [f"# {shlex.join([*c, '--standby'])}" for c in local if c[1] != "--job"]
-    lines += [
-        "",
-        f"# a cluster (its spark-submit and master; the {DISTRIBUTION} wheel installed for the "
-        f"cluster's Python 3.11+, {LAUNCHER} from `varadhi jobs launcher` in "
-        f"{cfg.code_path}):",
-    ]
-    lines += [shlex.join(c) for c in cluster]
-    return "\n".join(lines) + "\n"
-
-
-# -- Databricks ------------------------------------------------------------------------------
-
-
-def databricks_env(p: JobPlan, cfg: DeployConfig) -> dict[str, str]:
-    """`spark_env_vars`: the catalog topic, the Kafka client configuration file, and every
-    secret as a `{{secrets/<scope>/<key>}}` reference (Databricks resolves it when the cluster
-    starts; the value is never in the job's settings)."""
-    return {**job_env(cfg), **{s.env: s.reference for s in secrets(p, cfg)}}
-
-
-def extra_packages(line: spark_lines.SparkLine, extras: Sequence[str]) -> list[str]:
-    """The coordinates `extras` add to the line's Kafka connector and Delta."""
-    base = spark_lines.packages(line)
-    return [c for c in spark_lines.packages(line, extras) if c not in base]
-
-
-def databricks_libraries(cfg: DeployConfig) -> list[dict[str, Any]]:
-    """The wheel, and a Maven library per extra jar (the runtime has Kafka and Delta)."""
-    line = databricks_line(cfg.spark_version)
-    maven = [{"maven": {"coordinates": c}} for c in extra_packages(line, cfg.extras)]
-    return [{"whl": cfg.wheel}, *maven]
-
-
-def databricks_job(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
-    """A Jobs API 2.2 create request: one job, one `python_wheel_task` per shard and feeder
-    (`varadhi-job NAME ...` from the wheel), all on one job cluster in dedicated access mode.
-
-    Restart policy (why not a continuous job): a continuous job's `task_retry_mode: ON_FAILURE`
-    retries a failed task only "if at least one other task in the job is still running its
-    first attempt"; once every shard has failed once (one broker outage is enough), the next
-    failure of any shard cancels the run and restarts all of them, and retry policies
-    (`max_retries`) are not allowed in continuous jobs. So the job is a triggered one (start it
-    once with `jobs run-now`) whose tasks have no `depends_on`: they run side by side, a failed
-    task only affects tasks that depend on it (none), and each task retries itself without
-    limit (`max_retries: -1`), at most once a minute (`min_retry_interval_millis`), while the
-    others keep running. Streaming tasks never time out (no `timeout_seconds`, so
-    `retry_on_timeout` does not apply). The run ends only when every task has ended (a feeder
-    ends when it has drained its source) or someone cancels it; `max_concurrent_runs: 1` and no
-    queue keep a second run from starting shards that already run (the shards' leases would
-    fence each other).
-
-    Serverless job compute does not run Structured Streaming with processing-time triggers, so
-    the tasks use a job cluster; `data_security_mode: SINGLE_USER` (the API's name for the
-    dedicated access mode) gives the shards Unity Catalog volumes and the full Spark API. With
-    `cfg.run_as` the job runs as that user or service principal (`run_as`) and the cluster is
-    dedicated to it (`single_user_name`); without, Databricks uses the job's creator.
-    Databricks runtimes bring Delta and the Kafka connector, so no packages are installed besides
-    the wheel (whose dependencies are resolved from PyPI when the library is installed) and the
-    jars of `cfg.extras`, as Maven libraries.
-    Pausing the subscription (`varadhi subscription pause`) makes the running shards wait; the
-    job keeps running.
-    """
-    tasks = [
-        {
-            "task_key": key,
-            "description": _description(p, key),
-            "job_cluster_key": JOB_CLUSTER_KEY,
-            "python_wheel_task": {
-                "package_name": DISTRIBUTION,
-                "entry_point": ENTRY_POINT,
-                "parameters": args,
-            },
-            "libraries": databricks_libraries(cfg),
-            "max_retries": -1,
-            "min_retry_interval_millis": RETRY_INTERVAL_MS,
-            "retry_on_timeout": False,
-        }
-        for key, args in _jobs(p, cfg)
-    ]
-    cluster: dict[str, Any] = {
-        "spark_version": cfg.spark_version,
-        "node_type_id": cfg.node_type,
-        "num_workers": cfg.workers,
-        "data_security_mode": "SINGLE_USER",
-        "spark_conf": dict(STREAMING_CONF),
-        "spark_env_vars": databricks_env(p, cfg),
-    }
-    job: dict[str, Any] = {
-        "name": f"varadhi-{p.subscription}",
-        "description": (
-            f"varadhi subscription {p.subscription}: {p.shard_count} shard(s)"
-            + (f"; {operation_note(p)}" if p.operation else "")
-            + ". Generated by `varadhi jobs render`; re-render after shard-count changes."
-        ),
-        "tags": {
-            "varadhi-subscription": p.subscription,
-            "varadhi-shard-count": str(p.shard_count),
-        },
-        "max_concurrent_runs": 1,
-        "queue": {"enabled": False},
-        "job_clusters": [{"job_cluster_key": JOB_CLUSTER_KEY, "new_cluster": cluster}],
-        "tasks": tasks,
-    }
-    if cfg.run_as:
-        who = "user_name" if _EMAIL_RE.fullmatch(cfg.run_as) else "service_principal_name"
-        job["run_as"] = {who: cfg.run_as}
-        cluster["single_user_name"] = cfg.run_as
-    job_alerts, task_alerts = databricks_alerts(cfg)
-    job.update(job_alerts)
-    for task in tasks:
-        task.update(task_alerts)
-    return job
-
-
-def databricks_alerts(cfg: DeployConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The health rules and notifications of `databricks_job` (job settings, task settings);
-    empty unless asked for (pure).
-
-    Job: `health.rules`, one `GREATER_THAN` rule per threshold set, `STREAMING_BACKLOG_SECONDS`
-    (the largest consumer delay across the job's streams) and `STREAMING_BACKLOG_RECORDS` (the
-    largest offset lag), and whom to tell when one is exceeded
-    (`on_streaming_backlog_exceeded`) or the run fails (`on_failure`), by e-mail and through
-    notification destinations (`webhook_notifications`: Slack, PagerDuty, Teams or a webhook,
-    by id). Tasks: `on_failure` too, because the job run almost never fails: every task retries
-    itself without limit, so a failing shard is seen in its task's failed attempts."""
-    emails, hooks = list(cfg.notify_emails), [{"id": h} for h in cfg.notify_webhooks]
-    rules = [
-        {"metric": metric, "op": "GREATER_THAN", "value": value}
-        for metric, value in (
-            ("STREAMING_BACKLOG_SECONDS", cfg.backlog_seconds),
-            ("STREAMING_BACKLOG_RECORDS", cfg.backlog_records),
-        )
-        if value
-    ]
-    events = ["on_failure"] + (["on_streaming_backlog_exceeded"] if rules else [])
-    job: dict[str, Any] = {"health": {"rules": rules}} if rules else {}
-    task: dict[str, Any] = {}
-    if emails:
-        job["email_notifications"] = {e: emails for e in events}
-        task["email_notifications"] = {"on_failure": emails}
-    if hooks:
-        job["webhook_notifications"] = {e: hooks for e in events}
-        task["webhook_notifications"] = {"on_failure": hooks}
-    return job, task
-
-
-def bundle_resource_key(subscription: str) -> str:
-    """The job's key under `resources.jobs` (letters, digits and '_' only)."""
-    return "varadhi_" + re.sub(r"[^A-Za-z0-9_]", "_", subscription)
-
-
-def databricks_bundle(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
-    """A `databricks.yml` Asset Bundle holding `databricks_job`'s job as `resources.jobs.<key>`.
-
-    `databricks bundle deploy` creates or updates the job (re-render and deploy again after a
-    shard-count change); `databricks bundle run <key>` starts it. The workspace comes from the
-    CLI's profile or `DATABRICKS_HOST`."""
-    return {
-        "bundle": {"name": f"varadhi-{re.sub(r'[^A-Za-z0-9_-]', '-', p.subscription)}"},
-        "resources": {"jobs": {bundle_resource_key(p.subscription): databricks_job(p, cfg)}},
-    }
-
-
-def bundle_yaml(p: JobPlan, cfg: DeployConfig) -> str:
-    key = bundle_resource_key(p.subscription)
-    head = (
-        f"# Databricks Asset Bundle for varadhi subscription {p.subscription}, generated by "
-        "`varadhi jobs render --target databricks-bundle`.\n"
-        f"# databricks bundle deploy && databricks bundle run {key}\n"
-    )
-    return head + yaml.safe_dump(databricks_bundle(p, cfg), sort_keys=False, width=100)
-
-
-# -- EMR -------------------------------------------------------------------------------------
-
-
-def python_conf(driver_env_prefix: str) -> dict[str, str]:
-    """Spark settings that run the driver and executors with the virtualenv archive's Python
-    (`spark.archives` unpacks it as `./environment` in every container)."""
-    return {
-        f"{driver_env_prefix}PYSPARK_PYTHON": VENV_PYTHON,
-        f"{driver_env_prefix}PYSPARK_DRIVER_PYTHON": VENV_PYTHON,
-        "spark.executorEnv.PYSPARK_PYTHON": VENV_PYTHON,
-    }
-
-
-def _emr_submit(p: JobPlan, cfg: DeployConfig, serverless: bool) -> list[str]:
-    """The spark-submit options of an EMR job: the release's packages, Delta, the Python of the
-    virtualenv archive, the jobs' environment on driver and executors, the Kafka properties."""
-    line = emr_line(cfg.emr_release)
-    driver = "spark.emr-serverless.driverEnv." if serverless else "spark.yarn.appMasterEnv."
-    conf = {**DELTA_CONF, **STREAMING_CONF}
-    if cfg.python_archive:
-        conf.update({"spark.archives": f"{cfg.python_archive}#{VENV_DIR}", **python_conf(driver)})
-    if not serverless:
-        conf.update(
-            {
-                "spark.yarn.submit.waitAppCompletion": "false",
-                "spark.yarn.maxAppAttempts": "4",
-                "spark.yarn.am.attemptFailuresValidityInterval": "1h",
-            }
-        )
-    for k, v in job_env(cfg).items():
-        conf[f"{driver}{k}"] = v
-        conf[f"spark.executorEnv.{k}"] = v
-    args = ["--packages", ",".join(spark_lines.packages(line, cfg.extras))]
-    if scheme(cfg.kafka_config) in ("s3", "s3a"):
-        args += ["--files", cfg.kafka_config]
-    return args + _submit_conf(conf)
-
-
-def emr_steps(p: JobPlan, cfg: DeployConfig) -> list[dict[str, Any]]:
-    """AddJobFlowSteps `Steps`: one `command-runner.jar` spark-submit step per shard and feeder.
-
-    Steps on a cluster run one after another (StepConcurrencyLevel 1 by default) and a step
-    lasts as long as its spark-submit. A streaming job never ends, so each step submits in
-    cluster mode without waiting (`spark.yarn.submit.waitAppCompletion=false`): the step ends
-    once YARN accepted the application, and the next shard's step can start. YARN, not EMR,
-    restarts a failed driver: `spark.yarn.maxAppAttempts` (at most the cluster's
-    `yarn.resourcemanager.am.max-attempts`) attempts, counted per hour; one shard's restart does
-    not touch the others (each is its own application).
-    `ActionOnFailure: CONTINUE` keeps the cluster and the other steps when one submission fails.
-    Secrets (`secret_env_names`) are not passed: they would be visible in the step's arguments;
-    the cluster's configuration must put them in the driver's and executors' environment.
-    """
-    submit = ["spark-submit", "--deploy-mode", "cluster", *_emr_submit(p, cfg, serverless=False)]
-    launcher = f"{cfg.code_path.rstrip('/')}/{LAUNCHER}"
-    return [
-        {
-            "Name": f"varadhi-{p.subscription}-{key}",
-            "ActionOnFailure": "CONTINUE",
-            "HadoopJarStep": {"Jar": "command-runner.jar", "Args": [*submit, launcher, *args]},
-        }
-        for key, args in _jobs(p, cfg)
-    ]
-
-
-def emr_add_steps(p: JobPlan, cfg: DeployConfig) -> dict[str, Any]:
-    """The AddJobFlowSteps request (boto3 `add_job_flow_steps(**request)`, the SDKs)."""
-    return {"JobFlowId": cfg.cluster_id, "Steps": emr_steps(p, cfg)}
-
-
-def emr_cli_steps(steps: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The same steps in the AWS CLI's own shape (`aws emr add-steps --steps file://x.json`
-    reads `Type`/`Jar`/`Args`, not the API's `HadoopJarStep`)."""
-    return [
-        {
-            "Type": "CUSTOM_JAR",
-            "Name": s["Name"],
-            "ActionOnFailure": s["ActionOnFailure"],
-            "Jar": s["HadoopJarStep"]["Jar"],
-            "Args": list(s["HadoopJarStep"]["Args"]),
-        }
-        for s in steps
-    ]
-
-
-def emr_serverless_runs(p: JobPlan, cfg: DeployConfig) -> list[dict[str, Any]]:
-    """One EMR Serverless StartJobRun request per shard and feeder, each a streaming job run.
-
-    `mode: STREAMING` runs the job until cancelled, with no execution timeout, and restarts a
-    failed one from its checkpoint, up to `retryPolicy.maxFailedAttemptsPerHour` (1-10, the
-    service's default 5; streaming runs take no `maxAttempts`); a run that keeps failing for an
-    hour is not retried any more (EMR's thrash prevention) and must be started again. Retries
-    need emr-7.1.0 or later (`check_config`). Each job is its own run, so one shard's restart
-    leaves the others running. The application
-    must run an EMR release of the supported lines (`cfg.emr_release`; its `--packages` come
-    from that line) and reach Maven Central for them (or replace `--packages` with `--jars` on
-    S3). `clientToken` is derived from the subscription, job and generation, so submitting the
-    same rendered request twice starts one run; a run started again after it ended needs a new
-    token (`aws emr-serverless start-job-run` makes one when the field is left out).
-    EMR Serverless splits `sparkSubmitParameters` at spaces without shell quoting, so a value
-    with a space or quote is refused (`InvalidArgument`).
-    """
-    options = _emr_submit(p, cfg, serverless=True)
-    if any(re.search(r"[\s'\"\\]", a) for a in options):
-        raise InvalidArgument(  # EMR Serverless splits sparkSubmitParameters at spaces
-            "a path or setting with a space, quote or backslash cannot go into "
-            "sparkSubmitParameters",
-            field="emr-serverless",
-        )
-    submit = " ".join(options)
-    launcher = f"{cfg.code_path.rstrip('/')}/{LAUNCHER}"
-    runs = []
-    for key, args in _jobs(p, cfg):
-        name = f"varadhi-{p.subscription}-{key}"
-        runs.append(
-            {
-                "applicationId": cfg.application_id,
-                "executionRoleArn": cfg.execution_role_arn,
-                "clientToken": re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-g{p.generation}")[-64:],
-                "name": name,
-                "mode": "STREAMING",
-                "retryPolicy": {"maxFailedAttemptsPerHour": 5},
-                "jobDriver": {
-                    "sparkSubmit": {
-                        "entryPoint": launcher,
-                        "entryPointArguments": args,
-                        "sparkSubmitParameters": submit,
-                    }
-                },
-                "tags": {
-                    "varadhi-subscription": p.subscription,
-                    "varadhi-job": key,
-                },
-            }
-        )
-    return runs
