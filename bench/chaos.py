@@ -320,7 +320,7 @@ def journaled_batch(catalog: Catalog, name: str, shard: int) -> tuple[int, int] 
     """(batch id, messages its journal names as accepted) of shard `shard`'s newest batch if it
     is planned, not committed, and has journaled at least one message the endpoint accepted;
     else None. What change-shards would hand over for that shard if it ran now
-    (`resharding.journaled_plan`, as `resharding.ChangeShards._uncommitted_of` reads it). Raises
+    (`varadhi.ops.change_shards.journaled_plan`, as `varadhi.ops.change_shards.ChangeShards._uncommitted_of` reads it). Raises
     what reading Kafka raises (the broker restarting)."""
     sub, layout = _current(catalog, name, shard)
     warehouse = catalog.settings.warehouse

@@ -321,7 +321,7 @@ def spark_stages(messages: int, groups: int, kind: str, columns: list[str], repe
     partitions) with the shard's source options, stage by stage:
 
     - `kafka`: the Kafka source's rows (`noop` sink);
-    - `records`: `shard_query.batch_records` (kind, ids and group key from the headers);
+    - `records`: `varadhi.spark.records.batch_records` (kind, ids and group key from the headers);
     - `to_python`: the columns the tasks read (`columns`) sent to a map function of the kind
       the code under test uses, which reads them and returns nothing.
 

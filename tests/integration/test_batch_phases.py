@@ -66,7 +66,7 @@ def _record(offset: int, group: str, kind: str = "mq", value: bytes | None = b"{
     }
 
 
-# What Spark hands phase 1 (`mapInArrow`): the Arrow types of `shard_query.DELIVERY_COLUMNS`.
+# What Spark hands phase 1 (`mapInArrow`): the Arrow types of `varadhi.spark.records.DELIVERY_COLUMNS`.
 RECORDS = pa.schema(
     [
         ("kind", pa.string()),

@@ -239,7 +239,7 @@ def _version() -> str:
 
 def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobdefs.DeployConfig:
     """The deployment configuration from the flags and the target's documented defaults,
-    checked by `jobdefs.check_config`; flags that do not apply to the target are refused
+    checked by `varadhi.jobs.definitions.check_config`; flags that do not apply to the target are refused
     (they would be silently ignored)."""
     for flag, only in _ONLY.items():
         if getattr(args, flag, None) is not None and args.target not in only:

@@ -359,7 +359,7 @@ class TaskStats:
 
     def counters(self) -> dict[str, int]:
         """Every integer counter by name, the endpoint's answers flat among them (what the
-        driver sums over tasks: `batch_commit.sum_counts`)."""
+        driver sums over tasks: `varadhi.spark.shard.commit.sum_counts`)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NOT_COUNTERS}
         return out | self.http
 

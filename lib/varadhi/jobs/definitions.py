@@ -188,7 +188,7 @@ class DeployConfig:
       "" when the nodes' or the custom image's own Python (`PYSPARK_PYTHON`) has them;
     - `emr_release`, `cluster_id` (EMR on EC2), `application_id` and `execution_role_arn`
       (EMR Serverless);
-    - `extras`: jars beyond the Kafka connector and Delta, as `spark_lines.packages` extras
+    - `extras`: jars beyond the Kafka connector and Delta, as `varadhi.spark.lines.packages` extras
       (`msk-iam`: Amazon MSK IAM's login handler; `s3`: hadoop-aws for an `s3a://` warehouse
       with spark-submit). `packages` (spark-submit) already holds them.
     """

@@ -71,7 +71,7 @@ def spark_options(settings: HasKafka) -> dict[str, str]:
 
 
 #: The Spark Kafka source's `fetch.max.wait.ms` (a consumer property; a configuration cannot
-#: set it, it is not one of `kafka_config.KNOWN`): 0, the broker answers a fetch at once.
+#: set it, it is not one of `varadhi.kafka.config.KNOWN`): 0, the broker answers a fetch at once.
 #: - After every poll, Spark's consumer asks the broker for the partition's offset range
 #:   (`InternalKafkaConsumer.getAvailableOffsetRange`). By then the consumer has already sent its
 #:   next fetch, which the broker holds until new records arrive or this time passes, and a broker

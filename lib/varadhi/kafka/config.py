@@ -379,7 +379,7 @@ class KafkaConfig:
 
     def spark_extras(self) -> tuple[str, ...]:
         """What the Spark Kafka source/sink needs beyond the Kafka connector for this
-        configuration, as `spark_lines.packages` extras: ("msk-iam",) (the `MSK_IAM_PACKAGE`
+        configuration, as `varadhi.spark.lines.packages` extras: ("msk-iam",) (the `MSK_IAM_PACKAGE`
         jar) for MSK IAM, else none."""
         return ("msk-iam",) if self.oauth_flavor == "msk-iam" else ()
 

@@ -5,7 +5,7 @@ Read from the environment so that the CLI, jobs and tests agree without passing 
 `VARADHI_CATALOG_TOPIC` (default `__varadhi_catalog`), `VARADHI_WAREHOUSE` (default
 `.varadhi/warehouse` under the working directory: Delta tables and Spark checkpoints), and the
 Kafka client configuration (`kafka`: `$VARADHI_KAFKA_CONFIG` or `varadhi --command-config`, plus
-`VARADHI_KAFKA_<PROPERTY>` overrides; see `kafka_config`). Without `VARADHI_BOOTSTRAP` the
+`VARADHI_KAFKA_<PROPERTY>` overrides; see `varadhi.kafka.config`). Without `VARADHI_BOOTSTRAP` the
 configuration's `bootstrap.servers` is used.
 """
 

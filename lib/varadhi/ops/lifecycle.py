@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 OPERATION = DocKind.OPERATION
 DELETE_OP = "delete"  # operation/<sub>/delete: a subscription delete in progress
-# Warehouse folders other components keep next to subscriptions' (`delta_outbox` checkpoints
+# Warehouse folders other components keep next to subscriptions' (`varadhi.outbox.delta` checkpoints
 # live in `<warehouse>/checkpoints/delta_outbox/<name>`): a subscription named `checkpoints`
 # has its own folders deleted, never these.
 FOREIGN_WAREHOUSE_CHILDREN = {"checkpoints": ("delta_outbox",)}

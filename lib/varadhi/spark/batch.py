@@ -18,6 +18,11 @@ A micro-batch runs in one or two Spark jobs (their bodies are the functions here
    groups' pending state (`varadhi.core.group_state.merge`). The driver builds its input from what
    phase 1 returned, so it knows which parked bodies to send without a pass over the batch.
 
+The driver plans the two jobs with `deliver_batch`: which records phase 1 forwards
+(`ForwardRule`), which parked bodies travel with phase 1's tasks and which go to phase 2. It
+reads the shard's state only through the `HeldState` port and runs the jobs on an `Executors`
+port (Spark's executors in a shard: `varadhi.spark.shard.micro_batch.SparkExecutors`).
+
 A batch that starts with no pending group, or an ungrouped one whose pending groups only wait
 for their RQ records (no parked retry due, no main-topic record of a pending group), is phase 1
 alone. In both phases a task journals the origins of the messages its endpoint accepted
@@ -158,7 +163,7 @@ def record_entry(row: dict, headers: dict[str, str], ctx: BatchContext) -> Entry
 
 
 def record_rows(batch: pa.RecordBatch) -> Iterator[tuple[dict, dict[str, str]]]:
-    """A `mapInArrow` batch of records (`shard_query.DELIVERY_COLUMNS`) as (row, headers) pairs,
+    """A `mapInArrow` batch of records (`varadhi.spark.records.DELIVERY_COLUMNS`) as (row, headers) pairs,
     in order: the row's values as Python objects (`column_values`) and its Kafka headers (column
     `kheaders`) as `messages.headers_to_dict` makes them (`header_dicts`). Converts column by
     column: several times cheaper than pandas' or Arrow's value-by-value conversion."""
@@ -218,7 +223,7 @@ def deliver_records(
 ) -> Iterator[pa.RecordBatch]:
     """Phase 1 (a `mapInArrow` function) over one task's records (whole Kafka partitions, or a
     repartition of them by group key: either way all of a group's records; the columns of
-    `shard_query.DELIVERY_COLUMNS`): deliver the groups that need nothing else, forward the
+    `varadhi.spark.records.DELIVERY_COLUMNS`): deliver the groups that need nothing else, forward the
     rest (see the module docstring). Retry-queue ticks are dropped here.
 
     Ungrouped only (`ForwardRule.local`, `ForwardRule.parked`): `local` holds the pending rows
@@ -318,7 +323,7 @@ class ForwardRule:
         max_local: int = MAX_LOCAL_ENTRIES,
     ) -> ForwardRule:
         """The rule for a batch that starts with `pending` (pure); `due`: the groups whose
-        parked head is due (`shard_stats.due_heads`).
+        parked head is due (`varadhi.spark.shard.stats.due_heads`).
 
         Grouped: every RQ record and every record of a pending group is forwarded (a group's RQ
         record and its main-topic records sit in different partitions, so in different tasks).

@@ -42,7 +42,7 @@ delivered twice, as without a journal. `interval_ms` 0 turns it off (no thread, 
 read).
 
 The topic is created like the product's other topics (`varadhi.topic.[journal.]*` settings of the
-cluster configuration, `kafka_config`), and the tasks reach Kafka with the cluster's client
+cluster configuration, `varadhi.kafka.config`), and the tasks reach Kafka with the cluster's client
 configuration, carried in `JournalTarget` as the Spark Kafka source's options carry it.
 
 Across a shard-count change (`varadhi.ops.change_shards`). The new shards have new checkpoints and

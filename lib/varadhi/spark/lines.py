@@ -13,7 +13,7 @@ Contracts:
 - `packages(line, extras)` gives `--packages` / `spark.jars.packages` coordinates: the Kafka
   connector and Delta always (every job reads Kafka and keeps state in Delta), plus the named
   extras ("s3": hadoop-aws, matching the line's bundled Hadoop; "msk-iam": aws-msk-iam-auth,
-  Amazon MSK IAM's login handler for the Kafka source/sink, `kafka_config.MSK_IAM_PACKAGE`).
+  Amazon MSK IAM's login handler for the Kafka source/sink, `varadhi.kafka.config.MSK_IAM_PACKAGE`).
 
 Hazards:
 - hadoop-aws must be the very Hadoop version the Spark build bundles (hadoop-client-api's);

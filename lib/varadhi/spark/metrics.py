@@ -6,7 +6,7 @@ Two feeds, both on the driver, fill one `ShardMetrics`:
 - every completed micro-batch (`ShardJob.batch_hooks`): its counters as the shard summed them
   from its tasks (`last_batch`: delivered, failed, retried, dead-lettered, filtered..., what the
   endpoint answered per status code and the request latency histogram, `batch.http_counts`) and
-  the blocked-group summary of its state (`shard_stats.summarize`);
+  the blocked-group summary of its state (`varadhi.spark.shard.stats.summarize`);
 - Spark's `StreamingQueryListener` (`ProgressListener`): each query progress of the shard's
   query, for the lag (records readable but not yet read, per queue: main topic and retry queue,
   from the Kafka source's `latestOffset` against the batch's `endOffset`) and Spark's own batch

@@ -195,7 +195,7 @@ class QueueSender:
 
 @dataclass(frozen=True)
 class BatchSender:
-    """The `batch_commit.OutSender` of one micro-batch: `QueueSender.send` to the batch's
+    """The `varadhi.spark.shard.commit.OutSender` of one micro-batch: `QueueSender.send` to the batch's
     RQ/DLQ produce topics."""
 
     sender: QueueSender
