@@ -1,4 +1,5 @@
-"""A shard's GroupState table in Delta, with the driver's in-memory copy of it.
+"""A shard's GroupState table in Delta, with the driver's in-memory copy of it
+(`varadhi.core.state_copy.StateCopy`: what the copy answers and how a commit changes it).
 
 The table (one per subscription, shard count and shard) holds rows of
 `state_rows.STATE_SCHEMA` (kinds and columns: `varadhi.core.state_rows`):
@@ -53,23 +54,16 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
 
 import pandas as pd
 from pyspark.sql import SparkSession
 
+from varadhi.core.state_copy import StateCopy
 from varadhi.core.state_rows import (
     COLUMN_NAMES,
     STATE_SCHEMA,
     Kind,
-    Scanned,
-    StateRow,
-    decode_scanned,
-    frame_of,
-    meta_row,
     normalise,
-    redrive_row,
-    state_rows,
 )
 from varadhi.spark.warehouse_fs import HadoopFS
 
@@ -88,18 +82,17 @@ TABLE_PROPERTIES = {
 VACUUM_EVERY = 100
 
 
-class StateStore:
-    """The driver's copy of one shard's state table. Not thread-safe (the batch lock guards it)."""
+class StateStore(StateCopy):
+    """One shard's state table in Delta and the driver's copy of it (`StateCopy`)."""
 
     def __init__(self, spark: SparkSession, path: str, writer: str):
         self.spark = spark
         self.path = path
         self.writer = writer
-        self._pending: tuple[pd.DataFrame, dict[str, list[StateRow]]] | None = None
         self._fs = HadoopFS(spark)
         self.version: int | None = None  # the table version the copy is (None: no table yet)
         self._missing: dict[str, str] = {}  # TABLE_PROPERTIES the table lacks
-        self.frame = self._load()
+        super().__init__(self._load())
 
     def _load(self) -> pd.DataFrame:
         """Read the table at its latest version; sets `version` and which `TABLE_PROPERTIES`
@@ -130,99 +123,6 @@ class StateStore:
     def reload(self) -> None:
         self.frame = self._load()
 
-    # -- reading --------------------------------------------------------------------------
-    def meta(self) -> tuple[str | None, int | None]:
-        rows = self.frame[self.frame["kind"] == Kind.META]
-        if not len(rows):
-            return None, None
-        row = rows.iloc[0]
-        return row["app_id"], (None if pd.isna(row["batch_id"]) else int(row["batch_id"]))
-
-    def pending(self) -> dict[str, list[StateRow]]:
-        """Group key -> its pending rows, without bodies (what executors need to decide).
-        Decoded once per content of the copy: do not change the rows returned."""
-        if self._pending is not None and self._pending[0] is self.frame:
-            return self._pending[1]
-        rows = self.frame[self.frame["kind"] == Kind.PENDING].drop(columns=["value"])
-        out: dict[str, list[StateRow]] = {}
-        for row in state_rows(rows):
-            out.setdefault(row.group_key, []).append(row)
-        self._pending = (self.frame, out)
-        return out
-
-    def held_groups(self) -> set[str]:
-        f = self.frame
-        return set(f.loc[(f["kind"] == Kind.PENDING) & (f["location"] == "held"), "group_key"])
-
-    def held_rows(self, keys: Iterable[str]) -> pd.DataFrame:
-        f = self.frame
-        rows = f[
-            (f["kind"] == Kind.PENDING) & (f["location"] == "held") & f["group_key"].isin(set(keys))
-        ]
-        return rows.assign(kind=Kind.HELD)
-
-    def outs(self, app_id: str, batch_id: int) -> pd.DataFrame:
-        f = self.frame
-        return f[(f["kind"] == Kind.OUT) & (f["app_id"] == app_id) & (f["batch_id"] == batch_id)]
-
-    def redrives_applied(self) -> dict[str, Scanned]:
-        """Re-drive operation id -> the DLQ end offsets its scan covered, for the `redrive`
-        rows of the copy."""
-        f = self.frame
-        rows = f[f["kind"] == Kind.REDRIVE]
-        return {
-            str(op_id): decode_scanned(scanned)
-            for op_id, scanned in zip(rows["msg_id"], rows["headers"], strict=True)
-        }
-
-    # -- writing --------------------------------------------------------------------------
-    def record_redrives(self, scanned: dict[str, Scanned]) -> None:
-        """Add a `redrive` row per operation (in memory; the next `commit` persists them)."""
-        if not scanned:
-            return
-        rows = normalise(frame_of([redrive_row(op_id, sc) for op_id, sc in scanned.items()]))
-        self.frame = normalise(pd.concat([self.frame, rows], ignore_index=True))
-
-    def forget_redrives(self, op_ids: Iterable[str]) -> None:
-        """Drop the `redrive` rows of these operations (in memory; the next `commit`)."""
-        ids = set(op_ids)
-        f = self.frame
-        gone = (f["kind"] == Kind.REDRIVE) & f["msg_id"].isin(ids)
-        if ids and gone.any():
-            self.frame = normalise(f[~gone])
-
-    def redrive(self, rows: list[StateRow]) -> int:
-        """Put re-driven DLQ messages back as `held` entries (in memory; the next `commit`
-        persists them). A `dlq` entry at the same origin is replaced; a message that is pending
-        anyway is left alone. Returns how many entries were added or replaced."""
-        if not rows:
-            return 0
-        f = self.frame
-        pending = f["kind"] == Kind.PENDING
-        at = {
-            (g, i, p, o): idx
-            for idx, g, i, p, o in zip(
-                f.index[pending],
-                f.loc[pending, "group_key"],
-                f.loc[pending, "origin_index"],
-                f.loc[pending, "origin_partition"],
-                f.loc[pending, "origin_offset"],
-                strict=True,
-            )
-        }
-        drop, add = [], []
-        for row in rows:
-            idx = at.get((row.group_key, row.origin_index, row.origin_partition, row.origin_offset))
-            if idx is None:
-                add.append(row)
-            elif f.at[idx, "location"] == "dlq":
-                drop.append(idx)
-                add.append(row)
-        self.frame = normalise(
-            pd.concat([f.drop(index=drop), normalise(frame_of(add))], ignore_index=True)
-        )
-        return len(add)
-
     def drop_entries(self, location: str, origins: set[tuple[int, int, int, int]]) -> int:
         """Remove pending entries at `location` whose (origin index, partition, offset, attempts)
         is in `origins`, and write the table (offline use: the shard must be stopped). Returns how
@@ -251,20 +151,10 @@ class StateStore:
         return sum(hit)
 
     def commit(self, touched: set[str], new_rows: pd.DataFrame, app_id: str, batch_id: int) -> bool:
-        """Replace the table with: pending rows of untouched groups, the `redrive` rows,
-        `new_rows` (the touched groups' new pending rows and this batch's outs) and a meta row. Returns whether this
-        writer's commit is the table's latest (False: someone else's won; the copy is reloaded).
-        """
-        f = self.frame
-        kept = f[
-            ((f["kind"] == Kind.PENDING) & ~f["group_key"].isin(touched))
-            | (f["kind"] == Kind.REDRIVE)
-        ]
-        # Every part in the copy's column types (here and above): pandas warns of (and will
-        # change) concatenating all-null columns of other types.
-        meta = normalise(frame_of([meta_row(app_id, batch_id)]))
-        parts = [p for p in (kept, normalise(new_rows), meta) if len(p)]
-        frame = normalise(pd.concat(parts, ignore_index=True))
+        """Replace the table with `committed(...)`, idempotently per (`app_id`, `batch_id`).
+        Returns whether this writer's commit is the table's latest (False: someone else's won;
+        the copy is reloaded)."""
+        frame = self.committed(touched, new_rows, app_id, batch_id)
         stamp = f"{self.writer}/{app_id}/{batch_id}"
         writer = (
             self.spark.createDataFrame(frame, STATE_SCHEMA)
