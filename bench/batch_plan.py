@@ -6,7 +6,7 @@
 A shard's query carries its records' columns (`varadhi.spark.records.batch_records`, built once per
 query), and Spark hands each micro-batch to the shard as a plan over the batch's computed rows
 (a `LogicalRDD`). For every batch the shard keeps the delivery columns and spreads them over its
-tasks (`varadhi.spark.records.delivery_records`) and maps them with `mapInArrow` (`ShardJob._deliver`);
+tasks (`varadhi.spark.records.delivery_records`) and maps them with `mapInArrow` (`varadhi.spark.batch.deliver_batch`);
 Spark then analyses, optimises and plans that. This runs those steps up to the executed plan
 over such a plan (`batch_records` of a one-record DataFrame of the Kafka source's schema,
 checkpointed) in a local session (no broker, no job), and reports per batch: Py4J round trips,

@@ -68,23 +68,25 @@ def rss_bytes() -> int:
 
 
 class SampledShard(ShardJob):
-    """A shard that samples batch time and driver memory after every micro-batch."""
+    """A shard that samples batch time and driver memory after every micro-batch (its batch
+    hook, on the batch's thread, once the batch committed)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.samples: list[dict] = []
         self.t0 = time.monotonic()
+        self.batch_hooks.append(self._sample)
 
-    def _finish_batch(self, batch_id, n_records, counts, started, pending, phases) -> None:
-        super()._finish_batch(batch_id, n_records, counts, started, pending, phases)
-        frame = self._store.frame if self._store is not None else None
+    def _sample(self, last_batch: dict, _summary: dict) -> None:
+        state = self.state
+        frame = state.frame if state is not None else None
         runtime = self.spark.sparkContext._jvm.java.lang.Runtime.getRuntime()
-        blocked = pending.get(BLOCKED, [])
+        blocked = state.pending().get(BLOCKED, []) if state is not None else []
         self.samples.append(
             {
                 "t": round(time.monotonic() - self.t0, 2),
-                "batch_s": round(time.monotonic() - started, 3),
-                "records": n_records,
+                "batch_s": last_batch["seconds"],
+                "records": last_batch["records"],
                 "state_rows": 0 if frame is None else len(frame),
                 "state_bytes": 0 if frame is None else int(frame.memory_usage(deep=True).sum()),
                 "blocked_rows": len(blocked),

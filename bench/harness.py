@@ -75,15 +75,17 @@ def produce(env: Env, topic: str, messages: int, groups: int) -> float:
 
 
 class TimedShard(ShardJob):
-    """A shard that notes when each micro-batch started and ended (`batches`, monotonic s)."""
+    """A shard that notes when each micro-batch started and ended (`batches`, monotonic s),
+    from its batch hook (called as the batch ends, with the batch's `seconds`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.batches: list[tuple[float, float]] = []
+        self.batch_hooks.append(self._timed)
 
-    def _finish_batch(self, batch_id, n_records, counts, started, pending, phases) -> None:
-        super()._finish_batch(batch_id, n_records, counts, started, pending, phases)
-        self.batches.append((started, time.monotonic()))
+    def _timed(self, last_batch: dict, _summary: dict) -> None:
+        ended = time.monotonic()
+        self.batches.append((ended - float(last_batch["seconds"]), ended))
 
     @property
     def drain_s(self) -> float:

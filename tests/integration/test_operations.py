@@ -169,7 +169,7 @@ def test_pause_stops_consuming_and_resume_carries_on(
         job = ShardJob(spec.name, 0, settings, spark=spark)
         thread = threading.Thread(target=job.run, daemon=True)
         # What the shard's control loop decided at each of its reads of the subscription: paused
-        # or not. Paused, it reads it once a second (`ShardJob._wait_while_paused`), and would
+        # or not. Paused, it reads it once a second (`ShardJob._wait_while`), and would
         # start its query at the first read that says otherwise.
         seen_paused: list[bool] = []
         read_subscription = subscriptions.from_snapshot

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 
 class QueryEnd(StrEnum):
-    """Why `ShardJob._run_query` stopped its query. `STOP` and `IDLE` end the run (exit 0);
+    """Why `QueryRun.run` stopped its query. `STOP` and `IDLE` end the run (exit 0);
     every other reason runs the control loop again (lease, pause, circuit, layout, then a new
     query)."""
 

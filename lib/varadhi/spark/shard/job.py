@@ -50,6 +50,7 @@ from varadhi.spark.shard.reading import EndOffsets, LayoutMoves
 from varadhi.spark.shard.sender import QueueSender
 from varadhi.spark.shard.ticks import Ticks
 from varadhi.spark.startup import Ahead, StartupClock
+from varadhi.spark.state_store import StateStore
 from varadhi.spark.stop_signals import StopSignals
 
 log = logging.getLogger("varadhi.spark.shard.job")
@@ -99,6 +100,12 @@ class ShardJob:
     def query(self):
         """The running Structured Streaming query, or None."""
         return self._run.query if self._run is not None else None
+
+    @property
+    def state(self) -> StateStore | None:
+        """The running query's GroupState copy (read it on the batch's thread: a batch hook),
+        or None."""
+        return self._run.parts.stores.current if self._run is not None else None
 
     def request_stop(self) -> None:
         """Stop between batches, as SIGINT or SIGTERM do."""

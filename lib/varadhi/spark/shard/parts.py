@@ -52,6 +52,10 @@ class StateStores:
         self.writer = writer
         self._store: StateStore | None = None
 
+    @property
+    def current(self) -> StateStore | None:
+        return self._store
+
     def at(self, spark: SparkSession, path: str) -> StateStore:
         if self._store is None or self._store.path != path:
             self._store = StateStore(spark, path, self.writer)
