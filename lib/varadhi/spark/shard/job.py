@@ -1,26 +1,12 @@
 """The driver of one subscription shard: its control loop, one Structured Streaming query at a time.
 
-`ShardJob.run` takes the lease or stands by for it (`varadhi.spark.shard.lease`), turns SIGINT
-and SIGTERM into a stop between batches, and then, until stopped, fenced or failed: reads the
-subscription, waits while it is paused or its circuit is open, picks the reader layout
-(`varadhi.spark.shard.reading`) and runs one query of it (`varadhi.spark.shard.query_run`) until
-the query ends for a `QueryEnd` reason (`varadhi.spark.shard.ends`). It makes the run's parts once
-the lease is held (`varadhi.spark.shard.parts.ShardParts`) and closes them on every way out.
-
-Each micro-batch runs the batch-commit protocol (`varadhi.spark.shard.commit.BatchCommit`: lease
-check, re-send of a batch committed already, delivery on executors, one idempotent GroupState
-commit, RQ/DLQ records in one Kafka transaction, lease check) with the shard's ports: the
-`StateStore`, the `ShardLease`, the RQ/DLQ sender (`varadhi.spark.shard.sender`: the shard's
-transactional producer) and a `MicroBatch` (`varadhi.spark.shard.micro_batch`: the catalog,
-re-drives, filter, dedup window, delivery with the delivery journal). What a crash between two
-steps leaves is documented there.
-
-Reader layouts (DESIGN hazard 3). A shard reads one main-topic storage topic at a time: it moves
-from T_i to T_i+1 only when produce has moved off T_i more than a grace period ago (producers poll
-the catalog) and the shard has consumed all of T_i. Each layout has its own checkpoint, its own
-starting offsets (carried over from the previous layout) and its own idempotency id, since batch
-ids restart at 0 in a new checkpoint (hazard 7). Layout changes, pauses, SIGINT and SIGTERM all
-stop the query between batches (`varadhi.spark.shard.gate`), never inside one.
+`ShardJob.run` takes the lease or stands by for it (`lease`), turns SIGINT and SIGTERM into a stop
+between batches, makes the run's parts (`parts.ShardParts`), and then, until stopped, fenced or
+failed: reads the subscription, waits while it is paused or its circuit is open, picks the reader
+layout (`reading`) and runs one query of it (`query_run.QueryRun`) until the query ends for a
+`ends.QueryEnd` reason. A micro-batch (`micro_batch`) runs the batch-commit protocol (`commit`).
+Layout changes, pauses, SIGINT and SIGTERM all stop a query between batches (`gate`), never inside
+one. docs/architecture.md walks one micro-batch through these modules.
 """
 
 from __future__ import annotations
