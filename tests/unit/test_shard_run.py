@@ -297,3 +297,32 @@ def test_the_progress_after_a_query_says_what_its_last_batch_read(run, monkeypat
     monkeypatch.setattr(run, "_watch", lambda *_a: QueryEnd.PAUSED)
     assert run.run() is QueryEnd.PAUSED
     assert progress.where["consumed"] == {"orders.0": {"0": 5}}
+
+
+class PausedCatalog:
+    """A catalog whose subscription is paused for `looks` reads, then resumed."""
+
+    def __init__(self, looks: int):
+        self.looks = looks
+
+    def snapshot(self):
+        self.looks -= 1
+        return self.looks >= 0
+
+
+def test_a_paused_shard_keeps_reporting_paused_while_it_waits(job, monkeypatch):
+    """A paused shard published `paused` once and then nothing while it waited: after a minute
+    status showed it `silent` (issue 30), though its lease was renewed and docs/operations.md
+    tells operators to wait for `paused`. Every look while paused reports it again (the
+    publisher's rate limit keeps that to one document every few seconds)."""
+    published: list[str] = []
+    monkeypatch.setattr(job._progress, "publish", lambda state, **_k: published.append(state))
+    job.catalog = PausedCatalog(looks=3)
+    monkeypatch.setattr(
+        shard_module.subscriptions,
+        "from_snapshot",
+        lambda paused, _name: SimpleNamespace(paused=paused),
+    )
+    lease = SimpleNamespace(check=lambda: None)
+    assert job._wait_while(lease, job._still_paused, interval=lambda: 0) is False
+    assert published == ["paused", "paused", "paused"]

@@ -199,7 +199,7 @@ class ShardJob:
                 if loaded.sub.paused:
                     log.info("%s shard %d: paused", self.name, self.shard)
                     self._progress.publish("paused", force=True)
-                    if self._wait_while(lease, lambda current: current.paused):
+                    if self._wait_while(lease, self._still_paused):
                         return RunEnd.STOPPED
                     continue
                 self._circuit.configure(loaded.sub.spec.circuit_breaker)
@@ -269,6 +269,14 @@ class ShardJob:
 
         publisher = ProgressPublisher(self.settings, self.name, self.shard, standby=lease.instance)
         return lease.stand_by(owner_of, publisher, self._stop.wait)
+
+    def _still_paused(self, current: subscriptions.Subscription) -> bool:
+        """Whether the subscription stays paused, reported while it does (rate-limited): a
+        paused shard's document stays fresh, so status shows it `paused`, not `silent`."""
+        if not current.paused:
+            return False
+        self._progress.publish("paused")
+        return True
 
     def _circuit_open(self, current: subscriptions.Subscription) -> bool:
         """Whether the circuit stays open (reconfigured from `current`; paused ends the wait),
