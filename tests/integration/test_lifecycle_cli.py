@@ -16,6 +16,7 @@ from kafka.admin import KafkaAdminClient
 from varadhi.kafka import progress
 from varadhi.ops import lifecycle
 from varadhi.ops.lifecycle import SubscriptionDeleter
+from varadhi.spark import journal
 
 pytestmark = pytest.mark.kafka
 
@@ -161,6 +162,20 @@ def test_delete_refused_then_dry_run_then_delete_then_recreate(
     code, out, _ = varadhi_cli("status", sub, "--output", "json")
     assert code == 0
     assert all(s["state"] == "never started" for s in json.loads(out)["shards"])
+
+
+def test_delete_removes_the_delivery_journals_topic_too(varadhi_cli, setup, admin, settings):
+    """A shard with the journal on (the default) creates `<sub>.journal`; `subscription delete`
+    left it behind (issue 30): the dry run lists it and the delete removes it."""
+    _, sub, _ = setup()
+    journal.ensure_topic(settings, journal.topic_name(sub), 1)
+    assert kafka_topics(admin, sub) == [f"{sub}.dlq.0", f"{sub}.journal", f"{sub}.rq.0"]
+    code, out, err = varadhi_cli("subscription", "delete", sub, "--dry-run", "--output", "json")
+    assert code == 0, err
+    assert json.loads(out)["kafka_topics"] == [f"{sub}.rq.0", f"{sub}.dlq.0", f"{sub}.journal"]
+    code, _, err = varadhi_cli("subscription", "delete", sub)
+    assert code == 0, err
+    assert kafka_topics(admin, sub) == []
 
 
 def test_rerun_after_a_crash_part_way_finishes(varadhi_cli, setup, snapshot, admin, catalog):

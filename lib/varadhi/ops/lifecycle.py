@@ -7,7 +7,8 @@ prints exactly what the command would remove, and the refusals are tested withou
 A subscription owns, in the catalog, its record `subscription/<sub>`, its RQ/DLQ composite
 topics `topic/<sub>.rq` and `topic/<sub>.dlq`, and every key whose name is `<sub>` or starts
 with `<sub>/` in any other kind (leases and reader layouts `<sub>/s<S>/<i>`, operations
-`<sub>/...`); outside it, the RQ/DLQ Kafka storage topics, its warehouse folder
+`<sub>/...`); outside it, the RQ/DLQ Kafka storage topics, its delivery journal's topic
+`<sub>.journal` (when a shard created it), its warehouse folder
 `<warehouse>/<sub>` (GroupState, checkpoints, dedup tables) and its progress documents
 (`<catalog>_progress`, keys `<sub>/...`).
 
@@ -16,7 +17,8 @@ command again after a crash part way finishes the job:
 
 1. mark: one catalog transaction pauses the subscription and records `operation/<sub>/delete`
    (status shows it; a shard started meanwhile does not consume);
-2. data: unless `--keep-data`, delete the RQ/DLQ storage topics (and wait until Kafka has
+2. data: unless `--keep-data`, delete the RQ/DLQ storage topics and the journal's topic (and
+   wait until Kafka has
    removed them, so a subscription created again with the name gets new, empty ones) and the
    warehouse folder; tombstone the progress documents;
 3. forget: one catalog transaction tombstones every catalog record of the subscription, the
@@ -43,7 +45,7 @@ from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import progress, subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
 from varadhi.ops import status
-from varadhi.spark import warehouse_fs
+from varadhi.spark import journal, warehouse_fs
 from varadhi.spark.warehouse_fs import WarehouseFS
 
 log = logging.getLogger(__name__)
@@ -163,10 +165,13 @@ def plan_subscription_delete(
     warehouse: str,
     keep_data: bool = False,
     progress_keys: Iterable[str] = (),
+    other_topics: Iterable[str] = (),
 ) -> SubscriptionDeletePlan:
-    """Plan deleting subscription `name` (pure). `NotFound` when the catalog holds nothing of
-    it; `InvalidArgument` while one of its operations is in progress. Whether shards run is
-    `check_stopped`'s (it needs their progress documents)."""
+    """Plan deleting subscription `name` (pure). `other_topics`: the subscription's Kafka topics
+    that the catalog does not record and that exist (its delivery journal: `own_topics`).
+    `NotFound` when the catalog holds nothing of it; `InvalidArgument` while one of its
+    operations is in progress. Whether shards run is `check_stopped`'s (it needs their progress
+    documents)."""
     names.validate_name(name)
     keys = subscription_keys(snapshot, name)
     doc = snapshot.get(subscriptions.KIND, name)
@@ -182,7 +187,7 @@ def plan_subscription_delete(
                 + "; finish it (run its command again) first",
                 field="subscription",
             )
-    storage = queue_storage_topics(snapshot, name)
+    storage = queue_storage_topics(snapshot, name) + sorted(set(other_topics))
     folder = warehouse_folder(warehouse, name)
     progress = tuple(sorted(progress_keys))
     return SubscriptionDeletePlan(
@@ -196,6 +201,12 @@ def plan_subscription_delete(
         keep_data=keep_data,
         kept={"kafka_topics": storage, "warehouse": folder.to_dict()} if keep_data else {},
     )
+
+
+def own_topics(name: str) -> tuple[str, ...]:
+    """The Kafka topics of subscription `name` that the catalog does not record: the delivery
+    journal's, which a shard creates when the journal is on (`varadhi.spark.journal`)."""
+    return (journal.topic_name(name),)
 
 
 def check_stopped(
@@ -339,6 +350,19 @@ def delete_folder(files: WarehouseFS, folder: WarehouseFolder) -> None:
 # -- Kafka ------------------------------------------------------------------------------------
 
 
+def existing_topics(settings: kafka_clients.HasKafka, names: Iterable[str]) -> list[str]:
+    """Those of `names` the cluster has."""
+    try:
+        admin = kafka_clients.admin(settings, client_id="varadhi-admin")
+    except KafkaError as e:
+        raise KafkaUnavailable(f"cannot reach Kafka at {settings.bootstrap}: {e}") from e
+    try:
+        present = set(admin.list_topics())
+        return [n for n in names if n in present]
+    finally:
+        admin.close()
+
+
 def delete_kafka_topics(
     settings: kafka_clients.HasKafka, names: Iterable[str], wait_s: float = TOPIC_DELETE_WAIT_S
 ) -> None:
@@ -410,8 +434,9 @@ class SubscriptionDeleter:
         names.validate_name(name)
         found = progress.progress_documents(self.catalog.settings, name)
         progress_keys = [f"{name}/{k}" for k in found]
+        existing = existing_topics(self.catalog.settings, own_topics(name))
         plan = plan_subscription_delete(
-            snap, name, self.catalog.settings.warehouse, keep_data, progress_keys
+            snap, name, self.catalog.settings.warehouse, keep_data, progress_keys, existing
         )
         if plan.exists:
             sub = subscriptions.from_snapshot(snap, name)
