@@ -217,9 +217,10 @@ def test_options_flags_win_over_the_environment_and_bad_values_are_refused(monke
     monkeypatch.setenv("VARADHI_METRICS_PORT", "9109")
     monkeypatch.setenv("VARADHI_LOG_FORMAT", "json")
     got = metrics.MetricsOptions.from_env()
-    assert (got.port, got.json_logs, got.addr) == (9109, True, "0.0.0.0")
-    got = metrics.MetricsOptions.from_env(port=0, addr="127.0.0.1", log_format="text")
-    assert (got.port, got.json_logs, got.addr) == (0, False, "127.0.0.1")
+    # loopback unless asked (issue 30: it bound every interface)
+    assert (got.port, got.json_logs, got.addr) == (9109, True, "127.0.0.1")
+    got = metrics.MetricsOptions.from_env(port=0, addr="0.0.0.0", log_format="text")
+    assert (got.port, got.json_logs, got.addr) == (0, False, "0.0.0.0")
     monkeypatch.setenv("VARADHI_METRICS_PORT", "nine")
     with pytest.raises(InvalidArgument) as e:
         metrics.MetricsOptions.from_env()

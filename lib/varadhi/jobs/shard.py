@@ -69,7 +69,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument(
         "--metrics-addr",
         metavar="ADDR",
-        help="address the metrics port binds (default: $VARADHI_METRICS_ADDR or 0.0.0.0)",
+        help="address the metrics port binds (default: $VARADHI_METRICS_ADDR or 127.0.0.1; "
+        "0.0.0.0 for a Prometheus on another host)",
     )
     parser.add_argument(
         "--log-format",

@@ -463,13 +463,18 @@ def json_fields(
 # -- configuration and the I/O around it ------------------------------------------------------
 
 
+# The exporter binds loopback unless told otherwise: the metrics name subscriptions, groups'
+# counts and endpoints' answers, which a driver host's other networks need not see.
+DEFAULT_ADDR = "127.0.0.1"
+
+
 @dataclass(frozen=True)
 class MetricsOptions:
-    """What `attach` turns on: the exporter (`port`: None off, 0 a free port; `addr` to bind)
-    and the JSON log line per micro-batch (`json_logs`)."""
+    """What `attach` turns on: the exporter (`port`: None off, 0 a free port; `addr` to bind,
+    loopback by default) and the JSON log line per micro-batch (`json_logs`)."""
 
     port: int | None = None
-    addr: str = "0.0.0.0"
+    addr: str = DEFAULT_ADDR
     json_logs: bool = False
 
     @classmethod
@@ -495,7 +500,7 @@ class MetricsOptions:
             raise InvalidArgument(f"log format {fmt!r} is not text or json", field="log_format")
         return cls(
             port=port,
-            addr=addr or os.environ.get("VARADHI_METRICS_ADDR") or "0.0.0.0",
+            addr=addr or os.environ.get("VARADHI_METRICS_ADDR") or DEFAULT_ADDR,
             json_logs=fmt == "json",
         )
 
