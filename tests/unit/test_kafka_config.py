@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import urllib.request
+
 import pytest
 
 from varadhi.core.errors import KafkaConfigError
 from varadhi.kafka import config as kc
+from varadhi.kafka.oauth_tokens import ClientCredentialsTokenProvider, RedirectRefused
 
 CA = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 KEY = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n" + CA
@@ -279,3 +283,52 @@ def test_the_spark_source_answers_an_empty_fetch_soon_and_the_sink_gets_no_consu
     assert {k: v for k, v in source.items() if k != "kafka.fetch.max.wait.ms"} == sink
     assert sink["kafka.sasl.mechanism"] == "SCRAM-SHA-512"
     assert not any("fetch" in key for key in sink)
+
+
+# -- issue 30, item 11: secrets by name, the token endpoint https only, no redirects ----------
+
+
+def test_every_option_or_key_named_secret_token_or_password_is_hidden():
+    """MSK IAM's `awsRoleSecretAccessKey` and `awsRoleSessionToken` were shown and left in
+    error texts: only a fixed list of names was secret."""
+    cfg = kc.from_properties(
+        {
+            "security.protocol": "SASL_SSL",
+            "sasl.mechanism": "OAUTHBEARER",
+            "sasl.oauthbearer.token.endpoint.url": "https://idp.example/token",
+            "sasl.jaas.config": "org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule"
+            ' required clientId="app" clientSecret="cs-123" awsRoleSecretAccessKey="sak-456"'
+            ' awsRoleSessionToken="tok-789";',
+        },
+        environ={},
+    )
+    shown = json.dumps(cfg.describe())
+    for secret in ("cs-123", "sak-456", "tok-789"):
+        assert secret not in shown
+        assert secret not in cfg.redact(f"failed with {secret}")
+    assert "https://idp.example/token" in shown  # a URL named token...url is not secret
+    assert kc.is_secret_key("ssl.key.password") and not kc.is_secret_key("sasl.mechanism")
+
+
+def test_the_token_endpoint_must_be_https():
+    """The client credentials went to a plain http:// token endpoint."""
+    with pytest.raises(KafkaConfigError, match="https"):
+        kc.from_properties(
+            {
+                "security.protocol": "SASL_SSL",
+                "sasl.mechanism": "OAUTHBEARER",
+                "sasl.oauthbearer.token.endpoint.url": "http://idp.example/token",
+                "sasl.jaas.config": "org.apache.kafka.common.security.oauthbearer"
+                '.OAuthBearerLoginModule required clientId="app" clientSecret="s";',
+            },
+            environ={},
+        )
+    with pytest.raises(KafkaConfigError, match="https"):
+        ClientCredentialsTokenProvider("http://idp.example/token", "app", "s")
+
+
+def test_a_redirect_of_the_token_request_is_refused():
+    """urllib followed a redirect of the token request, Authorization header and all."""
+    request = urllib.request.Request("https://idp.example/token", data=b"grant_type=x")
+    with pytest.raises(KafkaConfigError, match="redirected"):
+        RedirectRefused().redirect_request(request, None, 302, "Found", {}, "https://x.test/")

@@ -153,9 +153,23 @@ def _check_topics(props: Mapping[str, str], where: str) -> None:
             )
 
 
-#: Keys whose value is secret as a whole; sasl.jaas.config has secret options inside.
-SECRET_KEYS = {"ssl.truststore.password", "ssl.keystore.password", "ssl.key.password"}
-SECRET_OPTIONS = {"password", "clientSecret", "client_secret", "token"}
+#: What makes a key (`ssl.key.password`) or a sasl.jaas.config option (`clientSecret`,
+#: MSK IAM's `awsRoleSecretAccessKey` and `awsRoleSessionToken`) secret: its name holds one of
+#: these words, whatever its case.
+SECRET_WORDS = ("secret", "token", "password")
+
+
+def is_secret(name: str) -> bool:
+    """Whether a jaas option named `name` holds a secret (pure)."""
+    lowered = name.lower()
+    return any(word in lowered for word in SECRET_WORDS)
+
+
+def is_secret_key(key: str) -> bool:
+    """Whether property `key` holds a secret, by its last part (`ssl.key.password`; not
+    `sasl.oauthbearer.token.endpoint.url`) (pure)."""
+    return is_secret(key.rsplit(".", 1)[-1])
+
 
 _REF = re.compile(r"\$\{(env|file):([^}]*)\}")
 _HIDDEN = "[hidden]"
@@ -261,7 +275,7 @@ def _jaas_display(value: str) -> str:
 
     def hide(m: re.Match) -> str:
         name, v = m.group(1), m.group(2)
-        if name in SECRET_OPTIONS and not _REF.fullmatch(v.strip('"')):
+        if is_secret(name) and not _REF.fullmatch(v.strip('"')):
             return f'{m.group(0)[: m.start(2) - m.start(0)]}"{_HIDDEN}"'
         return m.group(0)
 
@@ -391,7 +405,7 @@ class KafkaConfig:
         """The properties as written, inline secrets hidden (safe to print and log)."""
         shown = {}
         for key, value in self.written:
-            if key in SECRET_KEYS and not _REF.fullmatch(value):
+            if is_secret_key(key) and not _REF.fullmatch(value):
                 shown[key] = _HIDDEN
             elif key == "sasl.jaas.config":
                 shown[key] = _jaas_display(value)
@@ -412,9 +426,9 @@ class KafkaConfig:
         return ", ".join(parts)
 
     def secrets(self) -> list[str]:
-        found = [v for k, v in self.resolved if k in SECRET_KEYS and v]
+        found = [v for k, v in self.resolved if is_secret_key(k) and v]
         for name, v in self._jaas_options().items() if self.get("sasl.jaas.config") else ():
-            if name in SECRET_OPTIONS and v:
+            if is_secret(name) and v:
                 found.append(v)
         return sorted(set(found), key=len, reverse=True)
 
@@ -665,8 +679,8 @@ def _validate_oauth(
                 f"login handler)"
             )
     url = props.get("sasl.oauthbearer.token.endpoint.url", "")
-    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+    if urllib.parse.urlsplit(url).scheme != "https":
         raise KafkaConfigError(
             f"{where}sasl.mechanism OAUTHBEARER needs sasl.oauthbearer.token.endpoint.url "
-            f"(an http(s) URL)"
+            f"(an https URL: the client secret is sent to it)"
         )

@@ -10,7 +10,8 @@ properties name. The Java clients (Spark) log in with their own handlers instead
   `msk` extra), with the AWS credentials of the environment.
 
 Hazards: a token is itself a credential, and a provider holds the secret it is made from: no
-`repr` shows either. Anyone can forge an unsecured token. A bad unsecured-login option or a missing
+`repr` shows either. The client secret goes only to an https token endpoint, and never on to
+another URL (a redirect is refused, `RedirectRefused`). Anyone can forge an unsecured token. A bad unsecured-login option or a missing
 MSK IAM signer raises `KafkaConfigError`, like the rest of the configuration.
 """
 
@@ -46,11 +47,31 @@ def client_credentials_provider(url: str, client_id: str, secret: str, scope: st
         return _providers[key]
 
 
+class RedirectRefused(urllib.request.HTTPRedirectHandler):
+    """Refuses every redirect: urllib would send the request again to wherever the token
+    endpoint points, client secret included."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise KafkaConfigError(
+            f"the OAuth token endpoint {req.full_url} redirected ({code}) to {newurl}; "
+            "set sasl.oauthbearer.token.endpoint.url to the final URL (credentials are never "
+            "sent on to another URL)"
+        )
+
+
+_NO_REDIRECTS = urllib.request.build_opener(RedirectRefused)
+
+
 class ClientCredentialsTokenProvider(AbstractTokenProvider):
     """kafka-python's token provider for OAUTHBEARER: the OAuth 2 client-credentials grant
     against the token endpoint, the token reused until 30 s before it expires."""
 
     def __init__(self, url: str, client_id: str, secret: str, scope: str | None = None):
+        if urllib.parse.urlsplit(url).scheme != "https":
+            raise KafkaConfigError(
+                f"the OAuth token endpoint {url!r} is not an https URL: the client secret is "
+                "sent to it"
+            )
         self.url, self.client_id, self._secret, self.scope = url, client_id, secret, scope
         self._token: str | None = None
         self._expires = 0.0
@@ -71,7 +92,7 @@ class ClientCredentialsTokenProvider(AbstractTokenProvider):
                 request.add_header(
                     "Authorization", "Basic " + base64.b64encode(basic.encode()).decode()
                 )
-                with urllib.request.urlopen(request, timeout=10) as response:
+                with _NO_REDIRECTS.open(request, timeout=10) as response:
                     body = json.load(response)
                 self._token = body["access_token"]
                 self._expires = time.monotonic() + float(body.get("expires_in", 3600))
