@@ -27,12 +27,12 @@ from varadhi.core import messages as m
 from varadhi.core.batching import BATCH_SIZE_HEADER
 from varadhi.core.delivery import HttpDeliverer
 from varadhi.core.group_state import Entry, GroupRun, RunCounts
+from varadhi.core.messages import H_TICK
 from varadhi.core.policies import DeliveryPolicy, Endpoint, RetryPolicy
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.spark.batch import TICK_HEADER
 from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import Record, TestEndpoint
 from varadhi.testing.harness import read_queue
@@ -326,9 +326,7 @@ def test_a_batching_shard_retries_dead_letters_and_keeps_group_order(
     assert [(r["headers"][m.H_MSG_ID], r["headers"][m.H_REASON]) for r in dlq] == [
         ("c2.2", "fatal response 404")
     ]
-    rq = [
-        r for r in read_queue(settings.bootstrap, f"{name}.rq.0") if TICK_HEADER not in r["headers"]
-    ]
+    rq = [r for r in read_queue(settings.bootstrap, f"{name}.rq.0") if H_TICK not in r["headers"]]
     retried = sorted(r["headers"][m.H_MSG_ID] for r in rq)
     assert retried == sorted(["c1.1", *mates])
     invalid = [r for r in rq if r["headers"][m.H_MSG_ID] == "c3.0"]

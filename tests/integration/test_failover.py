@@ -30,13 +30,13 @@ from pathlib import Path
 import pytest
 
 from varadhi.core import messages as m
+from varadhi.core.messages import H_TICK
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import status
 from varadhi.spark import layouts
-from varadhi.spark.batch import TICK_HEADER
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
 
@@ -266,7 +266,7 @@ def test_a_standby_takes_over_a_killed_shard_and_the_old_instance_is_fenced(
             return {
                 r["headers"][m.H_MSG_ID]
                 for r in read_queue(settings.bootstrap, f"{name}.dlq.0")
-                if TICK_HEADER not in r["headers"]
+                if H_TICK not in r["headers"]
             }
 
         wait_for(

@@ -5,6 +5,7 @@ real shard runs the same scenarios in tests/integration/test_shard_delivery.py."
 
 from __future__ import annotations
 
+from varadhi.core import messages as m
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.micro_batch import MemoryShard, queued, record
@@ -71,3 +72,20 @@ def test_a_batch_committed_already_only_sends_its_records_again():
         assert again.resent
         assert len(ep.records()) == 1
         assert [r["msg_id"] for r in queued(shard.sent)] == ["g1-0", "g1-0"]  # sent twice
+
+
+def test_control_headers_another_producer_wrote_do_not_reach_the_retry():
+    """A main-topic record carrying `varadhi-tick` (only a shard writes it) failed once: its RQ
+    copy kept the header, the next batch took the copy for a wake-up tick and dropped it, and
+    the group stalled behind it for good (issue 30). The shard drops control headers on read."""
+    forged = {m.H_TICK: "1", m.H_TRUNCATED: "5", m.H_ATTEMPTS: "9", "type": "order"}
+    with TestEndpoint(script={"g1-0": [500]}, record_headers=True) as ep:
+        shard = MemoryShard(spec(ep.url))
+        shard.run_batch([record(0, "g1", headers=forged), record(1, "g1")])
+        [retry] = queued(shard.sent)
+        sent = {h["key"] for h in retry["kheaders"]}
+        assert m.H_TICK not in sent and m.H_TRUNCATED not in sent and "type" in sent
+        assert next(h for h in retry["kheaders"] if h["key"] == m.H_ATTEMPTS)["value"] == b"1"
+        shard.wait_until_due()
+        shard.run_batch([retry])
+        assert delivered(ep) == ["g1-0", "g1-1"]

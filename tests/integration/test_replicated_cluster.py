@@ -25,6 +25,7 @@ import pytest
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient
 
 from varadhi.core import messages as m
+from varadhi.core.messages import H_TICK
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import config as kafka_config
 from varadhi.kafka.catalog import Catalog
@@ -32,7 +33,6 @@ from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.spark.batch import TICK_HEADER
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
 
@@ -264,7 +264,7 @@ def test_a_broker_killed_and_restarted_under_a_delivering_shard(cluster, tmp_pat
             return {
                 r["headers"][m.H_MSG_ID]
                 for r in read_queue(bootstrap, f"{name}.dlq.0")
-                if TICK_HEADER not in r["headers"]
+                if H_TICK not in r["headers"]
             }
 
         wait_for("every message delivered", lambda: produced <= delivered(), 180, shard)

@@ -39,6 +39,7 @@ import pytest
 
 from varadhi.cli import main as cli
 from varadhi.core import messages as m
+from varadhi.core.messages import H_TICK
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import subscriptions
 from varadhi.kafka.catalog import Catalog
@@ -47,7 +48,6 @@ from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards_plan, status
 from varadhi.spark import layouts
-from varadhi.spark.batch import TICK_HEADER
 from varadhi.spark.layouts import Layout
 from varadhi.testing.endpoint import Record, TestEndpoint
 from varadhi.testing.harness import read_queue, run_until_idle
@@ -218,7 +218,7 @@ class Scenario:
     def queue(self, which: str) -> list[dict[str, Any]]:
         """The RQ's or DLQ's records, without the shard's wake-up ticks."""
         records = read_queue(self.settings.bootstrap, f"{self.name}.{which}.0")
-        return [r for r in records if TICK_HEADER not in r["headers"]]
+        return [r for r in records if H_TICK not in r["headers"]]
 
     def state_path(self) -> str:
         return layouts.state_path(self.settings.warehouse, self.name, 1, 0)

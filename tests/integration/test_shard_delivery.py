@@ -35,12 +35,12 @@ from kafka import KafkaProducer
 from varadhi.core import messages as m
 from varadhi.core import routing
 from varadhi.core.errors import VaradhiError
+from varadhi.core.messages import H_TICK
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.spark.batch import TICK_HEADER
 from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import Record, TestEndpoint
 from varadhi.testing.harness import read_queue
@@ -146,9 +146,9 @@ def dlq_of(settings, sub: Sub) -> list[dict[str, Any]]:
 
 
 def rq_of(settings, sub: Sub) -> list[dict[str, Any]]:
-    """The RQ's retry records (without the shard's wake-up ticks, `batch.TICK_HEADER`)."""
+    """The RQ's retry records (without the shard's wake-up ticks, `messages.H_TICK`)."""
     records = read_queue(settings.bootstrap, f"{sub.name}.rq.0")
-    return [r for r in records if TICK_HEADER not in r["headers"]]
+    return [r for r in records if H_TICK not in r["headers"]]
 
 
 def state_rows(spark, settings, sub: Sub):
@@ -328,8 +328,7 @@ def timing(settings, catalog, spark):
             "dlq": dlq_of(settings, sub),
             "rq": rq_of(settings, sub),
             "ticks": sum(
-                TICK_HEADER in r["headers"]
-                for r in read_queue(settings.bootstrap, f"{sub.name}.rq.0")
+                H_TICK in r["headers"] for r in read_queue(settings.bootstrap, f"{sub.name}.rq.0")
             ),
             "state": state_rows(spark, settings, sub),
         }

@@ -38,6 +38,36 @@ H_RESPONSE = "varadhi-response"
 # On a DLQ record cut to the topic's size limit: the original body's size in bytes
 # (`varadhi.core.queue_records`). Such a copy is never delivered.
 H_TRUNCATED = "varadhi-truncated"
+# An empty record a shard writes to its own RQ to wake itself up when a parked retry falls due
+# while no other input arrives (Spark runs a micro-batch only when there is new data).
+H_TICK = "varadhi-tick"
+
+# What only a shard writes (on its RQ/DLQ records and ticks): a main-topic record carrying one
+# was forged or copied by another producer, and the shard drops it on read (`control_free`), or
+# it would reach the record's RQ/DLQ copies (a forged tick made the RQ copy look like a tick, so
+# its group stalled; a forged truncation mark blocked its re-drive).
+CONTROL_HEADERS = frozenset(
+    {
+        H_ORIGIN,
+        H_ATTEMPTS,
+        H_DUE_MS,
+        H_FIRST_FAILURE_MS,
+        H_LAST_FAILURE_MS,
+        H_REASON,
+        H_STATUS,
+        H_RESPONSE,
+        H_TRUNCATED,
+        H_TICK,
+    }
+)
+
+
+def control_free(headers: dict[str, str]) -> dict[str, str]:
+    """A main-topic record's headers without the shard's control headers (pure)."""
+    if not CONTROL_HEADERS.intersection(headers):
+        return headers
+    return {k: v for k, v in headers.items() if k not in CONTROL_HEADERS}
+
 
 # Headers of every HTTP delivery.
 HTTP_MESSAGE_ID = "X-Varadhi-Message-Id"

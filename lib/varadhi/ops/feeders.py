@@ -118,7 +118,7 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
 
     from pyspark.sql import functions as F
 
-    from varadhi.spark.batch import TICK_HEADER
+    from varadhi.core.messages import H_TICK
     from varadhi.spark.columns import group_key_column
 
     snap = catalog.snapshot()
@@ -154,7 +154,7 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
         .option("kafka.isolation.level", "read_committed")
         .load()
     )
-    is_tick = F.coalesce(F.exists("headers", lambda h: h["key"] == TICK_HEADER), F.lit(False))
+    is_tick = F.coalesce(F.exists("headers", lambda h: h["key"] == H_TICK), F.lit(False))
     copies = (
         records.where(~is_tick)
         .select("key", "value", "headers", group_key_column(sub.spec.grouped).alias("group_key"))

@@ -88,10 +88,6 @@ from varadhi.spark.journal import (
 )
 from varadhi.spark.zip_imports import keep_unchanged_zip_directories
 
-# A record a shard writes to its own RQ to wake itself up when a parked retry falls due while
-# no other input arrives (Spark runs a micro-batch only when there is new data).
-TICK_HEADER = "varadhi-tick"
-
 
 @dataclass(frozen=True)
 class BatchContext:
@@ -128,6 +124,8 @@ def record_entry(row: dict, headers: dict[str, str], ctx: BatchContext) -> Entry
     source = f"{topic}/{partition}/{offset}"
     msg_id = row["msg_id"]
     group_id = row["group_id"] if isinstance(row["group_id"], str) else None
+    if row["kind"] == Kind.MQ:
+        headers = m.control_free(headers)  # what only a shard writes is never a message's
     # RQ and DLQ copies carry the ids' text forms, which read back to the same group key.
     if m.H_MSG_ID in headers:
         headers[m.H_MSG_ID] = msg_id
@@ -249,7 +247,7 @@ def deliver_records(
         for row, headers in record_rows(batch):
             records += 1
             routed += row["kind"] == Kind.MQ
-            if row["kind"] == Kind.RQ and TICK_HEADER in headers:
+            if row["kind"] == Kind.RQ and m.H_TICK in headers:
                 continue
             e = record_entry(row, headers, ctx)
             key = row["group_key"]

@@ -68,10 +68,17 @@ RECORDS = pa.schema(
 )
 
 
-def record(offset: int, group: str, body: bytes = b"{}", msg_id: str | None = None) -> dict:
-    """A main-topic record of `group` at `offset` (message id `<group>-<offset>` by default)."""
+def record(
+    offset: int,
+    group: str,
+    body: bytes = b"{}",
+    msg_id: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> dict:
+    """A main-topic record of `group` at `offset` (message id `<group>-<offset>` by default),
+    with the producer's `headers` besides the ids."""
     msg_id = msg_id or f"{group}-{offset}"
-    headers = {m.H_MSG_ID: msg_id, m.H_GROUP_ID: group}
+    headers = {m.H_MSG_ID: msg_id, m.H_GROUP_ID: group, **(headers or {})}
     return {
         "kind": "mq",
         "group_key": group,

@@ -1,7 +1,7 @@
 """Ticks: a shard wakes its own query when a parked retry falls due, or a DLQ re-drive waits,
 and no input would trigger a micro-batch (Spark runs one only when there is new data).
 
-A tick is an empty record with the header `batch.TICK_HEADER` on the first partition this shard
+A tick is an empty record with the header `messages.H_TICK` on the first partition this shard
 owns of its RQ's produce storage topic; the batch it triggers delivers nothing for it (the
 delivery path drops tick records) but runs the parked retries that are due and the pending
 re-drives. `tick_due` (pure) decides: for a waiting re-drive, one tick every
@@ -18,10 +18,10 @@ import time
 
 from kafka import KafkaProducer
 
+from varadhi.core.messages import H_TICK
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.settings import Settings
-from varadhi.spark.batch import TICK_HEADER
 
 #: How often a shard with a pending re-drive wakes its query when no batch runs.
 REDRIVE_TICK_MS = 2_000
@@ -67,7 +67,7 @@ class Ticks:
         if self._producer is None:
             self._producer = kafka_clients.producer(self.settings, linger_ms=0)
         self._producer.send(
-            rq.produce_topic.name, value=b"", partition=parts[0], headers=[(TICK_HEADER, b"1")]
+            rq.produce_topic.name, value=b"", partition=parts[0], headers=[(H_TICK, b"1")]
         )
         self._producer.flush(5)
         self.last_batch_start_ms = int(time.time() * 1000)  # one tick per due time
