@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from typing import Any
 
 from varadhi.client import Client
@@ -37,3 +38,13 @@ def add_output(parser: argparse.ArgumentParser) -> None:
 
 def emit_json(data: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=True, default=str))
+
+
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def printable(value: object) -> str:
+    """`value` as text safe to print on a terminal: control characters (C0, DEL, C1: the start
+    of ANSI escape sequences among them) as `\\xNN`. For what other programs wrote: message and
+    group ids, reasons, endpoints' answers (`--output json` escapes by itself)."""
+    return _UNPRINTABLE.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))

@@ -48,9 +48,10 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     print(f"{'message id':<24} {'group':<16} {'attempts':>8} {'status':>6} {'state':<18} reason")
     for r in rows:
+        msg_id, group = common.printable(r["msg_id"]), common.printable(r["group_id"])
         print(
-            f"{r['msg_id'][:24]:<24} {str(r['group_id'])[:16]:<16} {r['attempts']:>8} "
-            f"{str(r['status'] or '-'):>6} {r['state']:<18} {r['reason'] or ''}"
+            f"{msg_id[:24]:<24} {group[:16]:<16} {r['attempts']:>8} "
+            f"{str(r['status'] or '-'):>6} {r['state']:<18} {common.printable(r['reason'] or '')}"
         )
     return 0
 

@@ -74,8 +74,9 @@ def _status(args: argparse.Namespace) -> int:
         if blocked:
             print(f"shard {s['shard']} blocked groups ({s['blocked_groups']}):")
         for b in blocked[:TEXT_BLOCKED]:
-            why = f": {b['reason']}" if b.get("reason") else ""
-            print(f"  {b['group']}  head {b['head']} in {b['where']}{why} ({b['waiting']} waiting)")
+            why = f": {common.printable(b['reason'])}" if b.get("reason") else ""
+            group, head = common.printable(b["group"]), common.printable(b["head"])
+            print(f"  {group}  head {head} in {b['where']}{why} ({b['waiting']} waiting)")
         if s["blocked_groups"] > min(len(blocked), TEXT_BLOCKED):
             print(f"  ... {s['blocked_groups'] - min(len(blocked), TEXT_BLOCKED)} more")
     st = doc["stats"]
