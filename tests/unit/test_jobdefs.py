@@ -584,7 +584,33 @@ def launcher_and_params(args: list[str]) -> tuple[str, list[str]]:
 def test_emr_release_sets_the_spark_line_and_packages():
     line = jobdefs.emr_line("emr-7.12.0")
     assert (line.line, line.scala) == ("3.5", "2.12") and line.delta_version.startswith("3.")
-    assert jobdefs.emr_line("emr-7.0.0") == line
+    assert jobdefs.emr_line("emr-7.0.0").line == line.line
+
+
+@pytest.mark.parametrize(
+    ("release", "spark"),
+    [
+        ("emr-7.0.0", "3.5.0"),
+        ("emr-7.5.0", "3.5.2"),
+        ("emr-7.9.0", "3.5.5"),
+        ("emr-7.12.0", "3.5.6"),
+    ],
+)
+def test_each_emr_release_gets_the_connector_of_its_own_spark(release, spark):
+    """Every emr-7.x release got spark-sql-kafka-0-10_2.12:3.5.7, the tested line's, though
+    the connector is built per Spark release (issue 30); the values are AWS's release notes'."""
+    line = jobdefs.emr_line(release)
+    assert line.spark_version == spark
+    assert spark_lines.packages(line)[0] == f"org.apache.spark:spark-sql-kafka-0-10_2.12:{spark}"
+
+
+def test_an_emr_release_not_in_the_table_is_refused_unless_its_spark_is_given():
+    with pytest.raises(InvalidArgument, match="--emr-spark-version") as e:
+        jobdefs.emr_line("emr-7.2.0")
+    assert e.value.field == "emr_release"
+    assert jobdefs.emr_line("emr-7.2.0", "3.5.1").spark_version == "3.5.1"
+    with pytest.raises(InvalidArgument, match="emr-6.15.0"):
+        jobdefs.emr_line("emr-6.15.0", "3.4.1")  # outside the supported lines
 
 
 def test_emr_add_steps_is_a_valid_request_per_shard():
@@ -602,8 +628,9 @@ def test_emr_add_steps_is_a_valid_request_per_shard():
         assert step["HadoopJarStep"]["Jar"] == "command-runner.jar"
         assert args[:3] == ["spark-submit", "--deploy-mode", "cluster"]
         # Spark 3.5 / Scala 2.12 / Delta 3.x for an EMR 7 release, not the local Spark 4.1 jars.
-        line = spark_lines.by_line("3.5")
-        assert args[args.index("--packages") + 1] == ",".join(spark_lines.packages(line))
+        packages = args[args.index("--packages") + 1].split(",")
+        assert packages[0] == "org.apache.spark:spark-sql-kafka-0-10_2.12:3.5.6"  # emr-7.12.0's
+        assert packages[1:] == list(spark_lines.packages(spark_lines.by_line("3.5"))[1:])
         assert args[args.index("--files") + 1] == "s3://bucket/conf/kafka.properties"
         conf = confs(args)
         assert conf["spark.archives"] == "s3://bucket/varadhi-venv.tar.gz#environment"

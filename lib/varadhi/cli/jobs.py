@@ -201,6 +201,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"and --packages (default: {_D['emr']['emr_release']})",
     )
     r.add_argument(
+        "--emr-spark-version",
+        metavar="X.Y.Z",
+        help="emr: the Spark version of an --emr-release this version of varadhi does not know "
+        "(from AWS's release notes), for its Kafka connector",
+    )
+    r.add_argument(
         "--python-archive",
         help="emr: s3:// virtualenv archive with Python 3.11+ and the wheel, or `none` for the "
         "Python of the nodes or of a custom image (PYSPARK_PYTHON set there) "
@@ -286,6 +292,7 @@ def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobd
         if args.python_archive == "none"
         else args.python_archive or emr["python_archive"],
         emr_release=args.emr_release or emr["emr_release"],
+        emr_spark_version=args.emr_spark_version or "",
         cluster_id=args.cluster_id or "",
         application_id=args.application_id or "",
         execution_role_arn=args.execution_role_arn or "",

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from varadhi.core.catalog_kinds import DocKind, OpKind
-from varadhi.core.errors import InvalidArgument
+from varadhi.core.errors import InvalidArgument, UnsupportedSparkVersion
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.spark import lines as spark_lines
 
@@ -91,9 +91,27 @@ DELTA_CONF: dict[str, str] = {
 }
 STREAMING_CONF: dict[str, str] = {"spark.sql.streaming.stopGracefullyOnShutdown": "true"}
 
-# EMR major release -> the Spark line every release of it runs (EMR 7.x: Spark 3.5.x, Scala
-# 2.12). EMR 6 runs Spark 3.1-3.4, outside the supported lines.
-EMR_LINES: dict[int, str] = {7: "3.5"}
+# EMR release -> the Spark release it runs, from AWS's release notes (Amazon EMR Release Guide,
+# "Spark release history", and the EMR Serverless release pages; read 2026-12-06). The Kafka
+# connector is built per Spark release, so its coordinate names exactly this one. A release not
+# listed (emr-7.2.0, whose notes were not found, and releases after 7.13.0) is refused unless
+# its Spark version is given (`emr_spark_version`, `--emr-spark-version`). EMR 6 runs Spark
+# 3.1-3.4, outside the supported lines.
+EMR_SPARK: dict[str, str] = {
+    "emr-7.0.0": "3.5.0",
+    "emr-7.1.0": "3.5.0",
+    "emr-7.3.0": "3.5.1",
+    "emr-7.4.0": "3.5.2",
+    "emr-7.5.0": "3.5.2",
+    "emr-7.6.0": "3.5.3",
+    "emr-7.7.0": "3.5.3",
+    "emr-7.8.0": "3.5.4",
+    "emr-7.9.0": "3.5.5",
+    "emr-7.10.0": "3.5.5",
+    "emr-7.11.0": "3.5.6",
+    "emr-7.12.0": "3.5.6",
+    "emr-7.13.0": "3.5.6",
+}
 _EMR_RELEASE_RE = re.compile(r"emr-(\d+)\.(\d+)\.(\d+)")
 # Databricks Runtime major version -> its Spark line (15.x-16.x: Spark 3.5, 17.x: Spark 4.0,
 # 18.x: Spark 4.1). 14.x runs Spark 3.5 on Python 3.10, older ones older Spark lines: the wheel
@@ -186,8 +204,8 @@ class DeployConfig:
     - `wheel`: Databricks: the wheel (a Unity Catalog volume or workspace file);
     - `python_archive`: EMR: a virtualenv archive (`.tar.gz`) with Python 3.11+ and the wheel;
       "" when the nodes' or the custom image's own Python (`PYSPARK_PYTHON`) has them;
-    - `emr_release`, `cluster_id` (EMR on EC2), `application_id` and `execution_role_arn`
-      (EMR Serverless);
+    - `emr_release` (and `emr_spark_version` for a release `EMR_SPARK` does not list),
+      `cluster_id` (EMR on EC2), `application_id` and `execution_role_arn` (EMR Serverless);
     - `extras`: jars beyond the Kafka connector and Delta, as `varadhi.spark.lines.packages` extras
       (`msk-iam`: Amazon MSK IAM's login handler; `s3`: hadoop-aws for an `s3a://` warehouse
       with spark-submit). `packages` (spark-submit) already holds them.
@@ -207,6 +225,7 @@ class DeployConfig:
     packages: tuple[str, ...] = SPARK_PACKAGES
     python_archive: str = ""
     emr_release: str = "emr-7.12.0"
+    emr_spark_version: str = ""  # the release's Spark, for a release `EMR_SPARK` lacks
     cluster_id: str = ""
     application_id: str = ""
     execution_role_arn: str = ""
@@ -380,17 +399,23 @@ def _runtimes() -> str:
     )
 
 
-def emr_line(release: str) -> spark_lines.SparkLine:
-    """The Spark line of an EMR release label (`emr-7.12.0` -> 3.5, Scala 2.12, Delta 3.x); an
-    unknown label raises `InvalidArgument` (field `emr_release`)."""
-    m = _EMR_RELEASE_RE.fullmatch(release)
-    line = EMR_LINES.get(int(m.group(1))) if m else None
-    if line is None:
-        known = ", ".join(f"emr-{major}.x.y (Spark {line})" for major, line in EMR_LINES.items())
+def emr_line(release: str, spark_version: str = "") -> spark_lines.SparkLine:
+    """The Spark line of an EMR release label with the release's own Spark version
+    (`emr-7.12.0` -> 3.5.6, Scala 2.12, Delta 3.x: `EMR_SPARK`); `spark_version` names it for a
+    release the table does not know. Raises `InvalidArgument` (field `emr_release`) for a
+    label that is neither, or a Spark version outside the supported lines."""
+    version = spark_version or EMR_SPARK.get(release, "")
+    if not _EMR_RELEASE_RE.fullmatch(release) or not version:
         raise InvalidArgument(
-            f"unknown EMR release {release!r} (supported: {known})", field="emr_release"
+            f"unknown EMR release {release!r}: its Spark version is not known here (known: "
+            f"{', '.join(EMR_SPARK)}); pass --emr-spark-version X.Y.Z (the release's Spark, "
+            "from AWS's release notes) to use it",
+            field="emr_release",
         )
-    return spark_lines.by_line(line)
+    try:
+        return spark_lines.line_for(version)
+    except UnsupportedSparkVersion as e:
+        raise InvalidArgument(f"{release}: {e}", field="emr_release") from None
 
 
 def _emr_version(release: str) -> tuple[int, ...]:
@@ -429,7 +454,7 @@ def check_config(target: str, cfg: DeployConfig) -> None:
             )
         check_alerts(cfg)
     if target.startswith("emr"):
-        emr_line(cfg.emr_release)
+        emr_line(cfg.emr_release, cfg.emr_spark_version)
         if target == "emr-serverless" and _emr_version(cfg.emr_release) < SERVERLESS_RETRIES:
             raise InvalidArgument(
                 f"{cfg.emr_release}: EMR Serverless retries streaming job runs from emr-"

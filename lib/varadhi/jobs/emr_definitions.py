@@ -58,7 +58,7 @@ def python_conf(driver_env_prefix: str) -> dict[str, str]:
 def _emr_submit(p: JobPlan, cfg: DeployConfig, serverless: bool) -> list[str]:
     """The spark-submit options of an EMR job: the release's packages, Delta, the Python of the
     virtualenv archive, the jobs' environment on driver and executors, the Kafka properties."""
-    line = emr_line(cfg.emr_release)
+    line = emr_line(cfg.emr_release, cfg.emr_spark_version)
     driver = "spark.emr-serverless.driverEnv." if serverless else "spark.yarn.appMasterEnv."
     conf = {**DELTA_CONF, **STREAMING_CONF}
     if cfg.python_archive:
