@@ -5,6 +5,14 @@ next to the catalog (`<catalog topic>_progress`, one partition, time-retained, k
 `<subscription>/<shard>`, a standby instance by `<subscription>/<shard>/standby/<instance>`). It
 is not compacted: its history is what the status notebook plots. `varadhi.ops.status` reads the
 newest document of each shard.
+
+Every batch of every shard of every subscription publishes there, so the newest document of a
+shard may lie far back behind other shards' documents. A reader (`progress_of_subscriptions`)
+reads the topic backward from its end, `SCAN_RECORDS` records first and twice as many each time,
+keeping the newest document of each key, until it has seen every key it wants (a subscription's
+shards), or it reaches the time the subscription was created (nothing of it is older) or the
+topic's start (its retention, `RETENTION_MS`). What it reads is the traffic since the oldest of
+those documents: a shard that never reported makes it read back to its subscription's creation.
 """
 
 from __future__ import annotations
@@ -13,11 +21,12 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from kafka import TopicPartition
 
+from varadhi.core.errors import KafkaUnavailable
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import topics
 from varadhi.kafka.catalog import decode_record
@@ -26,7 +35,7 @@ from varadhi.kafka.settings import Settings
 log = logging.getLogger(__name__)
 
 RETENTION_MS = 7 * 24 * 3600 * 1000
-SCAN_RECORDS = 5_000  # how far back status looks for each shard's newest document
+SCAN_RECORDS = 5_000  # the first window of a backward read; each next one is twice as large
 
 
 def progress_topic(settings: Settings) -> str:
@@ -91,9 +100,18 @@ class ProgressPublisher:
         self._producer.close(timeout=5)
 
 
-def latest_progress(settings: Settings, subscription: str) -> dict[int, dict[str, Any]]:
-    """The newest progress document of every shard of `subscription` (shard -> document)."""
-    return shard_documents(progress_documents(settings, subscription))
+def latest_progress(
+    settings: Settings,
+    subscription: str,
+    shards: Collection[int] | None = None,
+    since_ms: int | None = None,
+) -> dict[int, dict[str, Any]]:
+    """The newest progress document of every shard of `subscription` (shard -> document);
+    `shards`: the ones wanted (the read stops once it has seen them all), `since_ms`: when the
+    subscription was created (the read goes no further back)."""
+    wanted = {subscription: {str(s) for s in shards}} if shards is not None else None
+    found = progress_of_subscriptions(settings, {subscription}, wanted, since_ms)
+    return shard_documents(found.get(subscription, {}))
 
 
 def shard_documents(found: dict[str, dict[str, Any]]) -> dict[int, dict[str, Any]]:
@@ -119,41 +137,92 @@ def standbys_of(
     return out
 
 
-def progress_documents(settings: Settings, subscription: str) -> dict[str, dict[str, Any]]:
+def progress_documents(
+    settings: Settings,
+    subscription: str,
+    shards: Collection[int] | None = None,
+    since_ms: int | None = None,
+) -> dict[str, dict[str, Any]]:
     """The newest progress document per key of `subscription`, by key suffix: `<shard>` for a
-    shard, `<shard>/standby/<instance>` for a standby instance."""
-    return progress_of_subscriptions(settings, {subscription}).get(subscription, {})
+    shard, `<shard>/standby/<instance>` for a standby instance. With `shards`, the read stops
+    once it has seen those shards' keys (other keys: as far as it read); without, it reads back
+    to `since_ms` or the topic's start and finds every key."""
+    wanted = {subscription: {str(s) for s in shards}} if shards is not None else None
+    found = progress_of_subscriptions(settings, {subscription}, wanted, since_ms)
+    return found.get(subscription, {})
 
 
 def progress_of_subscriptions(
-    settings: Settings, names: Collection[str]
+    settings: Settings,
+    names: Collection[str],
+    wanted: Mapping[str, Collection[str]] | None = None,
+    since_ms: int | None = None,
 ) -> dict[str, dict[str, dict[str, Any]]]:
-    """`progress_documents` of each subscription in `names`, from one read of the progress
-    topic (its last `SCAN_RECORDS` records); a subscription with none is left out."""
+    """`progress_documents` of each subscription in `names`, from one backward read of the
+    progress topic (module docstring): until every key suffix of `wanted` (subscription ->
+    suffixes) was seen, or back to `since_ms` (the oldest subscription's creation) or the
+    topic's start. A tombstone (`subscription delete`) hides the key's older documents; a
+    subscription with none is left out."""
     ensure_progress_topic(settings)
     tp = TopicPartition(progress_topic(settings), 0)
     consumer = kafka_clients.consumer(settings, enable_auto_commit=False)
     try:
         consumer.assign([tp])
+        begin = consumer.beginning_offsets([tp])[tp]
         end = consumer.end_offsets([tp])[tp]
-        consumer.seek(tp, max(0, end - SCAN_RECORDS))
-        found: dict[str, dict[str, dict[str, Any]]] = {}
-        deadline = time.monotonic() + 10
-        while consumer.position(tp) < end and time.monotonic() < deadline:
-            for records in consumer.poll(timeout_ms=200).values():
-                for r in records:
-                    entry = decode_record(r.key, r.value)
-                    if entry is None:
-                        log.warning("progress topic: skipped a record another program wrote")
-                        continue
-                    key, doc = entry
-                    name, _, suffix = key.partition("/")  # names hold no "/"
-                    if name not in names:
-                        continue
-                    if doc is None:  # a tombstone (`subscription delete`): forget the key
-                        found.get(name, {}).pop(suffix, None)
-                    else:
-                        found.setdefault(name, {})[suffix] = doc
-        return found
+        floor = begin
+        if since_ms is not None and end > begin:
+            at = consumer.offsets_for_times({tp: int(since_ms)}).get(tp)
+            floor = max(begin, at.offset if at is not None else end)
+        seen: dict[str, dict[str, dict[str, Any] | None]] = {}
+        hi, window = end, SCAN_RECORDS
+        while hi > floor:
+            lo = max(floor, hi - window)
+            for name, docs in _read(consumer, tp, lo, hi, names).items():
+                for suffix, doc in docs.items():
+                    seen.setdefault(name, {}).setdefault(suffix, doc)  # newer windows win
+            if wanted is not None and all(
+                set(keys) <= set(seen.get(name, {})) for name, keys in wanted.items()
+            ):
+                break
+            hi, window = lo, window * 2
+        return {
+            name: {k: d for k, d in docs.items() if d is not None}
+            for name, docs in seen.items()
+            if any(d is not None for d in docs.values())
+        }
     finally:
         consumer.close()
+
+
+# How long one window's read may take before the reader gives up (Kafka not answering): a
+# base, and more per record (kafka-python reads some 50,000 small records a second here).
+READ_BASE_S = 10.0
+READ_PER_RECORD_S = 0.001
+
+
+def _read(consumer, tp, lo: int, hi: int, names: Collection[str]):
+    """The newest document (None: a tombstone) per key of `names`' subscriptions among the
+    records at offsets [lo, hi) (name -> suffix -> document). Raises `KafkaUnavailable` when
+    they cannot be read in time: a partial read would show shards as never started."""
+    consumer.seek(tp, lo)
+    latest: dict[str, dict[str, dict[str, Any] | None]] = {}
+    deadline = time.monotonic() + READ_BASE_S + READ_PER_RECORD_S * (hi - lo)
+    while consumer.position(tp) < hi:
+        if time.monotonic() > deadline:
+            raise KafkaUnavailable(
+                f"the progress topic {tp.topic} could not be read (offsets {lo}..{hi}) in time"
+            )
+        for records in consumer.poll(timeout_ms=200).values():
+            for r in records:
+                if r.offset >= hi:
+                    continue
+                entry = decode_record(r.key, r.value)
+                if entry is None:
+                    log.warning("progress topic: skipped a record another program wrote")
+                    continue
+                key, doc = entry
+                name, _, suffix = key.partition("/")  # names hold no "/"
+                if name in names:
+                    latest.setdefault(name, {})[suffix] = doc
+    return latest

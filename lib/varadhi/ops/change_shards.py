@@ -213,7 +213,7 @@ class ChangeShards:
             return self._resumed_plan(snap, name, op)
         self._check_no_pending_feeders(op, name)
         now = int(time.time() * 1000)
-        check_stopped(sub, _progress(self.catalog, name), now, status.leases_of(snap, sub, now))
+        check_stopped(sub, _progress(self.catalog, sub), now, status.leases_of(snap, sub, now))
         seq = next_layout_seq(snap, name, to, sub.generation)
         positions = self._positions(sub)
         ends = topics.end_offsets(self.catalog, mq.storage_topics)
@@ -257,7 +257,7 @@ class ChangeShards:
                 current = subscriptions.from_snapshot(snap, name)
                 check_stopped(
                     current,
-                    _progress(self.catalog, name),
+                    _progress(self.catalog, current),
                     now,
                     status.leases_of(snap, current, now),
                 )
@@ -510,7 +510,7 @@ class ChangeShards:
     def _step_activate(self, plan: Plan) -> None:
         name = plan.name
         # The retired shards are stopped: their last progress holds their final counts.
-        final = progress.latest_progress(self.catalog.settings, name)
+        final = progress.latest_progress(self.catalog.settings, name, range(plan.from_shards))
 
         def change(snap: Snapshot):
             doc = snap.get(subscriptions.KIND, name)
@@ -619,8 +619,10 @@ def _holds_committed(settings: kafka_clients.HasKafka, storages: Sequence[Storag
         consumer.close()
 
 
-def _progress(catalog: Catalog, name: str) -> dict[int, dict[str, Any]]:
-    return progress.latest_progress(catalog.settings, name)
+def _progress(catalog: Catalog, sub: Subscription) -> dict[int, dict[str, Any]]:
+    """The newest progress document of each of `sub`'s shards."""
+    shards = range(sub.shard_count)
+    return progress.latest_progress(catalog.settings, sub.name, shards, sub.created_ms)
 
 
 __all__ = [

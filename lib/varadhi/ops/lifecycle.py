@@ -432,7 +432,10 @@ class SubscriptionDeleter:
     def plan(self, name: str, keep_data: bool = False) -> SubscriptionDeletePlan:
         snap = self.catalog.snapshot()
         names.validate_name(name)
-        found = progress.progress_documents(self.catalog.settings, name)
+        doc = snap.get(subscriptions.KIND, name)
+        since = int(doc["state"]["created_ms"]) if doc is not None else None
+        # every key (standbys' too), back to the subscription's creation: all get tombstones
+        found = progress.progress_documents(self.catalog.settings, name, since_ms=since)
         progress_keys = [f"{name}/{k}" for k in found]
         existing = existing_topics(self.catalog.settings, own_topics(name))
         plan = plan_subscription_delete(

@@ -114,7 +114,7 @@ def shards_running(catalog: Catalog, name: str) -> dict[int, str]:
     snap = catalog.snapshot()
     sub = subscriptions.from_snapshot(snap, name)
     now = int(time.time() * 1000)
-    progress = latest_progress(catalog.settings, name)
+    progress = latest_progress(catalog.settings, name, range(sub.shard_count), sub.created_ms)
     return running_shards(sub, progress, leases_of(snap, sub, now), now)
 
 
@@ -180,7 +180,11 @@ def topics_statistics(
         for name, mq in mqs.items()
     }
     subs = {n: d for n, d in snap.items(subscriptions.KIND).items() if d["spec"]["topic"] in out}
-    progress = progress_of_subscriptions(catalog.settings, set(subs)) if subs else {}
+    progress = {}
+    if subs:
+        wanted = {n: {str(i) for i in range(d["state"]["shard_count"])} for n, d in subs.items()}
+        since = min(int(d["state"]["created_ms"]) for d in subs.values())
+        progress = progress_of_subscriptions(catalog.settings, set(subs), wanted, since)
     for name, doc in subs.items():
         carried = doc.get("state", {}).get("carried_totals", {})
         per_shard = [
@@ -203,7 +207,7 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
     rq = topics.from_snapshot(snap, sub.spec.rq_topic)
     dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
     ends = topics.end_offsets(catalog, mq.storage_topics + rq.storage_topics + dlq.storage_topics)
-    found = progress_documents(catalog.settings, name)
+    found = progress_documents(catalog.settings, name, range(sub.shard_count), sub.created_ms)
     progress = shard_documents(found)
     now = int(time.time() * 1000)
     standbys = standbys_of(found, now)
