@@ -25,6 +25,7 @@ from varadhi.spark.batch import (
 )
 from varadhi.spark.shard.commit import stat_rows
 from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.micro_batch import RECORDS  # the Arrow types phase 1 reads
 
 MQ = "orders.0"
 
@@ -64,22 +65,6 @@ def _record(offset: int, group: str, kind: str = "mq", value: bytes | None = b"{
         "value": value,
         "kheaders": [{"key": k, "value": v.encode()} for k, v in headers.items()],
     }
-
-
-# What Spark hands phase 1 (`mapInArrow`): the Arrow types of `varadhi.spark.records.DELIVERY_COLUMNS`.
-RECORDS = pa.schema(
-    [
-        ("kind", pa.string()),
-        ("group_key", pa.string()),
-        ("group_id", pa.string()),
-        ("msg_id", pa.string()),
-        ("topic", pa.string()),
-        ("partition", pa.int32()),
-        ("offset", pa.int64()),
-        ("value", pa.binary()),
-        ("kheaders", pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))),
-    ]
-)
 
 
 def _batch(records: list[dict]) -> pa.RecordBatch:
