@@ -282,3 +282,17 @@ def test_what_a_standby_reports():
     assert standby_text({"instance": "h:1:a", "watching": watching}) == (
         "standby h:1:a: lease of a unchanged for 3s of 15s"
     )
+
+
+def test_only_shards_that_held_their_lease_at_the_current_count_are_looked_for():
+    """Status looks back through the progress topic for each shard's newest document; a shard
+    that never held its lease at the current shard count has none, and looking for it read
+    back to the subscription's creation."""
+    from types import SimpleNamespace
+
+    from varadhi.ops.status import shards_that_ran
+
+    held = {"orders-http/s4/0", "orders-http/s4/2", "orders-http/s2/1"}  # s2: an older count
+    snap = SimpleNamespace(get=lambda kind, key: {"epoch": 1} if key in held else None)
+    sub = SimpleNamespace(name="orders-http", shard_count=4)
+    assert shards_that_ran(snap, sub) == [0, 2]

@@ -510,7 +510,10 @@ class ChangeShards:
     def _step_activate(self, plan: Plan) -> None:
         name = plan.name
         # The retired shards are stopped: their last progress holds their final counts.
-        final = progress.latest_progress(self.catalog.settings, name, range(plan.from_shards))
+        created_ms = subscriptions.from_snapshot(self.catalog.snapshot(), name).created_ms
+        final = progress.latest_progress(
+            self.catalog.settings, name, range(plan.from_shards), created_ms
+        )
 
         def change(snap: Snapshot):
             doc = snap.get(subscriptions.KIND, name)
@@ -620,8 +623,8 @@ def _holds_committed(settings: kafka_clients.HasKafka, storages: Sequence[Storag
 
 
 def _progress(catalog: Catalog, sub: Subscription) -> dict[int, dict[str, Any]]:
-    """The newest progress document of each of `sub`'s shards."""
-    shards = range(sub.shard_count)
+    """The newest progress document of each of `sub`'s shards that ever ran."""
+    shards = status.shards_that_ran(catalog.snapshot(), sub)
     return progress.latest_progress(catalog.settings, sub.name, shards, sub.created_ms)
 
 

@@ -114,8 +114,20 @@ def shards_running(catalog: Catalog, name: str) -> dict[int, str]:
     snap = catalog.snapshot()
     sub = subscriptions.from_snapshot(snap, name)
     now = int(time.time() * 1000)
-    progress = latest_progress(catalog.settings, name, range(sub.shard_count), sub.created_ms)
+    ran = shards_that_ran(snap, sub)
+    progress = latest_progress(catalog.settings, name, ran, sub.created_ms)
     return running_shards(sub, progress, leases_of(snap, sub, now), now)
+
+
+def shards_that_ran(snap, sub: subscriptions.Subscription) -> list[int]:
+    """The shards of `sub` that have ever held their lease at its current shard count (pure):
+    only they can have a progress document of this count to find."""
+    owner = layouts.owner
+    return [
+        s
+        for s in range(sub.shard_count)
+        if snap.get(LEASE_KIND, owner(sub.name, sub.shard_count, s)) is not None
+    ]
 
 
 def leases_of(snap, sub: subscriptions.Subscription, now_ms: int) -> dict[int, Any]:
@@ -182,7 +194,10 @@ def topics_statistics(
     subs = {n: d for n, d in snap.items(subscriptions.KIND).items() if d["spec"]["topic"] in out}
     progress = {}
     if subs:
-        wanted = {n: {str(i) for i in range(d["state"]["shard_count"])} for n, d in subs.items()}
+        wanted = {
+            n: {str(i) for i in shards_that_ran(snap, subscriptions.from_snapshot(snap, n))}
+            for n in subs
+        }
         since = min(int(d["state"]["created_ms"]) for d in subs.values())
         progress = progress_of_subscriptions(catalog.settings, set(subs), wanted, since)
     for name, doc in subs.items():
@@ -207,7 +222,7 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
     rq = topics.from_snapshot(snap, sub.spec.rq_topic)
     dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
     ends = topics.end_offsets(catalog, mq.storage_topics + rq.storage_topics + dlq.storage_topics)
-    found = progress_documents(catalog.settings, name, range(sub.shard_count), sub.created_ms)
+    found = progress_documents(catalog.settings, name, shards_that_ran(snap, sub), sub.created_ms)
     progress = shard_documents(found)
     now = int(time.time() * 1000)
     standbys = standbys_of(found, now)

@@ -46,9 +46,11 @@ class ShardProgress:
         from the shard's last document (the position only at the same shard count)."""
         self._holder = holder
         self._publisher = ProgressPublisher(self.settings, self.name, self.shard)
-        last = latest_progress(self.settings, self.name, [self.shard], sub.created_ms).get(
-            self.shard
-        )
+        # A lease at epoch 1 was never held before at this shard count: nothing to resume, and
+        # no reason to read back through other subscriptions' documents for it.
+        earlier = [self.shard] if (holder.epoch or 0) > 1 else []
+        found = latest_progress(self.settings, self.name, earlier, sub.created_ms)
+        last = found.get(self.shard)
         self.stats = ShardStats.resumed(last, sub.shard_count)
         carried = last if last and last.get("shard_count") == sub.shard_count else {}
         self.where = {k: carried[k] for k in ("generation", "layout", "consumed") if k in carried}
