@@ -64,7 +64,7 @@ CONTROL_HEADERS = frozenset(
 
 def control_free(headers: dict[str, str]) -> dict[str, str]:
     """A main-topic record's headers without the shard's control headers (pure)."""
-    if not CONTROL_HEADERS.intersection(headers):
+    if CONTROL_HEADERS.isdisjoint(headers):
         return headers
     return {k: v for k, v in headers.items() if k not in CONTROL_HEADERS}
 

@@ -213,7 +213,9 @@ class ChangeShards:
             return self._resumed_plan(snap, name, op)
         self._check_no_pending_feeders(op, name)
         now = int(time.time() * 1000)
-        check_stopped(sub, _progress(self.catalog, sub), now, status.leases_of(snap, sub, now))
+        check_stopped(
+            sub, _progress(self.catalog, snap, sub), now, status.leases_of(snap, sub, now)
+        )
         seq = next_layout_seq(snap, name, to, sub.generation)
         positions = self._positions(sub)
         ends = topics.end_offsets(self.catalog, mq.storage_topics)
@@ -257,7 +259,7 @@ class ChangeShards:
                 current = subscriptions.from_snapshot(snap, name)
                 check_stopped(
                     current,
-                    _progress(self.catalog, current),
+                    _progress(self.catalog, snap, current),
                     now,
                     status.leases_of(snap, current, now),
                 )
@@ -622,9 +624,9 @@ def _holds_committed(settings: kafka_clients.HasKafka, storages: Sequence[Storag
         consumer.close()
 
 
-def _progress(catalog: Catalog, sub: Subscription) -> dict[int, dict[str, Any]]:
-    """The newest progress document of each of `sub`'s shards that ever ran."""
-    shards = status.shards_that_ran(catalog.snapshot(), sub)
+def _progress(catalog: Catalog, snap: Snapshot, sub: Subscription) -> dict[int, dict[str, Any]]:
+    """The newest progress document of each of `sub`'s shards that ever ran (by `snap`)."""
+    shards = status.shards_that_ran(snap, sub)
     return progress.latest_progress(catalog.settings, sub.name, shards, sub.created_ms)
 
 

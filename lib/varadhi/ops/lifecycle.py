@@ -350,15 +350,24 @@ def delete_folder(files: WarehouseFS, folder: WarehouseFolder) -> None:
 # -- Kafka ------------------------------------------------------------------------------------
 
 
-def existing_topics(settings: kafka_clients.HasKafka, names: Iterable[str]) -> list[str]:
-    """Those of `names` the cluster has."""
+def _admin(settings: kafka_clients.HasKafka):
     try:
-        admin = kafka_clients.admin(settings, client_id="varadhi-admin")
+        return kafka_clients.admin(settings, client_id="varadhi-admin")
     except KafkaError as e:
         raise KafkaUnavailable(f"cannot reach Kafka at {settings.bootstrap}: {e}") from e
+
+
+def _present(admin, names: Iterable[str]) -> list[str]:
+    """Those of `names` the cluster has, in their order."""
+    listed = set(admin.list_topics())
+    return [n for n in names if n in listed]
+
+
+def existing_topics(settings: kafka_clients.HasKafka, names: Iterable[str]) -> list[str]:
+    """Those of `names` the cluster has."""
+    admin = _admin(settings)
     try:
-        present = set(admin.list_topics())
-        return [n for n in names if n in present]
+        return _present(admin, names)
     finally:
         admin.close()
 
@@ -371,12 +380,9 @@ def delete_kafka_topics(
     names = sorted(set(names))
     if not names:
         return
+    admin = _admin(settings)
     try:
-        admin = kafka_clients.admin(settings, client_id="varadhi-admin")
-    except KafkaError as e:
-        raise KafkaUnavailable(f"cannot reach Kafka at {settings.bootstrap}: {e}") from e
-    try:
-        present = [n for n in names if n in set(admin.list_topics())]
+        present = _present(admin, names)
         if present:
             result = admin.delete_topics(present, timeout_ms=30_000, raise_errors=False)
             for t in result.get("topics", []):

@@ -65,7 +65,8 @@ class QueryRun:
         return end
 
     def _prepare(self) -> tuple[QueryInputs, Source, int]:
-        p, (sub, mq, rq, dlq), layout = self.parts, self._loaded(), self.layout
+        p, layout = self.parts, self.layout
+        sub, mq, rq, dlq = self.loaded.sub, self.loaded.mq, self.loaded.rq, self.loaded.dlq
         source = Source.of(sub, mq, rq, layout, p.shard)
         wh, n, sc, sh = p.settings.warehouse, p.name, sub.shard_count, p.shard
         state_path = layouts.state_path(wh, n, sc, sh)
@@ -101,10 +102,6 @@ class QueryRun:
             partitions_read=source.mq_partitions, circuit=circuit,
         )  # fmt: skip
         return inputs, source, limit
-
-    def _loaded(self):
-        loaded = self.loaded
-        return loaded.sub, loaded.mq, loaded.rq, loaded.dlq
 
     def _start(self, inputs: QueryInputs, source: Source, limit: int):
         """Start the query, each micro-batch (`batch_records` of its Kafka records) to
