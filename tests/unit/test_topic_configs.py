@@ -23,7 +23,8 @@ from varadhi.kafka.topic_settings import TopicSettings
 
 class FakeAdmin:
     """Answers `describe_configs` with no configs for its first `blank` calls, then with
-    `max.message.bytes`; `describe_topics` with `error_code`."""
+    `max.message.bytes`; `describe_topics` with `error_code` (each topic under `name`, as
+    kafka-python 3.0.12 answers)."""
 
     def __init__(self, blank: int, error_code: int = 0):
         self.blank = blank
@@ -37,7 +38,7 @@ class FakeAdmin:
         return {"topic": {r.name: {k: {"value": "2097152"} for k in r.configs} for r in resources}}
 
     def describe_topics(self, names):
-        return [{"topic": n, "error_code": self.error_code, "partitions": []} for n in names]
+        return [{"name": n, "error_code": self.error_code, "partitions": []} for n in names]
 
     def close(self):
         pass
@@ -90,7 +91,7 @@ class JustCreated:
     def describe_topics(self, names):
         self.describes += 1
         parts = [] if self.describes <= self.empty else [{"partition": 0, "replicas": [1]}]
-        return [{"topic": n, "error_code": 0, "partitions": parts} for n in names]
+        return [{"name": n, "error_code": 0, "partitions": parts} for n in names]
 
 
 def test_a_topic_created_a_moment_ago_is_described_again_until_it_has_partitions(monkeypatch):

@@ -302,7 +302,7 @@ def topic_configs(
             break
         time.sleep(0.2)
     for described in admin.describe_topics(missing) if missing else ():
-        name, code = described.get("topic"), described.get("error_code")
+        name, code = described["name"], described.get("error_code")
         if code == TopicAuthorizationFailedError.errno:
             raise NotAuthorized("Describe", "Topic", name, principal(settings))
         if code == UnknownTopicOrPartitionError.errno:
