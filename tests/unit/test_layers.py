@@ -5,6 +5,8 @@ an import into a function.
 - `varadhi.core` imports no other layer and none of pyspark, py4j, delta, kafka or psycopg;
 - `varadhi.kafka` imports only the core (and Kafka);
 - `varadhi.spark` imports only the core and the Kafka layer;
+- the library runtime (`varadhi.library`) imports only the core and the Kafka layer (never
+  Spark, the operations, the outbox or the jobs);
 - operations (`varadhi.ops`) and the outbox do not import the shard job's internals
   (`varadhi.spark.shard`);
 - no import cycle anywhere, between modules or between a package and its modules;
@@ -98,6 +100,13 @@ def test_the_kafka_layer_imports_only_the_core(module):
 @pytest.mark.parametrize("module", of_layer("varadhi.spark"))
 def test_the_spark_runtime_imports_only_the_core_and_the_kafka_layer(module):
     allowed = ("varadhi.core", "varadhi.kafka", "varadhi.spark")
+    assert {m for m in internal(module) if not any(in_layer(m, a) for a in allowed)} == set()
+
+
+@pytest.mark.parametrize("module", of_layer("varadhi.library"))
+def test_the_library_runtime_imports_only_the_core_and_the_kafka_layer(module):
+    assert not external_roots(module) & {"pyspark", "py4j", "delta", "psycopg"}
+    allowed = ("varadhi.core", "varadhi.kafka", "varadhi.library")
     assert {m for m in internal(module) if not any(in_layer(m, a) for a in allowed)} == set()
 
 

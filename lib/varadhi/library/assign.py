@@ -1,0 +1,80 @@
+"""Which member of a subscription's consumer group reads which partitions.
+
+A message that fails goes to the retry queue (RQ) on a partition chosen from its ordering key,
+and its key's later messages wait until that copy is delivered. Without a global GroupState
+(not in this runtime yet) the member that waits must be the member that reads the copy back.
+So members are given whole *slots*: slot s is every partition the subscription's shard s owns
+(`routing.shard_partitions` over the subscription's shard count: its ranges of the main topic's
+storage topic, the RQ and the DLQ), and a failed message goes to an RQ partition of its own
+slot (`routing.internal_partition`), exactly where a shard would write it. A subscription's
+records therefore have one layout under either runtime; more members than slots leave the
+extra members idle (docs/library.md).
+
+`spread` is the pure decision; `SlotAssignor` is kafka-python's assignor around it (every member
+is built with the same shard count, read from the catalog).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from kafka.coordinator.assignors.abstract import (
+    AbstractPartitionAssignor,
+    ConsumerProtocolAssignment,
+    ConsumerProtocolSubscription,
+)
+
+from varadhi.core import routing
+
+NAME = "varadhi-slots"
+
+
+def spread(members: Sequence[str], slots: int) -> dict[str, list[int]]:
+    """Slots per member: sorted members, each a contiguous run, the first ones one more when
+    they do not divide evenly; a member beyond `slots` gets none."""
+    ordered = sorted(members)
+    out: dict[str, list[int]] = {}
+    for i, member in enumerate(ordered):
+        start = i * slots // len(ordered)
+        end = (i + 1) * slots // len(ordered)
+        out[member] = list(range(start, end))
+    return out
+
+
+def slot_of(partition: int, partitions: int, slots: int) -> int:
+    """The slot (shard) that owns `partition` of a topic with `partitions` partitions."""
+    return routing.shard_of_partition(partition, slots, partitions)
+
+
+class SlotAssignor(AbstractPartitionAssignor):
+    """Assigns every subscribed topic's partitions by slot (`spread`, `slot_of`)."""
+
+    name = NAME
+    version = 0
+
+    def __init__(self, slots: int):
+        self.slots = slots
+
+    def assign(self, cluster, members):
+        by_member = spread([member.member_id for member in members], self.slots)
+        owner = {s: member for member, ss in by_member.items() for s in ss}
+        topics = sorted({t for member in members for t in member.metadata.topics})
+        assignment: dict[str, dict[str, list[int]]] = defaultdict(dict)
+        for topic in topics:
+            partitions = sorted(cluster.partitions_for_topic(topic) or ())
+            for p in partitions:
+                member = owner[slot_of(p, len(partitions), self.slots)]
+                assignment[member].setdefault(topic, []).append(p)
+        return {
+            member.member_id: ConsumerProtocolAssignment(
+                self.version, sorted(assignment[member.member_id].items()), b""
+            )
+            for member in members
+        }
+
+    def metadata(self, topics):
+        return ConsumerProtocolSubscription(self.version, list(topics), b"")
+
+    def on_assignment(self, assignment, generation=None):
+        pass

@@ -1,0 +1,686 @@
+"""The library runtime: a subscription delivered by plain Python processes, without Spark.
+
+`Consumer(subscription)` reads the subscription and its topics from the catalog, refuses what
+it does not support (`support.unsupported`), and then, between `start()` and `stop()`, is one
+member of the Kafka consumer group `varadhi-library.<subscription>`: it reads the main topic's
+storage topic and the subscription's RQ on the partitions of the slots it is given
+(`assign`), and delivers through the HTTP engine the shards use (`HttpDeliverer`, one request
+per message) or through a Python `handler` (`varadhi.library.handler`).
+
+Threads. One thread owns the Kafka consumer: it polls, hands records to the `Scheduler`,
+pauses reading when `max_pending` messages are held, and commits (`offsets.Ledger`: the lowest
+unfinished offset and, in the metadata, what finished above it). Delivery runs on another
+thread (the engine's loop, `max_in_flight` requests at a time) or on `max_in_flight` handler
+threads. The RQ and DLQ are written by an idempotent producer; a message's offset counts as
+finished only once its outcome is final: delivered, or its RQ/DLQ copy acknowledged.
+
+Order. Within a slot, a key's messages are handed out one at a time in origin order
+(`scheduler`); a failed one goes to the RQ (every retry does: the shards' wait in the task is
+not used) and its key waits until the copy is read back, due and delivered. When a slot is
+assigned, its RQ partitions are read to their end before its main-topic partitions, so a key
+with a retry pending from before a restart or rebalance is blocked before its later messages
+are seen.
+
+Rebalance. When slots are revoked the member hands out nothing more of them, waits for their
+deliveries in flight to end (up to the endpoint's request timeout), lets the producer
+acknowledge what they wrote, commits, and forgets them. A member that dies instead leaves what
+it had in flight to be delivered again by the next owner: at least once.
+
+Hazards: a subscription must not be run by this runtime and by Spark shards at once (they take
+no common lease); the consumer does not re-read the catalog for a spec change while it runs,
+except that it stops with an error when the subscription is paused or edited
+(`CATALOG_CHECK_S`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from queue import Empty, SimpleQueue
+from typing import Any
+
+from kafka import ConsumerRebalanceListener, TopicPartition
+from kafka.errors import CommitFailedError, KafkaError
+from kafka.structs import OffsetAndMetadata
+
+from varadhi.core import messages as m
+from varadhi.core import routing
+from varadhi.core.delivery import HttpDeliverer, Outcome, Request, Wait
+from varadhi.core.errors import InvalidArgument, VaradhiError
+from varadhi.core.group_state import Entry, http_headers, out_bytes, with_response
+from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
+from varadhi.core.record_ids import header_value, text_id
+from varadhi.core.retry import Decision, decide
+from varadhi.core.state_rows import OutRow, retry_state
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import subscriptions, topics
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.settings import Settings
+from varadhi.library import handler as handlers
+from varadhi.library.assign import SlotAssignor, slot_of
+from varadhi.library.keys import OrderingKey, ordering_key
+from varadhi.library.offsets import Ledger, decode
+from varadhi.library.scheduler import Scheduler, Work
+from varadhi.library.support import Unsupported, unsupported
+
+log = logging.getLogger(__name__)
+
+#: How long an idle delivery lane waits before it asks for work again.
+IDLE_S = 0.005
+#: How often the subscription's catalog record is read again (a pause or an edit stops it).
+CATALOG_CHECK_S = 5.0
+POLL_MS = 50
+
+
+def group_id(subscription: str) -> str:
+    """The Kafka consumer group of a subscription's library members."""
+    return f"varadhi-library.{subscription}"
+
+
+@dataclass(frozen=True)
+class Options:
+    """`ordering_key`: see `keys`. `max_pending`: messages read and not finished per process
+    (delivering, waiting behind their key, waiting for an RQ copy): reading pauses at it.
+    `max_in_flight`: concurrent deliveries (default: the spec's `consumption.max_in_flight`).
+    `commit_interval_s`: how often finished offsets are committed."""
+
+    ordering_key: OrderingKey = field(default_factory=OrderingKey)
+    max_pending: int = 10_000
+    max_in_flight: int | None = None
+    commit_interval_s: float = 1.0
+
+
+class Consumer:
+    """One member of a subscription's library consumer group (see the module docstring).
+
+    `start()` raises `Unsupported` (naming each feature), `NotFound`, or `KafkaUnavailable`
+    before it starts anything. `stop()` ends deliveries in flight, commits and leaves the
+    group; a failure (a write to the RQ/DLQ refused, say) stops the consumer too, and
+    `health()` says why. Not restartable: make a new one."""
+
+    def __init__(
+        self,
+        subscription: str,
+        settings: Settings | None = None,
+        handler: handlers.Handler | None = None,
+        options: Options | None = None,
+    ):
+        self.name = subscription
+        self.settings = settings or Settings.from_env()
+        self.handler = handler
+        self.options = options or Options()
+        if self.options.max_pending < 1:
+            raise InvalidArgument(
+                f"must be >= 1, got {self.options.max_pending}", field="max_pending"
+            )
+        self._lock = threading.Condition()
+        self._sched = Scheduler()
+        self._finished: SimpleQueue[tuple[TopicPartition, int]] = SimpleQueue()
+        self._ledgers: dict[TopicPartition, Ledger] = {}
+        self._committed: dict[TopicPartition, tuple[int, str]] = {}
+        self._catch_up: dict[int, dict[TopicPartition, int]] = {}  # slot -> RQ end offsets
+        self._paused: set[TopicPartition] = set()
+        self._stopping = threading.Event()
+        self._state = "new"
+        self._error: str | None = None
+        self._threads: list[threading.Thread] = []
+        self._rng = random.Random()
+        self._counts = dict.fromkeys(
+            (
+                "read",
+                "delivered",
+                "attempts",
+                "failures",
+                "retried",
+                "dead_lettered",
+                "duplicates",
+                "skipped_finished",
+                "commits",
+                "rebalances",
+            ),
+            0,
+        )
+
+    # -- public API -------------------------------------------------------------------------
+    def start(self) -> Consumer:
+        if self._state != "new":
+            raise VaradhiError(f"consumer of {self.name} was started already")
+        self._state = "starting"
+        catalog = Catalog(self.settings)
+        try:
+            snap = catalog.snapshot()
+            sub = subscriptions.from_snapshot(snap, self.name)
+            main = topics.from_snapshot(snap, sub.spec.topic)
+            rq = topics.from_snapshot(snap, sub.spec.rq_topic)
+            dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
+            missing = unsupported(sub, main, rq, dlq)
+            if missing:
+                raise Unsupported(self.name, missing)
+            limits = topics.max_message_bytes(
+                catalog, [rq.produce_topic.name, dlq.produce_topic.name]
+            )
+        except BaseException:
+            self._state = "failed"
+            catalog.close()
+            raise
+        self._catalog, self._sub = catalog, sub
+        self._spec = sub.spec
+        self._main = main.storage_topics[0]
+        self._rq, self._dlq = rq.produce_topic, dlq.produce_topic
+        self._limits = {t: min(n, MAX_REQUEST_BYTES) for t, n in limits.items()}
+        self._max_in_flight = self.options.max_in_flight or sub.spec.consumption.max_in_flight
+        if self.handler is None:  # validates the endpoint before anything starts
+            self._deliverer = HttpDeliverer(sub.spec.endpoint, self._max_in_flight)
+        self._producer = kafka_clients.producer(
+            self.settings, acks="all", linger_ms=1, max_request_size=MAX_REQUEST_BYTES
+        )
+        self._consumer = kafka_clients.consumer(
+            self.settings,
+            group_id=group_id(self.name),
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            isolation_level="read_committed",
+            partition_assignment_strategy=[SlotAssignor(sub.shard_count)],
+            max_poll_records=1000,
+        )
+        self._consumer.subscribe(topics=[self._main.name, self._rq.name], listener=_Listener(self))
+        self._state = "running"
+        self._spawn(self._consume, "kafka")
+        if self.handler is None:
+            self._spawn(self._deliver_http, "http")
+        else:
+            for i in range(self._max_in_flight):
+                self._spawn(self._deliver_handler, f"handler-{i}")
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Stop delivering, let what is in flight end, commit, leave the group. Idempotent."""
+        self._stopping.set()
+        with self._lock:
+            self._lock.notify_all()
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(timeout_s)
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until the consumer stopped (by `stop` or a failure); False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in self._threads)
+
+    def health(self) -> dict[str, Any]:
+        """`state` (new, starting, running, stopping, stopped, failed), `error` (why it
+        failed), the partitions and slots it holds, and whether it still catches up on the RQ
+        of a slot before reading its main-topic partitions."""
+        with self._lock:
+            parts = sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers)
+            return {
+                "state": self._state,
+                "error": self._error,
+                "partitions": parts,
+                "slots": sorted(self._slots_of(self._ledgers)),
+                "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
+            }
+
+    def counters(self) -> dict[str, int]:
+        """Totals since start: records `read`, messages `delivered`, `attempts` and
+        `failures`, `retried` (written to the RQ), `dead_lettered`, `duplicates` (copies
+        finished unsent), `skipped_finished` (finished before a restart, per the commit),
+        `commits`, `rebalances`; and now: `pending` (held), `in_flight`."""
+        with self._lock:
+            out = dict(self._counts)
+            out["pending"] = self._sched.pending
+            out["in_flight"] = sum(self._sched.in_flight.values())
+            return out
+
+    # -- the Kafka thread ---------------------------------------------------------------------
+    def _consume(self) -> None:
+        consumer = self._consumer
+        next_commit = time.monotonic() + self.options.commit_interval_s
+        next_check = time.monotonic() + CATALOG_CHECK_S
+        try:
+            while not self._stopping.is_set():
+                batches = consumer.poll(timeout_ms=POLL_MS)
+                self._apply_finished()
+                for tp, records in batches.items():
+                    self._ingest(tp, records)
+                self._gate()
+                now = time.monotonic()
+                if now >= next_commit:
+                    self._commit()
+                    next_commit = now + self.options.commit_interval_s
+                if now >= next_check:
+                    self._check_catalog()
+                    next_check = now + CATALOG_CHECK_S
+        except BaseException as e:  # noqa: BLE001 - reported through health() and the CLI
+            self._fail(e)
+        finally:
+            self._state = "stopping" if self._state != "failed" else "failed"
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join()
+            try:
+                self._producer.flush(timeout=30)
+                self._apply_finished()
+                self._commit()
+            except BaseException as e:  # noqa: BLE001
+                self._fail(e)
+            finally:
+                consumer.close(autocommit=False)
+                self._producer.close(timeout=10)
+                self._catalog.close()
+                if self.handler is None:
+                    self._deliverer.close()
+                if self._state != "failed":
+                    self._state = "stopped"
+
+    def _ingest(self, tp: TopicPartition, records) -> None:
+        ledger = self._ledgers.get(tp)
+        if ledger is None:
+            return
+        works = []
+        for r in records:
+            if not ledger.read(r.offset):
+                self._counts["skipped_finished"] += 1
+                continue
+            work = self._work(tp, r)
+            if work is None:
+                ledger.finish(r.offset)
+                continue
+            works.append(work)
+        with self._lock:
+            self._counts["read"] += len(records)
+            for work in works:
+                for dup in self._sched.add(work):
+                    self._counts["duplicates"] += 1
+                    ledger_of = self._ledgers.get(TopicPartition(dup.topic, dup.partition))
+                    if ledger_of is not None:
+                        ledger_of.finish(dup.offset)
+            self._lock.notify_all()
+
+    def _work(self, tp: TopicPartition, r) -> Work | None:
+        """A record as a `Work` (None: an RQ record no shard or member wrote: dropped, as
+        the shards drop it)."""
+        headers = m.headers_to_dict(r.headers)
+        from_rq = tp.topic == self._rq.name
+        if not from_rq:
+            headers = m.control_free(headers)
+        msg_id = text_id(header_value(r.headers, m.H_MSG_ID)) or (
+            f"{tp.topic}-{tp.partition}-{r.offset}"
+        )
+        group = text_id(header_value(r.headers, m.H_GROUP_ID)) or text_id(r.key)
+        if m.H_MSG_ID in headers:
+            headers[m.H_MSG_ID] = msg_id
+        if m.H_GROUP_ID in headers:
+            headers[m.H_GROUP_ID] = group or ""
+        value = None if r.value is None else bytes(r.value)
+        problem = None
+        if value is None:
+            problem = "malformed: no value"
+        elif len(value) > self._spec.max_message_bytes:
+            problem = (
+                f"malformed: value of {len(value)} bytes exceeds {self._spec.max_message_bytes}"
+            )
+        entry = Entry(
+            m.Origin(0, tp.partition, r.offset),
+            msg_id,
+            group,
+            "new",
+            value,
+            headers,
+            source=f"{tp.topic}/{tp.partition}/{r.offset}",
+            invalid=problem,
+        )
+        if from_rq:
+            try:
+                entry.origin, entry.attempts, entry.due_ms = retry_state(headers)
+                first = headers.get(m.H_FIRST_FAILURE_MS, "")
+                entry.first_failure_ms = int(first) if first.isdigit() else None
+            except (KeyError, ValueError):
+                log.warning("%s: %s has no retry state: dropped", self.name, entry.source)
+                return None
+            entry.invalid = None
+            slot = slot_of(tp.partition, self._rq.partitions, self._sub.shard_count)
+        else:
+            slot = slot_of(tp.partition, self._main.partitions, self._sub.shard_count)
+        key = None
+        if self._spec.grouped:
+            key = ordering_key(self.options.ordering_key, r.key, headers, value)
+        return Work(entry, tp.topic, tp.partition, r.offset, slot, key)
+
+    def _apply_finished(self) -> None:
+        while True:
+            try:
+                tp, offset = self._finished.get_nowait()
+            except Empty:
+                return
+            ledger = self._ledgers.get(tp)
+            if ledger is not None:
+                ledger.finish(offset)
+
+    def _gate(self) -> None:
+        """Pause a slot's main-topic partitions while its RQ is read to its end (`_catch_up`)
+        and every main-topic partition while `max_pending` messages are held."""
+        consumer = self._consumer
+        for ends in self._catch_up.values():
+            for tp, end in list(ends.items()):
+                if consumer.position(tp) >= end:
+                    del ends[tp]
+        full = self._sched.pending >= self.options.max_pending
+        want = {
+            tp
+            for tp in self._ledgers
+            if tp.topic == self._main.name and (full or self._catch_up.get(self._slot(tp)))
+        }
+        if want - self._paused:
+            consumer.pause(*(want - self._paused))
+        if self._paused - want:
+            consumer.resume(*(self._paused - want))
+        self._paused = want
+
+    def _commit(self, only: set[TopicPartition] | None = None) -> None:
+        offsets = {}
+        for tp, ledger in self._ledgers.items():
+            if only is not None and tp not in only:
+                continue
+            position = ledger.position()
+            if position != self._committed.get(tp) and ledger.upto > ledger.start:
+                offsets[tp] = OffsetAndMetadata(position[0], position[1], -1)
+        if not offsets:
+            return
+        try:
+            self._consumer.commit(offsets)
+        except CommitFailedError as e:  # a rebalance is under way; its revoke commits
+            log.info("%s: commit refused (%s); the rebalance commits", self.name, e)
+            return
+        for tp, om in offsets.items():
+            self._committed[tp] = (om.offset, om.metadata)
+        self._counts["commits"] += 1
+
+    def _check_catalog(self) -> None:
+        sub = subscriptions.from_snapshot(self._catalog.snapshot(), self.name)
+        if sub != self._sub:
+            what = "paused" if sub.paused else "changed"
+            raise VaradhiError(
+                f"subscription {self.name} was {what} while this consumer ran; the library"
+                " runtime does not follow pause/resume or edits yet: start it again"
+                + (" after resume" if sub.paused else "")
+            )
+
+    # -- rebalance (called by the consumer's poll, on the Kafka thread) -----------------------
+    def _revoke(self, revoked) -> None:
+        tps = set(revoked) & set(self._ledgers)
+        if not tps:
+            return
+        slots = self._slots_of(tps)
+        deadline = time.monotonic() + self._spec.endpoint.request_timeout_ms / 1000 + 10
+        with self._lock:
+            self._sched.close(slots)
+            while self._sched.busy(slots) and time.monotonic() < deadline:
+                self._lock.wait(0.05)
+        self._producer.flush(timeout=30)
+        self._apply_finished()
+        self._commit(only=tps)
+        with self._lock:
+            self._sched.drop(slots)
+            for tp in tps:
+                self._ledgers.pop(tp, None)
+                self._committed.pop(tp, None)
+            for slot in slots:
+                self._catch_up.pop(slot, None)
+            self._counts["rebalances"] += 1
+        self._paused -= tps
+
+    def _assign(self, assigned) -> None:
+        consumer = self._consumer
+        new = [tp for tp in assigned if tp not in self._ledgers]
+        rq_tps = [tp for tp in new if tp.topic == self._rq.name]
+        ends = consumer.end_offsets(rq_tps) if rq_tps else {}
+        with self._lock:
+            for tp in new:
+                committed = consumer.committed(tp, metadata=True)
+                if committed is None:
+                    self._ledgers[tp] = Ledger(consumer.position(tp))
+                else:
+                    offset, metadata = committed.offset, committed.metadata
+                    self._ledgers[tp] = Ledger(offset, decode(offset, metadata))
+                    self._committed[tp] = (offset, metadata or "")
+            for tp in rq_tps:
+                self._catch_up.setdefault(self._slot(tp), {})[tp] = ends.get(tp, 0)
+        main = [tp for tp in new if tp.topic == self._main.name]
+        if main:
+            consumer.pause(*main)
+            self._paused |= set(main)
+
+    def _slot(self, tp: TopicPartition) -> int:
+        topic = self._rq if tp.topic == self._rq.name else self._main
+        return slot_of(tp.partition, topic.partitions, self._sub.shard_count)
+
+    def _slots_of(self, tps) -> set[int]:
+        return {self._slot(tp) for tp in tps}
+
+    # -- delivery -----------------------------------------------------------------------------
+    def _take(self) -> Work | None:
+        with self._lock:
+            if self._stopping.is_set():
+                return None
+            return self._sched.take(_now_ms())
+
+    def _deliver_http(self) -> None:
+        try:
+            self._deliverer.run([_Lane(self) for _ in range(self._max_in_flight)])
+        except BaseException as e:  # noqa: BLE001
+            self._fail(e)
+
+    def _deliver_handler(self) -> None:
+        assert self.handler is not None
+        try:
+            while True:
+                with self._lock:
+                    work = None
+                    while not self._stopping.is_set():
+                        work = self._sched.take(_now_ms())
+                        if work is not None:
+                            break
+                        due = self._sched.next_due_ms()
+                        wait = (
+                            0.1 if due is None else min(0.1, max(0.001, (due - _now_ms()) / 1000))
+                        )
+                        self._lock.wait(wait)
+                if work is None:
+                    return
+                e = work.entry
+                if e.invalid:
+                    self._settle_invalid(work)
+                    continue
+                message = handlers.Message(
+                    e.msg_id,
+                    e.group_id,
+                    work.key,
+                    e.value or b"",
+                    dict(e.headers),
+                    e.attempts + 1,
+                    e.source,
+                )
+                try:
+                    result = self.handler(message)
+                except Exception as exc:  # noqa: BLE001 - a retry, see `handler`
+                    result = handlers.Retry(reason=f"handler raised {type(exc).__name__}: {exc}")
+                now = _now_ms()
+                decision = handlers.decision(
+                    self._spec.retry, e.attempts + 1, result, now, self._rng
+                )
+                self._settle(work, decision, None, b"")
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(exc)
+
+    def _settle_invalid(self, work: Work) -> None:
+        """A message that cannot be delivered (no body, too large, a header it cannot carry):
+        dead-lettered at once, unsent, as the shards do."""
+        e = work.entry
+        now = _now_ms()
+        e.first_failure_ms = e.first_failure_ms or now
+        e.last_failure_ms = now
+        e.reason = e.invalid
+        with self._lock:
+            self._counts["dead_lettered"] += 1
+            self._sched.done(work)
+            self._lock.notify_all()
+        self._send("dlq", work)
+
+    def _settle(self, work: Work, decision: Decision, status: int | None, body: bytes) -> None:
+        """Act on an attempt's decision: finish, write to the RQ (the key waits for it) or to
+        the DLQ (the key goes on: skip mode)."""
+        e = work.entry
+        now = _now_ms()
+        e.attempts += 1
+        with self._lock:
+            self._counts["attempts"] += 1
+            if decision.action == "success":
+                self._counts["delivered"] += 1
+                self._sched.done(work)
+                self._lock.notify_all()
+                self._finished.put((TopicPartition(work.topic, work.partition), work.offset))
+                return
+            self._counts["failures"] += 1
+        e.first_failure_ms = e.first_failure_ms or now
+        e.last_failure_ms = now
+        e.reason = decision.reason
+        e.status = status
+        e.headers = with_response(e.headers, body)
+        target = "dlq"
+        if decision.action == "retry":
+            e.due_ms = decision.due_ms or now
+            limit = self._limits[self._rq.name]
+            if out_bytes(e) > limit:
+                e.reason = (
+                    f"{e.reason}; not retried: a record of about {out_bytes(e)} bytes exceeds "
+                    f"the retry queue's {limit}"
+                )
+            else:
+                target = "rq"
+        with self._lock:
+            if target == "rq":
+                self._counts["retried"] += 1
+                self._sched.to_rq(work)
+            else:
+                self._counts["dead_lettered"] += 1
+                self._sched.done(work)
+            self._lock.notify_all()
+        self._send(target, work)
+
+    def _send(self, target: str, work: Work) -> None:
+        """Write `work`'s RQ or DLQ record, on its slot's partition of the queue, as a shard
+        writes it; its offset finishes once the broker acknowledged it."""
+        e = work.entry
+        queue = self._rq if target == "rq" else self._dlq
+        row = OutRow(
+            target,
+            work.group_key,
+            e.group_id,
+            e.msg_id,
+            e.origin,
+            e.value,
+            e.headers,
+            e.attempts,
+            e.due_ms,
+            e.first_failure_ms,
+            e.last_failure_ms,
+            e.reason,
+            e.status,
+        )
+        record = out_record(row, self._limits[queue.name])
+        owned = routing.shard_partitions(work.slot, self._sub.shard_count, queue.partitions)
+        partition = routing.internal_partition(routing.group_hash(work.group_key), owned)
+        where = (TopicPartition(work.topic, work.partition), work.offset)
+        future = self._producer.send(
+            queue.name,
+            key=record.key,
+            value=record.value,
+            partition=partition,
+            headers=record.headers,
+        )
+        future.add_callback(lambda _meta: self._finished.put(where))
+        future.add_errback(self._fail)
+
+    def _fail(self, error: BaseException) -> None:
+        if isinstance(error, KafkaError):
+            error = VaradhiError(f"Kafka: {kafka_clients.explain(self.settings, error)}")
+        log.error("%s: consumer stops: %s", self.name, error)
+        with self._lock:
+            if self._error is None:
+                self._error = str(error) or type(error).__name__
+            self._state = "failed"
+            self._stopping.set()
+            self._lock.notify_all()
+
+    def _spawn(self, target: Callable[[], None], label: str) -> None:
+        t = threading.Thread(
+            target=target, name=f"varadhi-consumer-{self.name}-{label}", daemon=True
+        )
+        self._threads.append(t)
+        t.start()
+
+
+class _Lane:
+    """One of the engine's `max_in_flight` streams: it delivers one message at a time, taking
+    the next from the scheduler, and asks again after `IDLE_S` when there is none."""
+
+    def __init__(self, consumer: Consumer):
+        self.consumer = consumer
+        self.work: Work | None = None
+
+    def next_request(self) -> Request | Wait | None:
+        c = self.consumer
+        while True:
+            work = c._take()
+            if work is None:
+                return None if c._stopping.is_set() else Wait(IDLE_S)
+            if not work.entry.invalid:
+                try:
+                    request = Request(work.entry.value or b"", http_headers(work.entry))
+                except InvalidArgument as e:
+                    work.entry.invalid = f"malformed: {e}"
+                else:
+                    self.work = work
+                    return request
+            c._settle_invalid(work)
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        work, self.work = self.work, None
+        assert work is not None
+        c = self.consumer
+        decision = decide(
+            c._spec.retry,
+            work.entry.attempts + 1,
+            outcome.status,
+            outcome.error,
+            outcome.retry_after,
+            _now_ms(),
+            c._rng,
+            outcome.detail,
+        )
+        c._settle(work, decision, outcome.status, outcome.body)
+
+    def stop_waiting(self) -> None:  # never waits while_busy
+        pass
+
+
+class _Listener(ConsumerRebalanceListener):
+    def __init__(self, consumer: Consumer):
+        self.consumer = consumer
+
+    def on_partitions_revoked(self, revoked):
+        self.consumer._revoke(revoked)
+
+    def on_partitions_assigned(self, assigned):
+        self.consumer._assign(assigned)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,218 @@
+"""The library runtime's pure parts: ordering keys, offset bookkeeping, the scheduler, the slot
+spread, the handler's decisions and the refusal of unsupported features."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from varadhi.core import messages as m
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.group_state import Entry
+from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.kafka.subscriptions import Subscription
+from varadhi.kafka.topics import CompositeTopic, StorageTopic
+from varadhi.library import handler, offsets
+from varadhi.library.assign import spread
+from varadhi.library.keys import OrderingKey, ordering_key
+from varadhi.library.scheduler import Scheduler, Work
+from varadhi.library.support import unsupported
+
+# -- ordering keys ---------------------------------------------------------------------------
+
+
+def test_the_default_key_is_the_group_id_header_else_the_record_key():
+    rule = OrderingKey.parse("group-id")
+    assert ordering_key(rule, b"k", {m.H_GROUP_ID: "g"}, b"{}") == "g"
+    assert ordering_key(rule, b"k", {}, b"{}") == "k"
+    assert ordering_key(rule, None, {}, b"{}") is None
+
+
+def test_record_key_header_and_json_pointer_keys():
+    headers = {m.H_GROUP_ID: "g", "tenant": "t1"}
+    assert ordering_key(OrderingKey.parse("record-key"), b"\xff", headers, None) == "b64:/w=="
+    assert ordering_key(OrderingKey.parse("header:tenant"), None, headers, None) == "t1"
+    assert ordering_key(OrderingKey.parse("header:absent"), b"k", headers, None) is None
+    rule = OrderingKey.parse("json:/order/customer")
+    assert ordering_key(rule, None, {}, b'{"order": {"customer": "c9"}}') == "c9"
+    assert ordering_key(rule, None, {}, b'{"order": {"customer": 42}}') == "42"
+    assert ordering_key(rule, None, {}, b'{"order": {"customer": "42"}}') == "42"
+    assert ordering_key(rule, None, {}, b'{"order": {"customer": {"b": 1, "a": 2}}}') == (
+        '{"a":2,"b":1}'
+    )
+    for body in (b"not json", b"[]", b'{"order": null}', b'{"order": {"customer": null}}', None):
+        assert ordering_key(rule, None, {}, body) is None
+    escaped = OrderingKey.parse("json:/a~1b/~0c/1")
+    assert ordering_key(escaped, None, {}, b'{"a/b": {"~c": ["x", "y"]}}') == "y"
+    assert ordering_key(escaped, None, {}, b'{"a/b": {"~c": ["x"]}}') is None
+
+
+@pytest.mark.parametrize("text", ["", "key", "header:", "json:a", "json:/a~2", "group"])
+def test_a_bad_ordering_key_names_the_option(text):
+    with pytest.raises(InvalidArgument, match="ordering-key"):
+        OrderingKey.parse(text)
+
+
+# -- offsets ---------------------------------------------------------------------------------
+
+
+def test_the_commit_is_the_lowest_unfinished_offset_and_the_metadata_what_finished_above():
+    ledger = offsets.Ledger(100)
+    for o in range(100, 110):
+        assert ledger.read(o)
+    for o in (101, 102, 105, 106, 107, 109):
+        ledger.finish(o)
+    committed, meta = ledger.position()
+    assert committed == 100
+    restored = offsets.decode(committed, meta)
+    assert [o for o in range(100, 112) if restored.finished(o)] == [101, 102, 105, 106, 107, 109]
+    # after a restart, the finished ones are skipped and the rest delivered again
+    again = offsets.Ledger(committed, restored)
+    assert [o for o in range(100, 112) if again.read(o)] == [100, 103, 104, 108, 110, 111]
+
+
+def test_nothing_finished_above_needs_no_metadata():
+    ledger = offsets.Ledger(0)
+    for o in range(5):
+        ledger.read(o)
+    assert ledger.position() == (0, "")
+    for o in range(5):
+        ledger.finish(o)
+    assert ledger.position() == (5, "")
+
+
+def test_a_restored_span_not_yet_read_again_is_kept_in_the_next_commit():
+    ledger = offsets.Ledger(10)
+    for o in range(10, 20):
+        ledger.read(o)
+    for o in range(11, 20):
+        if o != 15:
+            ledger.finish(o)
+    committed, meta = ledger.position()
+    again = offsets.Ledger(committed, offsets.decode(committed, meta))
+    assert again.read(10)
+    again.finish(10)  # the head finishes before 15 is read again
+    committed2, meta2 = again.position()
+    assert committed2 == 15
+    third = offsets.Ledger(committed2, offsets.decode(committed2, meta2))
+    assert [o for o in range(15, 22) if third.read(o)] == [15, 20, 21]
+
+
+def test_metadata_never_exceeds_its_limit_and_forgets_the_tail_instead():
+    """Parallel Consumer's failure (#647/#831): an offset map too large to commit stalls. Here
+    the runs that do not fit are dropped (their finished records come again), never a stall."""
+    unfinished = list(range(0, 20_000, 2))  # every other record unfinished: 10,000 runs
+    meta = offsets.encode(0, 20_000, unfinished, max_bytes=200)
+    assert 0 < len(meta) <= 200
+    restored = offsets.decode(0, meta)
+    assert restored.span > 0 and not restored.finished(0) and restored.finished(1)
+    assert all(not restored.finished(o) for o in range(restored.span, 20_000))
+    assert all(restored.finished(o) == (o % 2 == 1) for o in range(restored.span))
+
+
+@pytest.mark.parametrize("junk", ["x", "v1", "v1,zz,1.q!", "v2,5,0.1", "v1,2,0.1,5.5"])
+def test_metadata_not_ours_is_ignored(junk):
+    restored = offsets.decode(7, junk)
+    assert restored.span == 0 and not restored.finished(8)
+
+
+# -- scheduler ------------------------------------------------------------------------------
+
+
+def work(offset: int, key: str | None, attempts: int = 0, due: int = 0, slot: int = 0) -> Work:
+    entry = Entry(m.Origin(0, 0, offset), f"id{offset}", key, "new", b"x", attempts=attempts)
+    entry.due_ms = due
+    return Work(entry, "t.0", 0, offset, slot, key)
+
+
+def test_one_key_in_order_and_other_keys_concurrently():
+    s = Scheduler()
+    for o, k in enumerate(["a", "a", "b", None, None]):
+        assert s.add(work(o, k)) == []
+    taken = [s.take(0) for _ in range(5)]
+    assert [w.offset for w in taken if w] == [0, 2, 3, 4]  # a's second waits for its first
+    s.done(taken[0])
+    assert s.take(0).offset == 1
+    assert s.take(0) is None
+
+
+def test_a_retried_head_blocks_its_key_until_its_rq_copy_is_back_and_due():
+    s = Scheduler()
+    head, follower = work(0, "a"), work(1, "a")
+    s.add(head)
+    s.add(follower)
+    assert s.take(0) is head
+    head.entry.attempts = 1
+    s.to_rq(head)
+    assert s.take(10**12) is None  # the follower waits behind the placeholder
+    stale = work(0, "a", attempts=0)
+    assert s.add(stale) == [stale]  # the main-topic record read again is not the copy
+    copy = work(0, "a", attempts=1, due=5_000)
+    assert s.add(copy) == []
+    assert s.take(4_999) is None  # never before its due time
+    assert s.take(5_000) is copy
+    s.done(copy)
+    assert s.take(5_000) is follower
+
+
+def test_copies_of_one_origin_keep_the_one_with_more_attempts():
+    s = Scheduler()
+    older, newer = work(3, "a", attempts=1), work(3, "a", attempts=2)
+    s.add(older)
+    assert s.add(newer) == [older]
+    assert s.take(0) is newer
+
+
+def test_revoked_slots_hand_out_nothing_and_are_dropped():
+    s = Scheduler()
+    s.add(work(0, "a", slot=0))
+    s.add(work(1, "b", slot=1))
+    s.close({1})
+    taken = s.take(0)
+    assert taken.slot == 0 and s.take(0) is None
+    s.drop({1})
+    assert s.pending == 1
+
+
+# -- slots, handler, refusals --------------------------------------------------------------------
+
+
+def test_slots_are_spread_over_members_and_extra_members_idle():
+    assert spread(["b", "a"], 4) == {"a": [0, 1], "b": [2, 3]}
+    assert spread(["a", "b", "c"], 2) == {"a": [], "b": [0], "c": [1]}
+
+
+def test_handler_results_follow_the_retry_policy():
+    policy = RetryPolicy(max_attempts=3, min_backoff_ms=1_000, jitter=0.0)
+    rng = random.Random(1)
+    assert handler.decision(policy, 1, handler.Success(), 0, rng).action == "success"
+    fatal = handler.decision(policy, 1, handler.Fatal("bad"), 0, rng)
+    assert (fatal.action, fatal.reason) == ("dead_letter", "fatal: bad")
+    retry = handler.decision(policy, 1, handler.Retry(), 100, rng)
+    assert (retry.action, retry.due_ms) == ("retry", 1_100)
+    assert handler.decision(policy, 2, handler.Retry(after_ms=9_000), 0, rng).due_ms == 9_000
+    last = handler.decision(policy, 3, handler.Retry(reason="down"), 0, rng)
+    assert (last.action, last.reason) == ("dead_letter", "retries exhausted after 3 attempts: down")
+    assert handler.decision(policy, 1, "ok", 0, rng).action == "retry"
+
+
+def _sub(**spec_fields) -> tuple[Subscription, CompositeTopic, CompositeTopic, CompositeTopic]:
+    spec = SubscriptionSpec("s", "t", Endpoint("http://127.0.0.1:1/"), **spec_fields)
+    main = CompositeTopic("t", (StorageTopic("t.0", 4, 1),))
+    rq = CompositeTopic("s.rq", (StorageTopic("s.rq.0", 2, 1),), internal=True)
+    dlq = CompositeTopic("s.dlq", (StorageTopic("s.dlq.0", 1, 1),), internal=True)
+    return Subscription(spec, 1, 0), main, rq, dlq
+
+
+def test_what_is_not_supported_is_named():
+    sub, main, rq, dlq = _sub()
+    found = unsupported(sub, main, rq, dlq)
+    assert [f.split(" ")[0] for f in found] == ["on_dead_letter:", "circuit_breaker"]
+    ok = _sub(on_dead_letter="skip", circuit_breaker=CircuitPolicy(enabled=False))
+    assert unsupported(*ok) == []
+    paused = (replace(ok[0], paused=True), *ok[1:])
+    assert unsupported(*paused)[0].startswith("paused")
+    two = replace(ok[1], storage_topics=(*ok[1].storage_topics, StorageTopic("t.1", 8, 2)))
+    assert "storage topics" in unsupported(ok[0], two, ok[2], ok[3])[0]
