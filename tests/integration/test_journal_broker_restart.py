@@ -7,66 +7,22 @@ re-run and a shard-count change's hand-over read them (docs/architecture.md, "De
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 
 from varadhi.core import messages as m
 from varadhi.kafka.settings import Settings
 from varadhi.spark import journal
-from varadhi.testing.secure_kafka import free_port_pair
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "kafka"
-
-
-class Broker:
-    def __init__(self, folder: Path):
-        self.folder = folder
-        # free ports, not fixed ones: other tests start brokers of their own in parallel workers
-        self.port = free_port_pair(2)  # the broker; its controller listens on the next port
-        self.bootstrap = f"127.0.0.1:{self.port}"
-        self.env = {
-            **os.environ,
-            "VARADHI_KAFKA_PORT": str(self.port),
-            "VARADHI_KAFKA_DIR": str(folder),
-            "VARADHI_KAFKA_HEAP": "-Xmx256m -Xms64m",
-        }
-
-    def run(self, command: str) -> None:
-        done = subprocess.run(
-            [str(SCRIPT), command], env=self.env, capture_output=True, text=True, timeout=180
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
-
-    def kill(self) -> None:
-        pid = int((self.folder / "broker.pid").read_text().strip())
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 60  # a killed process's port closes at its exit: at once
-        while self.listening():
-            assert time.monotonic() < deadline, (
-                f"port {self.port} still accepts 60 s after SIGKILL to {pid}"
-            )
-            time.sleep(0.1)
-
-    def listening(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                return True
-        except OSError:
-            return False
+from varadhi.testing.local_broker import LocalBroker
 
 
 @pytest.fixture
 def broker(tmp_path):
-    made = Broker(tmp_path / "kafka")
-    made.run("start")
+    made = LocalBroker(tmp_path / "kafka")
+    made.start()
     yield made
-    made.run("wipe")
+    made.wipe()
 
 
 def test_a_task_that_starts_while_the_broker_is_down_loses_no_journal_entry(broker):
@@ -84,7 +40,7 @@ def test_a_task_that_starts_while_the_broker_is_down_loses_no_journal_entry(brok
     writer = journal.JournalWriter(target)
     for offset in range(300):  # accepted while the broker is away
         writer.accepted(m.Origin(0, 0, offset))
-    broker.run("start")
+    broker.start()
     for offset in range(300, 400):
         writer.accepted(m.Origin(0, 0, offset))
     writer.close()
@@ -96,7 +52,7 @@ def test_a_task_that_starts_while_the_broker_is_down_loses_no_journal_entry(brok
     # The broker SIGKILLed again and restarted: a shard-count change's hand-over reads the
     # records acknowledged before the kill (to the partition's end, or it raises).
     broker.kill()
-    broker.run("start")
+    broker.start()
     handed = journal.read_shard(
         settings, "restart-http", 0, key, since_ms=int(time.time() * 1000) - journal.LOOKBACK_MS
     )

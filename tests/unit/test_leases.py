@@ -7,7 +7,7 @@ import copy
 import pytest
 
 from varadhi.cli.status import standby_text
-from varadhi.core.errors import Fenced, InvalidArgument
+from varadhi.core.errors import Fenced, InvalidArgument, LeaseExpired
 from varadhi.kafka import leases
 from varadhi.kafka.catalog import Snapshot, key
 from varadhi.kafka.leases import Lease, Seen, holder_expired, may_take_over, observe, renewal_due
@@ -149,11 +149,28 @@ def test_acquire_renew_and_expire_on_the_holders_clock():
     assert catalog.get("lease", OWNER)["renewed_ms"] == 1_010_000
     clock.t += 14.9
     lease.check()
-    assert lease.lost() is None
+    assert lease.expired() is None
     clock.t += 0.1  # a TTL since the last successful renewal started: a standby may have it
-    assert "not renewed" in lease.lost()
-    with pytest.raises(Fenced, match="not renewed"):
+    assert "not renewed" in lease.expired()
+    assert lease.taken() is None  # nobody is known to hold it: expired, not fenced
+    with pytest.raises(LeaseExpired, match="not renewed"):
         lease.check()
+    # Kafka answers again and the document is still this instance's: the renewal holds it again.
+    lease.renew()
+    assert lease.expired() is None and lease.renewals == 2
+    lease.check()
+
+
+def test_an_expired_lease_that_another_instance_took_meanwhile_is_fenced_at_its_renewal():
+    catalog, clock = FakeCatalog(), Clock()
+    a, b = make(catalog, clock), make(catalog, clock)
+    a.acquire()
+    clock.t += TTL / 1000  # a's renewals failed for a TTL: a standby saw it unchanged, took it
+    assert b.take_over(catalog.get("lease", OWNER))
+    with pytest.raises(LeaseExpired):
+        a.check()
+    with pytest.raises(Fenced):
+        a.renew()  # the heartbeat's next renewal, once Kafka answers
 
 
 def test_a_normal_start_fences_at_once_and_an_operations_fence_has_no_ttl():
@@ -215,7 +232,7 @@ def test_a_clean_stop_is_marked_and_not_taken_over_and_a_fenced_one_writes_nothi
     assert catalog.writes == writes
 
 
-def test_the_heartbeat_marks_a_lease_taken_by_another_instance_lost():
+def test_the_heartbeat_marks_a_lease_taken_by_another_instance_taken():
     catalog, clock = FakeCatalog(), Clock()
     a = make(catalog, clock, ttl=1_200)
     a.acquire()
@@ -227,9 +244,9 @@ def test_the_heartbeat_marks_a_lease_taken_by_another_instance_lost():
         import time
 
         deadline = time.monotonic() + 60  # the heartbeat thread on a loaded machine
-        while not a._lost and time.monotonic() < deadline:
+        while not a.taken() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert a.lost() == "taken: epoch 2"
+        assert a.taken() == "taken: epoch 2"
         with pytest.raises(Fenced):
             a.check()
     finally:

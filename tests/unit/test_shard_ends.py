@@ -46,6 +46,19 @@ def test_the_shard_s_own_fence_and_a_fenced_producer_are_fences():
     assert judge(failure(*job_aborted(producer)), replayed=False) is Verdict.FENCED
 
 
+def test_a_lease_found_expired_by_a_batch_is_waited_for_not_a_fence():
+    """A batch that found the lease not renewed for its TTL (Kafka away) committed nothing;
+    the control loop waits for the lease. Before, any failure after expiry was a fence."""
+    expired = PYTHON.format(
+        "varadhi.core.errors.LeaseExpired: lease s/2/0 not renewed for 15000 ms (Kafka does "
+        "not answer): delivering nothing until it is renewed or another instance is seen to "
+        "hold it"
+    )
+    assert judge(failure(text=expired), replayed=False) is Verdict.LEASE_EXPIRED
+    word = failure(text=PYTHON.format("RuntimeError: HTTP 500 LeaseExpired"))
+    assert judge(word, replayed=False) is Verdict.FAILED
+
+
 def test_a_refused_batch_or_no_failure_is_no_verdict():
     assert judge(None, replayed=True) is None
     stopped = failure(text=PYTHON.format("varadhi.core.errors.StopRequested"))

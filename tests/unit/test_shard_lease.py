@@ -10,7 +10,7 @@ import copy
 import pytest
 from kafka.errors import KafkaTimeoutError
 
-from varadhi.core.errors import Fenced, InvalidArgument
+from varadhi.core.errors import Fenced, InvalidArgument, LeaseExpired
 from varadhi.kafka.catalog import Snapshot, key
 from varadhi.kafka.leases import KIND, Lease
 from varadhi.spark.shard.lease import ShardLease
@@ -112,6 +112,11 @@ def test_a_standby_takes_over_a_lease_seen_unchanged_for_its_ttl_and_says_so():
     assert publisher.docs[-1] == {"state": "took over", "shard": 1, "instance": standby.instance}
     assert publisher.closed
     standby.check()
+    # The active, not renewed for its TTL, delivers nothing; its heartbeat's next renewal
+    # finds the new holder and fences it.
+    with pytest.raises(LeaseExpired):
+        active.check()
+    assert active.held.beat() is False
     with pytest.raises(Fenced):
         active.check()
 
@@ -168,13 +173,52 @@ def test_which_failures_are_a_fence():
     fenced = Fenced(f"lease {OWNER}", 1, 2)
     assert lease.fence_reason(fenced) == str(fenced)
     assert lease.fence_reason(KafkaTimeoutError("send timed out")) is None
-    clock.t += TTL / 1000  # not renewed for a TTL: another instance may hold the shard now
+    clock.t += TTL / 1000  # not renewed for a TTL: Kafka away; nobody is known to hold it
+    assert lease.fence_reason(KafkaTimeoutError("send timed out")) is None
+    assert lease.expired() and not lease.taken()
+    with pytest.raises(LeaseExpired):
+        lease.check()
+    other = shard_lease(catalog, clock)
+    other.take(OWNER)
+    assert lease.held.beat() is False  # the heartbeat's next renewal finds it taken
     assert lease.fence_reason(KafkaTimeoutError("send timed out")) == (
         "KafkaTimeoutError: KafkaTimeoutError: send timed out after its lease was lost "
-        f"(not renewed for {TTL} ms: it may have been taken)"
+        "(taken: epoch 2)"
     )
     with pytest.raises(Fenced):
         lease.check()
+
+
+def test_an_expired_lease_is_waited_for_until_renewed_or_found_taken():
+    """`await_renewal`: while Kafka is away the shard delivers nothing; a renewal that finds
+    the lease still its own lets it go on, one that finds another holder fences it, and a stop
+    asked for meanwhile ends the wait."""
+    catalog, clock = FakeCatalog(), Clock()
+    lease = shard_lease(catalog, clock)
+    lease.take(OWNER)
+    clock.t += TTL / 1000
+    waits = []
+
+    def renewed_on_third_wait(seconds):
+        waits.append(seconds)
+        if len(waits) == 3:
+            assert lease.held.beat()  # the heartbeat, once Kafka answers
+        return False
+
+    assert lease.await_renewal(renewed_on_third_wait) is True
+    assert len(waits) == 3 and not lease.expired()
+    lease.check()
+
+    clock.t += TTL / 1000
+    assert lease.await_renewal(lambda seconds: True) is False  # a stop asked for
+
+    def taken_meanwhile(seconds):
+        shard_lease(catalog, clock).take(OWNER)  # a standby that reached Kafka
+        assert lease.held.beat() is False
+        return False
+
+    with pytest.raises(Fenced, match="taken"):
+        lease.await_renewal(taken_meanwhile)
 
 
 def test_a_clean_release_marks_the_lease_stopped_and_a_failed_one_lets_it_expire():

@@ -59,6 +59,20 @@ class Fenced(VaradhiError):
         self.current = current
 
 
+class LeaseExpired(VaradhiError):
+    """This process could not renew its lease for a whole TTL (Kafka did not answer), and no
+    other instance is known to hold it. It must deliver and commit nothing until a renewal
+    succeeds (the lease still its own: it goes on) or finds another holder (`Fenced`)."""
+
+    def __init__(self, owner: str, ttl_ms: int):
+        super().__init__(
+            f"lease {owner} not renewed for {ttl_ms} ms (Kafka does not answer): delivering "
+            "nothing until it is renewed or another instance is seen to hold it"
+        )
+        self.owner = owner
+        self.ttl_ms = ttl_ms
+
+
 class StopRequested(Exception):
     """Raised inside `foreachBatch` when the shard driver is stopping (`varadhi.spark.shard.job`): the
     batch does nothing and is replayed by the next query run. The query then ends with it,

@@ -18,6 +18,8 @@ message, top stack frames), the text everything says, and the typed facts found 
   function, by its class's qualified name (`_named`);
 - `Fenced`: the shard's lease fence raised by a batch function, or its transactional producer
   fenced, by exact exception class (`fenced`; Kafka's `FencedLeaderEpochException` is not one);
+- `LeaseExpired`: the shard's lease was not renewed for its TTL when a batch function checked it
+  (`varadhi.core.errors.LeaseExpired`, by class): Kafka away, nobody known to hold the shard;
 - `ZombieCheckpointWriter`: another query wrote the checkpoint's offset or commit log first;
 - `KafkaMetricsNPE`: SPARK-55271, Spark 4.1's Kafka source failing after a re-run batch.
 
@@ -93,6 +95,12 @@ class Fenced:
 
 
 @dataclass(frozen=True)
+class LeaseExpired:
+    """A batch found the shard's lease not renewed for its TTL (Kafka did not answer) and
+    committed nothing; nobody is known to hold the shard."""
+
+
+@dataclass(frozen=True)
 class ZombieCheckpointWriter:
     """Another query wrote this query's checkpoint offset or commit log first (Spark's
     "Concurrent update to the ... log" / "Multiple streaming jobs detected"): a fenced instance of
@@ -108,8 +116,10 @@ class KafkaMetricsNPE:
     query on the same checkpoint goes on normally."""
 
 
-Fact = Denied | StopRequested | Fenced | ZombieCheckpointWriter | KafkaMetricsNPE
-F = TypeVar("F", Denied, StopRequested, Fenced, ZombieCheckpointWriter, KafkaMetricsNPE)
+Fact = Denied | StopRequested | Fenced | LeaseExpired | ZombieCheckpointWriter | KafkaMetricsNPE
+F = TypeVar(
+    "F", Denied, StopRequested, Fenced, LeaseExpired, ZombieCheckpointWriter, KafkaMetricsNPE
+)
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,8 @@ def facts(chain: tuple[Link, ...], text: str) -> tuple[Fact, ...]:
         found.append(StopRequested())
     if fenced(chain, text):
         found.append(Fenced())
+    if _LEASE_EXPIRED_TEXT.search(text):
+        found.append(LeaseExpired())
     if "Concurrent update to the" in text or "Multiple streaming jobs detected" in text:
         found.append(ZombieCheckpointWriter())
     if any(_is_kafka_metrics_npe(c) for c in chain):
@@ -204,6 +216,8 @@ def _named(*classes: type) -> str:
 
 #: The shard's refusal of a batch while it stops, by class.
 _STOP_TEXT = re.compile(_named(errors.StopRequested))
+#: The shard's lease found expired by a batch function, by class.
+_LEASE_EXPIRED_TEXT = re.compile(_named(errors.LeaseExpired))
 
 #: Java exceptions that say a newer instance holds the shard: its transactional producer's id was
 #: taken over. Not Kafka's other "fenced" errors: `FencedLeaderEpochException` (a partition's

@@ -11,9 +11,13 @@ instance's producer at the broker.
 
 Expiry and standbys. A shard holds its lease with a TTL (`ttl_ms` in the document, default
 `DEFAULT_TTL_MS`, `VARADHI_LEASE_TTL_MS`): a heartbeat thread renews it every TTL/3
-(`renewed_ms`, one catalog write). A holder whose renewal finds another epoch, or that has not
-renewed successfully for a TTL (counted from the start of its last successful renewal, on its
-own monotonic clock), is fenced. A *standby* instance (`--standby`) watches the document and
+(`renewed_ms`, one catalog write). A holder whose renewal finds another epoch is fenced. One
+that has not renewed successfully for a TTL (counted from the start of its last successful
+renewal, on its own monotonic clock) has an *expired* lease: Kafka did not answer, and a
+standby that reaches Kafka may take the lease over, so it must deliver nothing, but nobody is
+known to hold it. The heartbeat keeps trying: a renewal that finds the document still its own
+makes the lease held again (the renewal is a compare-and-set like a takeover: the first write
+wins), one that finds another epoch fences. A *standby* instance (`--standby`) watches the document and
 takes the lease (epoch bump) only once it has seen it unchanged for its TTL on its own monotonic
 clock (no clock is compared across hosts), with a compare-and-set on the document it watched:
 a renewal or another standby in between wins. It never takes a lease that has no TTL (taken by
@@ -41,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from varadhi.core.catalog_kinds import DocKind
-from varadhi.core.errors import Fenced, InvalidArgument, KafkaUnavailable
+from varadhi.core.errors import Fenced, InvalidArgument, KafkaUnavailable, LeaseExpired
 from varadhi.kafka.catalog import Catalog, Snapshot, key
 
 log = logging.getLogger(__name__)
@@ -184,7 +188,8 @@ class Lease:
         self._wall_ms = wall_ms
         self._writer_catalog: Catalog | None = None
         self._renewed_at: float | None = None  # start of the last successful write (monotonic)
-        self._lost: str | None = None  # why the heartbeat gave the lease up
+        self._taken: str | None = None  # the heartbeat found another holder
+        self.renewals = 0  # successful renewals so far
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -249,6 +254,7 @@ class Lease:
 
         self._write(change)
         self._renewed_at = started
+        self.renewals += 1
 
     def stop(self) -> None:
         """Mark a clean stop (an operator's): standbys do not take the lease over. Does nothing
@@ -283,7 +289,7 @@ class Lease:
     def _held(self, epoch: int, started: float) -> None:
         """Record the new epoch and wait until the shared catalog shows it (the write went
         through this lease's own writer), so the next `check` does not see the old epoch."""
-        self.epoch, self._renewed_at, self._lost = epoch, started, None
+        self.epoch, self._renewed_at, self._taken = epoch, started, None
         deadline = time.monotonic() + self.catalog.timeout_s
         while _epoch(self.catalog.get(KIND, self.owner)) < epoch:
             if time.monotonic() > deadline:
@@ -291,25 +297,32 @@ class Lease:
             time.sleep(0.01)
 
     # -- the holder's side -----------------------------------------------------------------
-    def lost(self) -> str | None:
-        """Why this instance must consider the lease gone without reading the catalog: the
-        heartbeat found another holder, or no renewal succeeded for a TTL. None otherwise."""
-        if self._lost:
-            return self._lost
+    def taken(self) -> str | None:
+        """Why this instance no longer holds the lease, as its heartbeat found: another
+        instance took it. None otherwise. Final."""
+        return self._taken
+
+    def expired(self) -> str | None:
+        """Why this instance must deliver nothing now though nobody is known to hold the lease:
+        no renewal succeeded for a TTL (Kafka did not answer). None while renewed; it ends when
+        a renewal succeeds."""
         if (
             self.ttl_ms
             and self._renewed_at is not None
             and holder_expired(self._renewed_at, self._clock(), self.ttl_ms)
         ):
-            return f"not renewed for {self.ttl_ms} ms: it may have been taken"
+            return f"not renewed for {self.ttl_ms} ms: a standby may take it"
         return None
 
     def check(self) -> None:
-        """Raise `Fenced` when another instance has taken the lease since `acquire`, when the
-        heartbeat lost it, or when it has not been renewed for its TTL."""
-        why = self.lost()
-        if why:
-            raise Fenced(f"lease {self.owner} ({why})", self.epoch or 0, -1)
+        """Raise `Fenced` when another instance has taken the lease since `acquire` (the
+        heartbeat found it, or the catalog shows it), `LeaseExpired` when it has not been
+        renewed for its TTL."""
+        if self._taken:
+            raise Fenced(f"lease {self.owner} ({self._taken})", self.epoch or 0, -1)
+        if self.expired():
+            assert self.ttl_ms
+            raise LeaseExpired(self.owner, self.ttl_ms)
         doc = self.catalog.get(KIND, self.owner)
         current = _epoch(doc)
         if self.epoch is None or current != self.epoch:
@@ -317,8 +330,9 @@ class Lease:
 
     def start_heartbeat(self) -> None:
         """Renew every TTL/3 in a daemon thread until `stop_heartbeat`. A renewal that finds
-        another holder marks the lease lost (`check` raises); one that fails otherwise (Kafka
-        unreachable) is retried at the next interval, and `check` fails once a TTL passed."""
+        another holder marks the lease taken (`check` raises `Fenced`); one that fails otherwise
+        (Kafka unreachable) is retried at the next interval, also once the lease expired
+        (`check` raises `LeaseExpired` until one succeeds)."""
         if not self.ttl_ms or self._thread is not None:
             return
         self._stop.clear()
@@ -334,14 +348,21 @@ class Lease:
             if not renewal_due(last_attempt, self._clock(), self.ttl_ms):
                 continue
             last_attempt = self._clock()
-            try:
-                self.renew()
-            except Fenced as e:
-                self._lost = f"taken: epoch {e.current}"
-                log.warning("lease %s lost: %s", self.owner, e)
+            if not self.beat():
                 return
-            except Exception as e:  # noqa: BLE001 - retried; `check` bounds how long
-                log.warning("lease %s: renewal failed (%s); retrying", self.owner, e)
+
+    def beat(self) -> bool:
+        """One renewal of the heartbeat: False once it found another holder (the lease is
+        `taken`), True otherwise, also when Kafka did not answer (tried again at the next)."""
+        try:
+            self.renew()
+        except Fenced as e:
+            self._taken = f"taken: epoch {e.current}"
+            log.warning("lease %s lost: %s", self.owner, e)
+            return False
+        except Exception as e:  # noqa: BLE001 - retried; `check` bounds how long
+            log.warning("lease %s: renewal failed (%s); retrying", self.owner, e)
+        return True
 
     def stop_heartbeat(self) -> None:
         self._stop.set()

@@ -82,7 +82,8 @@ class OutSender(Protocol):
 
 
 class LeasePort(Protocol):
-    """The shard's lease: `check` raises `varadhi.core.errors.Fenced` once a newer instance holds it."""
+    """The shard's lease: `check` raises `varadhi.core.errors.Fenced` once a newer instance holds
+    it, `varadhi.core.errors.LeaseExpired` while it is not renewed (either way: commit nothing)."""
 
     def check(self) -> None: ...
 

@@ -7,6 +7,8 @@ them into the shard's verdict, in this order:
 
 1. the batch function refused a batch on purpose (`StopRequested`): not a failure (None);
 2. a newer instance holds the shard (`Fenced`, by exact exception class): `FENCED`, exit 3;
+   the shard's lease was not renewed for its TTL (`LeaseExpired`): `LEASE_EXPIRED`, the
+   control loop waits for the lease (`ShardLease.await_renewal`) before anything else;
 3. another instance wrote the checkpoint first (`ZombieCheckpointWriter`): `ZOMBIE`, restart
    the query (the files it wrote are valid);
 4. SPARK-55271 after a batch that re-ran one an earlier run planned (`KafkaMetricsNPE`, only
@@ -14,7 +16,8 @@ them into the shard's verdict, in this order:
 5. a missing Kafka ACL (`Denied`): `DENIED`, the `NotAuthorized` error;
 6. anything else: `FAILED`, exit 1.
 
-Contract: the caller checks its lease before acting on any verdict but `FENCED` (a query that
+Contract: the caller checks its lease before acting on any verdict but `FENCED` and
+`LEASE_EXPIRED` (a query that
 died after this instance lost its lease is fenced, not failed: a zombie's Spark may have found
 the new holder's checkpoint files). Between batches, the control loop ends a running query for
 what the catalog says (`catalog_change`) and, in a bounded run, when it is idle (`idle`).
@@ -59,6 +62,7 @@ class Verdict(StrEnum):
     """What a failed query means for the shard (see the module docstring)."""
 
     FENCED = "fenced"
+    LEASE_EXPIRED = "lease-expired"
     ZOMBIE = "zombie"
     SPARK_55271 = "spark-55271"
     DENIED = "denied"
@@ -72,6 +76,8 @@ def judge(failure: jvm_errors.Diagnosis | None, replayed: bool) -> Verdict | Non
         return None
     if jvm_errors.Fenced in failure:
         return Verdict.FENCED
+    if jvm_errors.LeaseExpired in failure:
+        return Verdict.LEASE_EXPIRED
     if jvm_errors.ZombieCheckpointWriter in failure:
         return Verdict.ZOMBIE
     if replayed and jvm_errors.KafkaMetricsNPE in failure:

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
 from typing import Any
 
 from pyspark.sql import SparkSession
 
 from varadhi.core.circuit import CircuitBreaker
-from varadhi.core.errors import InvalidArgument
+from varadhi.core.endpoint_guard import EndpointPolicy
+from varadhi.core.errors import InvalidArgument, LeaseExpired
 from varadhi.core.policies import CircuitPolicy
+from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import leases, subscriptions, topics
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
@@ -113,6 +116,11 @@ class ShardJob:
             raise InvalidArgument(
                 f"shard {self.shard} is outside 0..{sub.shard_count - 1} of {self.name}"
             )
+        # The endpoint's secrets and address as this shard's platform settings allow them, at
+        # its start and before each query (the executors check again).
+        kafka = kafka_clients.config_of(self.settings)
+        policy = EndpointPolicy.from_env(kafka_names=kafka.env_references())
+        subscriptions.check_platform(sub.spec, policy)
         return Loaded(
             sub,
             topics.from_snapshot(snap, sub.spec.topic),
@@ -186,35 +194,30 @@ class ShardJob:
     def _hold(self, sub: subscriptions.Subscription, lease: ShardLease) -> RunEnd:
         """The control loop once the lease is held and renewed: until stopped or fenced
         (`RunEnd`) or failed (raises); releases the lease and closes the run's parts on every
-        exit."""
+        exit. An expired lease (Kafka away for a TTL) stops delivery, not the shard: it waits
+        for the lease (`_ride_out_expiry`) and goes on with it, or ends fenced."""
         clean = False  # stopped on request (a signal) or idle, not fenced or failed
         parts = None
         try:
             parts = self._parts(sub, lease)
             while True:
-                loaded = self._load()
-                lease.check()
-                if self._stop.is_set():
+                try:
+                    clean = self._deliver(parts, lease)
                     return RunEnd.STOPPED
-                if loaded.sub.paused:
-                    log.info("%s shard %d: paused", self.name, self.shard)
-                    self._progress.publish("paused", force=True)
-                    if self._wait_while(lease, self._still_paused):
-                        return RunEnd.STOPPED
-                    continue
-                self._circuit.configure(loaded.sub.spec.circuit_breaker)
-                if self._circuit.poll() == "open":
-                    self._progress.publish("circuit open", force=True)
-                    if self._wait_while(lease, self._circuit_open, self._until_half_open):
-                        return RunEnd.STOPPED
-                    self._progress.publish("running", force=True)
-                    continue
-                self._run = QueryRun(parts, loaded, parts.layouts.current(loaded.sub))
-                if self._run.run() in (QueryEnd.STOP, QueryEnd.IDLE):
-                    clean = True
+                except Exception as e:
+                    if lease.fence_reason(e) is not None or not (
+                        isinstance(e, LeaseExpired) or lease.expired()
+                    ):
+                        raise
+                    log.warning(
+                        "%s shard %d: %s; delivering nothing until the lease is renewed",
+                        self.name, self.shard, e,
+                    )  # fmt: skip
+                if not lease.await_renewal(self._stop.wait):
                     return RunEnd.STOPPED
+                parts = self._after_outage(parts, sub, lease)
         except Exception as e:
-            # `Fenced`, or any failure after the lease was lost or expired (`fence_reason`).
+            # `Fenced`, or any failure after the lease was taken (`fence_reason`).
             why = lease.fence_reason(e)
             if why is None:
                 raise
@@ -229,6 +232,46 @@ class ShardJob:
             self._progress.publish("stopped", force=True)
             lease.close()
             self._close(parts)
+
+    def _deliver(self, parts: ShardParts, lease: ShardLease) -> bool:
+        """Deliver until stopped (returns whether cleanly: on request or idle, and not while
+        paused or with the circuit open, which a stop also ends) or failed (raises): each turn
+        reads the subscription, checks the lease, waits while paused or while the circuit is
+        open, else runs one query (`QueryRun`) until it ends."""
+        while True:
+            loaded = self._load()
+            lease.check()
+            if self._stop.is_set():
+                return False
+            if loaded.sub.paused:
+                log.info("%s shard %d: paused", self.name, self.shard)
+                self._progress.publish("paused", force=True)
+                if self._wait_while(lease, self._still_paused):
+                    return False
+                continue
+            self._circuit.configure(loaded.sub.spec.circuit_breaker)
+            if self._circuit.poll() == "open":
+                self._progress.publish("circuit open", force=True)
+                if self._wait_while(lease, self._circuit_open, self._until_half_open):
+                    return False
+                self._progress.publish("running", force=True)
+                continue
+            self._run = QueryRun(parts, loaded, parts.layouts.current(loaded.sub))
+            if self._run.run() in (QueryEnd.STOP, QueryEnd.IDLE):
+                return True
+
+    def _after_outage(
+        self, parts: ShardParts, sub: subscriptions.Subscription, lease: ShardLease
+    ) -> ShardParts:
+        """The parts to deliver with once the lease is renewed after Kafka was away: a new
+        transactional producer (its `init_transactions` aborts a transaction the outage left
+        open; the old one may be in an error state), the rest as they were."""
+        log.info("%s shard %d: lease renewed; delivering again", self.name, self.shard)
+        parts.sender.close()
+        sender = QueueSender.start(
+            self.settings, self.catalog, self.name, sub.shard_count, self.shard, lambda: lease.epoch
+        )
+        return replace(parts, sender=sender)
 
     def _parts(self, sub: subscriptions.Subscription, lease: ShardLease) -> ShardParts:
         """The run's parts, once the lease is held: the RQ/DLQ producer first (its

@@ -14,11 +14,13 @@ the heartbeat and the pure takeover rules, shared with feeders and operations). 
   unchanged for its TTL (`leases.may_take_over`). It follows a shard-count change (the lease of
   this shard of the current count). A Kafka failure while watching starts the observation again:
   the lease must be seen unchanged for a whole TTL of successful reads.
-- `start_heartbeat`, `check`, `lost`: as `leases.Lease`; `check` raises `Fenced` once a newer
-  instance holds the lease, the heartbeat lost it, or it was not renewed for its TTL.
+- `start_heartbeat`, `check`, `taken`, `expired`: as `leases.Lease`; `check` raises `Fenced` once
+  a newer instance holds the lease, `LeaseExpired` while it was not renewed for its TTL.
 - `fence_reason(error)`: whether a failure ends the shard as fenced (exit 3) rather than failed:
-  `Fenced` itself, or any failure after the lease was lost or expired (a process that was frozen
-  comes back to timed-out Kafka calls: another instance may hold the shard).
+  `Fenced` itself, or any failure after the heartbeat found the lease taken.
+- `await_renewal(wait)`: an expired lease (Kafka away for a TTL, or a process frozen that long)
+  is not a fence: the shard delivers nothing and waits here until the heartbeat renews it (the
+  lease still its own: it goes on) or finds another holder (`Fenced`, exit 3).
 - `release(clean)`: stops the heartbeat; after an operator's stop (`clean`) marks the lease
   stopped, so standbys do not take over (a crash lets it expire instead).
 
@@ -43,6 +45,9 @@ from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.leases import Lease
 
 log = logging.getLogger("varadhi.spark.shard.job")
+
+# How often `await_renewal` looks at the heartbeat's work.
+POLL_S = 0.5
 
 
 class Publisher(Protocol):
@@ -181,18 +186,35 @@ class ShardLease:
         """Raise `Fenced` once this instance must consider the lease gone (`Lease.check`)."""
         self._lease().check()
 
-    def lost(self) -> str | None:
-        return self._lease().lost()
+    def taken(self) -> str | None:
+        return self._lease().taken()
+
+    def expired(self) -> str | None:
+        return self._lease().expired()
 
     def fence_reason(self, error: BaseException) -> str | None:
         """Why `error` ends the shard as fenced (exit 3), or None for a failure (pure but for
-        the lease's clock): `Fenced` itself, or any error after the lease was lost or expired."""
+        the lease's state): `Fenced` itself, or any error after the lease was taken."""
         if isinstance(error, Fenced):
             return str(error)
-        why = self.held.lost() if self.held is not None else None
+        why = self.held.taken() if self.held is not None else None
         if why is None:
             return None
         return f"{type(error).__name__}: {error} after its lease was lost ({why})"
+
+    def await_renewal(self, wait: Callable[[float], bool]) -> bool:
+        """Deliver nothing until the heartbeat renews the lease (True: it is this instance's
+        again, and not expired) or finds it taken (raises `Fenced`). `wait(seconds)` sleeps and
+        says whether to stop: False then, the lease left to expire. Renewals are the
+        heartbeat's (every TTL/3, each bounded by the catalog's timeout)."""
+        lease = self._lease()
+        seen = lease.renewals
+        while lease.renewals == seen or lease.expired():
+            if lease.taken():
+                lease.check()  # raises Fenced
+            if wait(POLL_S):
+                return False
+        return True
 
     # -- letting it go -----------------------------------------------------------------------
     def release(self, clean: bool) -> None:

@@ -23,7 +23,7 @@ import time
 
 from kafka.errors import KafkaError
 
-from varadhi.core.errors import Fenced, KafkaUnavailable, VaradhiError
+from varadhi.core.errors import Fenced, KafkaUnavailable, LeaseExpired, VaradhiError
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import dlq as dlq_ops
 from varadhi.kafka import jvm_errors, subscriptions, topics
@@ -227,9 +227,11 @@ class QueryRun:
     def _failed(self, verdict: Verdict, failure: jvm_errors.Diagnosis, inputs: QueryInputs):
         """Act on a failed query's verdict (`ends.judge`): restart it, or raise."""
         p = self.parts
+        owner = layouts.owner(p.name, inputs.sub.shard_count, p.shard)
         if verdict is Verdict.FENCED:
-            owner = layouts.owner(p.name, inputs.sub.shard_count, p.shard)
             raise Fenced(f"lease {owner}", p.lease.epoch or 0, -1)
+        if verdict is Verdict.LEASE_EXPIRED:  # the control loop waits for the lease
+            raise LeaseExpired(owner, p.lease.ttl_ms)
         # A query that died after this instance lost its lease is fenced, not failed (a
         # zombie's Spark found the new holder's checkpoint files).
         p.lease.check()
