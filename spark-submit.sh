@@ -6,11 +6,12 @@
 #                                                          each calls varadhi.jobs.NAME)
 #
 # Environment: VARADHI_BOOTSTRAP (Kafka), VARADHI_WAREHOUSE (Delta tables, checkpoints),
-# VARADHI_SPARK_MASTER (default local[2]), VARADHI_DRIVER_MEMORY (default 2g), VARADHI_S3A_*.
+# VARADHI_SPARK_MASTER (default local[2]), VARADHI_DRIVER_MEMORY (default 2g), VARADHI_S3A_*,
+# VARADHI_LOG_FORMAT=json (or the job's --log-format json: Spark's driver log is JSON lines too).
 # PYSPARK_PYTHON is set to the project's venv: executors must import pycurl, mmh3 and pyarrow.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-usage() { sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; }
 case "${1:-}" in -h|--help|"") usage; exit 0 ;; esac
 
 LOCALFS_JAR="$ROOT/.jars/localfs/varadhi-localfs.jar"
@@ -31,8 +32,9 @@ export PYSPARK_PYTHON="$ROOT/.venv/bin/python"
 export PYSPARK_DRIVER_PYTHON="$ROOT/.venv/bin/python"
 export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
 export VARADHI_SPARK_MASTER="${VARADHI_SPARK_MASTER:-local[2]}"
-{ read -r SPARK_HOME; read -r SPARK_VERSION; } < <("$ROOT/.venv/bin/python" -c \
-  'import os, pyspark; print(os.path.dirname(pyspark.__file__)); print(pyspark.__version__)')
+{ read -r SPARK_HOME; read -r SPARK_VERSION; read -r LOG4J2_JSON; } < <("$ROOT/.venv/bin/python" -c \
+  'import os, pyspark; print(os.path.dirname(pyspark.__file__)); print(pyspark.__version__)
+from varadhi.spark import telemetry; print(telemetry.log4j2_java_option(telemetry.log4j2_json_file()))')
 [[ -n "${SPARK_VERSION:-}" ]] || { echo "spark-submit.sh: pyspark does not import in .venv" >&2; exit 2; }
 JARS="$(ls "$ROOT"/.jars/spark/*.jar | paste -sd, -)"
 S3A=()  # hadoop-aws for an s3a:// warehouse: on the JVM class path (docs/object-storage.md)
@@ -58,6 +60,12 @@ CDS="$ROOT/.jars/cds/spark-$SPARK_VERSION.jsa"
 if [[ -f "$CDS" && "${SPARK_SUBMIT_OPTS:-}" != *Archive* ]]; then
   export SPARK_SUBMIT_OPTS="${SPARK_SUBMIT_OPTS:-} -XX:SharedArchiveFile=$CDS -Xlog:disable -Xlog:all=warning:stderr"
 fi
+# JSON logs: the driver JVM's log4j2 writes JSON lines from its start (varadhi.spark.telemetry).
+JSON_LOGS=()
+if [[ "${VARADHI_LOG_FORMAT:-}" == json || " ${ARGS[*]} " == *" --log-format json "* \
+      || " ${ARGS[*]} " == *" --log-format=json "* ]]; then
+  JSON_LOGS=(--driver-java-options "$LOG4J2_JSON")
+fi
 # Python workers on Unix domain sockets (Spark 4.1+; older lines ignore it): over loopback TCP the
 # end of a task's input, a few bytes after a large Arrow batch, often waited 40 ms for the
 # worker's delayed ACK (docs/benchmarks.md, "Latency").
@@ -67,6 +75,7 @@ exec "$SPARK_HOME/bin/spark-submit" \
   --jars "$JARS" \
   "${S3A[@]}" \
   "${LOCALFS[@]}" \
+  "${JSON_LOGS[@]}" \
   --conf spark.ui.enabled=false \
   --conf spark.log.level=WARN \
   --conf spark.python.unix.domain.socket.enabled=true \

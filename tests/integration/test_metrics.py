@@ -8,20 +8,21 @@ import logging
 import signal
 import threading
 import time
-import urllib.request
 import uuid
 from collections import Counter, defaultdict
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from varadhi.core.subscription_spec import parse_spec
+from varadhi.core.version import __version__
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark import metrics
 from varadhi.spark.shard.job import ShardJob
+from varadhi.spark.telemetry import MetricsOptions
 from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.prometheus import scrape, value
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
@@ -34,23 +35,6 @@ MAX_ATTEMPTS = 2
 # all, each a Delta commit.
 SCRIPT = {"g1.2": [500], "g2.1": [503], "g0.0": [503, 500], "g3.2": [404]}
 WAIT_S = 600  # generous: the machine may be shared; a test that waits this long has failed
-
-
-def scrape(port: int) -> dict[tuple[str, tuple], float]:
-    """The exporter's samples: (name, sorted labels without subscription/shard) -> value."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
-        assert response.status == 200
-        text = response.read().decode()
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = {k: v for k, v in s.labels.items() if k not in ("subscription", "shard")}
-            out[(s.name, tuple(sorted(labels.items())))] = s.value
-    return out
-
-
-def value(samples: dict, name: str, **labels: str) -> float:
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
 def test_a_scrape_during_a_shard_run_matches_what_the_endpoint_counted(
@@ -85,7 +69,7 @@ def test_a_scrape_during_a_shard_run_matches_what_the_endpoint_counted(
         producer.flush(30)
 
     job = ShardJob(name, 0, settings, spark=spark)
-    options = metrics.MetricsOptions(port=0, addr="127.0.0.1", json_logs=True)
+    options = MetricsOptions(port=0, addr="127.0.0.1", json_logs=True)
     telemetry = metrics.attach(job, options)
     assert telemetry is not None and telemetry.port
     seen: dict[str, object] = {"main_lag": []}
@@ -164,6 +148,8 @@ def test_a_scrape_during_a_shard_run_matches_what_the_endpoint_counted(
     dead = set(outcomes) - ok
     failed = sum(1 for s in outcomes.values() for c in s if not 200 <= c < 300)
     assert dead == {"g0.0", "g3.2"} and failed == 5  # the script, as the endpoint saw it
+    # which job and release the driver runs, as every long-running job says (varadhi_job_info)
+    assert value(final, "varadhi_job_info", job="shard", version=__version__) == 1
 
     responses = {
         dict(k[1])["code"]: int(v)

@@ -5,7 +5,9 @@ between send and delete, and takeover of a killed relay process."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -22,6 +24,7 @@ from varadhi.core.messages import H_GROUP_ID, H_MSG_ID, H_PRODUCED_MS, headers_t
 from varadhi.kafka.producer import Message
 from varadhi.outbox.relay import ADVISORY_LOCK_CLASS, Relay, advisory_lock_key, connector
 from varadhi.outbox.tables import LEASE_TABLE, Outbox
+from varadhi.testing.prometheus import scrape, total, value
 
 pytestmark = pytest.mark.kafka
 
@@ -328,8 +331,9 @@ def test_relay_follows_switch_produce(db, make_topic, read_records, make_relay, 
 # -- relay processes ------------------------------------------------------------------------
 
 
-def start_relay(db: Db, name: str, log_dir: Path) -> subprocess.Popen:
-    """A relay process (jobs/outbox_relay.py); its log goes to `log_dir/<name>.log`."""
+def start_relay(db: Db, name: str, log_dir: Path, *options: str) -> subprocess.Popen:
+    """A relay process (jobs/outbox_relay.py) with `options` added; its log goes to
+    `log_dir/<name>.log`."""
     cmd = [
         sys.executable,
         str(ROOT / "jobs" / "outbox_relay.py"),
@@ -338,6 +342,7 @@ def start_relay(db: Db, name: str, log_dir: Path) -> subprocess.Popen:
         "3",
         "--batch-size",
         "200",
+        *options,
     ]
     log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -355,9 +360,20 @@ def wait_for(condition, timeout: float, what: str, step: float = 0.05):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def metrics_port(log: Path) -> int | None:
+    """The port a relay's exporter logged (`--metrics-port 0`), None before it did; the log is
+    JSON lines (`--log-format json`), each of which must parse."""
+    for line in log.read_text().splitlines():
+        m = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", json.loads(line)["message"])
+        if m:
+            return int(m[1])
+    return None
+
+
 def test_a_killed_relay_is_taken_over_without_loss(
     db, make_topic, read_records, bootstrap, tmp_path
 ):
+    """... and the relay that took over reports it in its metrics (`--metrics-port`, scraped)."""
     name = make_topic(4)
     outbox = db.outbox()
     app = db.connect()
@@ -386,7 +402,7 @@ def test_a_killed_relay_is_taken_over_without_loss(
     try:
         # a claims both tables and starts relaying
         wait_for(lambda: db.pending(outbox) < 20_000, 120, "relay a to start")
-        b = start_relay(db, "relay-b", tmp_path)
+        b = start_relay(db, "relay-b", tmp_path, "--metrics-port", "0", "--log-format", "json")
         time.sleep(1.5)  # b is up and polling for free tables, but a holds them
         holders = db.holders(outbox)
         assert holders and all(is_a(h) for h in holders), holders
@@ -401,6 +417,19 @@ def test_a_killed_relay_is_taken_over_without_loss(
             "relay b to take the tables over",
         )
         wait_for(lambda: db.pending(outbox) == 0, 60, "relay b to drain the outbox")
+        port = wait_for(lambda: metrics_port(tmp_path / "relay-b.log"), 60, "b's metrics port")
+        # its next read of the table's head finds it empty: no row waits
+        got = wait_for(
+            lambda: (m := scrape(port, ())) and total(m, "varadhi_outbox_lag_seconds") == 0 and m,
+            60,
+            "b to read the drained table",
+        )
+        relayed_by_b = total(got, "varadhi_outbox_relayed_total")
+        assert 200 <= relayed_by_b <= 20_200, got  # at least what came after a was killed
+        assert value(got, "varadhi_outbox_tables") == len(outbox.tables())
+        assert value(got, "varadhi_outbox_stuck_tables") == 0
+        assert total(got, "varadhi_outbox_batches_total") >= 1
+        assert total(got, "varadhi_job_info") == 1
         b.send_signal(signal.SIGTERM)
         assert b.wait(60) == 0, (tmp_path / "relay-b.log").read_text()
     finally:
@@ -410,9 +439,9 @@ def test_a_killed_relay_is_taken_over_without_loss(
                 proc.wait(10)
     records = read_records(f"{name}.0")
     received = by_group(records)
-    total = sum(len(v) for v in expected.values())
-    assert len({r.value for r in records}) == total  # nothing lost
-    assert len(records) - total < 1000  # duplicates: at most what a had in flight
+    expected_total = sum(len(v) for v in expected.values())
+    assert len({r.value for r in records}) == expected_total  # nothing lost
+    assert len(records) - expected_total < 1000  # duplicates: at most what a had in flight
     for g in groups:
         assert first_occurrences(received[g]) == expected[g], g
 

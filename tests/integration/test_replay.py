@@ -27,6 +27,7 @@ from kafka import KafkaProducer
 from varadhi.cli import main as cli
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.subscription_spec import parse_spec
+from varadhi.core.version import __version__
 from varadhi.kafka import topics
 from varadhi.kafka.producer import encode, kafka_headers, plan
 from varadhi.kafka.subscriptions import SubscriptionService
@@ -34,6 +35,7 @@ from varadhi.kafka.topics import TopicService
 from varadhi.ops import replay
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import wait_for
+from varadhi.testing.prometheus import scrape
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
@@ -219,22 +221,42 @@ def test_the_job_entry_point_replays_up_to_now(history, catalog, settings, spark
     assert got == {g: history.ids("w2", g) for g in GROUPS}  # from --from inclusive, to now
 
 
+# What a driver run with --log-format json writes that is not a JSON line: the JVM's own notice
+# for the vector module Spark 4 adds (printed by the JVM before any Java code runs, so before
+# log4j2 exists), and the job's exit line (`varadhi: ...`, printed, not logged: the one-line error
+# every job ends with, its contract with scripts).
+NOT_LOGGED = re.compile(r"WARNING: Using incubator modules: .*|varadhi: .*")
+
+
 def test_ctrl_c_cancels_the_replay_job_and_records_it(history, catalog, tmp_path):
     """Ctrl-C (SIGINT to the process group: the JVM and the Python driver) while
     `spark-submit.sh --job replay` delivers: the JVM does not go down under the job; the Spark
-    job is cancelled, the replay recorded as failed, and the job exits 1 saying why."""
+    job is cancelled, the replay recorded as failed, and the job exits 1 saying why. Run with
+    --metrics-port and --log-format json: a scrape during the delivery shows the replay's range
+    and its Spark tasks, and every line the driver writes is JSON (but `NOT_LOGGED`): the JVM's
+    stderr, Spark's log4j2 lines from the JVM's start on, and the Python driver's output, which
+    spark-submit's PythonRunner passes on to its stdout."""
     since = len(history.endpoint.records())
     history.endpoint.latency_ms = 500  # a's 7 messages, one at a time: >= 3.5 s of deliveries
-    log = tmp_path / "replay.log"
+    jvm_log, python_log = tmp_path / "replay.err", tmp_path / "replay.out"
     root = Path(__file__).resolve().parents[2]
     cmd = [str(root / "spark-submit.sh"), "--job", "replay", "--subscription", history.sub]
+    telemetry = ["--metrics-port", "0", "--log-format", "json"]
+    seen: dict = {}
+
+    def scraped_while_delivering() -> bool:
+        port = seen.get("port") or logged_port(python_log)
+        seen["port"] = port
+        seen["metrics"] = scrape(port, ()) if port else {}
+        return active_tasks(seen["metrics"]) > 0
+
     try:
-        with open(log, "wb") as out:
+        with open(jvm_log, "wb") as err, open(python_log, "wb") as out:
             proc = subprocess.Popen(
-                [*cmd, "--from", str(BASE), "--to", str(TO)],
+                [*cmd, "--from", str(BASE), "--to", str(TO), *telemetry],
                 cwd=tmp_path,
                 stdout=out,
-                stderr=subprocess.STDOUT,
+                stderr=err,
                 start_new_session=True,  # its own process group, as a terminal's foreground job
             )
         try:
@@ -243,7 +265,8 @@ def test_ctrl_c_cancels_the_replay_job_and_records_it(history, catalog, tmp_path
                 240,
                 "the replay's first delivery",
             )
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert proc.poll() is None, python_log.read_text(errors="replace")[-3000:]
+            wait_for(scraped_while_delivering, 120, "a scrape while the replay's tasks deliver")
             os.killpg(proc.pid, signal.SIGINT)
             code = proc.wait(120)
         finally:
@@ -252,12 +275,42 @@ def test_ctrl_c_cancels_the_replay_job_and_records_it(history, catalog, tmp_path
                 proc.wait()
     finally:
         history.endpoint.latency_ms = 0
-    text = log.read_text(errors="replace")
+    text = jvm_log.read_text(errors="replace") + python_log.read_text(errors="replace")
     assert code == 1, text[-3000:]
     assert "Fatal Python error" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     [replay_id] = re.findall(r"varadhi: interrupted by SIGINT: replay (\S+) failed", text)
     recorded = replay.replays(catalog.snapshot(), history.sub)[f"replay-{replay_id}"]
     assert recorded["step"] == "failed" and recorded["error"], recorded  # a whole one: "done"
+
+    scraped, ids = seen["metrics"], (("replay", replay_id), ("subscription", history.sub))
+    assert scraped[("varadhi_job_info", (("job", "replay"), *ids, ("version", __version__)))] == 1
+    ranges = [
+        end - start for parts in recorded["offsets"].values() for start, end in parts.values()
+    ]
+    assert scraped[("varadhi_replay_range_records", ids)] == sum(ranges) > 0
+    assert scraped[("varadhi_replay_done", ids)] == 0
+    loggers = set()
+    for line in text.splitlines():
+        if not NOT_LOGGED.fullmatch(line):
+            doc = json.loads(line)  # raises for a line that is not JSON
+            assert {"ts", "level", "logger", "message"} <= set(doc), line
+            loggers.add(doc["logger"])
+    assert any(x.startswith("org.apache.spark") for x in loggers), loggers  # the JVM's lines
+    assert "varadhi.spark.telemetry" in loggers  # Python's
+
+
+def logged_port(log: Path) -> int | None:
+    """The metrics port the job logged (a JSON line), None before it did."""
+    m = re.search(r"metrics at http://127\.0\.0\.1:(\d+)/metrics", log.read_text(errors="replace"))
+    return int(m[1]) if m else None
+
+
+def active_tasks(samples: dict) -> float:
+    return sum(
+        v
+        for (name, labels), v in samples.items()
+        if name == "varadhi_spark_tasks" and ("state", "active") in labels
+    )
 
 
 def test_bad_requests_are_refused_before_anything_happens(history, catalog, capsys):

@@ -1,18 +1,16 @@
 """The pure parts of `varadhi.spark.metrics`: a micro-batch's counters to metric values, the lag from a
-query progress, the Prometheus text the exporter serves, the JSON log line, and the options.
+query progress, the Prometheus text the exporter serves and the JSON log line.
 No service starts here (tests/integration/test_metrics.py scrapes a real shard run)."""
 
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from varadhi.core.delivery import LATENCY_BOUNDS_MS, DeliveryStats
-from varadhi.core.errors import InvalidArgument
 from varadhi.spark import metrics
 from varadhi.spark.batch import http_counts
 
@@ -197,39 +195,6 @@ def test_the_json_line_of_a_batch_carries_the_same_figures():
     assert line["blocked_groups"] == 2
     assert line["pending_messages"] == {"held": 3, "rq": 1, "dlq": 0}
     assert line["lag_records"] == {"main": 10, "rq": 0}
-
-
-def test_the_json_formatter_writes_one_object_with_the_fields():
-    record = logging.LogRecord(
-        "varadhi.spark.metrics", logging.INFO, __file__, 1, "batch %s", (7,), None
-    )
-    record.fields = {"event": "batch", "delivered": 3}
-    doc = json.loads(metrics.JsonFormatter().format(record))
-    assert doc["message"] == "batch 7" and doc["level"] == "INFO"
-    assert doc["logger"] == "varadhi.spark.metrics" and doc["delivered"] == 3
-    assert doc["ts"].endswith("Z") and "\n" not in metrics.JsonFormatter().format(record)
-
-
-def test_options_flags_win_over_the_environment_and_bad_values_are_refused(monkeypatch):
-    monkeypatch.delenv("VARADHI_METRICS_PORT", raising=False)
-    monkeypatch.delenv("VARADHI_LOG_FORMAT", raising=False)
-    assert metrics.MetricsOptions.from_env() == metrics.MetricsOptions()  # off by default
-    monkeypatch.setenv("VARADHI_METRICS_PORT", "9109")
-    monkeypatch.setenv("VARADHI_LOG_FORMAT", "json")
-    got = metrics.MetricsOptions.from_env()
-    # loopback unless asked (issue 30: it bound every interface)
-    assert (got.port, got.json_logs, got.addr) == (9109, True, "127.0.0.1")
-    got = metrics.MetricsOptions.from_env(port=0, addr="0.0.0.0", log_format="text")
-    assert (got.port, got.json_logs, got.addr) == (0, False, "0.0.0.0")
-    monkeypatch.setenv("VARADHI_METRICS_PORT", "nine")
-    with pytest.raises(InvalidArgument) as e:
-        metrics.MetricsOptions.from_env()
-    assert e.value.field == "metrics_port"
-    with pytest.raises(InvalidArgument):
-        metrics.MetricsOptions.from_env(port=70000)
-    with pytest.raises(InvalidArgument) as e:
-        metrics.MetricsOptions.from_env(port=1, log_format="xml")
-    assert e.value.field == "log_format"
 
 
 def test_the_spark_source_values_of_a_batch_and_of_a_progress():

@@ -5,7 +5,9 @@
     spark-submit jobs/outbox_relay.py --dsn ...       (runs on the driver; starts no Spark session)
 
 The options are those of `varadhi outbox relay` (plus --bootstrap); the PostgreSQL DSN may also
-come from $VARADHI_OUTBOX_DSN. Exit codes: 0 stopped (SIGTERM/SIGINT, or done with --once), 2
+come from $VARADHI_OUTBOX_DSN. --metrics-port serves the relay's metrics (`RELAY_METRICS`,
+docs/operations.md, "Metrics and logs") and --log-format json writes its log as JSON lines, as
+the shard job does. Exit codes: 0 stopped (SIGTERM/SIGINT, or done with --once), 2
 refused (bad options), 4 a missing Kafka ACL (one line naming it), 1 failed.
 """
 
@@ -19,7 +21,7 @@ import threading
 
 from varadhi.core.errors import InvalidArgument
 from varadhi.jobs import runner
-from varadhi.outbox.relay import Relay
+from varadhi.outbox.relay import Relay, RelayStats
 from varadhi.outbox.relay import connector as make_connector
 from varadhi.outbox.tables import (
     DEFAULT_PARTITIONS,
@@ -28,6 +30,7 @@ from varadhi.outbox.tables import (
     Outbox,
 )
 from varadhi.spark.stop_signals import StopSignals
+from varadhi.spark.telemetry import JobInfo, Spec, families, serve
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,55 @@ def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="SQLite: seconds after which a dead relay's tables are taken over (10)",
     )
+    runner.add_telemetry_options(parser, "the relay's own lines")
+
+
+RELAY_METRICS = (
+    Spec("outbox_relayed", "counter", "outbox rows sent to Kafka and deleted", ("table",)),
+    Spec("outbox_batches", "counter", "relay rounds sent (up to --batch-size rows a table)"),
+    Spec(
+        "outbox_errors",
+        "counter",
+        "database or Kafka errors the relay retried after a pause",
+        ("error",),
+    ),
+    Spec(
+        "outbox_lag_seconds",
+        "gauge",
+        "age of the table's oldest row not yet relayed, at the last read of its head (0: empty)",
+        ("table",),
+    ),
+    Spec("outbox_tables", "gauge", "outbox tables this relay holds now"),
+    Spec("outbox_stuck_tables", "gauge", "held tables waiting at a row that cannot be sent"),
+)
+
+
+def relay_values(stats: dict, owned: int, stuck: int) -> dict[str, dict[tuple[str, ...], float]]:
+    """`RELAY_METRICS`' samples from a `RelayStats.snapshot()` and the counts of held and stuck
+    tables (pure)."""
+    return {
+        "outbox_relayed": {(t,): n for t, n in stats["relayed"].items()},
+        "outbox_batches": {(): stats["rounds"]},
+        "outbox_errors": {(k,): n for k, n in stats["errors"].items()},
+        "outbox_lag_seconds": {(t,): age for t, age in stats["head_age_s"].items()},
+        "outbox_tables": {(): owned},
+        "outbox_stuck_tables": {(): stuck},
+    }
+
+
+class RelayMetrics:
+    """A prometheus_client collector of a running relay's `RELAY_METRICS`."""
+
+    def __init__(self, relay: Relay):
+        self.relay = relay
+
+    def describe(self):
+        return families(RELAY_METRICS, {}, None)
+
+    def collect(self):
+        stats: RelayStats = self.relay.stats
+        values = relay_values(stats.snapshot(), len(self.relay.owned), len(self.relay.stuck))
+        return families(RELAY_METRICS, {}, values)
 
 
 def outbox_from(args: argparse.Namespace) -> Outbox:
@@ -116,6 +168,7 @@ def require_tables(outbox: Outbox, connect) -> None:
 
 def run_relay(args: argparse.Namespace) -> int:
     """Run a relay from parsed arguments (shared with `varadhi outbox relay`)."""
+    options = runner.telemetry(args)
     outbox = outbox_from(args)
     require_tables(outbox, connector_from(args))
     if args.batch_size < 1:
@@ -129,7 +182,10 @@ def run_relay(args: argparse.Namespace) -> int:
         poll_interval_s=args.poll_interval,
         lease_ttl_s=args.lease_ttl,
     )
+    exporter = None
     try:
+        info = JobInfo("outbox_relay", {"relay": relay.owner})
+        exporter = serve([info, RelayMetrics(relay)], options, f"outbox relay {relay.owner}")
         if args.once:
             relay.claim()
             n = relay.run_once()
@@ -142,6 +198,8 @@ def run_relay(args: argparse.Namespace) -> int:
             relay.run_forever(stop)
         return 0
     finally:
+        if exporter is not None:
+            exporter.close()
         relay.close()
 
 

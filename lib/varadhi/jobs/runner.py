@@ -30,6 +30,8 @@ from varadhi.core.errors import NotAuthorized, VaradhiError
 from varadhi.kafka.clients import refusal
 from varadhi.kafka.settings import Settings
 from varadhi.spark.stop_signals import StopSignals
+from varadhi.spark.telemetry import MetricsOptions, use_json_logs
+from varadhi.spark.telemetry import log as telemetry_log
 
 # name -> what it does (the module is varadhi.jobs.<name>)
 JOBS: dict[str, str] = {
@@ -53,8 +55,14 @@ def refuse(error: VaradhiError, prog: str = "varadhi") -> int:
     """Print `error` as one line on stderr and return its exit code; an error raised from a
     missing Kafka ACL is printed as that ACL's `NotAuthorized` line (exit code 4)."""
     error = refusal_of(error) or error
-    print(f"{prog}: {error}", file=sys.stderr)
+    print(one_line(f"{prog}: {error}"), file=sys.stderr)
     return error.exit_code
+
+
+def one_line(text: str) -> str:
+    """`text` on one line: its lines joined with spaces (a Java error's message holds its stack
+    trace), so an exit line stays one line of the job's log, JSON logs or not."""
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
 def refusal_of(error: BaseException, command_config: str | None = None) -> NotAuthorized | None:
@@ -134,6 +142,43 @@ def add_options(parser: argparse.ArgumentParser, *names: str) -> None:
     for name in names:
         flag, keywords = OPTIONS[name]
         parser.add_argument(flag, **keywords)
+
+
+def add_telemetry_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """--metrics-port, --metrics-addr and --log-format, which every long-running job takes
+    (`telemetry`); `what` says what the JSON log adds (the shard: a line per micro-batch)."""
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics on this port of the driver, /metrics (0: a free port, "
+        "logged; default: $VARADHI_METRICS_PORT, else no exporter)",
+    )
+    parser.add_argument(
+        "--metrics-addr",
+        metavar="ADDR",
+        help="address the metrics port binds (default: $VARADHI_METRICS_ADDR or 127.0.0.1; "
+        "0.0.0.0 for a Prometheus on another host)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help=f"json: one JSON object per log line, Spark's driver log too, and {what} "
+        "(default: $VARADHI_LOG_FORMAT or text)",
+    )
+
+
+def telemetry(args: argparse.Namespace) -> MetricsOptions:
+    """The job's `MetricsOptions` from `add_telemetry_options`' flags and their environment
+    fallbacks; with JSON logs, formats the process's log as JSON (`use_json_logs`, which also
+    makes a driver JVM started later log JSON). The exporter's address is logged whatever the
+    job's log level (the relay's is WARNING without -v): with port 0 it is the only way to
+    learn it. Raises InvalidArgument (exit 2) for a bad value, before any side effect."""
+    options = MetricsOptions.from_env(args.metrics_port, args.metrics_addr, args.log_format)
+    if options.json_logs:
+        use_json_logs()
+    telemetry_log.setLevel(logging.INFO)
+    return options
 
 
 def settings(args: argparse.Namespace) -> Settings:

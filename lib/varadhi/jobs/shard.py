@@ -30,7 +30,7 @@ import sys
 
 from varadhi.jobs import runner
 from varadhi.kafka.leases import ttl_from_env
-from varadhi.spark.metrics import MetricsOptions, attach, use_json_logs
+from varadhi.spark.metrics import attach
 from varadhi.spark.shard.job import ShardJob
 
 
@@ -59,31 +59,11 @@ def main(argv: list[str]) -> int:
         help="lease TTL: renewed every third of it; a standby takes over a lease not renewed "
         "for it (default: $VARADHI_LEASE_TTL_MS ms, or 15)",
     )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        metavar="PORT",
-        help="serve Prometheus metrics on this port of the driver, /metrics (0: a free port, "
-        "logged; default: $VARADHI_METRICS_PORT, else no exporter)",
-    )
-    parser.add_argument(
-        "--metrics-addr",
-        metavar="ADDR",
-        help="address the metrics port binds (default: $VARADHI_METRICS_ADDR or 127.0.0.1; "
-        "0.0.0.0 for a Prometheus on another host)",
-    )
-    parser.add_argument(
-        "--log-format",
-        choices=("text", "json"),
-        help="json: one JSON object per log line, and one line per micro-batch with its "
-        "counts (default: $VARADHI_LOG_FORMAT or text)",
-    )
+    runner.add_telemetry_options(parser, "one line per micro-batch with its counts")
     args = parser.parse_args(argv)
     runner.setup_logging()
     settings = runner.settings(args)
-    options = MetricsOptions.from_env(args.metrics_port, args.metrics_addr, args.log_format)
-    if options.json_logs:
-        use_json_logs()
+    options = runner.telemetry(args)
     spark = None
     if args.cluster:
         from varadhi.spark.session import get_spark

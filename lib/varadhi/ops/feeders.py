@@ -66,16 +66,10 @@ def check_feeder(catalog: Catalog, name: str, source: str) -> dict[str, Any]:
     return feeder_source(require_op(snap, name), source)
 
 
-def feed_if_empty(catalog: Catalog, name: str, source: str) -> bool:
-    """Mark the feeder of `source` done, with 0 records, when old storage topic `source` holds
-    no record at all (every partition's log start offset equals its high watermark, so aborted
-    and tick records count as records here), and return True; otherwise change nothing and
-    return False (`feed` copies). A feeder of an empty RQ or DLQ, the common case for a
-    healthy subscription, then starts no Spark session and runs no Spark job.
-
-    Safe like `feed` reading up to the end it finds: from the change's fence on, nothing writes
-    to the old storage topics, so an empty source stays empty. Raises `InvalidArgument` as
-    `check_feeder` does."""
+def source_records(catalog: Catalog, name: str, source: str) -> int:
+    """How many records (aborted and tick records included) old storage topic `source` holds:
+    the sum over its partitions of the high watermark minus the log start offset. Raises
+    `InvalidArgument` as `check_feeder` does."""
     snap = catalog.snapshot()
     f = feeder_source(require_op(snap, name), source)
     sub = subscriptions.from_snapshot(snap, name)
@@ -89,7 +83,20 @@ def feed_if_empty(catalog: Catalog, name: str, source: str) -> bool:
         first, ends = consumer.beginning_offsets(parts), consumer.end_offsets(parts)
     finally:
         consumer.close()
-    if any(ends[tp] > first[tp] for tp in parts):
+    return sum(max(ends[tp] - first[tp], 0) for tp in parts)
+
+
+def feed_if_empty(catalog: Catalog, name: str, source: str, held: int | None = None) -> bool:
+    """Mark the feeder of `source` done, with 0 records, when old storage topic `source` holds
+    no record at all (`source_records` is 0, so aborted and tick records count as records
+    here; `held` is that count if the caller read it already), and return True; otherwise
+    change nothing and return False (`feed` copies). A feeder of an empty RQ or DLQ, the
+    common case for a healthy subscription, then starts no Spark session and runs no Spark job.
+
+    Safe like `feed` reading up to the end it finds: from the change's fence on, nothing writes
+    to the old storage topics, so an empty source stays empty. Raises `InvalidArgument` as
+    `check_feeder` does."""
+    if (source_records(catalog, name, source) if held is None else held) > 0:
         return False
     _mark_fed(catalog, name, source, 0)
     return True

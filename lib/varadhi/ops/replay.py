@@ -719,11 +719,15 @@ def run_replay(
     to_text: str | None = None,
     spark: SparkSession | Callable[[], SparkSession] | None = None,
     parallelism: int | None = None,
+    on_plan: Callable[[ReplayPlan], None] | None = None,
 ) -> ReplayResult:
     """`prepare` then `execute`. `spark` is a session or a factory called only once the request
     passed every check (default: `varadhi.spark.session.get_spark`, the active session or a local one),
-    so a refused replay never starts Spark."""
+    so a refused replay never starts Spark. `on_plan` is called with the accepted plan before
+    that (the replay job starts its metrics there)."""
     plan = prepare(catalog, name, from_text, to_text, parallelism=parallelism)
+    if on_plan is not None:
+        on_plan(plan)
     if spark is None:
         from varadhi.spark.session import get_spark
 

@@ -475,6 +475,47 @@ class PumpResult:
         return sum(self.relayed.values())
 
 
+class RelayStats:
+    """What a relay did since it started, for its metrics (`varadhi.jobs.outbox_relay`):
+    rows relayed per table, rounds sent, errors retried by kind (`database`, `kafka`), and per
+    table the age of its oldest row not yet relayed, as of the last read of the table's head (0
+    when it was empty). Thread-safe: the relay's thread writes, an exporter's reads
+    (`snapshot`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.relayed: dict[str, int] = {}
+        self.rounds = 0
+        self.errors: dict[str, int] = {}
+        self.head_age_s: dict[str, float] = {}
+
+    def add_relayed(self, table: str, n: int) -> None:
+        with self._lock:
+            self.relayed[table] = self.relayed.get(table, 0) + n
+
+    def add_round(self) -> None:
+        with self._lock:
+            self.rounds += 1
+
+    def add_error(self, kind: str) -> None:
+        with self._lock:
+            self.errors[kind] = self.errors.get(kind, 0) + 1
+
+    def set_head_age(self, table: str, seconds: float) -> None:
+        with self._lock:
+            self.head_age_s[table] = seconds
+
+    def snapshot(self) -> dict[str, Any]:
+        """A copy: `relayed`, `rounds`, `errors`, `head_age_s`."""
+        with self._lock:
+            return {
+                "relayed": dict(self.relayed),
+                "rounds": self.rounds,
+                "errors": dict(self.errors),
+                "head_age_s": dict(self.head_age_s),
+            }
+
+
 @dataclass
 class _Round:
     """Rows of one round per table, and their batches in flight."""
@@ -491,7 +532,7 @@ class Relay:
     life and makes a new one after a database error (losing, and then re-claiming, its tables).
     `shards` limits the relay to some shards (e.g. a low-latency shard with its own relay).
     `after_send(table, rows)` is called after Kafka acknowledged `rows` and before they are deleted
-    (a test hook for crashes between the two).
+    (a test hook for crashes between the two). `stats` (`RelayStats`) counts what it does.
     """
 
     def __init__(
@@ -547,12 +588,19 @@ class Relay:
         self._topics_read_at = float("-inf")
         self._next_claim = float("-inf")
         self._closed = False
+        self.stats = RelayStats()
+        self._stuck: dict[str, str] = {}
 
     # -- public API --------------------------------------------------------------------------
     @property
     def owned(self) -> list[str]:
         """The tables this relay holds now."""
         return list(self._owned)
+
+    @property
+    def stuck(self) -> dict[str, str]:
+        """The tables the last `pump` left waiting at a row, and why."""
+        return dict(self._stuck)
 
     def claim(self) -> list[str]:
         """Try to take every table not held yet; returns the tables held afterwards."""
@@ -593,6 +641,7 @@ class Relay:
                 log.warning(
                     "outbox relay %s: database: %s; retrying in %.1f s", self.owner, e, pause
                 )
+                self.stats.add_error("database")
                 self._drop_store()
                 stop.wait(pause)
                 continue
@@ -600,6 +649,7 @@ class Relay:
                 failures += 1
                 pause = min(5.0, 0.1 * 2**failures)
                 log.warning("outbox relay %s: Kafka: %s; retrying in %.1f s", self.owner, e, pause)
+                self.stats.add_error("kafka")
                 self._drop_sender()
                 stop.wait(pause)
                 continue
@@ -632,6 +682,9 @@ class Relay:
                     self._lose(table)
                     continue
                 batch = store.read(table, self.batch_size, cursors.get(table, 0))
+                if table not in cursors:  # the table's head: its oldest row not yet relayed
+                    age = self._clock() - batch[0].created_ms / 1000 if batch else 0.0
+                    self.stats.set_head_age(table, max(age, 0.0))
                 if batch:
                     rows[table] = batch
                     cursors[table] = batch[-1].id
@@ -645,9 +698,11 @@ class Relay:
                 self._delete(acked, store, relayed)
             if following is None:
                 break
+            self.stats.add_round()
             current = following
         for table, why in stuck.items():
             log.warning("outbox relay %s: %s is waiting at %s", self.owner, table, why)
+        self._stuck = dict(stuck)
         return PumpResult(relayed, stuck)
 
     def close(self) -> None:
@@ -743,6 +798,7 @@ class Relay:
                 self._after_send(table, done)
             if store.delete(table, done):
                 relayed[table] = relayed.get(table, 0) + len(done)
+                self.stats.add_relayed(table, len(done))
             elif table in self._owned:
                 self._lose(table)
 

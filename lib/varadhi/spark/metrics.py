@@ -14,8 +14,8 @@ Two feeds, both on the driver, fill one `ShardMetrics`:
 
 The mapping from those inputs to metric values is pure (`batch_delta`, `lag_of`, `json_fields`,
 `spark_values`; `ShardMetrics` only adds up and renders) and tested without services; `attach`
-is the thin I/O around it: the HTTP exporter (`prometheus_client`, port 0 picks a free one,
-logged), the listener, the Spark source and the JSON log line. Counters count from the process's start (Prometheus handles restarts of a
+is the thin I/O around it: the HTTP exporter (`varadhi.spark.telemetry.serve`, with the job's
+info metric), the listener, the Spark source and the JSON log line. Counters count from the process's start (Prometheus handles restarts of a
 counter); `varadhi status` keeps the totals across restarts.
 
 Spark's metrics system: `attach` turns on `spark.sql.streaming.metricsEnabled` for the session
@@ -35,18 +35,14 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from prometheus_client import start_http_server
 from prometheus_client.core import (
-    CollectorRegistry,
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
@@ -55,7 +51,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from varadhi.core.delivery import LATENCY_BOUNDS_MS
-from varadhi.core.errors import InvalidArgument
+from varadhi.spark.telemetry import Exporter, JobInfo, MetricsOptions, serve
 
 log = logging.getLogger("varadhi.spark.metrics")
 
@@ -463,77 +459,6 @@ def json_fields(
 # -- configuration and the I/O around it ------------------------------------------------------
 
 
-# The exporter binds loopback unless told otherwise: the metrics name subscriptions, groups'
-# counts and endpoints' answers, which a driver host's other networks need not see.
-DEFAULT_ADDR = "127.0.0.1"
-
-
-@dataclass(frozen=True)
-class MetricsOptions:
-    """What `attach` turns on: the exporter (`port`: None off, 0 a free port; `addr` to bind,
-    loopback by default) and the JSON log line per micro-batch (`json_logs`)."""
-
-    port: int | None = None
-    addr: str = DEFAULT_ADDR
-    json_logs: bool = False
-
-    @classmethod
-    def from_env(
-        cls, port: int | None = None, addr: str | None = None, log_format: str | None = None
-    ) -> MetricsOptions:
-        """Flags win over `VARADHI_METRICS_PORT`, `VARADHI_METRICS_ADDR` and
-        `VARADHI_LOG_FORMAT` (`text` or `json`). Raises InvalidArgument for a bad value."""
-        raw_port = port if port is not None else os.environ.get("VARADHI_METRICS_PORT") or None
-        if raw_port is not None:
-            try:
-                port = int(raw_port)
-            except ValueError:
-                raise InvalidArgument(
-                    f"metrics port {raw_port!r} is not a number", field="metrics_port"
-                ) from None
-            if not 0 <= port <= 65535:
-                raise InvalidArgument(
-                    f"metrics port {port} is outside 0..65535", field="metrics_port"
-                )
-        fmt = log_format or os.environ.get("VARADHI_LOG_FORMAT") or "text"
-        if fmt not in ("text", "json"):
-            raise InvalidArgument(f"log format {fmt!r} is not text or json", field="log_format")
-        return cls(
-            port=port,
-            addr=addr or os.environ.get("VARADHI_METRICS_ADDR") or DEFAULT_ADDR,
-            json_logs=fmt == "json",
-        )
-
-
-class JsonFormatter(logging.Formatter):
-    """One JSON object per log record: `ts` (ISO 8601, UTC), `level`, `logger`, `message`, and
-    the fields a record carries in its `fields` attribute (`log.info(..., extra={"fields":
-    {...}})`), such as the micro-batch line's."""
-
-    converter = time.gmtime  # `ts` in UTC
-
-    def format(self, record: logging.LogRecord) -> str:
-        doc = {
-            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
-            "level": record.levelname,
-            "logger": record.name,
-            "message": record.getMessage(),
-        }
-        doc.update(getattr(record, "fields", None) or {})
-        if record.exc_info:
-            doc["exception"] = self.formatException(record.exc_info)
-        return json.dumps(doc, default=str)
-
-
-def use_json_logs() -> None:
-    """Format every handler of the root logger as JSON lines (`JsonFormatter`)."""
-    root = logging.getLogger()
-    if not root.handlers:
-        logging.basicConfig(level=logging.INFO)
-    for handler in root.handlers:
-        handler.setFormatter(JsonFormatter())
-
-
 class ShardTelemetry:
     """The running exporter, listener and JSON log line of one shard job (`attach`)."""
 
@@ -542,7 +467,7 @@ class ShardTelemetry:
         self.options = options
         self.port: int | None = None
         self._job = job
-        self._server = None
+        self._exporter: Exporter | None = None
         self._listener = None
         self._query_name = re.compile(rf"varadhi-{re.escape(job.name)}-{job.shard}-g\d+-L\d+")
         self._rq_prefix: str | None = None
@@ -590,20 +515,11 @@ class ShardTelemetry:
 
     def start(self) -> ShardTelemetry:
         self._job.batch_hooks.append(self.on_batch)
-        if self.options.port is not None:
-            registry = CollectorRegistry()
-            registry.register(self.metrics)
-            self._server, _ = start_http_server(
-                self.options.port, addr=self.options.addr, registry=registry
-            )
-            self.port = self._server.server_address[1]
-            log.info(
-                "%s shard %d: metrics at http://%s:%d/metrics",
-                self._job.name,
-                self._job.shard,
-                self.options.addr,
-                self.port,
-            )
+        info = JobInfo("shard", {"subscription": self._job.name, "shard": str(self._job.shard)})
+        self._exporter = serve(
+            [info, self.metrics], self.options, f"{self._job.name} shard {self._job.shard}"
+        )
+        self.port = None if self._exporter is None else self._exporter.port
         spark = self._job.spark
         if spark.conf.get("spark.sql.streaming.metricsEnabled", None) is None:
             spark.conf.set("spark.sql.streaming.metricsEnabled", "true")
@@ -622,10 +538,9 @@ class ShardTelemetry:
             except Exception as e:  # noqa: BLE001 - the session may be stopped already
                 log.debug("listener not removed: %s", e)
             self._listener = None
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+        if self._exporter is not None:
+            self._exporter.close()
+            self._exporter = None
         if self.on_batch in self._job.batch_hooks:
             self._job.batch_hooks.remove(self.on_batch)
         if self.spark_source is not None:
@@ -641,7 +556,7 @@ def attach(job: Any, options: MetricsOptions) -> ShardTelemetry | None:
     ask for nothing. Call `close()` on the result once the job returned. It starts the job's
     Spark session (to add the listener before the query starts). The JSON batch line is a log
     record of `varadhi.spark.metrics` with its figures in `fields`; formatting the process's log as
-    JSON is `use_json_logs`."""
+    JSON is `varadhi.spark.telemetry.use_json_logs`."""
     if options.port is None and not options.json_logs:
         return None
     return ShardTelemetry(job, options).start()

@@ -34,6 +34,9 @@ Hazards:
 - Executors run the interpreter named by PYSPARK_PYTHON. Unless it is this project's environment,
   executor code fails to import our dependencies (pycurl, mmh3, pyarrow); the launch scripts set
   it, and `get_spark` defaults it to the driver's interpreter for local runs.
+- With `VARADHI_LOG_FORMAT=json` (a job's `--log-format json` sets it) a session `get_spark`
+  builds logs Spark's driver lines as JSON (`varadhi.spark.telemetry`): from the JVM's first
+  line where this process starts the JVM, else from the session's start on.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from pathlib import Path
 from pyspark.sql import SparkSession
 
 from varadhi.core.errors import InvalidArgument
-from varadhi.spark import class_archive
+from varadhi.spark import class_archive, telemetry
 from varadhi.spark import lines as spark_lines
 from varadhi.spark.s3a import hadoop_conf
 
@@ -210,6 +213,10 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
         .config("spark.databricks.delta.snapshotPartitions", "2")
     )
     archive = None  # the driver JVM's class-data archive, where this process starts that JVM
+    json_logs = telemetry.wants_json_logs()  # VARADHI_LOG_FORMAT=json: Spark's log4j2 too
+    if json_logs and not os.environ.get("PYSPARK_GATEWAY_PORT"):  # from the JVM's first line
+        option = telemetry.log4j2_java_option(telemetry.log4j2_json_file())
+        builder = builder.config("spark.driver.extraJavaOptions", option)
     for key, value in hadoop_conf(os.environ).items():  # VARADHI_S3A_*: an s3a:// warehouse
         builder = builder.config(f"spark.hadoop.{key}", value)
     if local:
@@ -241,5 +248,7 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
             )
     with class_archive.launch_env(archive):
         spark = builder.getOrCreate()
+    if json_logs:  # a JVM started before this process (spark-submit): from here on
+        telemetry.json_spark_logs(spark)
     spark.sparkContext.setLogLevel(os.environ.get("VARADHI_SPARK_LOG_LEVEL", "WARN"))
     return spark
