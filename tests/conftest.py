@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from varadhi.testing import endpoint as endpoint_keys
+
 # Every skip of a run must be listed here (test id prefix -> why that skip is expected), or the run
 # fails at its end: a test that skips because a service did not start, or a condition that is
 # always true in the full run, would otherwise leave a green run that proved nothing. Empty: no
@@ -25,6 +27,9 @@ ALLOWED_SKIPS: dict[str, str] = {}
 RUN_ID = uuid.uuid4().hex[:8]
 os.environ.setdefault("VARADHI_BOOTSTRAP", "127.0.0.1:19092")
 os.environ["VARADHI_CATALOG_TOPIC"] = f"__varadhi_catalog_test_{RUN_ID}"
+# The tests' signing keys, for every shard and executor (`endpoint.signing`)
+os.environ[endpoint_keys.TEST_WHSEC_ENV] = endpoint_keys.TEST_WHSEC
+os.environ[endpoint_keys.TEST_WHSK_ENV] = endpoint_keys.TEST_WHSK
 
 
 def _kafka_up(bootstrap: str, within_s: float = 60) -> bool:

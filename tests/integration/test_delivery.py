@@ -374,7 +374,7 @@ def test_streams_without_requests_and_no_streams(endpoint):
 
 
 def test_headers_auth_and_body_reach_the_server(endpoint, monkeypatch):
-    monkeypatch.setenv("VARADHI_TEST_TOKEN", "Bearer s3cr3t-value")
+    monkeypatch.setenv("VARADHI_ENDPOINT_TEST_TOKEN", "Bearer s3cr3t-value")
     ep = endpoint(record_headers=True)
     group = Group(
         "grüße",
@@ -386,7 +386,7 @@ def test_headers_auth_and_body_reach_the_server(endpoint, monkeypatch):
         ep.url,
         [group],
         headers=(("X-Static", "static"), ("Content-Type", "application/json")),
-        auth_env="VARADHI_TEST_TOKEN",
+        auth_env="VARADHI_ENDPOINT_TEST_TOKEN",
     )
     first, second = ep.records()
     assert (first.method, first.body_bytes, first.group_id) == ("POST", 800, "grüße")
@@ -408,9 +408,9 @@ def test_large_bodies_go_without_expect_100_continue(endpoint):
 
 
 def test_default_content_type_and_custom_auth_header(endpoint, monkeypatch):
-    monkeypatch.setenv("VARADHI_TEST_KEY", "k-123")
+    monkeypatch.setenv("VARADHI_ENDPOINT_TEST_KEY", "k-123")
     ep = endpoint(record_headers=True)
-    deliver(ep.url, [Group("g", 1)], auth_env="VARADHI_TEST_KEY", auth_header="X-Api-Key")
+    deliver(ep.url, [Group("g", 1)], auth_env="VARADHI_ENDPOINT_TEST_KEY", auth_header="X-Api-Key")
     (r,) = ep.records()
     assert r.headers["Content-Type"] == "application/octet-stream"
     assert r.headers["X-Api-Key"] == "k-123"
@@ -426,17 +426,19 @@ def test_put_and_patch_carry_the_body(endpoint, method):
 
 def test_auth_value_never_shows(endpoint, monkeypatch, caplog, capfd):
     secret = "Bearer do-not-print-me"
-    monkeypatch.setenv("VARADHI_TEST_TOKEN", secret)
+    monkeypatch.setenv("VARADHI_ENDPOINT_TEST_TOKEN", secret)
     caplog.set_level(logging.DEBUG)
     ep = endpoint(script={"g-1": [500], "g-2": ["slow"]}, slow_ms=2_000)
     group = Group("g", 3)
     engine = HttpDeliverer(
-        Endpoint(url=ep.url, auth_env="VARADHI_TEST_TOKEN", request_timeout_ms=300)
+        Endpoint(url=ep.url, auth_env="VARADHI_ENDPOINT_TEST_TOKEN", request_timeout_ms=300)
     )
     with engine:
         stats = engine.run([group])
         refused = Group("r", 1)
-        deliver(f"http://127.0.0.1:{closed_port()}/", [refused], auth_env="VARADHI_TEST_TOKEN")
+        deliver(
+            f"http://127.0.0.1:{closed_port()}/", [refused], auth_env="VARADHI_ENDPOINT_TEST_TOKEN"
+        )
         shown = [repr(engine), str(engine), repr(stats), caplog.text]
         shown += [repr(o) for o in group.outcomes + refused.outcomes]
     out, err = capfd.readouterr()
@@ -446,11 +448,11 @@ def test_auth_value_never_shows(endpoint, monkeypatch, caplog, capfd):
 
 
 def test_missing_auth_env_is_a_clear_error(monkeypatch):
-    monkeypatch.delenv("VARADHI_NO_SUCH_VAR", raising=False)
+    monkeypatch.delenv("VARADHI_ENDPOINT_NO_SUCH_VAR", raising=False)
     with pytest.raises(InvalidArgument) as e:
-        HttpDeliverer(Endpoint(url="http://127.0.0.1:1/", auth_env="VARADHI_NO_SUCH_VAR"))
+        HttpDeliverer(Endpoint(url="http://127.0.0.1:1/", auth_env="VARADHI_ENDPOINT_NO_SUCH_VAR"))
     assert e.value.field == "endpoint.auth_env"
-    assert "VARADHI_NO_SUCH_VAR" in str(e.value)
+    assert "VARADHI_ENDPOINT_NO_SUCH_VAR" in str(e.value)
 
 
 @pytest.mark.parametrize(

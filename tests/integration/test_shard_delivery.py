@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 from kafka import KafkaProducer
+from standardwebhooks.webhooks import Webhook
 
 from varadhi.core import messages as m
 from varadhi.core import routing
@@ -42,7 +43,7 @@ from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark.shard.job import ShardJob
-from varadhi.testing.endpoint import Record, TestEndpoint
+from varadhi.testing.endpoint import TEST_WHSEC, TEST_WHSEC_ENV, Record, TestEndpoint
 from varadhi.testing.harness import read_queue
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
@@ -87,14 +88,16 @@ class Sub:
         return [i for ids in self.produced.values() for i in ids]
 
 
-def create_sub(catalog: Catalog, endpoint: TestEndpoint, **spec: Any) -> Sub:
+def create_sub(
+    catalog: Catalog, endpoint: TestEndpoint, signing: list | None = None, **spec: Any
+) -> Sub:
     suffix = uuid.uuid4().hex[:8]
     topic = f"sd-{suffix}"
     TopicService(catalog).create(topic, 4)
     doc = {
         "name": f"sds-{suffix}",
         "topic": topic,
-        "endpoint": {"url": endpoint.url},
+        "endpoint": {"url": endpoint.url, "signing": signing},
         "shards": 1,
         "retry": FAST_RETRY,
         "consumption": FAST_CONSUMPTION,
@@ -227,9 +230,17 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
     # of the ~260 requests fail, but no group needs more than 4 retries in a row, so the run
     # takes few micro-batches.
     ep = endpoint(
-        fail_rate=0.2, seed=5, mix={"500": 1, "503": 1}, retry_after_s=0, record_headers=True
+        fail_rate=0.2,
+        seed=5,
+        mix={"500": 1, "503": 1},
+        retry_after_s=0,
+        record_headers=True,
+        record_bodies=True,
     )
-    sub = create_sub(catalog, ep, on_dead_letter="skip")
+    # Signed (issue 29, part 1): every request, retries included, checked below with the
+    # Standard Webhooks reference verifier.
+    signing = [{"scheme": "v1", "env": TEST_WHSEC_ENV}]
+    sub = create_sub(catalog, ep, signing=signing, on_dead_letter="skip")
     groups = [f"g{i:02d}" for i in range(25)]
     # One message is scripted to exhaust its retries, so the DLQ side is always exercised.
     ep.set_script("g03.000", [500, 503, 500])
@@ -259,6 +270,9 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
         assert [r.attempt for r in attempts] == list(range(1, len(attempts) + 1)), msg_id
         for r in attempts:
             assert r.headers["Idempotency-Key"] == msg_id
+            # Signed, and webhook-id is the message's on every attempt (stable across retries)
+            assert r.headers["webhook-id"] == msg_id
+            Webhook(TEST_WHSEC).verify(r.body, r.headers, json_parse=False)
             assert r.group_id == msg_id.split(".")[0]
             assert r.headers[m.HTTP_SOURCE].count("/") == 2
         # Every attempt but the last failed; only the last can be a success.

@@ -153,7 +153,7 @@ def test_create_makes_queues_and_records_the_subscription(
     name = unique_name("sub")
     code, out, err = run(
         "subscription", "create", name, "--topic", topic, "--endpoint", "http://127.0.0.1:9/in",
-        "--shards", "2", "--max-attempts", "3", "--min-backoff", "250ms", "--auth-env", "TOKEN",
+        "--shards", "2", "--max-attempts", "3", "--min-backoff", "250ms", "--auth-env", "VARADHI_ENDPOINT_TOKEN",
     )  # fmt: skip
     assert code == 0, err
     assert f"created subscription {name}" in out
@@ -169,7 +169,7 @@ def test_create_makes_queues_and_records_the_subscription(
     assert (spec["topic"], spec["shards"], spec["grouped"]) == (topic, 2, True)
     assert (spec["rq_partitions"], spec["dlq_partitions"]) == (4, 2)
     assert spec["retry"]["max_attempts"] == 3 and spec["retry"]["min_backoff"] == 250
-    assert spec["endpoint"]["auth_env"] == "TOKEN"
+    assert spec["endpoint"]["auth_env"] == "VARADHI_ENDPOINT_TOKEN"
     for queue, partitions in (("rq", 4), ("dlq", 2)):
         t = stored(f"{name}.{queue}", "topic")
         assert t["internal"] is True
@@ -264,6 +264,15 @@ def test_create_refuses_leftover_queues_of_other_settings(
         (("--shards", "2", "--min-backoff", "2m"), ("retry.max_backoff:",)),
         (("--shards", "0"), ("shards:",)),
         (("--shards", "2", "--auth-env", "not-a-var"), ("endpoint.auth_env:",)),
+        # A platform secret (issue 29, part 7): only names under VARADHI_ENDPOINT_ by default
+        (
+            ("--shards", "2", "--auth-env", "AWS_SECRET_ACCESS_KEY"),
+            ("endpoint.auth_env:", "VARADHI_ENDPOINT_"),
+        ),
+        (
+            ("--shards", "2", "--auth-env", "VARADHI_KAFKA_SASL_PASSWORD"),
+            ("endpoint.auth_env:", "Kafka"),
+        ),
         (("--shards", "2", "--batch", "0"), ("delivery.max_messages:", "at least 1")),
     ],
 )

@@ -175,6 +175,14 @@ def test_a_malformed_or_inconsistent_207_fails_the_whole_request_with_its_reason
         assert r.body == body[:SNIPPET]
 
 
+def test_a_207_nested_too_deeply_to_parse_is_an_invalid_answer_not_a_crash():
+    """json's parser recurses once per level: `[[[[...` a few thousand deep raised
+    RecursionError out of the delivery task (issue 29, part 7)."""
+    results = split_answer(207, None, "HTTP 207", None, b"[" * 100_000, False, ["a"], 64)
+    assert results[0].error == INVALID
+    assert "nested too deeply" in results[0].detail
+
+
 def test_a_207_where_every_entry_is_fine_but_one_id_is_unknown_accepts_none():
     """The case a naive client gets wrong: two of three listed as 200, the third under an id the
     request did not carry. None of the three may count as delivered."""

@@ -17,6 +17,8 @@ from varadhi.core.policies import (
     Endpoint,
     ResponseRule,
     RetryPolicy,
+    SecretRef,
+    SigningKey,
     SubscriptionSpec,
 )
 from varadhi.kafka import subscriptions as subs
@@ -222,6 +224,24 @@ def test_durations_in_documents():
         ({"endpoint__headers": {"X-A": "a\r\nb"}}, "endpoint.headers.X-A"),
         ({"endpoint__headers": {"X-A": "1", "x-a": "2"}}, "endpoint.headers.x-a"),
         ({"endpoint__headers": {"Idempotency-Key": "k"}}, "endpoint.headers.Idempotency-Key"),
+        ({"endpoint__headers": {"Host": "other.test"}}, "endpoint.headers.Host"),
+        ({"endpoint__headers": {"Content-Length": "0"}}, "endpoint.headers.Content-Length"),
+        ({"endpoint__headers": {"transfer-encoding": "x"}}, "endpoint.headers.transfer-encoding"),
+        ({"endpoint__headers": {"webhook-id": "forged"}}, "endpoint.headers.webhook-id"),
+        ({"endpoint__signing": {"scheme": "v1"}}, "endpoint.signing"),
+        ({"endpoint__signing": []}, "endpoint.signing"),
+        ({"endpoint__signing": [{"scheme": "v2", "env": "VARADHI_ENDPOINT_K"}]},
+         "endpoint.signing[0].scheme"),
+        ({"endpoint__signing": [{"scheme": "v1"}]}, "endpoint.signing[0]"),
+        ({"endpoint__signing": [{"scheme": "v1", "env": "A", "file": "/k"}]}, "endpoint.signing[0]"),
+        ({"endpoint__signing": [{"scheme": "v1", "env": "whsec_abc="}]},
+         "endpoint.signing[0].env"),
+        ({"endpoint__signing": [{"scheme": "v1", "file": "keys/k"}]}, "endpoint.signing[0].file"),
+        ({"endpoint__signing": [{"scheme": "v1", "env": "VARADHI_ENDPOINT_K"},
+                                {"scheme": "v1a", "env": "VARADHI_ENDPOINT_K"}]},
+         "endpoint.signing[1].env"),
+        ({"endpoint__signing": [{"scheme": "v1", "secret": "whsec_abc"}]},
+         "endpoint.signing[0].secret"),
         ({"endpoint__auth_header": "Bad Header"}, "endpoint.auth_header"),
         ({"endpoint__auth_env": "1TOKEN"}, "endpoint.auth_env"),
         ({"endpoint__auth_env": "MY-TOKEN"}, "endpoint.auth_env"),
@@ -299,6 +319,23 @@ def test_durations_in_documents():
 )  # fmt: skip
 def test_invalid_values_name_their_field(overrides, field):
     assert field_of(**overrides) == field
+
+
+def test_signing_keys_are_references_and_round_trip_through_the_catalog_form():
+    signing = [
+        {"scheme": "v1", "env": "VARADHI_ENDPOINT_OLD"},
+        {"scheme": "v1", "env": "VARADHI_ENDPOINT_NEW"},
+        {"scheme": "v1a", "file": "/run/secrets/ed25519"},
+    ]
+    spec = parse(endpoint__signing=signing)
+    assert spec.endpoint.signing == (
+        SigningKey("v1", SecretRef(env="VARADHI_ENDPOINT_OLD")),
+        SigningKey("v1", SecretRef(env="VARADHI_ENDPOINT_NEW")),
+        SigningKey("v1a", SecretRef(file="/run/secrets/ed25519")),
+    )
+    stored = json.loads(json.dumps(subscription_spec.spec_to_dict(spec)))
+    assert subscription_spec.spec_from_dict(stored) == spec
+    assert parse().endpoint.signing == ()
 
 
 def test_document_must_be_a_mapping():

@@ -25,7 +25,7 @@ status; `retry_after` (seconds, or an HTTP-date string) counts as that message's
 header; `detail` (text) is kept on the message's dead letter as the endpoint's answer. Other
 keys are ignored. A 207 whose body is not such an array (not JSON, cut off at `MAX_ANSWER_BYTES`,
 an entry without a string id or an integer status, an id the request did not carry, one listed
-twice, or one left out) is a failure of the whole request: every message gets the pseudo code
+twice, one left out, or nesting too deep to parse) is a failure of the whole request: every message gets the pseudo code
 `invalid_response` (default: retry) with the reason, never a success.
 
 Order. A request carries at most one message per group: the engine asks each group (a `Stream`)
@@ -165,6 +165,8 @@ def parse_multi_status(
         doc = json.loads(body)
     except (UnicodeDecodeError, ValueError) as e:
         raise InvalidAnswer(f"is not JSON ({e})") from None
+    except RecursionError:  # `[[[[...` a million deep: json's parser recurses per level
+        raise InvalidAnswer("is nested too deeply to be a multi-status array") from None
     if not isinstance(doc, list):
         raise InvalidAnswer(f"is not a JSON array (a {type(doc).__name__})")
     wanted = set(ids)

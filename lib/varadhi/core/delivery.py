@@ -76,8 +76,8 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import os
 import re
+import socket
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -87,9 +87,11 @@ from urllib.parse import urlsplit
 
 import pycurl
 
-from varadhi.core import batching
+from varadhi.core import batching, endpoint_guard, signing
+from varadhi.core import messages as m
+from varadhi.core.endpoint_guard import EndpointPolicy
 from varadhi.core.errors import InvalidArgument
-from varadhi.core.policies import DeliveryPolicy, Endpoint, Method
+from varadhi.core.policies import DeliveryPolicy, Endpoint, Method, SecretRef
 from varadhi.core.version import __version__
 
 # How much of a response body an Outcome keeps (dead letters carry it as a header).
@@ -102,8 +104,12 @@ _TOKENS: set[str] = set()
 _MAX_TOKENS = 1024
 _BAD_VALUE = re.compile("[\r\n\0]")  # a header value with one of these would inject headers
 _END = object()  # end of the streams iterable
-# Framing headers the engine owns; a per-request header of these names is dropped.
+# Framing headers the engine owns; a per-request header of these names is dropped, a static
+# one refused.
 _FRAMING = frozenset({"content-length", "transfer-encoding", "host", "connection", "expect"})
+# Only these protocols, for requests and for redirects (libcurl speaks many more: file://,
+# gopher://, ...). The bitmask options: pycurl builds without PROTOCOLS_STR are common.
+_PROTOCOLS = pycurl.PROTO_HTTP | pycurl.PROTO_HTTPS
 HOLD_POLL_S = 0.05  # how often a held `run` asks `hold` again
 # How late a waiting stream may be asked again (never early): see "Waiting" above.
 WAKE_GRANULARITY_S = 0.01
@@ -205,7 +211,7 @@ class DeliveryStats:
 class _Transfer:
     """An easy handle, reused across requests, and the state of the request it carries."""
 
-    __slots__ = ("curl", "stream", "batch", "retry_after", "body", "limit", "truncated")
+    __slots__ = ("curl", "stream", "batch", "retry_after", "body", "limit", "truncated", "refused")
 
     def __init__(self, curl: pycurl.Curl, limit: int = RESPONSE_SNIPPET_BYTES):
         self.curl = curl
@@ -215,6 +221,20 @@ class _Transfer:
         self.body = b""
         self.limit = limit  # how much of the body to keep
         self.truncated = False  # there was more
+        self.refused: str | None = None  # why `open_socket` refused an address
+
+    def open_socket(self, purpose: int, address: tuple) -> socket.socket | int:
+        """libcurl's OPENSOCKETFUNCTION under a deny-list of private ranges: the socket for a
+        connection to `address` (family, type, protocol, (host, port, ...)), or SOCKET_BAD
+        with the reason kept for the outcome. Every connection passes here, redirects
+        included, with the address libcurl resolved and is about to connect to."""
+        family, socktype, protocol, addr = address
+        if family in (socket.AF_INET, socket.AF_INET6):
+            reason = endpoint_guard.address_refusal(addr[0])
+            if reason is not None:
+                self.refused = reason
+                return pycurl.SOCKET_BAD
+        return socket.socket(family, socktype, protocol)
 
     def on_body(self, data: bytes) -> None:
         # Called by libcurl per chunk of the response body: keep its start, drop the rest
@@ -241,7 +261,11 @@ class HttpDeliverer:
 
     If `endpoint.auth_env` is set, the environment variable is read once, here, and its value
     sent as `endpoint.auth_header` with every request. It never appears in `repr`, errors or logs
-    (the engine logs nothing; libcurl's error texts do not include request headers).
+    (the engine logs nothing; libcurl's error texts do not include request headers). Which
+    variables (and signing key files) may be read, and which addresses reached, is `policy`'s
+    (`varadhi.core.endpoint_guard`; default: the one this process's environment sets). With
+    `endpoint.signing`, every request is signed (`varadhi.core.signing`): a single request's
+    `webhook-id` is its `X-Varadhi-Message-Id` (else its `Idempotency-Key`).
 
     With a `delivery` policy in mode `batch`, a request carries the messages of up to
     `max_messages` streams (`varadhi.core.batching`: the body, and what the answer means for each);
@@ -249,24 +273,38 @@ class HttpDeliverer:
     flight, so a stream's order is kept as in single mode."""
 
     def __init__(
-        self, endpoint: Endpoint, max_in_flight: int = 64, delivery: DeliveryPolicy | None = None
+        self,
+        endpoint: Endpoint,
+        max_in_flight: int = 64,
+        delivery: DeliveryPolicy | None = None,
+        policy: EndpointPolicy | None = None,
     ):
         _require_positive_int(max_in_flight, "max_in_flight")
         _validate_endpoint(endpoint)
+        policy = EndpointPolicy.from_env() if policy is None else policy
+        endpoint_guard.check_endpoint(endpoint, policy)
         self.endpoint = endpoint
         self.max_in_flight = max_in_flight
         self.delivery = delivery if delivery is not None and delivery.mode == "batch" else None
+        self._deny_private = policy.deny_private
         static: dict[str, str] = {}
         for name, value in endpoint.headers:
             static[name] = value
         if endpoint.auth_env:
-            secret = os.environ.get(endpoint.auth_env)
-            if secret is None:
+            field = "endpoint.auth_env"
+            secret = endpoint_guard.read_secret(SecretRef(env=endpoint.auth_env), field, policy)
+            if _BAD_VALUE.search(secret):
                 raise InvalidArgument(
-                    f"environment variable {endpoint.auth_env} is not set",
-                    field="endpoint.auth_env",
+                    f"the value of {endpoint.auth_env} has a CR, LF or NUL, which would inject "
+                    "headers",
+                    field=field,
                 )
             static[endpoint.auth_header] = secret
+        keys = []
+        for i, key in enumerate(endpoint.signing):
+            field = f"endpoint.signing[{i}]"
+            keys.append((key.scheme, endpoint_guard.read_secret(key.secret, field, policy), field))
+        self._signer = signing.Signer(keys) if keys else None
         if not any(name.lower() == "content-type" for name in static):
             # libcurl would otherwise label a POST body application/x-www-form-urlencoded.
             static["Content-Type"] = (
@@ -276,7 +314,7 @@ class HttpDeliverer:
             )
         # `Expect:` (empty) stops libcurl from waiting for `100 Continue` before large bodies.
         self._static_lines = [f"{k}: {v}".encode() for k, v in static.items()] + [b"Expect:"]
-        self._reserved = _FRAMING | {k.lower() for k in static}
+        self._reserved = _FRAMING | {k.lower() for k in static} | set(signing.HEADERS)
         self._multi = pycurl.CurlMulti()
         # Keep every connection we may use open between requests and across runs.
         self._multi.setopt(pycurl.M_MAXCONNECTS, max_in_flight)
@@ -402,7 +440,7 @@ class HttpDeliverer:
                         outcome = Outcome(
                             None,
                             kind,
-                            f"curl error {code}: {message}",
+                            transfer.refused or f"curl error {code}: {message}",
                             None,
                             curl.getinfo(pycurl.TOTAL_TIME) * 1000.0,
                         )
@@ -477,7 +515,11 @@ class HttpDeliverer:
         assert self.delivery is not None
         body = batching.encode_body(entries, self.delivery.format)
         transfer = self._idle.pop() if self._idle else self._new_transfer()
-        self._issue(transfer, None, Request(body, {batching.BATCH_SIZE_HEADER: str(len(members))}))
+        request = Request(body, {batching.BATCH_SIZE_HEADER: str(len(members))})
+        webhook_id = None
+        if self._signer is not None:
+            webhook_id = signing.batch_id([msg_id for _, msg_id in members])
+        self._issue(transfer, None, request, webhook_id)
         transfer.batch = _Batch(batcher, members)
         return True
 
@@ -506,7 +548,15 @@ class HttpDeliverer:
             batch.batcher.ready.append(stream)
         return 1
 
-    def _issue(self, transfer: _Transfer, stream: Stream | None, request: Request) -> None:
+    def _issue(
+        self,
+        transfer: _Transfer,
+        stream: Stream | None,
+        request: Request,
+        webhook_id: str | None = None,
+    ) -> None:
+        """Send `request` on `transfer`'s handle; signed (`webhook_id`: a batch's, else the
+        request's message id) when the endpoint has signing keys."""
         headers = request.headers
         if headers:
             reserved = self._reserved
@@ -514,6 +564,15 @@ class HttpDeliverer:
             lines += self._static_lines
         else:
             lines = self._static_lines
+        if self._signer is not None:
+            webhook_id = (
+                webhook_id or headers.get(m.HTTP_MESSAGE_ID) or headers.get(m.HTTP_IDEMPOTENCY_KEY)
+            )
+            if not webhook_id:
+                raise InvalidArgument(
+                    f"a signed request needs an {m.HTTP_MESSAGE_ID} header", field="headers"
+                )
+            lines = lines + self._signer.header_lines(webhook_id, int(time.time()), request.body)
         curl = transfer.curl
         curl.setopt(pycurl.POSTFIELDS, request.body)
         curl.setopt(pycurl.HTTPHEADER, lines)
@@ -521,6 +580,7 @@ class HttpDeliverer:
         transfer.retry_after = None
         transfer.body = b""
         transfer.truncated = False
+        transfer.refused = None
         self._multi.add_handle(curl)
 
     def _new_transfer(self) -> _Transfer:
@@ -530,6 +590,10 @@ class HttpDeliverer:
         limit = RESPONSE_SNIPPET_BYTES if self.delivery is None else batching.MAX_ANSWER_BYTES
         transfer = _Transfer(curl, limit)
         curl.setopt(pycurl.URL, ep.url)
+        curl.setopt(pycurl.PROTOCOLS, _PROTOCOLS)
+        curl.setopt(pycurl.REDIR_PROTOCOLS, _PROTOCOLS)
+        if self._deny_private:
+            curl.setopt(pycurl.OPENSOCKETFUNCTION, transfer.open_socket)
         if ep.method != "POST":
             curl.setopt(
                 pycurl.CUSTOMREQUEST, ep.method
@@ -697,6 +761,11 @@ def _validate_endpoint(endpoint: Endpoint) -> None:
         if not _header_ok(name, value):
             raise InvalidArgument(
                 f"header {name!r} has an invalid name or a CR/LF/NUL in its value",
+                field="endpoint.headers",
+            )
+        if name.lower() in _FRAMING or name.lower() in signing.HEADERS:
+            raise InvalidArgument(
+                f"header {name!r} is set by the engine and cannot be configured",
                 field="endpoint.headers",
             )
 

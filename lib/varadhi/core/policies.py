@@ -21,6 +21,7 @@ Action = Literal["success", "retry", "dead_letter"]
 Backoff = Literal["fixed", "exponential"]
 OnDeadLetter = Literal["block", "skip"]
 Method = Literal["POST", "PUT", "PATCH"]
+SigningScheme = Literal["v1", "v1a"]
 DeliveryMode = Literal["single", "batch"]
 BatchFormat = Literal["ndjson", "json_array"]
 
@@ -51,12 +52,35 @@ DEFAULT_RESPONSES: tuple[ResponseRule, ...] = (
 
 
 @dataclass(frozen=True)
+class SecretRef:
+    """A secret by reference: exactly one of an environment variable name and a file path.
+    Which references the platform honours: `varadhi.core.endpoint_guard`."""
+
+    env: str | None = None
+    file: str | None = None
+
+    def __str__(self) -> str:
+        return f"env {self.env}" if self.env is not None else f"file {self.file}"
+
+
+@dataclass(frozen=True)
+class SigningKey:
+    """One key that signs every request (Standard Webhooks, `varadhi.core.signing`): `v1`, an
+    HMAC-SHA256 secret (`whsec_<base64>`), or `v1a`, an ed25519 private key (`whsk_<base64>`)."""
+
+    scheme: SigningScheme
+    secret: SecretRef
+
+
+@dataclass(frozen=True)
 class Endpoint:
     url: str
     method: Method = "POST"
     headers: tuple[tuple[str, str], ...] = ()
     auth_header: str = "Authorization"
     auth_env: str | None = None
+    # Several keys sign at once (a signature each), so that keys rotate without downtime.
+    signing: tuple[SigningKey, ...] = ()
     # Connect fast (a local or in-VPC endpoint accepts in milliseconds; a dead one should fail
     # the attempt, not the batch); allow requests long enough for a slow but healthy endpoint.
     connect_timeout_ms: int = 2_000

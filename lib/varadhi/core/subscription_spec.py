@@ -11,7 +11,10 @@ milliseconds or strings with a unit (`500ms`, `2s`, `1m`, `1h`); stored document
 `circuit_breaker` policy, with a deprecation warning (`_parse_circuit`).
 
 Secrets never reach the catalog: an endpoint names the environment variable that holds its auth
-header value (`auth_env`); literal `Authorization` headers and credentials in the URL are refused.
+header value (`auth_env`) and where its signing keys are (`signing`: an environment variable or a
+file each); literal `Authorization` headers and credentials in the URL are refused. Which names
+and files the platform honours is checked at `apply` and at a deliverer's start
+(`varadhi.core.endpoint_guard`), not here: a stored spec parses whatever the reader's settings.
 Pure: no Kafka, no Spark (`varadhi.kafka.subscriptions` records specs in the catalog).
 """
 
@@ -26,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from varadhi.core import batching, filters, messages, names
+from varadhi.core import batching, filters, messages, names, signing
 from varadhi.core.circuit import validate_circuit_policy
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import (
@@ -38,6 +41,8 @@ from varadhi.core.policies import (
     Endpoint,
     ResponseRule,
     RetryPolicy,
+    SecretRef,
+    SigningKey,
     SubscriptionSpec,
 )
 from varadhi.core.retry import validate_retry_policy
@@ -88,8 +93,12 @@ _RESERVED_HEADERS = tuple(
         messages.HTTP_SOURCE,
         messages.HTTP_PRODUCED_AT,
         messages.HTTP_REPLAY,
+        *signing.HEADERS,
     )
 )
+# Framing headers the HTTP engine owns (a static one would break the request's framing).
+_FRAMING_HEADERS = ("host", "content-length", "transfer-encoding", "connection", "expect")
+MAX_SIGNING_KEYS = 8
 
 _ENDPOINT = Endpoint(url="")
 _RETRY = RetryPolicy()
@@ -229,9 +238,11 @@ _ENDPOINT_KEYS = (
     "headers",
     "auth_header",
     "auth_env",
+    "signing",
     "connect_timeout",
     "request_timeout",
 )
+_SIGNING_KEYS = ("scheme", "env", "file")
 _RETRY_KEYS = (
     "max_attempts",
     "backoff",
@@ -350,9 +361,42 @@ def _parse_endpoint(s: _Section) -> Endpoint:
         headers=_parse_headers(s, auth_header),
         auth_header=auth_header,
         auth_env=auth_env,
+        signing=_parse_signing(s),
         connect_timeout_ms=s.duration("connect_timeout", _ENDPOINT.connect_timeout_ms),
         request_timeout_ms=s.duration("request_timeout", _ENDPOINT.request_timeout_ms),
     )
+
+
+def _parse_signing(s: _Section) -> tuple[SigningKey, ...]:
+    """Signing keys (`varadhi.core.signing`), each by reference: `env` (a variable name) or
+    `file` (an absolute path), never the key itself."""
+    if not s.has("signing"):
+        return ()
+    raw = s.doc["signing"]
+    if not isinstance(raw, list) or not raw:
+        raise s.error("signing", "must be a non-empty list of {scheme, env | file} keys")
+    if len(raw) > MAX_SIGNING_KEYS:
+        raise s.error("signing", f"must have at most {MAX_SIGNING_KEYS} keys, got {len(raw)}")
+    keys: list[SigningKey] = []
+    for i, item in enumerate(raw):
+        k = _Section(item, s.field(f"signing[{i}]"), s.source, _SIGNING_KEYS)
+        scheme = k.choice("scheme", None, ("v1", "v1a"))
+        if k.has("env") == k.has("file"):
+            raise k.error(None, "needs exactly one of env (a variable name) and file (a path)")
+        if k.has("env"):
+            env = k.string("env")
+            if not _ENV_RE.fullmatch(env):
+                raise k.error("env", f"must be an environment variable name, got {env!r}")
+            ref = SecretRef(env=env)
+        else:
+            path = k.string("file")
+            if not path.startswith("/") or any(c in path for c in "\r\n\0"):
+                raise k.error("file", f"must be an absolute path, got {path!r}")
+            ref = SecretRef(file=path)
+        if any(key.secret == ref for key in keys):
+            raise k.error("env" if ref.env else "file", f"{ref} is given twice")
+        keys.append(SigningKey(scheme, ref))
+    return tuple(keys)
 
 
 def _parse_headers(s: _Section, auth_header: str) -> tuple[tuple[str, str], ...]:
@@ -374,6 +418,8 @@ def _parse_headers(s: _Section, auth_header: str) -> tuple[tuple[str, str], ...]
             )
         if lower in _RESERVED_HEADERS:
             raise s.error(path, "is set by varadhi on every delivery and cannot be overridden")
+        if lower in _FRAMING_HEADERS:
+            raise s.error(path, "is a framing header the HTTP client sets; it cannot be given")
         if lower in seen:
             raise s.error(path, "is given twice (header names are case-insensitive)")
         seen.add(lower)
@@ -562,6 +608,10 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             "headers": dict(e.headers),
             "auth_header": e.auth_header,
             "auth_env": e.auth_env,
+            "signing": [
+                {"scheme": k.scheme, "env": k.secret.env, "file": k.secret.file} for k in e.signing
+            ]
+            or None,
             "connect_timeout": e.connect_timeout_ms,
             "request_timeout": e.request_timeout_ms,
         },

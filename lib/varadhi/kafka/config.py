@@ -425,6 +425,13 @@ class KafkaConfig:
             parts.append("client certificate")
         return ", ".join(parts)
 
+    def env_references(self) -> frozenset[str]:
+        """The environment variables the properties as written name (`${env:NAME}`): an
+        endpoint may never name them (`varadhi.core.endpoint_guard`)."""
+        return frozenset(
+            m.group(2).strip() for _, v in self.written for m in _REF.finditer(v) if m[1] == "env"
+        )
+
     def secrets(self) -> list[str]:
         found = [v for k, v in self.resolved if is_secret_key(k) and v]
         for name, v in self._jaas_options().items() if self.get("sasl.jaas.config") else ():

@@ -20,13 +20,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from varadhi.core import routing
+from varadhi.core import endpoint_guard, routing
 from varadhi.core.catalog_kinds import DocKind
+from varadhi.core.endpoint_guard import EndpointPolicy
 from varadhi.core.errors import AlreadyExists, InvalidArgument, NotFound
 from varadhi.core.policies import (
     SubscriptionSpec,
 )
 from varadhi.core.subscription_spec import parse_spec, spec_from_dict, spec_to_dict
+from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
 from varadhi.kafka.topics import CompositeTopic
@@ -353,6 +355,13 @@ def _normalise(spec: SubscriptionSpec, source: str) -> SubscriptionSpec:
     return parse_spec(spec_to_dict(spec), source=source)
 
 
+def check_platform(spec: SubscriptionSpec, policy: EndpointPolicy) -> None:
+    """What the platform allows the endpoint (`varadhi.core.endpoint_guard`: secret names and
+    files, a literal private address), at `apply`/`create`; the shard checks again at its
+    start with its own settings."""
+    endpoint_guard.check_endpoint(spec.endpoint, policy)
+
+
 # -- I/O ------------------------------------------------------------------------------------
 
 
@@ -369,6 +378,11 @@ class SubscriptionService:
     def __init__(self, catalog: Catalog):
         self.catalog = catalog
 
+    def _policy(self) -> EndpointPolicy:
+        """This process's endpoint policy; the Kafka configuration's variables excluded."""
+        kafka = kafka_clients.config_of(self.catalog.settings)
+        return EndpointPolicy.from_env(kafka_names=kafka.env_references())
+
     def get(self, name: str) -> Subscription:
         return from_snapshot(self.catalog.snapshot(), name)
 
@@ -378,6 +392,7 @@ class SubscriptionService:
 
     def create(self, spec: SubscriptionSpec) -> Subscription:
         spec = _normalise(spec, "create")
+        check_platform(spec, self._policy())
         missing = check_create(self.catalog.snapshot(), spec)
         topic_service = topics.TopicService(self.catalog)
         configs = (
@@ -416,6 +431,9 @@ class SubscriptionService:
         earlier ones applied; re-running is safe.
         """
         specs = [_normalise(s, "apply") for s in specs]
+        policy = self._policy()
+        for s in specs:
+            check_platform(s, policy)
         names = [s.name for s in specs]
         dups = sorted({n for n in names if names.count(n) > 1})
         if dups:

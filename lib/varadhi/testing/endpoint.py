@@ -43,6 +43,7 @@ the program under test, so that program's load does not delay when it reads requ
 from __future__ import annotations
 
 import argparse
+import base64
 import hashlib
 import json
 import select
@@ -63,6 +64,13 @@ from varadhi.core.batching import BATCH_SIZE_HEADER
 from varadhi.core.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
 
 Answer = int | Literal["slow", "malformed"]
+
+# Signing keys of the tests (`endpoint.signing`; never a real secret): the conftest puts them in
+# the environment before any Spark starts, so shards and their executors can read them.
+TEST_WHSEC_ENV = "VARADHI_ENDPOINT_TEST_WHSEC"
+TEST_WHSEC = "whsec_" + base64.b64encode(hashlib.sha256(b"varadhi test v1").digest()).decode()
+TEST_WHSK_ENV = "VARADHI_ENDPOINT_TEST_WHSK"
+TEST_WHSK = "whsk_" + base64.b64encode(hashlib.sha256(b"varadhi test v1a").digest()).decode()
 
 DEFAULT_MIX: Mapping[str, float] = {"503": 0.4, "500": 0.3, "slow": 0.1, "400": 0.1, "404": 0.1}
 
@@ -85,6 +93,9 @@ class Record:
     status: int
     delay_ms: int
     headers: dict[str, str] | None = None
+    # The request body when `record_bodies` is on (a batch's whole body on each of its
+    # entries), as text: UTF-8, other bytes as surrogates (`raw_body` gives the bytes back).
+    body: str | None = None
     batch: int | None = None  # the batch request it came in (0-based), None: a single request
     # (Single requests.) The client had already closed the connection when the endpoint read
     # the request: it gave up on it (timed out) before it arrived here, so `received_ms` says
@@ -94,6 +105,11 @@ class Record:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+    @property
+    def raw_body(self) -> bytes | None:
+        """The request body's bytes as received (`record_bodies`), else None."""
+        return None if self.body is None else self.body.encode("utf-8", "surrogateescape")
 
 
 def read_records(path: str) -> list[Record]:
@@ -126,6 +142,7 @@ class TestEndpoint:
         slow_ms: int = 3_000,
         latency_ms: int = 0,
         record_headers: bool = False,
+        record_bodies: bool = False,
         record_file: str | None = None,
     ):
         if not 0.0 <= fail_rate <= 1.0:
@@ -148,6 +165,7 @@ class TestEndpoint:
         self.slow_ms = slow_ms
         self.latency_ms = latency_ms
         self.record_headers = record_headers
+        self.record_bodies = record_bodies
         self._record_path = record_file
         self._record_out: IO[str] | None = None
         self._lock = threading.Lock()
@@ -289,6 +307,9 @@ class TestEndpoint:
             return None
         return {k: _utf8(v) for k, v in h.headers.items()}
 
+    def _recorded_body(self, body: bytes) -> str | None:
+        return body.decode("utf-8", "surrogateescape") if self.record_bodies else None
+
     def _deliver(self, h: _Handler) -> None:
         if "chunked" in (h.headers.get("Transfer-Encoding") or "").lower():
             h.close_connection = True
@@ -324,6 +345,7 @@ class TestEndpoint:
                 status=status,
                 delay_ms=delay_ms,
                 headers=self._recorded_headers(h),
+                body=self._recorded_body(body),
                 client_gone=gone,
             )
             self._records.append(record)
@@ -353,6 +375,7 @@ class TestEndpoint:
             entries = [json.loads(line) for line in text.splitlines() if line]
         received_ms = time.time() * 1000
         headers = self._recorded_headers(h)  # one request: the same for each of its entries
+        recorded_body = self._recorded_body(body)
         results: list[dict[str, Any]] = []
         delay_ms = self.latency_ms
         with self._lock:
@@ -386,6 +409,7 @@ class TestEndpoint:
                     status=status,
                     delay_ms=delay_ms,
                     headers=headers,
+                    body=recorded_body,
                     batch=batch,
                 )
                 self._records.append(record)
@@ -576,6 +600,9 @@ def from_command_line(argv: Sequence[str] | None = None) -> TestEndpoint:
         "--record-headers", action="store_true", help="keep every request's headers in its record"
     )
     parser.add_argument(
+        "--record-bodies", action="store_true", help="keep every request's body in its record"
+    )
+    parser.add_argument(
         "--script",
         type=_read_script,
         default=None,
@@ -596,6 +623,7 @@ def from_command_line(argv: Sequence[str] | None = None) -> TestEndpoint:
             slow_ms=args.slow_ms,
             latency_ms=args.latency_ms,
             record_headers=args.record_headers,
+            record_bodies=args.record_bodies,
             record_file=args.record,
         )
     except ValueError as e:

@@ -1,0 +1,107 @@
+"""Signed requests, per the Standard Webhooks specification (https://www.standardwebhooks.com):
+every request carries
+
+    webhook-id: <the message id>
+    webhook-timestamp: <seconds since the epoch, when the request was sent>
+    webhook-signature: v1,<base64> v1a,<base64> ...
+
+one signature per configured key (`Endpoint.signing`), each over the bytes
+`<webhook-id>.<webhook-timestamp>.<body>`: `v1` is HMAC-SHA256 with a shared secret, `v1a` an
+ed25519 signature (the endpoint verifies it with the public key). An endpoint accepts a request
+when any signature verifies with any key it holds, so keys rotate without downtime: sign with the
+old and the new key, move the endpoint to the new one, then drop the old.
+
+`webhook-id` is stable across retries and replays of one message: it is the message id (the
+`Idempotency-Key`). A batched request (`delivery.mode: batch`) is signed once over its whole
+body; its `webhook-id` is `batch_<hex>`, a digest of its messages' ids in body order
+(`batch_id`), so a batch sent again with the same messages has the same id and a batch of other
+messages never shares one (a receiver that drops repeated ids drops no other batch).
+
+Key formats: `v1` secrets as Standard Webhooks writes them, `whsec_<base64>` (the prefix may be
+left out); `v1a` private keys `whsk_<base64>` of the 32-byte ed25519 seed (or of the 64-byte
+seed-and-public-key form). The `cryptography` package signs `v1a`. A key is read once per
+deliverer; what a key holds never appears in errors.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+from collections.abc import Callable, Sequence
+
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.policies import SigningScheme
+
+ID_HEADER = "webhook-id"
+TIMESTAMP_HEADER = "webhook-timestamp"
+SIGNATURE_HEADER = "webhook-signature"
+HEADERS = (ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER)
+_PREFIXES = {"v1": "whsec_", "v1a": "whsk_"}
+
+
+def batch_id(ids: Sequence[str]) -> str:
+    """The `webhook-id` of a batched request of messages `ids` (in body order)."""
+    digest = hashlib.sha256("\n".join(ids).encode("utf-8", "surrogatepass")).hexdigest()
+    return f"batch_{digest[:32]}"
+
+
+def _key_bytes(scheme: SigningScheme, text: str, field: str) -> bytes:
+    text = text.strip().removeprefix(_PREFIXES[scheme])
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raw = b""
+    if not raw:
+        raise InvalidArgument(
+            f"the {scheme} key is not {_PREFIXES[scheme]}<base64> (or is empty)", field=field
+        )
+    return raw
+
+
+def _signer(scheme: SigningScheme, text: str, field: str) -> Callable[[bytes, bytes], bytes]:
+    """A function of (prefix, body) that signs prefix + body."""
+    raw = _key_bytes(scheme, text, field)
+    if scheme == "v1":
+        keyed = hmac.new(raw, digestmod=hashlib.sha256)
+
+        def hmac_sha256(prefix: bytes, body: bytes) -> bytes:
+            h = keyed.copy()  # the key's pads hashed once; the body is not copied
+            h.update(prefix)
+            h.update(body)
+            return h.digest()
+
+        return hmac_sha256
+    if len(raw) not in (32, 64):
+        raise InvalidArgument(
+            f"the v1a key must hold a 32-byte ed25519 seed (or 64 bytes), got {len(raw)}",
+            field=field,
+        )
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    sign = Ed25519PrivateKey.from_private_bytes(raw[:32]).sign
+    return lambda prefix, body: sign(prefix + body)
+
+
+class Signer:
+    """Signs requests with `keys`: (scheme, key text, field of the spec naming it)."""
+
+    __slots__ = ("_signers",)
+
+    def __init__(self, keys: Sequence[tuple[SigningScheme, str, str]]):
+        self._signers = [(f"{s},".encode(), _signer(s, text, field)) for s, text, field in keys]
+
+    def header_lines(self, webhook_id: str, timestamp: int, body: bytes) -> list[bytes]:
+        """The three header lines of a request with this id, time and body."""
+        wid = webhook_id.encode()
+        ts = str(timestamp).encode()
+        prefix = b"%s.%s." % (wid, ts)
+        signature = b" ".join(
+            scheme + base64.b64encode(sign(prefix, body)) for scheme, sign in self._signers
+        )
+        return [
+            b"webhook-id: " + wid,
+            b"webhook-timestamp: " + ts,
+            b"webhook-signature: " + signature,
+        ]
