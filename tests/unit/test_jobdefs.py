@@ -6,6 +6,7 @@ enums); spark-submit commands; feeders only while needed; refusals of what could
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import re
@@ -34,6 +35,7 @@ from varadhi.jobs import spark_submit_definitions as spark_submit_defs
 from varadhi.kafka import config as kafka_config
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.spark import lines as spark_lines
+from varadhi.spark.telemetry import MetricsOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -294,7 +296,6 @@ def test_databricks_kafka_config_and_secrets_are_references_never_values():
     check_job_settings(body)
     assert body["job_clusters"][0]["new_cluster"]["spark_env_vars"] == {
         "VARADHI_CATALOG_TOPIC": "__varadhi_catalog",
-        "VARADHI_ENDPOINT_DENY_PRIVATE": "true",
         "VARADHI_KAFKA_CONFIG": "/Volumes/main/varadhi/conf/kafka.properties",
         "KAFKA_PASSWORD": "{{secrets/varadhi/KAFKA_PASSWORD}}",
         "ORDERS_TOKEN": "{{secrets/prod/ORDERS_TOKEN}}",
@@ -303,27 +304,6 @@ def test_databricks_kafka_config_and_secrets_are_references_never_values():
     other = replace(cfg, secrets=(jobdefs.parse_secret("ORDERS_TOKEN=ops/orders-token", "x"),))
     env = databricks_defs.databricks_env(jobdefs.plan(doc), other)
     assert env["ORDERS_TOKEN"] == "{{secrets/ops/orders-token}}"
-
-
-def test_rendered_jobs_deny_private_endpoints_unless_allowed_and_sign_with_secrets():
-    """Every renderer's job environment denies private endpoint addresses by default (cloud
-    metadata at 169.254.169.254); the signing keys' variables are secrets like auth_env's."""
-    endpoint = {
-        "url": "https://example.test/x",
-        "signing": [{"scheme": "v1", "env": "VARADHI_ENDPOINT_WHSEC"}],
-    }
-    p = jobdefs.plan(sub_doc(endpoint=endpoint))
-    assert jobdefs.job_env(CFG)["VARADHI_ENDPOINT_DENY_PRIVATE"] == "true"
-    allowed = replace(CFG, deny_private_endpoints=False)
-    assert jobdefs.job_env(allowed)["VARADHI_ENDPOINT_DENY_PRIVATE"] == "false"
-    env = databricks_defs.databricks_job(p, CFG)["job_clusters"][0]["new_cluster"]
-    assert env["spark_env_vars"]["VARADHI_ENDPOINT_WHSEC"] == (
-        "{{secrets/varadhi/VARADHI_ENDPOINT_WHSEC}}"
-    )
-    assert env["spark_env_vars"]["VARADHI_ENDPOINT_DENY_PRIVATE"] == "true"
-    args = emr_args(emr_defs.emr_steps(p, EMR_CFG)[0])
-    assert "spark.executorEnv.VARADHI_ENDPOINT_DENY_PRIVATE=true" in args
-
 
 
 @pytest.mark.parametrize(
@@ -792,17 +772,16 @@ def test_spark_submit_script_has_local_and_cluster_commands_per_shard():
     cfg = replace(CFG, code_path="/opt/varadhi", warehouse="hdfs:///varadhi/warehouse", secrets=())
     script = spark_submit_defs.spark_submit_script(jobdefs.plan(sub_doc(shards=2)), cfg)
     cmds = commands(script)
-    assert cmds[:4] == [
+    assert cmds[:3] == [
         ["export", "VARADHI_BOOTSTRAP=kafka-1:9092,kafka-2:9092"],
         ["export", "VARADHI_CATALOG_TOPIC=__varadhi_catalog"],
-        ["export", "VARADHI_ENDPOINT_DENY_PRIVATE=true"],
         ["export", "VARADHI_KAFKA_CONFIG=/Volumes/main/varadhi/conf/kafka.properties"],
     ]
-    assert cmds[4:6] == [
+    assert cmds[3:5] == [
         ["./spark-submit.sh", "orders-http", "0"],
         ["./spark-submit.sh", "orders-http", "1"],
     ]
-    cluster = cmds[6:]
+    cluster = cmds[5:]
     assert len(cluster) == 2
     for shard, c in enumerate(cluster):
         assert c[:3] == ["spark-submit", "--packages", ",".join(jobdefs.SPARK_PACKAGES)]
@@ -893,3 +872,92 @@ def test_launcher_runs_the_varadhi_job_console_script(tmp_path):
         [sys.executable, str(launcher), "no-such-job"], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2
+
+
+@pytest.mark.parametrize("job", ["shard", "feeder", "replay", "outbox_relay"])
+def test_every_long_running_job_takes_the_metrics_and_log_options(job, capsys):
+    assert {"--metrics-port", "--metrics-addr", "--log-format"} <= job_flags(job, capsys)
+
+
+# -- the jobs' metrics and log options (varadhi.spark.telemetry) -----------------------------
+
+TELEMETRY = MetricsOptions(port=9109, addr="0.0.0.0", json_logs=True)
+
+
+def test_each_rendered_job_gets_the_options_and_a_port_of_its_own():
+    p = jobdefs.plan(sub_doc(shards=2), change_shards())
+    jobs = jobdefs.jobs_to_run(p, replace(CFG, telemetry=TELEMETRY))
+    assert [args[args.index("--metrics-port") + 1] for _key, args in jobs] == [
+        "9109", "9110", "9111", "9112",
+    ]  # fmt: skip
+    for _key, args in jobs:
+        assert args[-4:] == ["--metrics-addr", "0.0.0.0", "--log-format", "json"]
+    free = jobdefs.jobs_to_run(p, replace(CFG, telemetry=MetricsOptions(port=0)))
+    assert all(args[-2:] == ["--metrics-port", "0"] for _key, args in free)
+    plain = jobdefs.jobs_to_run(p, CFG)
+    assert not any("--metrics-port" in args or "--log-format" in args for _key, args in plain)
+    with pytest.raises(InvalidArgument) as e:
+        jobdefs.jobs_to_run(p, replace(CFG, telemetry=MetricsOptions(port=65534)))
+    assert e.value.field == "metrics_port"
+
+
+def test_every_target_passes_them_in_a_valid_definition(capsys):
+    p = jobdefs.plan(sub_doc(shards=2), change_shards())
+    cfg = replace(CFG, telemetry=TELEMETRY)
+    body = databricks_defs.databricks_job(p, cfg)
+    check_job_settings(body)
+    params = [t["python_wheel_task"]["parameters"] for t in body["tasks"]]
+    assert [a[a.index("--metrics-port") + 1] for a in params] == ["9109", "9110", "9111", "9112"]
+    for job, *args in (params[0], params[-1]):
+        assert {a for a in args if a.startswith("--")} <= job_flags(job, capsys), job
+    bundle = yaml.safe_load(databricks_defs.bundle_yaml(p, cfg))
+    (job,) = bundle["resources"]["jobs"].values()
+    assert [t["python_wheel_task"]["parameters"] for t in job["tasks"]] == params
+
+    emr = replace(EMR_CFG, telemetry=TELEMETRY)
+    request = emr_defs.emr_add_steps(p, emr)
+    check_request("emr", "AddJobFlowSteps", request)
+    steps = [emr_args(s) for s in request["Steps"]]
+    assert [s[-6:] for s in steps] == [
+        ["--metrics-port", str(port), "--metrics-addr", "0.0.0.0", "--log-format", "json"]
+        for port in range(9109, 9113)
+    ]
+    runs = emr_defs.emr_serverless_runs(p, emr)
+    for run in runs:
+        check_request("emr-serverless", "StartJobRun", run)
+        assert run["jobDriver"]["sparkSubmit"]["entryPointArguments"][-2:] == [
+            "--log-format",
+            "json",
+        ]
+
+    script = spark_submit_defs.spark_submit_script(p, replace(cfg, code_path="/opt/varadhi"))
+    lines = [c for c in commands(script) if c[0] in ("./spark-submit.sh", "spark-submit")]
+    assert len(lines) == 8  # 2 shards and 2 feeders, local and on a cluster
+    for c in lines:
+        assert c[-6] == "--metrics-port" and c[-2:] == ["--log-format", "json"]
+    assert [c[-5] for c in lines[:4]] == ["9109", "9110", "9111", "9112"]
+
+
+def test_jobs_render_reads_the_options_from_its_flags_or_the_environment(monkeypatch):
+    """`varadhi jobs render`'s own flags, else $VARADHI_METRICS_PORT/ADDR and
+    $VARADHI_LOG_FORMAT; a bad value is refused (one line, exit 2) before the catalog is read."""
+    from varadhi.cli import jobs as cli_jobs
+
+    def config(*argv: str) -> jobdefs.DeployConfig:
+        parser = argparse.ArgumentParser()
+        cli_jobs.register(parser.add_subparsers())
+        args = parser.parse_args(["jobs", "render", "o", "--target", "databricks", *argv])
+        return cli_jobs.config(args, "k:9092", "c")
+
+    for name in ("VARADHI_METRICS_PORT", "VARADHI_METRICS_ADDR", "VARADHI_LOG_FORMAT"):
+        monkeypatch.delenv(name, raising=False)
+    assert config().telemetry == MetricsOptions()
+    got = config("--metrics-port", "9109", "--log-format", "json").telemetry
+    assert got == MetricsOptions(port=9109, json_logs=True)
+    monkeypatch.setenv("VARADHI_METRICS_PORT", "9200")
+    monkeypatch.setenv("VARADHI_LOG_FORMAT", "json")
+    assert config().telemetry == MetricsOptions(port=9200, json_logs=True)
+    assert config("--metrics-port", "0").telemetry.port == 0
+    with pytest.raises(InvalidArgument) as e:
+        config("--metrics-port", "70000")
+    assert e.value.field == "metrics_port"

@@ -21,6 +21,7 @@ from varadhi.jobs import spark_submit_definitions as spark_submit_defs
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.subscriptions import KIND as SUBSCRIPTION
 from varadhi.spark import lines as spark_lines
+from varadhi.spark.telemetry import MetricsOptions
 
 _D = jobdefs.DEFAULTS
 _DATABRICKS = ("databricks", "databricks-bundle")
@@ -156,13 +157,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"(default: {_D['databricks']['secret_scope']})",
     )
     r.add_argument(
-        "--allow-private-endpoints",
-        action="store_true",
-        help="let endpoints reach private, loopback and link-local addresses (by default the "
-        "rendered jobs set VARADHI_ENDPOINT_DENY_PRIVATE=true: no cloud metadata service, no "
-        "in-cluster address)",
-    )
-    r.add_argument(
         "--run-as",
         metavar="WHO",
         help="databricks: a user's e-mail or a service principal's application id; the job "
@@ -228,6 +222,26 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="emr: `api` = the AddJobFlowSteps request (boto3 add_job_flow_steps(**request), "
         "SDKs), `cli` = the steps that `aws emr add-steps --steps file://FILE` reads "
         "(default: api)",
+    )
+    r.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="every job serves Prometheus metrics on its driver: shard 0 on PORT, the next job "
+        "on PORT+1, and so on (0: each a free port, logged; default: $VARADHI_METRICS_PORT, "
+        "else none)",
+    )
+    r.add_argument(
+        "--metrics-addr",
+        metavar="ADDR",
+        help="the address the jobs' metrics ports bind (default: $VARADHI_METRICS_ADDR or "
+        "127.0.0.1; 0.0.0.0 for a Prometheus on another host)",
+    )
+    r.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="json: the jobs log JSON lines, Spark's driver log too (default: "
+        "$VARADHI_LOG_FORMAT or text)",
     )
     r.add_argument("--application-id", help="emr-serverless: the application's id")
     r.add_argument("--execution-role-arn", help="emr-serverless: the IAM role the job runs with")
@@ -309,10 +323,16 @@ def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobd
         backlog_records=args.backlog_records or 0,
         notify_emails=tuple(args.notify_email or ()),
         notify_webhooks=tuple(args.notify_webhook or ()),
-        deny_private_endpoints=not args.allow_private_endpoints,
+        telemetry=telemetry(args),
     )
     jobdefs.check_config(args.target, cfg)
     return cfg
+
+
+def telemetry(args: argparse.Namespace) -> MetricsOptions:
+    """The jobs' metrics and log options: the flags, else the environment this command runs
+    with (`MetricsOptions.from_env`)."""
+    return MetricsOptions.from_env(args.metrics_port, args.metrics_addr, args.log_format)
 
 
 def render(args: argparse.Namespace, cfg: jobdefs.DeployConfig, catalog: Catalog) -> str:

@@ -45,14 +45,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from varadhi.core.catalog_kinds import DocKind, OpKind
-from varadhi.core.endpoint_guard import DENY_PRIVATE_ENV
 from varadhi.core.errors import InvalidArgument, UnsupportedSparkVersion
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.spark import lines as spark_lines
+from varadhi.spark.telemetry import MetricsOptions
 
 Target = Literal["spark-submit", "databricks", "databricks-bundle", "emr", "emr-serverless"]
 TARGETS: tuple[Target, ...] = (
@@ -153,7 +153,6 @@ class JobPlan:
     feeders: tuple[Feeder, ...] = ()
     operation: Mapping[str, Any] | None = None  # the change-shards document, until done
     auth_env: str | None = None  # the environment variable holding the endpoint's credential
-    signing_envs: tuple[str, ...] = ()  # the variables holding its signing keys
 
     @property
     def shards(self) -> range:
@@ -238,9 +237,8 @@ class DeployConfig:
     backlog_records: int = 0
     notify_emails: tuple[str, ...] = ()
     notify_webhooks: tuple[str, ...] = ()  # notification destination ids
-    # Endpoints may not reach private, loopback or link-local addresses (cloud metadata): the
-    # jobs' VARADHI_ENDPOINT_DENY_PRIVATE (`varadhi.core.endpoint_guard`).
-    deny_private_endpoints: bool = True
+    # Every job's --metrics-port/--metrics-addr/--log-format (`job_telemetry_args`).
+    telemetry: MetricsOptions = MetricsOptions()
 
 
 # Documented defaults (the CLI's flags fall back to these). Paths are examples of where a
@@ -328,9 +326,6 @@ def plan(
         if operation_doc and operation_doc.get("step") != "done"
         else None,
         auth_env=sub.spec.endpoint.auth_env,
-        signing_envs=tuple(
-            k.secret.env for k in sub.spec.endpoint.signing if k.secret.env is not None
-        ),
     )
 
 
@@ -548,14 +543,36 @@ def cluster_args(cfg: DeployConfig, warehouse: bool = True) -> list[str]:
     return args + ["--warehouse", cfg.warehouse] if warehouse else args
 
 
+def job_telemetry_args(options: MetricsOptions, index: int) -> list[str]:
+    """The metrics and log flags of the `index`-th job of a definition (`jobs_to_run`' order):
+    a port N given is N + index, since a target may run several jobs on one driver host (the
+    local spark-submit lines, a Databricks job's shared cluster); port 0 stays 0 (each a free
+    port, logged)."""
+    if options.port:
+        options = replace(options, port=options.port + index)
+    return options.args()
+
+
+def check_telemetry(options: MetricsOptions, jobs: int) -> None:
+    """Refuse (`InvalidArgument`, field `metrics_port`) a port N whose jobs' ports N, N+1, ...
+    would pass 65535."""
+    if options.port and options.port + jobs - 1 > 65535:
+        raise InvalidArgument(
+            f"the {jobs} jobs take ports {options.port}..{options.port + jobs - 1}, past 65535",
+            field="metrics_port",
+        )
+
+
 def jobs_to_run(p: JobPlan, cfg: DeployConfig) -> list[tuple[str, list[str]]]:
-    """(key, `varadhi-job` arguments) of every job: shards first, then feeders."""
+    """(key, `varadhi-job` arguments) of every job: shards first, then feeders, each with its
+    metrics and log flags (`job_telemetry_args`)."""
     jobs = [(f"shard-{s}", [SHARD_JOB, *shard_args(p, s), *cluster_args(cfg)]) for s in p.shards]
     jobs += [
         (f"feeder-{i}", [FEEDER_JOB, *feeder_args(p, f), *cluster_args(cfg, warehouse=False)])
         for i, f in enumerate(p.feeders)
     ]
-    return jobs
+    check_telemetry(cfg.telemetry, len(jobs))
+    return [(k, [*args, *job_telemetry_args(cfg.telemetry, i)]) for i, (k, args) in enumerate(jobs)]
 
 
 def kafka_config_path(cfg: DeployConfig) -> str:
@@ -567,12 +584,9 @@ def kafka_config_path(cfg: DeployConfig) -> str:
 
 
 def job_env(cfg: DeployConfig) -> dict[str, str]:
-    """Environment the jobs need on the cluster (no secret values): the catalog topic, the
-    Kafka client configuration file, and whether endpoints may reach private addresses."""
-    env = {
-        "VARADHI_CATALOG_TOPIC": cfg.catalog_topic,
-        DENY_PRIVATE_ENV: "true" if cfg.deny_private_endpoints else "false",
-    }
+    """Environment the jobs need on the cluster (no secret values): the catalog topic and the
+    Kafka client configuration file."""
+    env = {"VARADHI_CATALOG_TOPIC": cfg.catalog_topic}
     if cfg.kafka_config:
         env["VARADHI_KAFKA_CONFIG"] = kafka_config_path(cfg)
     return env
@@ -580,11 +594,10 @@ def job_env(cfg: DeployConfig) -> dict[str, str]:
 
 def secrets(p: JobPlan, cfg: DeployConfig) -> tuple[Secret, ...]:
     """The secrets the jobs read from their environment: the configured ones, and the endpoint's
-    credential and signing keys (`<secret_scope>/<NAME>` unless configured otherwise)."""
+    credential (`<secret_scope>/<auth_env>` unless configured otherwise)."""
     found = {s.env: s for s in cfg.secrets}
-    for name in (p.auth_env, *p.signing_envs):
-        if name and name not in found:
-            found[name] = Secret(name, cfg.secret_scope, name)
+    if p.auth_env and p.auth_env not in found:
+        found[p.auth_env] = Secret(p.auth_env, cfg.secret_scope, p.auth_env)
     return tuple(found.values())
 
 

@@ -23,6 +23,7 @@ from varadhi.jobs.definitions import (
     JobPlan,
     feeder_args,
     job_env,
+    job_telemetry_args,
     jobs_to_run,
     operation_note,
     secret_env_names,
@@ -35,6 +36,7 @@ def spark_submit_commands(p: JobPlan, cfg: DeployConfig) -> tuple[list[list[str]
     for a cluster), each shards first, then feeders, as argument lists."""
     local = [["./spark-submit.sh", p.subscription, str(s)] for s in p.shards]
     local += [["./spark-submit.sh", "--job", "feeder", *feeder_args(p, f)] for f in p.feeders]
+    local = [[*c, *job_telemetry_args(cfg.telemetry, i)] for i, c in enumerate(local)]
     submit = ["spark-submit", "--packages", ",".join(cfg.packages)]
     submit += submit_conf({**DELTA_CONF, **STREAMING_CONF})
     launcher = f"{cfg.code_path.rstrip('/')}/{LAUNCHER}"
