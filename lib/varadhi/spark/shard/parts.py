@@ -6,7 +6,8 @@ it reads. Typed and explicit: a query (`query_run.QueryRun`) and a micro-batch
 - `ShardParts`: the shard's collaborators for the whole run (catalog, lease, circuit, sender,
   journal, progress, the batch gate, ...);
 - `StateStores`: the GroupState table of the running query's layout, opened once per path;
-- `DedupWindows`: the shard's dedup window, opened on first use.
+- `DedupWindows`: the shard's dedup window (subscription-wide: `varadhi.spark.dedup`), opened on
+  first use.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from varadhi.core.circuit import CircuitBreaker
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.settings import Settings
-from varadhi.spark.dedup import DedupWindow
+from varadhi.spark.dedup import DedupWindow, tables_root
 from varadhi.spark.shard.gate import BatchGate
 from varadhi.spark.shard.journal import ShardJournal
 from varadhi.spark.shard.lease import ShardLease
@@ -71,8 +72,9 @@ class DedupWindows:
 
     def window(self, spark: SparkSession, sub: subscriptions.Subscription) -> DedupWindow:
         if self._window is None:
-            path = f"{self.warehouse}/{self.name}/dedup/s{sub.shard_count}/shard-{self.shard}"
-            self._window = DedupWindow(spark, path, int(sub.spec.dedup_window_ms))
+            root = tables_root(self.warehouse, self.name)
+            window_ms = int(sub.spec.dedup_window_ms)
+            self._window = DedupWindow(spark, root, sub.shard_count, self.shard, window_ms)
         return self._window
 
 
