@@ -120,7 +120,7 @@ def test_every_request_is_signed_with_every_key_and_the_reference_verifier_accep
         with pytest.raises(WebhookVerificationError):
             Webhook("whsec_" + base64.b64encode(b"some other key").decode()).verify(r.body, h)
         with pytest.raises(WebhookVerificationError):  # the body is what was signed
-            Webhook(TEST_WHSEC).verify(r.body.replace("\"n\"", "\"m\""), h)
+            Webhook(TEST_WHSEC).verify(r.body.replace('"n"', '"m"'), h)
 
 
 def test_a_batched_request_is_signed_once_over_its_body_with_an_id_of_its_messages(endpoint):

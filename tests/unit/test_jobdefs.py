@@ -296,14 +296,36 @@ def test_databricks_kafka_config_and_secrets_are_references_never_values():
     check_job_settings(body)
     assert body["job_clusters"][0]["new_cluster"]["spark_env_vars"] == {
         "VARADHI_CATALOG_TOPIC": "__varadhi_catalog",
+        "VARADHI_ENDPOINT_DENY_PRIVATE": "true",
         "VARADHI_KAFKA_CONFIG": "/Volumes/main/varadhi/conf/kafka.properties",
         "KAFKA_PASSWORD": "{{secrets/varadhi/KAFKA_PASSWORD}}",
         "ORDERS_TOKEN": "{{secrets/prod/ORDERS_TOKEN}}",
     }
+
     # The endpoint's credential may come from another scope and key.
     other = replace(cfg, secrets=(jobdefs.parse_secret("ORDERS_TOKEN=ops/orders-token", "x"),))
     env = databricks_defs.databricks_env(jobdefs.plan(doc), other)
     assert env["ORDERS_TOKEN"] == "{{secrets/ops/orders-token}}"
+
+
+def test_rendered_jobs_deny_private_endpoints_unless_allowed_and_sign_with_secrets():
+    """Every renderer's job environment denies private endpoint addresses by default (cloud
+    metadata at 169.254.169.254); the signing keys' variables are secrets like auth_env's."""
+    endpoint = {
+        "url": "https://example.test/x",
+        "signing": [{"scheme": "v1", "env": "VARADHI_ENDPOINT_WHSEC"}],
+    }
+    p = jobdefs.plan(sub_doc(endpoint=endpoint))
+    assert jobdefs.job_env(CFG)["VARADHI_ENDPOINT_DENY_PRIVATE"] == "true"
+    allowed = replace(CFG, deny_private_endpoints=False)
+    assert jobdefs.job_env(allowed)["VARADHI_ENDPOINT_DENY_PRIVATE"] == "false"
+    env = databricks_defs.databricks_job(p, CFG)["job_clusters"][0]["new_cluster"]
+    assert env["spark_env_vars"]["VARADHI_ENDPOINT_WHSEC"] == (
+        "{{secrets/varadhi/VARADHI_ENDPOINT_WHSEC}}"
+    )
+    assert env["spark_env_vars"]["VARADHI_ENDPOINT_DENY_PRIVATE"] == "true"
+    args = emr_args(emr_defs.emr_steps(p, EMR_CFG)[0])
+    assert "spark.executorEnv.VARADHI_ENDPOINT_DENY_PRIVATE=true" in args
 
 
 @pytest.mark.parametrize(
@@ -772,16 +794,17 @@ def test_spark_submit_script_has_local_and_cluster_commands_per_shard():
     cfg = replace(CFG, code_path="/opt/varadhi", warehouse="hdfs:///varadhi/warehouse", secrets=())
     script = spark_submit_defs.spark_submit_script(jobdefs.plan(sub_doc(shards=2)), cfg)
     cmds = commands(script)
-    assert cmds[:3] == [
+    assert cmds[:4] == [
         ["export", "VARADHI_BOOTSTRAP=kafka-1:9092,kafka-2:9092"],
         ["export", "VARADHI_CATALOG_TOPIC=__varadhi_catalog"],
+        ["export", "VARADHI_ENDPOINT_DENY_PRIVATE=true"],
         ["export", "VARADHI_KAFKA_CONFIG=/Volumes/main/varadhi/conf/kafka.properties"],
     ]
-    assert cmds[3:5] == [
+    assert cmds[4:6] == [
         ["./spark-submit.sh", "orders-http", "0"],
         ["./spark-submit.sh", "orders-http", "1"],
     ]
-    cluster = cmds[5:]
+    cluster = cmds[6:]
     assert len(cluster) == 2
     for shard, c in enumerate(cluster):
         assert c[:3] == ["spark-submit", "--packages", ",".join(jobdefs.SPARK_PACKAGES)]

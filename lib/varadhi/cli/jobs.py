@@ -157,6 +157,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"(default: {_D['databricks']['secret_scope']})",
     )
     r.add_argument(
+        "--allow-private-endpoints",
+        action="store_true",
+        help="let endpoints reach private, loopback and link-local addresses (by default the "
+        "rendered jobs set VARADHI_ENDPOINT_DENY_PRIVATE=true: no cloud metadata service, no "
+        "in-cluster address)",
+    )
+    r.add_argument(
         "--run-as",
         metavar="WHO",
         help="databricks: a user's e-mail or a service principal's application id; the job "
@@ -324,6 +331,7 @@ def config(args: argparse.Namespace, bootstrap: str, catalog_topic: str) -> jobd
         notify_emails=tuple(args.notify_email or ()),
         notify_webhooks=tuple(args.notify_webhook or ()),
         telemetry=telemetry(args),
+        deny_private_endpoints=not args.allow_private_endpoints,
     )
     jobdefs.check_config(args.target, cfg)
     return cfg

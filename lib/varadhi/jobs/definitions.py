@@ -49,6 +49,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from varadhi.core.catalog_kinds import DocKind, OpKind
+from varadhi.core.endpoint_guard import DENY_PRIVATE_ENV
 from varadhi.core.errors import InvalidArgument, UnsupportedSparkVersion
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.spark import lines as spark_lines
@@ -153,6 +154,7 @@ class JobPlan:
     feeders: tuple[Feeder, ...] = ()
     operation: Mapping[str, Any] | None = None  # the change-shards document, until done
     auth_env: str | None = None  # the environment variable holding the endpoint's credential
+    signing_envs: tuple[str, ...] = ()  # the variables holding its signing keys
 
     @property
     def shards(self) -> range:
@@ -239,6 +241,9 @@ class DeployConfig:
     notify_webhooks: tuple[str, ...] = ()  # notification destination ids
     # Every job's --metrics-port/--metrics-addr/--log-format (`job_telemetry_args`).
     telemetry: MetricsOptions = MetricsOptions()
+    # Endpoints may not reach private, loopback or link-local addresses (cloud metadata): the
+    # jobs' VARADHI_ENDPOINT_DENY_PRIVATE (`varadhi.core.endpoint_guard`).
+    deny_private_endpoints: bool = True
 
 
 # Documented defaults (the CLI's flags fall back to these). Paths are examples of where a
@@ -326,6 +331,9 @@ def plan(
         if operation_doc and operation_doc.get("step") != "done"
         else None,
         auth_env=sub.spec.endpoint.auth_env,
+        signing_envs=tuple(
+            k.secret.env for k in sub.spec.endpoint.signing if k.secret.env is not None
+        ),
     )
 
 
@@ -584,9 +592,12 @@ def kafka_config_path(cfg: DeployConfig) -> str:
 
 
 def job_env(cfg: DeployConfig) -> dict[str, str]:
-    """Environment the jobs need on the cluster (no secret values): the catalog topic and the
-    Kafka client configuration file."""
-    env = {"VARADHI_CATALOG_TOPIC": cfg.catalog_topic}
+    """Environment the jobs need on the cluster (no secret values): the catalog topic, the
+    Kafka client configuration file, and whether endpoints may reach private addresses."""
+    env = {
+        "VARADHI_CATALOG_TOPIC": cfg.catalog_topic,
+        DENY_PRIVATE_ENV: "true" if cfg.deny_private_endpoints else "false",
+    }
     if cfg.kafka_config:
         env["VARADHI_KAFKA_CONFIG"] = kafka_config_path(cfg)
     return env
@@ -594,10 +605,11 @@ def job_env(cfg: DeployConfig) -> dict[str, str]:
 
 def secrets(p: JobPlan, cfg: DeployConfig) -> tuple[Secret, ...]:
     """The secrets the jobs read from their environment: the configured ones, and the endpoint's
-    credential (`<secret_scope>/<auth_env>` unless configured otherwise)."""
+    credential and signing keys (`<secret_scope>/<NAME>` unless configured otherwise)."""
     found = {s.env: s for s in cfg.secrets}
-    if p.auth_env and p.auth_env not in found:
-        found[p.auth_env] = Secret(p.auth_env, cfg.secret_scope, p.auth_env)
+    for name in (p.auth_env, *p.signing_envs):
+        if name and name not in found:
+            found[name] = Secret(name, cfg.secret_scope, name)
     return tuple(found.values())
 
 
