@@ -201,6 +201,8 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
     active = SparkSession.getActiveSession()
     if active is not None:
         spark_lines.line_for(active.version)
+        if telemetry.wants_json_logs() and telemetry.json_spark_logs(active):  # a cluster's
+            active.sparkContext.setLogLevel(os.environ.get("VARADHI_SPARK_LOG_LEVEL", "WARN"))
         return active
     spark_lines.line_for(running_spark_version())
     builder = (

@@ -355,12 +355,16 @@ def wants_json_logs(env: Mapping[str, str] = os.environ) -> bool:
 
 def json_spark_logs(spark: Any) -> bool:
     """Reconfigure the running driver JVM's log4j2 with `LOG4J2_JSON` unless it already reads
-    it; returns True when it changed it. For a JVM started before the job's Python (a cluster's
-    spark-submit): the lines it printed before stay as they were."""
+    it; returns True when it changed it (its levels are then the file's: set Spark's again).
+    For a JVM started before the job's Python (a cluster's spark-submit, Databricks): the lines
+    it printed before stay as they were."""
     jvm = spark.sparkContext._jvm
     path = log4j2_json_file()
     if jvm.java.lang.System.getProperty("log4j2.configurationFile") == path.as_uri():
         return False
-    uri = jvm.java.net.URI(path.as_uri())
-    jvm.org.apache.logging.log4j.core.config.Configurator.reconfigure(uri)
+    jvm.org.apache.logging.log4j.core.config.Configurator.reconfigure(
+        jvm.java.net.URI(path.as_uri())
+    )
+    # what the check above reads: the next session of this JVM leaves it as it is
+    jvm.java.lang.System.setProperty("log4j2.configurationFile", path.as_uri())
     return True
