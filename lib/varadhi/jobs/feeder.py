@@ -46,7 +46,7 @@ def main(argv: list[str]) -> int:
     runner.add_options(parser, "subscription")
     parser.add_argument("--source", required=True, help="the old RQ/DLQ storage topic to drain")
     runner.add_options(parser, "bootstrap", "cluster")
-    runner.add_telemetry_options(parser, "the feeder's own lines")
+    runner.add_telemetry_options(parser)
     args = parser.parse_args(argv)
     runner.setup_logging()
     options = runner.telemetry(args)

@@ -84,7 +84,7 @@ def add_relay_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="SQLite: seconds after which a dead relay's tables are taken over (10)",
     )
-    runner.add_telemetry_options(parser, "the relay's own lines")
+    runner.add_telemetry_options(parser)
 
 
 RELAY_METRICS = (

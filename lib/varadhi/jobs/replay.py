@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     runner.add_options(parser, "bootstrap")
     parser.add_argument("--output", choices=["text", "json"], default="text")
     runner.add_options(parser, "cluster")
-    runner.add_telemetry_options(parser, "the replay's own lines")
+    runner.add_telemetry_options(parser)
     args = parser.parse_args(argv)
     runner.setup_logging()
     telemetry = ReplayTelemetry(runner.telemetry(args))

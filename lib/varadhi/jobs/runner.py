@@ -144,9 +144,9 @@ def add_options(parser: argparse.ArgumentParser, *names: str) -> None:
         parser.add_argument(flag, **keywords)
 
 
-def add_telemetry_options(parser: argparse.ArgumentParser, what: str) -> None:
+def add_telemetry_options(parser: argparse.ArgumentParser, adds: str = "") -> None:
     """--metrics-port, --metrics-addr and --log-format, which every long-running job takes
-    (`telemetry`); `what` says what the JSON log adds (the shard: a line per micro-batch)."""
+    (`telemetry`); `adds` says what the job's JSON log adds (the shard: a line per batch)."""
     parser.add_argument(
         "--metrics-port",
         type=int,
@@ -163,8 +163,8 @@ def add_telemetry_options(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument(
         "--log-format",
         choices=("text", "json"),
-        help=f"json: one JSON object per log line, Spark's driver log too, and {what} "
-        "(default: $VARADHI_LOG_FORMAT or text)",
+        help=f"json: one JSON object per log line, Spark's driver lines too{adds} (default: "
+        "$VARADHI_LOG_FORMAT or text)",
     )
 
 

@@ -16,7 +16,8 @@ shard. A shard stopped with SIGINT/SIGTERM is not taken over.
 Operations (docs/operations.md, "Metrics and logs"): --metrics-port serves the shard's metrics as
 Prometheus text at http://ADDR:PORT/metrics on the driver (0 picks a free port, logged; default
 $VARADHI_METRICS_PORT, else off); --log-format json (or $VARADHI_LOG_FORMAT=json) writes every
-log line as a JSON object, with one `"event": "batch"` line per micro-batch.
+log line as a JSON object, Spark's driver lines too, with one `"event": "batch"` line per
+micro-batch.
 
 Exit codes: 0 stopped (SIGINT or SIGTERM, after the micro-batch in flight; or idle with
 --stop-when-idle; a standby stopped while waiting), 3 fenced by a newer instance of the same
@@ -59,7 +60,7 @@ def main(argv: list[str]) -> int:
         help="lease TTL: renewed every third of it; a standby takes over a lease not renewed "
         "for it (default: $VARADHI_LEASE_TTL_MS ms, or 15)",
     )
-    runner.add_telemetry_options(parser, "one line per micro-batch with its counts")
+    runner.add_telemetry_options(parser, ", and one line per micro-batch with its counts")
     args = parser.parse_args(argv)
     runner.setup_logging()
     settings = runner.settings(args)
