@@ -126,6 +126,8 @@ def test_the_jvm_log4j2_configuration_file_is_shared_and_written_whole(tmp_path)
     assert path.read_text() == telemetry.LOG4J2_JSON
     assert telemetry.log4j2_json_file(str(tmp_path)) == path  # by content: one per release
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
+    path.write_text("status = warn\n")  # changed under it: written again, not trusted
+    assert telemetry.log4j2_json_file(str(tmp_path)).read_text() == telemetry.LOG4J2_JSON
     assert telemetry.log4j2_java_option(path) == f"-Dlog4j2.configurationFile=file://{path}"
     conf = dict(
         line.split(" = ", 1) for line in telemetry.LOG4J2_JSON.splitlines() if " = " in line

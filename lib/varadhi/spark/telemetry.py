@@ -332,15 +332,23 @@ logger.hadoop_native.level = error
 
 def log4j2_json_file(folder: str | None = None) -> Path:
     """`LOG4J2_JSON` as a file in `folder` (default: the temporary folder), named by its
-    content's hash, so that every job of a release shares one and a changed one gets a new
-    name. Written atomically (a JVM starting meanwhile never reads half of it)."""
+    content's hash and this user's id, so that a user's jobs of a release share one and a
+    changed one gets a new name. Written atomically (a JVM starting meanwhile never reads half
+    of it). Hazard: a shared temporary folder: a file of that name is used only if this user
+    owns it and it holds exactly `LOG4J2_JSON` (another user could otherwise choose what the
+    JVM's log4j2 does); else the file is written again."""
     digest = hashlib.sha256(LOG4J2_JSON.encode()).hexdigest()[:12]
-    path = Path(folder or tempfile.gettempdir()) / f"varadhi-log4j2-json-{digest}.properties"
-    if not path.exists():
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".varadhi-log4j2-")
-        with os.fdopen(fd, "w") as f:
-            f.write(LOG4J2_JSON)
-        os.replace(tmp, path)
+    name = f"varadhi-log4j2-json-{os.getuid()}-{digest}.properties"
+    path = Path(folder or tempfile.gettempdir()) / name
+    try:
+        if path.stat().st_uid == os.getuid() and path.read_text() == LOG4J2_JSON:
+            return path
+    except OSError:  # none yet, or unreadable: written below
+        pass
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".varadhi-log4j2-")
+    with os.fdopen(fd, "w") as f:
+        f.write(LOG4J2_JSON)
+    os.replace(tmp, path)  # another user's file of this name is not replaceable: raises
     return path
 
 
