@@ -1,0 +1,185 @@
+"""The Kafka ACLs each component needs: the one table docs/kafka-acls.md shows (a unit test checks
+the page holds `markdown()` verbatim) and the least-privilege test grants (one principal per
+component, holding exactly `grants(component, names)`), so the two cannot disagree. Pure.
+
+A grant names its resource by a template over `Names`: `{catalog}` the catalog topic,
+`{topic}` a composite topic (its storage topics are `<topic>.0`, `<topic>.1`, ...), `{sub}` a
+subscription (its Kafka topics `<sub>.rq.<n>`, `<sub>.dlq.<n>`, `<sub>.journal`), `{outbox}` a
+Delta outbox. User-facing names cannot contain a dot, so a prefix `<sub>.` matches only that
+subscription's own topics (and those of a topic named exactly `<sub>`, if there is one).
+
+No consumer-group and no cluster ACL appears: every consumer of the product assigns partitions
+itself and commits no offsets to Kafka, and since Kafka 3.0 `Write` on a topic covers an
+idempotent producer (no `IdempotentWrite` on the cluster).
+
+Hazard: the table was measured, not derived: a change to what a component reads, writes,
+creates or describes must change its rows here, and the least-privilege test
+(`tests/integration/test_secure_kafka.py`) is what notices a missing one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TOPIC, TRANSACTIONAL_ID = "Topic", "TransactionalId"
+LITERAL, PREFIXED = "literal", "prefixed"
+
+# component -> who runs as it (the table's first column)
+COMPONENTS: dict[str, str] = {
+    "operator": "the `varadhi` commands other than `produce` (topics, subscriptions, "
+    "change-shards, status, DLQ, offset reset, replay, deletes), notebooks",
+    "producer": "the producer library, `varadhi produce`",
+    "shard": "a shard job (`varadhi-job shard`, `./spark-submit.sh NAME N`)",
+    "feeder": "a feeder job of a shard-count change (`varadhi-job feeder`)",
+    "outbox relay": "the SQL outbox relay (`varadhi-job outbox_relay`) and a Delta outbox's query",
+}
+
+
+@dataclass(frozen=True)
+class Names:
+    """The names a deployment's grants are made for."""
+
+    catalog: str = "__varadhi_catalog"
+    topic: str = "orders"
+    sub: str = "orders-http"
+    outbox: str = "orders"
+
+
+@dataclass(frozen=True)
+class Grant:
+    """One ACL of one component: ALLOW `operations` on `resource` (`TOPIC` or
+    `TRANSACTIONAL_ID`) named by `name`, a template over `Names`, matched as `pattern`
+    (`LITERAL` or `PREFIXED`). `optional`: the component works without it (the test grants
+    none of those)."""
+
+    component: str
+    resource: str
+    pattern: str
+    name: str
+    operations: tuple[str, ...]
+    why: str
+    optional: bool = False
+
+    def bound(self, names: Names) -> Grant:
+        """This grant with its name filled in from `names`."""
+        return Grant(
+            self.component,
+            self.resource,
+            self.pattern,
+            self.name.format(**vars(names)),
+            self.operations,
+            self.why,
+            self.optional,
+        )
+
+
+_CATALOG_TXN = "varadhi-catalog-writer.{catalog}"
+
+TABLE: tuple[Grant, ...] = (
+    # -- operator --------------------------------------------------------------------------
+    Grant("operator", TOPIC, LITERAL, "{catalog}",
+          ("Create", "Describe", "DescribeConfigs", "Read", "Write"),
+          "the catalog: read and changed by every command; made by the first one (Create); "
+          "checked to be compacted (DescribeConfigs)"),
+    Grant("operator", TRANSACTIONAL_ID, PREFIXED, _CATALOG_TXN, ("Describe", "Write"),
+          "the catalog writer's transactions"),
+    Grant("operator", TOPIC, LITERAL, "{catalog}_progress",
+          ("Create", "Describe", "Read", "Write"),
+          "`status` reads the shards' progress (and makes the topic if no shard has yet); "
+          "`subscription delete` writes tombstones for its shards' progress"),
+    Grant("operator", TOPIC, PREFIXED, "{topic}.",
+          ("Create", "Delete", "Describe", "DescribeConfigs", "Read"),
+          "`topic create`, `add-storage`, `delete`; the RQ/DLQ take the main topic's "
+          "`max.message.bytes`; offsets, status lag and replay read it"),
+    Grant("operator", TOPIC, PREFIXED, "{sub}.",
+          ("Create", "Delete", "Describe", "DescribeConfigs", "Read", "Write"),
+          "`subscription apply` and `change-shards` make the RQ/DLQ, `change-shards` writes "
+          "the last batch's records to the new ones; DLQ list, re-drive, offsets and status "
+          "read them; `subscription delete` deletes them and the journal"),
+    Grant("operator", TRANSACTIONAL_ID, LITERAL, "varadhi.{sub}.change-shards",
+          ("Describe", "Write"),
+          "`change-shards` sends the last batch's records in one transaction"),
+    # -- producer --------------------------------------------------------------------------
+    Grant("producer", TOPIC, LITERAL, "{catalog}", ("Describe", "DescribeConfigs", "Read"),
+          "reads a topic's produce pointer (no Write: it never changes the catalog)"),
+    Grant("producer", TOPIC, PREFIXED, "{topic}.", ("Describe", "Write"),
+          "sends to the produce storage topic"),
+    Grant("producer", TRANSACTIONAL_ID, PREFIXED, "varadhi-producer-{topic}-",
+          ("Describe", "Write"),
+          "transactional sends (`send_transaction`, `varadhi produce --transactional`)"),
+    # -- shard -----------------------------------------------------------------------------
+    Grant("shard", TOPIC, LITERAL, "{catalog}", ("Describe", "DescribeConfigs", "Read", "Write"),
+          "reads the subscription, writes its lease and hand-overs"),
+    Grant("shard", TOPIC, LITERAL, "{catalog}", ("AlterConfigs",),
+          "gives a catalog made by an older version hourly segments (`segment.ms`); without "
+          "it the shard logs that it could not and goes on", optional=True),
+    Grant("shard", TRANSACTIONAL_ID, PREFIXED, _CATALOG_TXN, ("Describe", "Write"),
+          "the catalog writer's and its lease writer's transactions"),
+    Grant("shard", TOPIC, LITERAL, "{catalog}_progress", ("Create", "Describe", "Read", "Write"),
+          "publishes its progress (made on first use), reads its last counters back"),
+    Grant("shard", TOPIC, PREFIXED, "{topic}.", ("Describe", "Read"),
+          "the Spark source reads the storage topics"),
+    Grant("shard", TOPIC, PREFIXED, "{sub}.", ("Describe", "DescribeConfigs", "Read", "Write"),
+          "reads and writes its RQ, DLQ and delivery journal; sizes its RQ/DLQ records by their "
+          "`max.message.bytes`"),
+    Grant("shard", TOPIC, LITERAL, "{sub}.journal", ("Create",),
+          "makes the delivery journal on first use"),
+    Grant("shard", TRANSACTIONAL_ID, PREFIXED, "varadhi.{sub}.s", ("Describe", "Write"),
+          "the RQ/DLQ writer's transactions (`varadhi.<sub>.s<count>.shard-<n>`)"),
+    # -- feeder ----------------------------------------------------------------------------
+    Grant("feeder", TOPIC, LITERAL, "{catalog}", ("Describe", "DescribeConfigs", "Read", "Write"),
+          "reads the change, marks itself done"),
+    Grant("feeder", TRANSACTIONAL_ID, PREFIXED, _CATALOG_TXN, ("Describe", "Write"),
+          "the catalog writer's transactions"),
+    Grant("feeder", TOPIC, PREFIXED, "{sub}.", ("Describe", "Read", "Write"),
+          "reads the old RQ/DLQ storage topic, writes the new one (Spark's Kafka sink)"),
+    # -- outbox relay ----------------------------------------------------------------------
+    Grant("outbox relay", TOPIC, LITERAL, "{catalog}", ("Describe", "DescribeConfigs", "Read"),
+          "reads a topic's produce pointer (no Write)"),
+    Grant("outbox relay", TOPIC, PREFIXED, "{topic}.", ("Describe", "Write"),
+          "sends the outbox's rows to the produce storage topic"),
+    Grant("outbox relay", TOPIC, LITERAL, "__varadhi_delta_outbox",
+          ("Create", "Describe", "Read", "Write"),
+          "a Delta outbox's markers (made on first use)"),
+    Grant("outbox relay", TRANSACTIONAL_ID, LITERAL, "varadhi-delta-outbox-{outbox}",
+          ("Describe", "Write"),
+          "a Delta outbox's transactions"),
+)  # fmt: skip
+
+
+def grants(component: str, names: Names, optional: bool = False) -> list[Grant]:
+    """The grants `component` needs for `names` (with the optional ones when asked)."""
+    if component not in COMPONENTS:
+        raise ValueError(f"no component {component!r}; one of {', '.join(COMPONENTS)}")
+    return [
+        g.bound(names) for g in TABLE if g.component == component and (optional or not g.optional)
+    ]
+
+
+def markdown() -> str:
+    """The table docs/kafka-acls.md shows: one row per grant, grouped by component."""
+    rows = [
+        "| Component | Resource | Pattern | Name | Operations | Why |",
+        "|---|---|---|---|---|---|",
+    ]
+    seen: set[str] = set()
+    for g in TABLE:
+        who = "" if g.component in seen else f"**{g.component}**: {COMPONENTS[g.component]}"
+        seen.add(g.component)
+        ops = ", ".join(g.operations) + (" (optional)" if g.optional else "")
+        name = g.name.replace("{", "<").replace("}", ">")
+        rows.append(f"| {who} | {g.resource} | {g.pattern} | `{name}` | {ops} | {g.why} |")
+    return "\n".join(rows) + "\n"
+
+
+def commands(component: str) -> str:
+    """`kafka-acls.sh` arguments granting `component` its (non-optional) grants, one line each,
+    as `acl ARGS` lines over the shell variables `CATALOG`, `TOPIC`, `SUB` and `OUTBOX`."""
+    shell = Names("${CATALOG}", "${TOPIC}", "${SUB}", "${OUTBOX}")
+    lines = []
+    for g in grants(component, shell):
+        kind = "--topic" if g.resource == TOPIC else "--transactional-id"
+        pattern = "--resource-pattern-type prefixed " if g.pattern == PREFIXED else ""
+        ops = " ".join(f"--operation {op}" for op in g.operations)
+        lines.append(f'acl {pattern}{kind} "{g.name}" {ops}')
+    return "\n".join(lines) + "\n"
