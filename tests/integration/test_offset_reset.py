@@ -10,7 +10,7 @@ from varadhi.cli import main as cli
 from varadhi.kafka import dlq
 from varadhi.kafka.subscriptions import from_snapshot
 from varadhi.ops import status
-from varadhi.testing.harness import delivered, produce, run_until_idle
+from varadhi.testing.harness import delivered, produce, run_until, run_until_idle
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
@@ -94,6 +94,48 @@ def test_fast_forward_dlq_unblocks_groups_parked_on_skipped_messages(
         run_until_idle(settings, spark, spec.name)
         assert delivered(endpoint, "g") == ["m0", "m2", "m3"]  # m1 was skipped by the reset
         assert status.collect(catalog, spec.name)["shards"][0]["blocked_groups"] == 0
+
+
+def test_fast_forward_rq_skips_a_pending_retry_and_releases_its_group(
+    settings, spark, make_subscription, catalog
+):
+    """m1 fails with 503 and a Retry-After of an hour: its retry goes to the RQ, is read back
+    before it is due and held in the shard's state, and g's later messages wait behind it. A
+    fast-forward of the RQ skips that retry, which is never delivered, and releases the group."""
+    from varadhi.spark import layouts
+    from varadhi.spark.state_store import StateStore
+    from varadhi.testing.endpoint import TestEndpoint
+
+    def located(msg_id: str) -> set[str]:
+        path = layouts.state_path(settings.warehouse, spec.name, 1, 0)
+        f = StateStore(spark, path, "-").frame
+        return set(f[f["msg_id"] == msg_id]["location"])
+
+    with TestEndpoint(script={"m1": [503]}, retry_after_s=3600) as endpoint:
+        spec = make_subscription(endpoint.url)
+        produce(settings, spec.topic, [("g", f"m{i}") for i in range(4)] + [("h", "h0")])
+        run_until(
+            settings,
+            spark,
+            spec.name,
+            lambda: located("m1") == {"held"} and located("m3") == {"held"},
+            "m1's retry read back from the RQ and held, m3 behind it",
+        )
+        assert delivered(endpoint, "g") == ["m0"] and delivered(endpoint, "h") == ["h0"]
+
+        reset = ["offsets", "reset", spec.name, "--queue", "rq", "--to-latest", "--execute"]
+        assert cli(reset) == 0
+        produce(settings, spec.topic, [("g", "m4")])
+        run_until(
+            settings,
+            spark,
+            spec.name,
+            lambda: len(delivered(endpoint, "g")) >= 4,
+            "g's later messages delivered",
+        )
+        assert delivered(endpoint, "g") == ["m0", "m2", "m3", "m4"]  # m1's retry was skipped
+        assert [r.status for r in endpoint.records() if r.message_id == "m1"] == [503]
+        assert located("m1") == set()
 
 
 class Crash(Exception):

@@ -17,6 +17,7 @@ from varadhi.ops.offsets import (
     plan_main,
     positions_after,
     positions_doc,
+    read_back_passed,
 )
 from varadhi.spark.layouts import Layout
 
@@ -115,6 +116,15 @@ def test_internal_queues_only_fast_forward():
     kafka.at_time["s.rq.0"][:] = [5, 25, None, 41]
     moves, _ = plan_internal("rq", sub, rq, current, kafka, "to-datetime", 1)
     assert {(mv.partition, mv.new) for mv in moves} == {(0, 10), (1, 25), (2, 100), (3, 41)}
+
+    # The retries shards read back before they were due and hold: skipped where a move's new
+    # position passes their records (every RQ partition moved, even by nothing).
+    plan = Plan("rq", "to-datetime", 1, moves, {}, {})
+    assert read_back_passed(plan) == {
+        0: {("s.rq.0", 0): 10, ("s.rq.0", 1): 25},
+        1: {("s.rq.0", 2): 100, ("s.rq.0", 3): 41},
+    }
+    assert read_back_passed(Plan("dlq", "to-datetime", 1, moves, {}, {})) == {}
 
 
 def recorded(plan: Plan, before, step="advancing-state", generation=3, shards=2):

@@ -166,3 +166,15 @@ def test_a_table_with_fewer_or_more_columns_reads_into_the_state_columns():
     [back] = state_rows(normalise(old))
     assert back == row._replace(source=None)
     assert list(normalise(old).columns) == COLUMN_NAMES
+
+
+def test_read_before_compares_a_sources_offset_with_its_partitions_position():
+    from varadhi.core.state_rows import read_before
+
+    positions = {("s.rq.0", 1): 5}
+    assert read_before("s.rq.0/1/4", positions)
+    assert not read_before("s.rq.0/1/5", positions)  # at the position: not passed
+    assert not read_before("s.rq.0/0/0", positions)  # a partition the positions lack
+    assert not read_before("t.0/1/0", positions)  # another topic (the main topic's copy)
+    for odd in (None, "", "s.rq.0", "s.rq.0/1", "s.rq.0/x/1", "/1/1"):
+        assert not read_before(odd, positions), odd

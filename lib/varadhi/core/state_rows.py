@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, NamedTuple
@@ -200,6 +201,18 @@ def entry_of(row: StateRow) -> Entry:
         source=row.source or "",
         invalid=row.reason if row.location in ("held", "new") and attempts == 0 else None,
     )
+
+
+def read_before(source: str | None, positions: Mapping[tuple[str, int], int]) -> bool:
+    """Whether a copy read at `source` (`topic/partition/offset`, the `source` column) lies
+    before the offset `positions` gives its topic partition ((topic, partition) -> offset); a
+    partition `positions` lacks, or a source that is not of that form, is not (pure)."""
+    topic, _, rest = (source or "").rpartition("/")
+    topic, _, partition = topic.rpartition("/")
+    if not (topic and partition.isdigit() and rest.isdigit()):
+        return False
+    at = positions.get((topic, int(partition)))
+    return at is not None and int(rest) < at
 
 
 def encode_headers(headers: dict[str, str]) -> str:

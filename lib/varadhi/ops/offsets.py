@@ -12,7 +12,9 @@ Executing a reset (shards stopped):
    partition's move (from, to);
 2. for RQ/DLQ, GroupState is advanced: entries that wait for a skipped RQ record, or that block
    their group on a skipped DLQ record, are removed, so no group stays blocked on a message that
-   will never come back;
+   will never come back; so are, for the RQ, the retries a shard read back before they were due
+   and holds (`held`, read from a record before the new position: `read_back_passed`), which
+   the plan's moves do not count as skipped (the shard's position is past their records);
 3. in one catalog write: the recorded generation (fresh checkpoints and Delta idempotency ids:
    DESIGN hazard 7), every shard's reader layout with explicit starting offsets, and for the DLQ
    the new start of what `dlq list`/`unsideline` consider parked; the operation is `done`.
@@ -385,6 +387,18 @@ def skipped_records(catalog: Catalog, moves: tuple[Move, ...]) -> list[tuple[int
         consumer.close()
 
 
+def read_back_passed(plan: Plan) -> dict[int, dict[tuple[str, int], int]]:
+    """Per shard, every RQ partition an RQ fast-forward moves and its new position (pure). A
+    shard reads an RQ record back before it is due and holds the retry (`held`, the record's
+    position as its `source`): the fast-forward skips such retries too, as it skips the records
+    it passes, so none of them waits for its due time with its group behind it."""
+    out: dict[int, dict[tuple[str, int], int]] = {}
+    if plan.queue == "rq":
+        for mv in plan.moves:
+            out.setdefault(mv.shard, {})[(mv.topic, mv.partition)] = mv.new
+    return out
+
+
 def ensure_stopped(catalog: Catalog, name: str) -> None:
     """Refuse while any shard of `name` may still be running (`status.running_shards`)."""
     running = status.shards_running(catalog, name)
@@ -548,25 +562,33 @@ class OffsetReset:
         self.catalog.mutate(change)
 
     def _advance_state(self, sub: subscriptions.Subscription, plan: Plan, spark) -> None:
-        """Drop GroupState entries that wait for, or are blocked by, a skipped record."""
+        """Drop GroupState entries that wait for, or are blocked by, a skipped record, and (RQ)
+        the retries read back before they were due whose records the new positions pass."""
         from varadhi.spark.session import get_spark
         from varadhi.spark.state_store import StateStore
 
         if plan.queue not in ("rq", "dlq"):
             return
-        skipped = skipped_records(self.catalog, plan.moves)
-        if not skipped:
-            return
         location = "rq" if plan.queue == "rq" else "dlq"
-        spark = spark or get_spark("varadhi-offset-reset")
         by_shard: dict[int, set[tuple[int, int, int, int]]] = {}
-        for shard, origin, attempts in skipped:
+        for shard, origin, attempts in skipped_records(self.catalog, plan.moves):
             by_shard.setdefault(shard, set()).add(
                 (origin.index, origin.partition, origin.offset, attempts)
             )
-        for shard, gone in by_shard.items():
-            path = layouts.state_path(
-                self.catalog.settings.warehouse, sub.name, sub.shard_count, shard
-            )
+        passed = read_back_passed(plan) if plan.queue == "rq" else {}
+        wh = self.catalog.settings.warehouse
+        paths = {
+            shard: layouts.state_path(wh, sub.name, sub.shard_count, shard)
+            for shard in {*by_shard, *passed}
+        }
+        fs = for_path(wh, spark, purpose=f"varadhi-offset-reset-{sub.name}")
+        paths = {s: p for s, p in paths.items() if fs.exists(f"{p}/_delta_log")}
+        if not paths:  # no shard has state to advance: no Spark
+            return
+        spark = spark or get_spark("varadhi-offset-reset")
+        for shard, path in sorted(paths.items()):
             store = StateStore(spark, path, "offset-reset")
-            store.drop_entries(location, gone)
+            if by_shard.get(shard):
+                store.drop_entries(location, by_shard[shard])
+            if passed.get(shard):
+                store.drop_held_read_before(passed[shard])

@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 
 import pandas as pd
 from pyspark.sql import SparkSession
@@ -64,6 +65,7 @@ from varadhi.core.state_rows import (
     STATE_SCHEMA,
     Kind,
     normalise,
+    read_before,
 )
 from varadhi.spark.warehouse_fs import HadoopFS
 
@@ -141,6 +143,23 @@ class StateStore(StateCopy):
             kind == Kind.PENDING and where == location and tuple(int(x) for x in k) in origins
             for kind, where, k in zip(f["kind"], f["location"], keys, strict=True)
         ]
+        return self._drop(hit)
+
+    def drop_held_read_before(self, positions: Mapping[tuple[str, int], int]) -> int:
+        """Remove `held` pending entries read from a record before the offset `positions` gives
+        its topic partition (`state_rows.read_before`): retries read back from the RQ before
+        they were due, which an RQ fast-forward to those positions skips. Writes the table
+        (offline use: the shard must be stopped). Returns how many were removed."""
+        f = self.frame
+        hit = [
+            kind == Kind.PENDING and where == "held" and read_before(source, positions)
+            for kind, where, source in zip(f["kind"], f["location"], f["source"], strict=True)
+        ]
+        return self._drop(hit)
+
+    def _drop(self, hit: list[bool]) -> int:
+        """Write the table without the rows `hit` marks (nothing when it marks none)."""
+        f = self.frame
         if not any(hit):
             return 0
         frame = normalise(f[[not h for h in hit]])

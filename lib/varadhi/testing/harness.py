@@ -33,6 +33,38 @@ def run_until_idle(settings: Settings, spark, name: str, shard: int = 0, idle_s:
     return job
 
 
+def run_until(
+    settings: Settings,
+    spark,
+    name: str,
+    condition: Callable[[], bool],
+    what: str,
+    seconds: float = 120.0,
+    shard: int = 0,
+):
+    """Run one shard in this process until `condition()` holds (within `seconds`, else
+    AssertionError naming `what`), then stop it between batches; returns the job. For runs that
+    never go idle: a retry parked until far ahead keeps `run_until_idle` waiting for its tick."""
+    import threading
+
+    from varadhi.spark.shard.job import ShardJob
+
+    job = ShardJob(name, shard, settings, spark=spark)
+    codes: list[int] = []
+    thread = threading.Thread(target=lambda: codes.append(job.run()), daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: condition() or not thread.is_alive(), seconds, what)
+    finally:
+        job.request_stop()
+        thread.join(150)
+    if thread.is_alive() or codes != [0]:
+        raise AssertionError(f"shard {shard} of {name} ended with {codes or 'no exit'}")
+    if not condition():
+        raise AssertionError(f"{what}: not met when shard {shard} of {name} ended")
+    return job
+
+
 def delivered(endpoint: TestEndpoint, group: str | None = None) -> list[str]:
     """Message ids the endpoint accepted (2xx), in arrival order, optionally of one group."""
     return [
