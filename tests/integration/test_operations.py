@@ -86,30 +86,44 @@ def test_repeated_unsideline_delivers_each_dead_letter_once(
     with TestEndpoint(script=script) as endpoint:
         spec = make_subscription(endpoint.url)
         produce(settings, spec.topic, [("g", f"g{i}") for i in range(3)] + [("h", "h1")])
-        produce(settings, spec.topic, [("k", "k1")])
+        produce(settings, spec.topic, [("k", "k1"), ("h", "h2")])
         run_until_idle(settings, spark, spec.name)
         assert delivered(endpoint) == ["g0"]
 
         def ok(msg_id):
             return delivered(endpoint).count(msg_id)
 
+        def parked():
+            return sorted((p["msg_id"], p["state"]) for p in dlq.list_parked(catalog, spec.name))
+
+        # By message id, through the command line: g1 and k1 only; h1 stays parked, and h2
+        # waits behind it.
         unsideline = ["dlq", "unsideline", spec.name]
-        assert cli(unsideline + ["--group-ids", "g", "k"]) == 0
+        assert cli(unsideline + ["--message-ids", "g1", "k1"]) == 0
         run_until_idle(settings, spark, spec.name)
         assert delivered(endpoint, "g") == ["g0", "g1", "g2"]
         assert ok("k1") == 0  # re-driven, failed again: a new dead letter
+        assert delivered(endpoint, "h") == []
+        assert parked() == [
+            ("g1", "redriven"),
+            ("h1", "parked"),
+            ("k1", "parked"),
+            ("k1", "redriven"),
+        ]
 
-        # The same selector again: g1 was re-driven already; k1's new dead letter was not.
+        # An overlapping selector: g1 was re-driven already; k1's new dead letter was not.
         assert cli(unsideline + ["--group-ids", "g", "k"]) == 0
         run_until_idle(settings, spark, spec.name)
         assert delivered(endpoint, "g") == ["g0", "g1", "g2"]
         assert ok("k1") == 1
+        assert delivered(endpoint, "h") == []
 
-        # A failure-time selector, twice: h1 once, nothing re-driven before again.
+        # A failure-time selector, twice: h1 once (h2 after it), nothing re-driven before again.
         for _ in range(2):
             assert cli(unsideline + ["--failed-since", since]) == 0
             run_until_idle(settings, spark, spec.name)
-            assert [ok(i) for i in ("g1", "g2", "h1", "k1")] == [1, 1, 1, 1]
+            assert [ok(i) for i in ("g1", "g2", "h1", "h2", "k1")] == [1, 1, 1, 1, 1]
+        assert delivered(endpoint, "h") == ["h1", "h2"]
         assert [r.message_id for r in endpoint.records()].count("g1") == 2  # 404, then 200
         assert {(p["msg_id"], p["state"]) for p in dlq.list_parked(catalog, spec.name)} == {
             ("g1", "redriven"),
