@@ -127,7 +127,8 @@ class Ledger:
 
     `start` is where reading starts (the committed offset), `restored` what the commit's
     metadata said. `read(offset)` is told each record read, in order; it answers False for one
-    that finished before the restart (skip it: it is finished already). `finish(offset)` is told
+    that finished before the restart, or that it was told of already (the partition was read
+    again from its commit after a rebalance that left it here): skip it. `finish(offset)` is told
     each record that finished. Not thread-safe."""
 
     def __init__(self, start: int, restored: Restored | None = None):
@@ -137,7 +138,9 @@ class Ledger:
         self.upto = start  # one past the highest offset read
 
     def read(self, offset: int) -> bool:
-        self.upto = max(self.upto, offset + 1)
+        if offset < self.upto:  # read again after a rebalance gave the partition back
+            return False
+        self.upto = offset + 1
         if self.restored.finished(offset):
             return False
         self.outstanding.add(offset)

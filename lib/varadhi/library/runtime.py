@@ -21,10 +21,12 @@ assigned, its RQ partitions are read to their end before its main-topic partitio
 with a retry pending from before a restart or rebalance is blocked before its later messages
 are seen.
 
-Rebalance. When slots are revoked the member hands out nothing more of them, waits for their
-deliveries in flight to end (up to the endpoint's request timeout), lets the producer
-acknowledge what they wrote, commits, and forgets them. A member that dies instead leaves what
-it had in flight to be delivered again by the next owner: at least once.
+Rebalance. When slots are revoked the member hands out nothing more of them; slots the
+rebalance gives back go on where they were (what is read again is skipped), slots gone wait for
+their deliveries in flight to end (up to the endpoint's request timeout) and are forgotten,
+uncommitted: kafka-python's rebalance listener runs on its I/O thread, which must not block,
+so no commit is made at a revoke, and the next owner delivers again what finished since the
+last commit (`commit_interval_s`), as well as what was in flight: at least once.
 
 Hazards: a subscription must not be run by this runtime and by Spark shards at once (they take
 no common lease); the consumer does not re-read the catalog for a spec change while it runs,
@@ -124,6 +126,8 @@ class Consumer:
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
         self._catch_up: dict[int, dict[TopicPartition, int]] = {}  # slot -> RQ end offsets
         self._paused: set[TopicPartition] = set()
+        self._revoked: set[TopicPartition] = set()  # by the listener, for `_rebalanced`
+        self._assigned: set[TopicPartition] | None = None  # the last assignment, unprocessed
         self._stopping = threading.Event()
         self._state = "new"
         self._error: str | None = None
@@ -178,6 +182,14 @@ class Consumer:
         self._producer = kafka_clients.producer(
             self.settings, acks="all", linger_ms=1, max_request_size=MAX_REQUEST_BYTES
         )
+        # Committed offsets and their metadata, end offsets: read with a consumer of the group
+        # that never joins it (`_rebalanced`).
+        self._offsets = kafka_clients.consumer(
+            self.settings,
+            group_id=group_id(self.name),
+            enable_auto_commit=False,
+            isolation_level="read_committed",
+        )
         self._consumer = kafka_clients.consumer(
             self.settings,
             group_id=group_id(self.name),
@@ -187,7 +199,14 @@ class Consumer:
             partition_assignment_strategy=[SlotAssignor(sub.shard_count)],
             max_poll_records=1000,
         )
-        self._consumer.subscribe(topics=[self._main.name, self._rq.name], listener=_Listener(self))
+        names = [self._main.name, self._rq.name]
+        for name in names:
+            # Metadata first: a group joined before it knows its topics' partitions assigns
+            # nothing, then rebalances again at once, and kafka-python 3.0.12 was seen to hang
+            # in that second join's assignment now and then.
+            self._consumer.partitions_for_topic(name)
+            self._offsets.partitions_for_topic(name)  # else its offset look-ups miss some
+        self._consumer.subscribe(topics=names, listener=_Listener(self))
         self._state = "running"
         self._spawn(self._consume, "kafka")
         if self.handler is None:
@@ -246,6 +265,8 @@ class Consumer:
         try:
             while not self._stopping.is_set():
                 batches = consumer.poll(timeout_ms=POLL_MS)
+                if self._assigned is not None:
+                    self._rebalanced()
                 self._apply_finished()
                 for tp, records in batches.items():
                     self._ingest(tp, records)
@@ -272,6 +293,7 @@ class Consumer:
                 self._fail(e)
             finally:
                 consumer.close(autocommit=False)
+                self._offsets.close(autocommit=False)
                 self._producer.close(timeout=10)
                 self._catalog.close()
                 if self.handler is None:
@@ -367,21 +389,25 @@ class Consumer:
         """Pause a slot's main-topic partitions while its RQ is read to its end (`_catch_up`)
         and every main-topic partition while `max_pending` messages are held."""
         consumer = self._consumer
+        owned = consumer.assignment()  # may change under us: the listener runs elsewhere
         for ends in self._catch_up.values():
             for tp, end in list(ends.items()):
-                if consumer.position(tp) >= end:
+                if tp in owned and consumer.position(tp) >= end:
                     del ends[tp]
         full = self._sched.pending >= self.options.max_pending
         want = {
             tp
             for tp in self._ledgers
-            if tp.topic == self._main.name and (full or self._catch_up.get(self._slot(tp)))
+            if tp.topic == self._main.name
+            and tp in owned
+            and (full or self._catch_up.get(self._slot(tp)))
         }
-        if want - self._paused:
-            consumer.pause(*(want - self._paused))
-        if self._paused - want:
-            consumer.resume(*(self._paused - want))
-        self._paused = want
+        held = {tp for tp in self._paused if tp.topic == self._main.name and tp in owned}
+        if want - held:
+            consumer.pause(*(want - held))
+        if held - want:
+            consumer.resume(*(held - want))
+        self._paused = (self._paused - held) | want
 
     def _commit(self, only: set[TopicPartition] | None = None) -> None:
         offsets = {}
@@ -412,50 +438,72 @@ class Consumer:
                 + (" after resume" if sub.paused else "")
             )
 
-    # -- rebalance (called by the consumer's poll, on the Kafka thread) -----------------------
+    # -- rebalance ----------------------------------------------------------------------------
+    # The listener runs on kafka-python's I/O thread, which must not block: it only closes the
+    # revoked slots and pauses what it was given; `_rebalanced` (the Kafka thread, after the
+    # poll) does the rest.
     def _revoke(self, revoked) -> None:
-        tps = set(revoked) & set(self._ledgers)
-        if not tps:
-            return
-        slots = self._slots_of(tps)
-        deadline = time.monotonic() + self._spec.endpoint.request_timeout_ms / 1000 + 10
         with self._lock:
-            self._sched.close(slots)
-            while self._sched.busy(slots) and time.monotonic() < deadline:
-                self._lock.wait(0.05)
-        self._producer.flush(timeout=30)
-        self._apply_finished()
-        self._commit(only=tps)
-        with self._lock:
-            self._sched.drop(slots)
-            for tp in tps:
-                self._ledgers.pop(tp, None)
-                self._committed.pop(tp, None)
-            for slot in slots:
-                self._catch_up.pop(slot, None)
-            self._counts["rebalances"] += 1
-        self._paused -= tps
+            tps = set(revoked) & set(self._ledgers)
+            self._sched.close(self._slots_of(tps))
+            self._revoked |= tps
 
     def _assign(self, assigned) -> None:
-        consumer = self._consumer
+        with self._lock:
+            self._assigned = set(assigned)
+        new = [tp for tp in assigned if tp not in self._ledgers]
+        if new:  # nothing is read before `_rebalanced` made its ledger
+            self._consumer.pause(*new)
+            self._paused |= set(new)
+
+    def _rebalanced(self) -> None:
+        """After a rebalance: slots given back are handed out again; slots gone wait for their
+        deliveries in flight (their outcomes are written; their offsets are not committed: the
+        next owner delivers what finished since the last commit again) and are forgotten; new
+        partitions get their ledger from their commit and its metadata, and a new slot reads
+        its RQ to the end before its main-topic partitions."""
+        with self._lock:
+            assigned, self._assigned = self._assigned or set(), None
+            gone, self._revoked = self._revoked - assigned, set()
+        if gone:
+            slots = self._slots_of(gone)
+            deadline = time.monotonic() + self._spec.endpoint.request_timeout_ms / 1000 + 10
+            with self._lock:
+                while self._sched.busy(slots) and time.monotonic() < deadline:
+                    self._lock.wait(0.05)
+                self._sched.drop(slots)
+                for tp in gone:
+                    self._ledgers.pop(tp, None)
+                    self._committed.pop(tp, None)
+                    self._paused.discard(tp)
+                for slot in slots:
+                    self._catch_up.pop(slot, None)
         new = [tp for tp in assigned if tp not in self._ledgers]
         rq_tps = [tp for tp in new if tp.topic == self._rq.name]
-        ends = consumer.end_offsets(rq_tps) if rq_tps else {}
+        # The member's own consumer is not asked: its blocking calls made between a revoke and
+        # the next assignment were seen to stall kafka-python 3.0.12's join for good.
+        offsets = self._offsets
+        ends = offsets.end_offsets(rq_tps) if rq_tps else {}
+        ledgers = {}
+        for tp in new:
+            committed = offsets.committed(tp, metadata=True)
+            if committed is None or committed.offset < 0:
+                ledgers[tp] = (Ledger(0), None)  # reading starts at the log's start
+            else:
+                offset, metadata = committed.offset, committed.metadata or ""
+                ledgers[tp] = (Ledger(offset, decode(offset, metadata)), (offset, metadata))
         with self._lock:
-            for tp in new:
-                committed = consumer.committed(tp, metadata=True)
-                if committed is None:
-                    self._ledgers[tp] = Ledger(consumer.position(tp))
-                else:
-                    offset, metadata = committed.offset, committed.metadata
-                    self._ledgers[tp] = Ledger(offset, decode(offset, metadata))
-                    self._committed[tp] = (offset, metadata or "")
+            self._sched.reopen(self._slots_of(assigned - set(new)))
+            for tp, (ledger, position) in ledgers.items():
+                self._ledgers[tp] = ledger
+                if position is not None:
+                    self._committed[tp] = position
             for tp in rq_tps:
                 self._catch_up.setdefault(self._slot(tp), {})[tp] = ends.get(tp, 0)
-        main = [tp for tp in new if tp.topic == self._main.name]
-        if main:
-            consumer.pause(*main)
-            self._paused |= set(main)
+            self._counts["rebalances"] += 1
+        if rq_tps:
+            self._consumer.resume(*rq_tps)
+            self._paused -= set(rq_tps)
 
     def _slot(self, tp: TopicPartition) -> int:
         topic = self._rq if tp.topic == self._rq.name else self._main
@@ -611,7 +659,7 @@ class Consumer:
     def _fail(self, error: BaseException) -> None:
         if isinstance(error, KafkaError):
             error = VaradhiError(f"Kafka: {kafka_clients.explain(self.settings, error)}")
-        log.error("%s: consumer stops: %s", self.name, error)
+        log.error("%s: consumer stops: %s", self.name, error, exc_info=error)
         with self._lock:
             if self._error is None:
                 self._error = str(error) or type(error).__name__

@@ -146,6 +146,11 @@ class Scheduler:
         """Hand out nothing more of `slots` (revoked); `drop` them once none is in flight."""
         self._closed |= slots
 
+    def reopen(self, slots: set[int]) -> None:
+        """Hand out `slots` again (given back by the rebalance that revoked them)."""
+        self._closed -= slots
+        self._ready.extend(k for k in self._queues if k[0] in slots)
+
     def busy(self, slots: set[int]) -> int:
         return sum(self.in_flight.get(s, 0) for s in slots)
 
