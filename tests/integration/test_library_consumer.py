@@ -5,6 +5,10 @@ rebalance, and the refusal of a subscription using what the runtime does not sup
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -195,3 +199,34 @@ def test_a_subscription_using_unsupported_features_is_refused(
         consumer.start()
     assert refused.value.exit_code == 2
     assert consumer.health()["state"] == "failed"
+
+
+def test_the_console_script_delivers_until_sigterm_and_refuses_clearly(
+    settings, catalog, make_topic, unique_name, capsys
+):
+    from varadhi.library import console
+
+    assert console.main([unique_name("absent"), "--bootstrap", settings.bootstrap]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert console.main(["s", "--ordering-key", "json:x"]) == 2
+    assert "ordering-key" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as shown:
+        console.main(["--help"])
+    assert shown.value.code == 0 and "SUBSCRIPTION" in capsys.readouterr().out
+
+    with TestEndpoint() as endpoint:
+        spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook")
+        ids = produce(settings, spec.topic, groups=3, per_group=2)
+        script = os.path.join(os.path.dirname(sys.executable), "varadhi-consumer")
+        proc = subprocess.Popen(
+            [script, spec.name, "--bootstrap", settings.bootstrap],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            wait_for(lambda: len(endpoint.records()) >= len(ids), "the script's deliveries")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=DEADLINE_S)
+        assert proc.returncode == 0, err
+        assert sorted(r.message_id for r in endpoint.records()) == sorted(ids)

@@ -71,9 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not args.verbose:
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     try:
         if args.max_in_flight is not None and args.max_in_flight < 1:
             raise InvalidArgument(
@@ -94,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         return 4
     except KeyboardInterrupt:
         return 130
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
     print(
         f"varadhi-consumer: delivering {args.subscription} as a member of"
         f" {group_id(args.subscription)}",

@@ -303,7 +303,9 @@ class Consumer:
 
     def _ingest(self, tp: TopicPartition, records) -> None:
         ledger = self._ledgers.get(tp)
-        if ledger is None:
+        if ledger is None:  # not set up yet (never seen): read these again later
+            if tp in self._consumer.assignment():
+                self._consumer.seek(tp, records[0].offset)
             return
         works = []
         for r in records:
@@ -452,9 +454,11 @@ class Consumer:
         with self._lock:
             self._assigned = set(assigned)
         new = [tp for tp in assigned if tp not in self._ledgers]
-        if new:  # nothing is read before `_rebalanced` made its ledger
+        # A new assignment resumes every partition; nothing new is read before `_rebalanced`
+        # made its ledger (`_gate` pauses the rest again as needed).
+        self._paused = set(new)
+        if new:
             self._consumer.pause(*new)
-            self._paused |= set(new)
 
     def _rebalanced(self) -> None:
         """After a rebalance: slots given back are handed out again; slots gone wait for their
