@@ -3,10 +3,12 @@ started by `VARADHI_KAFKA_SECURE=1 scripts/kafka start` on its own port and fold
 module and wiped afterwards; no plaintext listener exists on it. Every client here goes through
 `--command-config`, `Settings.kafka` or (a spawned job) `$VARADHI_KAFKA_CONFIG`.
 
-The user `carol` holds exactly the ACLs of docs/kafka-acls.md and runs the whole flow: subscription
-apply, produce, a grouped shard with retry and DLQ, change-shards with feeders, re-drive, replay,
-offset reset of every queue, status, both outbox relays. Lacking one ACL, a command or shard ends
-in one line naming it. Bad credentials, an unknown CA, an unreachable cluster and bad
+Each component (operator commands, producer, shard, feeder, outbox relay) runs as a user of its
+own holding exactly its grants of `varadhi.kafka.acls` (the table docs/kafka-acls.md shows), and
+together they run the whole flow: topic create, subscription apply, produce, a grouped shard
+with retry and DLQ, change-shards with feeders, re-drive, replay, offset reset of every queue,
+status, deletes, both outbox relays. Lacking one ACL, a command or job ends in one line naming
+it; a user cannot do what its grants leave out. Bad credentials, an unknown CA, an unreachable cluster and bad
 configuration each end in one clear line too."""
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import pytest
 
 from varadhi.cli import main as cli_main
 from varadhi.core.errors import NotAuthorized
+from varadhi.kafka import acls
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import config as kafka_config
 from varadhi.kafka.settings import Settings
 from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered, read_queue, run_until_idle
-from varadhi.testing.secure_kafka import free_port_pair, secured_broker
+from varadhi.testing.secure_kafka import free_port_pair, operation_key, secured_broker
 
 pytestmark = [pytest.mark.kafka]
 
@@ -36,10 +39,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def secure_broker(tmp_path_factory):
-    """(bootstrap, data folder) of a SASL_SSL broker started for this module."""
-    with secured_broker(tmp_path_factory.mktemp("secure-kafka") / "broker") as broker:
-        yield broker.bootstrap, broker.folder
+def broker(tmp_path_factory):
+    """A SASL_SSL broker started for this module (`SecuredBroker`)."""
+    with secured_broker(tmp_path_factory.mktemp("secure-kafka") / "broker") as started:
+        yield started
+
+
+@pytest.fixture(scope="module")
+def secure_broker(broker):
+    """(bootstrap, data folder) of the module's broker."""
+    return broker.bootstrap, broker.folder
 
 
 @pytest.fixture(scope="module")
@@ -161,33 +170,58 @@ def test_bad_configuration_is_refused_before_anything_starts(cli, alice, tmp_pat
     assert result[0] == 2
 
 
-# -- least privilege: carol holds exactly the ACLs of docs/kafka-acls.md ----------------------
+# -- least privilege: one principal per component, holding exactly its varadhi.kafka.acls grants --
+
+USERS = {c: "acl-" + c.replace(" ", "-") for c in acls.COMPONENTS}  # component -> user
 
 
 @pytest.fixture(scope="module")
-def carol_settings(secure_broker, tmp_path_factory) -> Settings:
-    """carol's deployment: the default catalog topic, names starting with `carol-`."""
-    return Settings(
-        bootstrap=secure_broker[0],
-        catalog_topic="__varadhi_catalog",
-        warehouse=str(tmp_path_factory.mktemp("carol-warehouse")),
-        kafka=kafka_config.load(str(secure_broker[1] / "carol.properties")),
-    )
+def acl_catalog() -> str:
+    """The least-privilege tests' own catalog topic: the operator makes it."""
+    return f"__varadhi_catalog_acl_{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="module")
+def users(broker) -> dict[str, str]:
+    """component -> the properties file of its user (made here, holding no ACL yet)."""
+    paths = broker.add_users(USERS.values())
+    return {component: paths[user] for component, user in USERS.items()}
+
+
+@pytest.fixture(scope="module")
+def settings_of(broker, users, acl_catalog, tmp_path_factory):
+    """settings_of(component) -> Settings of the component's user in the tests' deployment
+    (`"verify"`: alice's, for the tests' own reads)."""
+    warehouse = str(tmp_path_factory.mktemp("acl-warehouse"))
+
+    def settings(component: str) -> Settings:
+        source = users.get(component) or str(broker.folder / "alice.properties")
+        return Settings(bootstrap=broker.bootstrap, catalog_topic=acl_catalog,
+                        warehouse=warehouse, kafka=kafka_config.load(source))  # fmt: skip
+
+    return settings
+
+
+def deployment(broker, acl_catalog: str, tag: str) -> acls.Names:
+    """New names (`acl-t-<tag>`, `acl-s-<tag>`, `acl-dox-<tag>`) and every component's user
+    holding exactly the table's grants for them."""
+    names = acls.Names(acl_catalog, f"acl-t-{tag}", f"acl-s-{tag}", f"acl-dox-{tag}")
+    broker.allow({user: acls.grants(component, names) for component, user in USERS.items()})
+    return names
 
 
 @pytest.fixture
-def as_user(carol_settings, secure_broker, capsys, monkeypatch):
-    """as_user(user, *args) -> (exit code, stdout, stderr) of `varadhi --command-config
-    <user>.properties ARGS` in carol's deployment (admin's properties for admin)."""
-    monkeypatch.setenv("VARADHI_CATALOG_TOPIC", carol_settings.catalog_topic)
-    monkeypatch.setenv("VARADHI_WAREHOUSE", carol_settings.warehouse)
+def as_user(settings_of, broker, capsys, monkeypatch):
+    """as_user(component, *args) -> (exit code, stdout, stderr) of `varadhi --command-config
+    <its user's properties> ARGS` in the tests' deployment."""
+    settings = settings_of("operator")
+    monkeypatch.setenv("VARADHI_CATALOG_TOPIC", settings.catalog_topic)
+    monkeypatch.setenv("VARADHI_WAREHOUSE", settings.warehouse)
 
-    def run(user: str, *args: str) -> tuple[int, str, str]:
+    def run(component: str, *args: str) -> tuple[int, str, str]:
         capsys.readouterr()
-        config = str(secure_broker[1] / f"{user}.properties")
-        code = cli_main(
-            ["--bootstrap", carol_settings.bootstrap, "--command-config", config, *args]
-        )
+        config = settings_of(component).kafka.source
+        code = cli_main(["--bootstrap", broker.bootstrap, "--command-config", config, *args])
         out, err = capsys.readouterr()
         return code, out, err
 
@@ -195,9 +229,10 @@ def as_user(carol_settings, secure_broker, capsys, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def denied(secure_broker, carol_settings):
-    """with denied(operation, resource type, name): carol lacks exactly that ACL (a DENY ACL,
-    which wins over her prefixed ALLOWs, added by admin and removed on exit)."""
+def denied(broker):
+    """with denied(component, operation, resource type, name): the component's user lacks
+    exactly that ACL (a DENY ACL, which wins over its ALLOWs, added by admin and removed on
+    exit)."""
     import contextlib
 
     from kafka.admin import (
@@ -210,53 +245,60 @@ def denied(secure_broker, carol_settings):
         ResourceType,
     )
 
-    from varadhi.kafka import clients as kafka_clients
-
-    admin_settings = Settings(
-        bootstrap=carol_settings.bootstrap,
-        kafka=kafka_config.load(str(secure_broker[1] / "admin.properties")),
-    )
-    admin = kafka_clients.admin(admin_settings)
     kinds = {"Topic": ResourceType.TOPIC, "TransactionalId": ResourceType.TRANSACTIONAL_ID}
 
-    @contextlib.contextmanager
-    def deny(operation: str, kind: str, name: str):
-        pattern = ResourcePattern(kinds[kind], name, ACLResourcePatternType.LITERAL)
-        acl = ACL("User:carol", "*", ACLOperation[operation.upper()], ACLPermissionType.DENY,
-                  pattern)  # fmt: skip
-        assert not admin.create_acls([acl])["failed"]
-        try:
-            yield
-        finally:
-            admin.delete_acls(
-                [ACLFilter(acl.principal, acl.host, acl.operation, acl.permission_type, pattern)]
-            )
+    with broker.admin() as admin:
 
-    try:
+        @contextlib.contextmanager
+        def deny(component: str, operation: str, kind: str, name: str):
+            pattern = ResourcePattern(kinds[kind], name, ACLResourcePatternType.LITERAL)
+            acl = ACL(f"User:{USERS[component]}", "*", ACLOperation[operation_key(operation)],
+                      ACLPermissionType.DENY, pattern)  # fmt: skip
+            assert not admin.create_acls([acl])["failed"]
+            try:
+                yield
+            finally:
+                admin.delete_acls(
+                    [ACLFilter(acl.principal, acl.host, acl.operation, acl.permission_type,
+                               pattern)]
+                )  # fmt: skip
+
         yield deny
+
+
+def assert_refused_write(settings: Settings, topic: str) -> None:
+    """A plain send to `topic` as `settings`' user is refused by the cluster's ACLs."""
+    from kafka.errors import TopicAuthorizationFailedError
+
+    producer = kafka_clients.producer(settings, max_block_ms=30_000)
+    try:
+        with pytest.raises(TopicAuthorizationFailedError):
+            producer.send(topic, key=b"k", value=b"v").get(timeout=30)
     finally:
-        admin.close()
+        producer.close(timeout=5)
 
 
-def test_a_missing_acl_is_named_in_one_line(as_user, denied, tmp_path):
-    """CLI commands as carol, each lacking one ACL: exit code 4 and one line naming it."""
-    suffix = uuid.uuid4().hex[:6]
-    topic = f"carol-t-{suffix}"
-    assert as_user("admin", "topic", "create", topic, "--partitions", "1")[0] == 0
+def test_a_missing_acl_is_named_in_one_line(as_user, broker, acl_catalog, denied, tmp_path):
+    """CLI commands, each lacking one ACL of its component: exit code 4 and one line naming
+    it."""
+    names, other = (deployment(broker, acl_catalog, uuid.uuid4().hex[:6]) for _ in range(2))
+    assert as_user("operator", "topic", "create", names.topic, "--partitions", "1")[0] == 0
     lines = tmp_path / "m.jsonl"
     lines.write_text(json.dumps({"value": "v", "group_id": "g", "message_id": "m"}) + "\n")
-    for (operation, kind, resource), args in (
-        (("Describe", "Topic", "__varadhi_catalog"), ("topic", "list")),
-        (("Write", "TransactionalId", "varadhi-catalog-writer.__varadhi_catalog"),
-         ("topic", "create", f"carol-u-{suffix}", "--partitions", "1")),
-        (("Write", "Topic", f"{topic}.0"), ("produce", topic, "--file", str(lines))),
+    for component, (operation, kind, resource), args in (
+        ("operator", ("Describe", "Topic", acl_catalog), ("topic", "list")),
+        ("operator", ("Write", "TransactionalId", f"varadhi-catalog-writer.{acl_catalog}"),
+         ("topic", "create", other.topic, "--partitions", "1")),
+        ("producer", ("Write", "Topic", f"{names.topic}.0"),
+         ("produce", names.topic, "--file", str(lines))),
     ):  # fmt: skip
-        with denied(operation, kind, resource):
-            code, _, err = as_user("carol", *args)
+        with denied(component, operation, kind, resource):
+            code, _, err = as_user(component, *args)
         assert code == 4, err
+        user = USERS[component]
         assert err == (
-            f"varadhi: not authorized: User:carol lacks {operation} on {kind} {resource} "
-            f"(kafka-acls.sh --add --allow-principal User:carol --operation {operation} "
+            f"varadhi: not authorized: User:{user} lacks {operation} on {kind} {resource} "
+            f"(kafka-acls.sh --add --allow-principal User:{user} --operation {operation} "
             f"--{'topic' if kind == 'Topic' else 'transactional-id'} {resource})\n"
         )
 
@@ -279,16 +321,17 @@ def run_shards(settings: Settings, spark, name: str, count: int) -> None:
 
 
 @pytest.fixture
-def feeder_job(carol_settings, secure_broker, capsys, monkeypatch):
+def feeder_job(settings_of, capsys, monkeypatch):
     """feeder_job(subscription, source) -> (exit code, stdout, stderr) of `varadhi-job feeder`
-    as carol, configured by the environment alone ($VARADHI_KAFKA_CONFIG), in this process (and
-    its Spark session)."""
+    as the feeder's user, configured by the environment alone ($VARADHI_KAFKA_CONFIG), in this
+    process (and its Spark session)."""
     from varadhi.jobs import runner
 
-    monkeypatch.setenv("VARADHI_KAFKA_CONFIG", str(secure_broker[1] / "carol.properties"))
-    monkeypatch.setenv("VARADHI_BOOTSTRAP", carol_settings.bootstrap)
-    monkeypatch.setenv("VARADHI_CATALOG_TOPIC", carol_settings.catalog_topic)
-    monkeypatch.setenv("VARADHI_WAREHOUSE", carol_settings.warehouse)
+    settings = settings_of("feeder")
+    monkeypatch.setenv("VARADHI_KAFKA_CONFIG", settings.kafka.source)
+    monkeypatch.setenv("VARADHI_BOOTSTRAP", settings.bootstrap)
+    monkeypatch.setenv("VARADHI_CATALOG_TOPIC", settings.catalog_topic)
+    monkeypatch.setenv("VARADHI_WAREHOUSE", settings.warehouse)
 
     def run(name: str, source: str) -> tuple[int, str, str]:
         capsys.readouterr()
@@ -300,24 +343,36 @@ def feeder_job(carol_settings, secure_broker, capsys, monkeypatch):
 
 
 @pytest.mark.spark
-def test_carol_with_least_privilege_runs_the_whole_flow(
-    as_user, carol_settings, denied, feeder_job, spark, tmp_path
+def test_each_component_with_least_privilege_runs_the_whole_flow(
+    as_user, broker, acl_catalog, settings_of, denied, feeder_job, spark, tmp_path
 ):
-    suffix = uuid.uuid4().hex[:6]
-    topic, name = f"carol-t-{suffix}", f"carol-s-{suffix}"
-    assert as_user("admin", "topic", "create", topic, "--partitions", "2")[0] == 0
-    code, out, _ = as_user("carol", "topic", "describe", topic, "--output", "json")
+    """The operator's commands, the producer, the shards and the feeders, each as its own user
+    holding exactly its grants of `varadhi.kafka.acls` (docs/kafka-acls.md), run the whole flow:
+    topic create, subscription apply, a transactional produce, a grouped shard with retry and
+    DLQ, change-shards with feeder jobs, re-drive, replay, offset reset of every queue, status
+    and the deletes; a user lacks what the table does not give it."""
+    names = deployment(broker, acl_catalog, uuid.uuid4().hex[:6])
+    topic, name = names.topic, names.sub
+    shard = settings_of("shard")
+    assert as_user("operator", "topic", "create", topic, "--partitions", "2")[0] == 0
+    code, out, _ = as_user("operator", "topic", "describe", topic, "--output", "json")
     assert code == 0 and json.loads(out)["storage_topics"][0]["partitions"] == 2
     with TestEndpoint(script={"g1-1": [503], "g2-1": [503, 404]}) as endpoint:
         spec = tmp_path / "sub.yaml"
         spec.write_text(json.dumps(_spec(name, topic, endpoint.url)))
-        code, _, err = as_user("carol", "subscription", "apply", "-f", str(spec))
+        code, _, err = as_user("operator", "subscription", "apply", "-f", str(spec))
         assert code == 0, err
         lines = tmp_path / "messages.jsonl"
         lines.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
-        code, _, err = as_user("carol", "produce", topic, "--file", str(lines))
+        code, _, err = as_user("producer", "produce", topic, "--file", str(lines),
+                               "--transactional")  # fmt: skip
         assert code == 0, err
         started_ms = int(time.time() * 1000) - 60_000
+
+        # what the table does not give: the producer cannot write the catalog, the shard
+        # cannot write the topic it reads
+        assert_refused_write(settings_of("producer"), acl_catalog)
+        assert_refused_write(shard, f"{topic}.0")
 
         # Without one ACL a shard stops with one line naming it (exit code 4 in a job): the
         # transactional id of its RQ/DLQ writer, then Write on its DLQ (from inside the query).
@@ -325,10 +380,13 @@ def test_carol_with_least_privilege_runs_the_whole_flow(
             ("Write", "TransactionalId", f"varadhi.{name}.s1.shard-0"),
             ("Write", "Topic", f"{name}.dlq.0"),
         ):
-            with denied(operation, kind, resource), pytest.raises(NotAuthorized) as refused:
-                ShardJob(name, 0, carol_settings, spark=spark, stop_when_idle_s=3).run()
+            with (
+                denied("shard", operation, kind, resource),
+                pytest.raises(NotAuthorized) as refused,
+            ):
+                ShardJob(name, 0, shard, spark=spark, stop_when_idle_s=3).run()
             assert str(refused.value).startswith(
-                f"not authorized: User:carol lacks {operation} on {kind} {resource} ("
+                f"not authorized: User:acl-shard lacks {operation} on {kind} {resource} ("
             ), refused.value
             assert "\n" not in str(refused.value) and refused.value.exit_code == 4
         assert delivered(endpoint, "g2") == ["g2-0"]  # g2-1's dead letter was never written
@@ -336,15 +394,15 @@ def test_carol_with_least_privilege_runs_the_whole_flow(
         # with the ACL back, the same batch runs again and completes: g1-1 failed once (503),
         # went through the RQ and was delivered, in order; g2-1 was retried (503) then
         # dead-lettered (404), and g2's later messages wait behind it.
-        run_until_idle(carol_settings, spark, name)
+        run_until_idle(shard, spark, name)
         assert delivered(endpoint, "g1") == ["g1-0", "g1-1", "g1-2"]
         assert delivered(endpoint, "g2") == ["g2-0"]
-        rq = read_queue(carol_settings, f"{name}.rq.0")
+        rq = read_queue(settings_of("verify"), f"{name}.rq.0")
         assert [r["headers"].get("varadhi-msg-id") for r in rq if r["value"]].count("g1-1") >= 1
-        code, out, err = as_user("carol", "dlq", "list", name, "--output", "json")
+        code, out, err = as_user("operator", "dlq", "list", name, "--output", "json")
         assert code == 0, err
         assert [(p["msg_id"], p["status"]) for p in json.loads(out)] == [("g2-1", 404)]
-        code, out, err = as_user("carol", "status", name, "--output", "json")
+        code, out, err = as_user("operator", "status", name, "--output", "json")
         assert code == 0, err
         assert json.loads(out)["shards"][0]["blocked_groups"] == 1
 
@@ -352,43 +410,44 @@ def test_carol_with_least_privilege_runs_the_whole_flow(
         # block) to the new DLQ; the re-drive then finds it there. Lacking Write on the new RQ,
         # the RQ's feeder (refused by Spark's Kafka sink, whose error names only the topic) ends
         # with exit code 4 and one line naming Write; once granted it copies.
-        code, out, err = as_user("carol", "subscription", "change-shards", name, "--to", "2",
+        code, out, err = as_user("operator", "subscription", "change-shards", name, "--to", "2",
                                  "--feeders", "external", "--output", "json")  # fmt: skip
         assert code == 0, err
         op = json.loads(out)
         sources = {f["queue"]: f["source"] for f in op["feeders"]}
         new_rq = op["rq_target"]
-        with denied("Write", "Topic", new_rq):
+        with denied("feeder", "Write", "Topic", new_rq):
             code, out, err = feeder_job(name, sources["rq"])
         assert code == 4, (code, out, err)
         assert (code, err.splitlines()[-1]) == (4, (
-            f"varadhi: not authorized: User:carol lacks Write on Topic {new_rq} (kafka-acls.sh "
-            f"--add --allow-principal User:carol --operation Write --topic {new_rq})"
+            f"varadhi: not authorized: User:acl-feeder lacks Write on Topic {new_rq} "
+            f"(kafka-acls.sh --add --allow-principal User:acl-feeder --operation Write "
+            f"--topic {new_rq})"
         ))  # fmt: skip
         assert err.count("varadhi:") == 1
         for queue, records in (("rq", None), ("dlq", 1)):
             code, out, err = feeder_job(name, sources[queue])
             assert code == 0, err
             assert records is None or out == f"fed {records} records from {sources[queue]}\n"
-        code, _, err = as_user("carol", "dlq", "unsideline", name, "--group-ids", "g2")
+        code, _, err = as_user("operator", "dlq", "unsideline", name, "--group-ids", "g2")
         assert code == 0, err
-        run_shards(carol_settings, spark, name, 2)
+        run_shards(shard, spark, name, 2)
         assert delivered(endpoint, "g2") == ["g2-0", "g2-1", "g2-2"]
 
         # replay lacking Read on the topic: refused inside its Spark job by Kafka's Java
         # client, which names the topic but not the operation
         replay = ("replay", name, "--from", str(started_ms), "--output", "json")
-        with denied("Read", "Topic", f"{topic}.0"):
-            code, _, err = as_user("carol", *replay)
+        with denied("operator", "Read", "Topic", f"{topic}.0"):
+            code, _, err = as_user("operator", *replay)
         # (pyspark may print its own UserWarning about Arrow before it, unless pytest captures
         # warnings)
         assert (code, err.splitlines()[-1]) == (4, (
-            f"varadhi: not authorized: User:carol lacks Describe or Read on Topic {topic}.0 "
-            f"(kafka-acls.sh --add --allow-principal User:carol --operation Describe "
-            f"--operation Read --topic {topic}.0)"
+            f"varadhi: not authorized: User:acl-operator lacks Describe or Read on Topic "
+            f"{topic}.0 (kafka-acls.sh --add --allow-principal User:acl-operator --operation "
+            f"Describe --operation Read --topic {topic}.0)"
         ))  # fmt: skip
         assert err.count("varadhi:") == 1
-        code, out, err = as_user("carol", *replay)
+        code, out, err = as_user("operator", *replay)
         assert code == 0, err
         for g in ("g1", "g2"):
             assert delivered(endpoint, g) == [f"{g}-{i}" for i in range(3)] * 2
@@ -396,19 +455,36 @@ def test_carol_with_least_privilege_runs_the_whole_flow(
         # offset reset of each queue (what a reset then re-delivers is test_offset_reset's):
         # the plan reads every queue's offsets, the execution changes the catalog
         for queue, to in (("rq", "--to-latest"), ("dlq", "--to-latest"), ("main", "--to-earliest")):
-            code, out, err = as_user("carol", "offsets", "reset", name, "--queue", queue, to,
+            code, out, err = as_user("operator", "offsets", "reset", name, "--queue", queue, to,
                                      "--execute", "--output", "json")  # fmt: skip
             assert code == 0, (queue, err)
             assert json.loads(out)["executed"] is True
-        assert json.loads(out)["replayed"] == 6
+        assert json.loads(out)["replayed"] == 7  # six messages and the produce's commit marker
 
-        code, out, err = as_user("carol", "status", name, "--output", "json")
+        code, out, err = as_user("operator", "status", name, "--output", "json")
         assert code == 0, err
         assert [s["shard"] for s in json.loads(out)["shards"]] == [0, 1]
-        code, out, _ = as_user("carol", "subscription", "describe", name, "--output", "json")
+        code, out, _ = as_user("operator", "subscription", "describe", name, "--output", "json")
         assert code == 0
-        password = Path(carol_settings.kafka.source).parent / "secrets/carol.password"
-        assert password.read_text().strip() not in out
+        password = Path(settings_of("operator").kafka.source).parent / "secrets"
+        assert (password / "acl-operator.password").read_text().strip() not in out
+
+    # the deletes; lacking Write on the progress topic, the subscription's delete ends naming
+    # it (its shards' progress would outlive it), and once granted finishes
+    progress_topic = f"{acl_catalog}_progress"
+    with denied("operator", "Write", "Topic", progress_topic):
+        code, _, err = as_user("operator", "subscription", "delete", name)
+    assert (code, err.splitlines()[-1]) == (4, (
+        f"varadhi: not authorized: User:acl-operator lacks Write on Topic {progress_topic} "
+        f"(kafka-acls.sh --add --allow-principal User:acl-operator --operation Write "
+        f"--topic {progress_topic})"
+    ))  # fmt: skip
+    for args in (("subscription", "delete", name), ("topic", "delete", topic)):
+        code, _, err = as_user("operator", *args)
+        assert code == 0, (args, err)
+    with broker.admin() as admin:
+        left = [t for t in admin.list_topics() if t.startswith((f"{name}.", f"{topic}."))]
+    assert left == []
 
 
 def _spec(name: str, topic: str, url: str, shards: int = 1) -> dict:
@@ -438,12 +514,13 @@ def _messages() -> list[dict]:
 
 
 @pytest.mark.spark
-def test_both_outbox_relays_as_carol(
-    as_user, carol_settings, denied, secure_broker, spark, tmp_path
+def test_both_outbox_relays_with_least_privilege(
+    as_user, broker, acl_catalog, settings_of, denied, spark, tmp_path
 ):
     """The SQL relay as a job of its own, configured by $VARADHI_KAFKA_CONFIG alone (shared
-    PostgreSQL), and the Delta outbox's query in this process, both as carol (first lacking Write
-    on the topic: the query's failure names it)."""
+    PostgreSQL), and the Delta outbox's query in this process, both as the outbox relay's user
+    holding exactly its grants (first lacking Write on the topic: the query's failure names
+    it); that user cannot write the catalog."""
     import sys
 
     import psycopg
@@ -455,8 +532,11 @@ def test_both_outbox_relays_as_carol(
     if not dsn:
         pytest.skip("VARADHI_TEST_POSTGRES_DSN is not set (scripts/test sets it)")
     suffix = uuid.uuid4().hex[:6]
-    topic = f"carol-o-{suffix}"
-    assert as_user("admin", "topic", "create", topic, "--partitions", "1")[0] == 0
+    names = deployment(broker, acl_catalog, suffix)
+    topic = names.topic
+    relay_settings = settings_of("outbox relay")
+    assert as_user("operator", "topic", "create", topic, "--partitions", "1")[0] == 0
+    assert_refused_write(relay_settings, acl_catalog)
 
     outbox = Outbox(table_prefix=f"obx_{suffix}")
     with psycopg.connect(dsn) as conn:
@@ -467,9 +547,9 @@ def test_both_outbox_relays_as_carol(
     try:
         env = {
             **os.environ,
-            "VARADHI_KAFKA_CONFIG": str(secure_broker[1] / "carol.properties"),
-            "VARADHI_BOOTSTRAP": carol_settings.bootstrap,
-            "VARADHI_CATALOG_TOPIC": carol_settings.catalog_topic,
+            "VARADHI_KAFKA_CONFIG": relay_settings.kafka.source,
+            "VARADHI_BOOTSTRAP": relay_settings.bootstrap,
+            "VARADHI_CATALOG_TOPIC": relay_settings.catalog_topic,
         }
         relay = subprocess.run(
             [sys.executable, "-m", "varadhi.jobs.outbox_relay", "--dsn", dsn,
@@ -482,23 +562,27 @@ def test_both_outbox_relays_as_carol(
             for table in outbox.tables():
                 conn.execute(f"DROP TABLE IF EXISTS {table}")
 
-    delta = DeltaOutbox(spark, str(tmp_path / "outbox"), name=f"carol-dox-{suffix}",
-                        settings=carol_settings)  # fmt: skip
+    delta = DeltaOutbox(spark, str(tmp_path / "outbox"), name=names.outbox,
+                        settings=relay_settings)  # fmt: skip
     try:
         delta.create_table()
         rows = [(topic, "g", f"delta-{i}", None, f"delta-{i}".encode()) for i in range(3)]
         delta.append(spark.createDataFrame(rows, SCHEMA).coalesce(1))
         # lacking Write on the topic, the query fails and the wait names it; granted, the same
         # batch is sent
-        with denied("Write", "Topic", f"{topic}.0"), pytest.raises(NotAuthorized) as refused:
+        with (
+            denied("outbox relay", "Write", "Topic", f"{topic}.0"),
+            pytest.raises(NotAuthorized) as refused,
+        ):
             delta.await_termination(delta.start(available_now=True), 300)
-        assert str(refused.value) == str(NotAuthorized("Write", "Topic", f"{topic}.0",
-                                                       "User:carol"))  # fmt: skip
+        assert str(refused.value) == str(
+            NotAuthorized("Write", "Topic", f"{topic}.0", "User:acl-outbox-relay")
+        )
         query = delta.start(available_now=True)
         assert delta.await_termination(query, 300), "the outbox query did not finish"
         assert query.exception() is None, query.exception()
     finally:
         delta.close()
-    assert [r["value"] for r in read_queue(carol_settings, f"{topic}.0")] == [
+    assert [r["value"] for r in read_queue(settings_of("verify"), f"{topic}.0")] == [
         f"{source}-{i}".encode() for source in ("sql", "delta") for i in range(3)
     ]

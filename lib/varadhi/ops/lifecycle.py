@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kafka.errors import KafkaError
+from kafka.errors import KafkaError, TopicAuthorizationFailedError
 
 from varadhi.core import names
 from varadhi.core.catalog_kinds import DocKind, OpKind
@@ -410,17 +410,20 @@ def delete_kafka_topics(
 
 def tombstone_progress(settings: Any, keys: Iterable[str]) -> None:
     """Write a tombstone (no value) for each progress key: `progress.progress_documents` then
-    forgets the key, so a subscription created again with the name starts without them."""
+    forgets the key, so a subscription created again with the name starts without them. Every
+    send is acknowledged or raises (`NotAuthorized` for a missing Write on the progress topic):
+    a tombstone lost unnoticed would show the old shards' counters to the new subscription."""
     keys = list(keys)
     if not keys:
         return
+    topic = progress.progress_topic(settings)
     producer = kafka_clients.producer(settings, acks="all")
     try:
-        for k in keys:
-            producer.send(
-                progress.progress_topic(settings), key=k.encode(), value=None, partition=0
-            )
-        producer.flush(30)
+        sent = [producer.send(topic, key=k.encode(), value=None, partition=0) for k in keys]
+        for future in sent:
+            future.get(timeout=30)
+    except TopicAuthorizationFailedError as e:
+        raise kafka_clients.refused(settings, e, "Write", topic) from None
     finally:
         producer.close(timeout=5)
 
