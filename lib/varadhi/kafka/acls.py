@@ -8,9 +8,10 @@ subscription (its Kafka topics `<sub>.rq.<n>`, `<sub>.dlq.<n>`, `<sub>.journal`)
 Delta outbox. User-facing names cannot contain a dot, so a prefix `<sub>.` matches only that
 subscription's own topics (and those of a topic named exactly `<sub>`, if there is one).
 
-No consumer-group and no cluster ACL appears: every consumer of the product assigns partitions
-itself and commits no offsets to Kafka, and since Kafka 3.0 `Write` on a topic covers an
-idempotent producer (no `IdempotentWrite` on the cluster).
+No consumer-group and no cluster ACL appears: every consumer of these components assigns
+partitions itself and commits no offsets to Kafka, and since Kafka 3.0 `Write` on a topic covers
+an idempotent producer (no `IdempotentWrite` on the cluster). The library runtime
+(`varadhi.library`, a consumer-group member) has no rows yet.
 
 Hazard: the table was measured, not derived: a change to what a component reads, writes,
 creates or describes must change its rows here, and the least-privilege test
