@@ -157,6 +157,20 @@ def test_a_retried_head_blocks_its_key_until_its_rq_copy_is_back_and_due():
     assert s.take(5_000) is follower
 
 
+def test_an_rq_copy_joins_the_key_its_message_left_whatever_its_own_key_reads():
+    s = Scheduler()
+    head, follower = work(0, "k1"), work(1, "k1")
+    s.add(head)
+    s.add(follower)
+    s.take(0).entry.attempts = 1
+    s.to_rq(head)
+    copy = work(0, "group-of-k1", attempts=1)  # keyed by its group id, not the record key
+    s.add(copy)
+    assert copy.key == "k1" and s.take(0) is copy
+    s.done(copy)
+    assert s.take(0) is follower
+
+
 def test_copies_of_one_origin_keep_the_one_with_more_attempts():
     s = Scheduler()
     older, newer = work(3, "a", attempts=1), work(3, "a", attempts=2)

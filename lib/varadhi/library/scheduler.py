@@ -9,7 +9,8 @@ per slot and key (`assign`): the member holding the slot holds every copy of the
 
 A head that failed and went to the retry queue stays at the head as a *placeholder* (no body,
 location `rq`, its attempt count) until its copy is read back from the RQ, so the key's later
-messages wait behind it (DESIGN hazard 1). A copy read back before its due time waits in the
+messages wait behind it (DESIGN hazard 1). The copy joins the key its message left, found by
+its origin (its record key is the group id, which need not be the ordering key). A copy read back before its due time waits in the
 queue until then, never written again (hazard 2). Two copies of one origin (a main-topic record
 read again after a restart, an RQ copy of an earlier attempt) are one message: the copy with
 more attempts stays and the other is finished unsent (`add` returns it).
@@ -68,13 +69,19 @@ class Scheduler:
         self._busy: set[QueueKey] = set()
         self._closed: set[int] = set()
         self.in_flight: dict[int, int] = {}  # slot -> heads handed out
+        # (slot, origin) of a placeholder -> its ordering key: an RQ copy joins the key its
+        # message left, even when the copy's own key reads differently (`add`)
+        self._awaited: dict[tuple[int, object], str | None] = {}
         self.pending = 0  # messages held (placeholders not counted)
 
     def add(self, work: Work) -> list[Work]:
         """Queue a copy; returns the copies that are finished unsent because another copy of
         the same origin stays (see the module docstring)."""
-        q = self._queues.setdefault(work.queue, [])
         origin = work.entry.origin
+        awaited = (work.slot, origin)
+        if work.entry.attempts > 0 and awaited in self._awaited:
+            work.key = self._awaited.pop(awaited)
+        q = self._queues.setdefault(work.queue, [])
         i = bisect.bisect_left(q, origin, key=lambda w: w.entry.origin)
         if i < len(q) and q[i].entry.origin == origin:
             known = q[i]
@@ -134,6 +141,7 @@ class Scheduler:
         q = self._end(work)
         if q is not None:
             q[0] = replace(work, entry=replace(work.entry, location="rq", value=None))
+            self._awaited[(work.slot, work.entry.origin)] = work.key
             self.pending -= 1
 
     def release(self, work: Work) -> None:
@@ -161,6 +169,7 @@ class Scheduler:
             self._busy.discard(k)
         for s in slots:
             self.in_flight.pop(s, None)
+        self._awaited = {k: v for k, v in self._awaited.items() if k[0] not in slots}
         self._closed -= slots
 
     def _end(self, work: Work) -> list[Work] | None:
