@@ -229,3 +229,40 @@ def test_a_denied_private_address_is_refused_at_start_and_at_connect_with_the_re
     # Off (the default locally): the same name is delivered to
     run(by_name, [Messages("b", 1)], policy=EndpointPolicy.from_env({}))
     assert len(ep.records()) == 1
+
+
+# -- part 6: request shaping ---------------------------------------------------------------------
+
+
+class Paths:
+    """One stream sending a request to each of `paths` in turn (None: the URL as configured)."""
+
+    def __init__(self, paths):
+        self.paths = list(paths)
+        self.sent = 0
+
+    def next_request(self) -> Request | None:
+        if self.sent == len(self.paths):
+            return None
+        self.sent += 1
+        headers = {HTTP_MESSAGE_ID: f"p-{self.sent}", HTTP_ATTEMPT: "1"}
+        return Request(b"{}", headers, path=self.paths[self.sent - 1])
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        assert outcome.status == 200
+
+
+def test_a_request_goes_to_its_shaped_path_on_the_reused_connection(endpoint):
+    ep = endpoint()
+    paths = ["/t/acme%2Feu", None, "/t/other", "/t/other"]
+    run(ep.url + "base/?v=1", [Paths(paths)], signing=(key("v1", TEST_WHSEC_ENV),))
+    records = ep.records()
+    assert [r.path for r in records] == [
+        "/base/t/acme%2Feu?v=1",
+        "/base/?v=1",
+        "/base/t/other?v=1",
+        "/base/t/other?v=1",
+    ]
+    assert len({r.connection for r in records}) == 1  # one keep-alive connection throughout
+    for r in records:  # the signature covers the body, whatever the path
+        Webhook(TEST_WHSEC).verify(r.body, r.headers)

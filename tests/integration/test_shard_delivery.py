@@ -89,7 +89,7 @@ class Sub:
 
 
 def create_sub(
-    catalog: Catalog, endpoint: TestEndpoint, signing: list | None = None, **spec: Any
+    catalog: Catalog, endpoint: TestEndpoint, endpoint_options: dict | None = None, **spec: Any
 ) -> Sub:
     suffix = uuid.uuid4().hex[:8]
     topic = f"sd-{suffix}"
@@ -97,7 +97,7 @@ def create_sub(
     doc = {
         "name": f"sds-{suffix}",
         "topic": topic,
-        "endpoint": {"url": endpoint.url, "signing": signing},
+        "endpoint": {"url": endpoint.url, **(endpoint_options or {})},
         "shards": 1,
         "retry": FAST_RETRY,
         "consumption": FAST_CONSUMPTION,
@@ -108,13 +108,16 @@ def create_sub(
     return Sub(doc["name"], topic, endpoint)
 
 
-def produce(settings, sub: Sub, groups: list[str], per_group: int) -> None:
+def produce(
+    settings, sub: Sub, groups: list[str], per_group: int, headers: dict | None = None
+) -> None:
     """`per_group` messages for each group, interleaved across groups; ids `<group>.<n>`."""
     with Producer(sub.topic, settings) as producer:
         for n in range(per_group):
             for g in groups:
                 msg_id = f"{g}.{n:03d}"
-                producer.send(f"body of {msg_id}".encode(), group_id=g, message_id=msg_id)
+                body = f"body of {msg_id}".encode()
+                producer.send(body, group_id=g, headers=headers, message_id=msg_id)
                 sub.produced.setdefault(g, []).append(msg_id)
         producer.flush(30)
 
@@ -238,13 +241,18 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
         record_bodies=True,
     )
     # Signed (issue 29, part 1): every request, retries included, checked below with the
-    # Standard Webhooks reference verifier.
-    signing = [{"scheme": "v1", "env": TEST_WHSEC_ENV}]
-    sub = create_sub(catalog, ep, signing=signing, on_dead_letter="skip")
+    # Standard Webhooks reference verifier. Shaped (part 6): a Kafka header forwarded, and the
+    # path from it.
+    options = {
+        "signing": [{"scheme": "v1", "env": TEST_WHSEC_ENV}],
+        "forward_headers": {"tenant": "X-Tenant"},
+        "path": "/t/{header:tenant}",
+    }
+    sub = create_sub(catalog, ep, options, on_dead_letter="skip")
     groups = [f"g{i:02d}" for i in range(25)]
     # One message is scripted to exhaust its retries, so the DLQ side is always exercised.
     ep.set_script("g03.000", [500, 503, 500])
-    produce(settings, sub, groups, per_group=8)
+    produce(settings, sub, groups, per_group=8, headers={"tenant": "acme/eu"})
 
     job = run_shard(settings, spark, sub)
 
@@ -273,6 +281,7 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
             # Signed, and webhook-id is the message's on every attempt (stable across retries)
             assert r.headers["webhook-id"] == msg_id
             Webhook(TEST_WHSEC).verify(r.body, r.headers, json_parse=False)
+            assert (r.path, r.headers["X-Tenant"]) == ("/t/acme%2Feu", "acme/eu")
             assert r.group_id == msg_id.split(".")[0]
             assert r.headers[m.HTTP_SOURCE].count("/") == 2
         # Every attempt but the last failed; only the last can be a success.

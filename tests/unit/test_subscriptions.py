@@ -15,6 +15,7 @@ from varadhi.core.policies import (
     CircuitPolicy,
     ConsumptionPolicy,
     Endpoint,
+    RequestShaping,
     ResponseRule,
     RetryPolicy,
     SecretRef,
@@ -336,6 +337,18 @@ def test_signing_keys_are_references_and_round_trip_through_the_catalog_form():
     stored = json.loads(json.dumps(subscription_spec.spec_to_dict(spec)))
     assert subscription_spec.spec_from_dict(stored) == spec
     assert parse().endpoint.signing == ()
+
+
+def test_request_shaping_round_trips_through_the_catalog_form():
+    spec = parse(
+        endpoint__forward_headers={"tenant": "X-Tenant", "trace": "traceparent"},
+        endpoint__path="/orders/{header:tenant}",
+    )
+    assert spec.endpoint.shaping == RequestShaping(
+        (("tenant", "X-Tenant"), ("trace", "traceparent")), "/orders/{header:tenant}"
+    )
+    stored = json.loads(json.dumps(subscription_spec.spec_to_dict(spec)))
+    assert subscription_spec.spec_from_dict(stored) == spec
 
 
 def test_document_must_be_a_mapping():

@@ -130,6 +130,9 @@ class Request:
 
     body: bytes
     headers: Mapping[str, str]
+    # Appended to the endpoint URL's path (`varadhi.core.request_shaping.render_path`: already
+    # percent-encoded); None: the URL as configured.
+    path: str | None = None
 
     def __post_init__(self) -> None:
         for name, value in self.headers.items():
@@ -211,7 +214,17 @@ class DeliveryStats:
 class _Transfer:
     """An easy handle, reused across requests, and the state of the request it carries."""
 
-    __slots__ = ("curl", "stream", "batch", "retry_after", "body", "limit", "truncated", "refused")
+    __slots__ = (
+        "curl",
+        "stream",
+        "batch",
+        "retry_after",
+        "body",
+        "limit",
+        "truncated",
+        "refused",
+        "path",
+    )
 
     def __init__(self, curl: pycurl.Curl, limit: int = RESPONSE_SNIPPET_BYTES):
         self.curl = curl
@@ -222,6 +235,7 @@ class _Transfer:
         self.limit = limit  # how much of the body to keep
         self.truncated = False  # there was more
         self.refused: str | None = None  # why `open_socket` refused an address
+        self.path: str | None = None  # the request path the handle's URL has (`Request.path`)
 
     def open_socket(self, purpose: int, address: tuple) -> socket.socket | int:
         """libcurl's OPENSOCKETFUNCTION under a deny-list of private ranges: the socket for a
@@ -574,6 +588,9 @@ class HttpDeliverer:
                 )
             lines = lines + self._signer.header_lines(webhook_id, int(time.time()), request.body)
         curl = transfer.curl
+        if request.path != transfer.path:  # a shaped path (the handle keeps its last URL)
+            curl.setopt(pycurl.URL, self._url(request.path))
+            transfer.path = request.path
         curl.setopt(pycurl.POSTFIELDS, request.body)
         curl.setopt(pycurl.HTTPHEADER, lines)
         transfer.stream = stream
@@ -582,6 +599,13 @@ class HttpDeliverer:
         transfer.truncated = False
         transfer.refused = None
         self._multi.add_handle(curl)
+
+    def _url(self, path: str | None) -> str:
+        """The endpoint URL with `path` appended to its path (None: the URL as configured)."""
+        if path is None:
+            return self.endpoint.url
+        parts = urlsplit(self.endpoint.url)
+        return parts._replace(path=parts.path.rstrip("/") + path).geturl()
 
     def _new_transfer(self) -> _Transfer:
         ep = self.endpoint

@@ -57,9 +57,10 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol
 
 from varadhi.core import messages as m
+from varadhi.core import request_shaping
 from varadhi.core.delivery import Outcome, Request, Wait
 from varadhi.core.errors import InvalidArgument
-from varadhi.core.policies import BlockedPolicy, RetryPolicy
+from varadhi.core.policies import BlockedPolicy, RequestShaping, RetryPolicy
 from varadhi.core.retry import decide, retries_in_place, waits_in_task
 
 Location = Literal["new", "held", "rq", "dlq"]
@@ -250,8 +251,10 @@ class GroupRun:
         journal: Journal | None = None,
         blocked: BlockedPolicy = DEFAULT_BLOCKED,
         hand_over: bool = False,
+        shaping: RequestShaping | None = None,
     ):
         self.entries = entries
+        self.shaping = shaping
         self.hand_over = hand_over
         self.handed_over = False
         self.blocked = blocked
@@ -298,7 +301,7 @@ class GroupRun:
                 self._early = True
                 return Wait(wait_ms / 1000, while_busy=True)
             try:
-                request = Request(body=head.value, headers=http_headers(head))
+                request = request_of(head, self.shaping)
             except InvalidArgument as e:  # e.g. a group or message id with CR/LF in it
                 head.invalid = f"malformed: {e}"
                 continue
@@ -431,8 +434,19 @@ def with_response(headers: dict[str, str], body: bytes) -> dict[str, str]:
     return out
 
 
-def http_headers(entry: Entry) -> dict[str, str]:
-    """The headers of a delivery: idempotency key, group, attempt number, source position."""
+def request_of(entry: Entry, shaping: RequestShaping | None = None) -> Request:
+    """The request of one delivery of `entry`: its value, `http_headers`, and the path the
+    endpoint's `shaping` gives. Raises InvalidArgument for a message that cannot be sent (an id
+    or header with CR/LF, a path that cannot be built): dead-letter it as malformed."""
+    path = None
+    if shaping is not None and shaping.path is not None:
+        path = request_shaping.render_path(shaping.path, entry.headers)
+    return Request(body=entry.value or b"", headers=http_headers(entry, shaping), path=path)
+
+
+def http_headers(entry: Entry, shaping: RequestShaping | None = None) -> dict[str, str]:
+    """The headers of a delivery: idempotency key, group, attempt number, source position, and
+    the Kafka headers `shaping` forwards."""
     headers = {
         m.HTTP_MESSAGE_ID: entry.msg_id,
         m.HTTP_IDEMPOTENCY_KEY: entry.msg_id,
@@ -444,4 +458,6 @@ def http_headers(entry: Entry) -> dict[str, str]:
     produced = entry.headers.get(m.H_PRODUCED_MS)
     if produced and produced.isascii() and produced.isdigit():  # another producer's may be junk
         headers[m.HTTP_PRODUCED_AT] = produced
+    if shaping is not None and shaping.forward_headers:
+        headers.update(request_shaping.shaped_headers(shaping, entry.headers))
     return headers

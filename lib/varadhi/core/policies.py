@@ -73,6 +73,16 @@ class SigningKey:
 
 
 @dataclass(frozen=True)
+class RequestShaping:
+    """What of a record besides its value a single request carries (`varadhi.core.request_shaping`):
+    `forward_headers` (Kafka header name, HTTP header name) pairs, and `path`, a template over
+    the record's headers appended to the URL's path (`/orders/{header:tenant}`)."""
+
+    forward_headers: tuple[tuple[str, str], ...] = ()
+    path: str | None = None
+
+
+@dataclass(frozen=True)
 class Endpoint:
     url: str
     method: Method = "POST"
@@ -81,6 +91,7 @@ class Endpoint:
     auth_env: str | None = None
     # Several keys sign at once (a signature each), so that keys rotate without downtime.
     signing: tuple[SigningKey, ...] = ()
+    shaping: RequestShaping = field(default_factory=RequestShaping)
     # Connect fast (a local or in-VPC endpoint accepts in milliseconds; a dead one should fail
     # the attempt, not the batch); allow requests long enough for a slow but healthy endpoint.
     connect_timeout_ms: int = 2_000

@@ -85,23 +85,32 @@ def _signer(scheme: SigningScheme, text: str, field: str) -> Callable[[bytes, by
 
 
 class Signer:
-    """Signs requests with `keys`: (scheme, key text, field of the spec naming it)."""
+    """Signs requests with `keys`: (scheme, key text, field of the spec naming it). Not
+    thread-safe (it keeps the current second's header line): one per deliverer."""
 
-    __slots__ = ("_signers",)
+    __slots__ = ("_signers", "_ts", "_ts_bytes", "_ts_line")
 
     def __init__(self, keys: Sequence[tuple[SigningScheme, str, str]]):
         self._signers = [(f"{s},".encode(), _signer(s, text, field)) for s, text, field in keys]
+        self._ts = -1
+        self._ts_bytes = b""
+        self._ts_line = b""
 
     def header_lines(self, webhook_id: str, timestamp: int, body: bytes) -> list[bytes]:
-        """The three header lines of a request with this id, time and body."""
+        """The three header lines of a request with this id, time and body. Per request this
+        costs a hash of the body per key and little else (measured: docs/benchmarks.md)."""
+        if timestamp != self._ts:  # one request in very many starts a new second
+            self._ts = timestamp
+            self._ts_bytes = b"%d" % timestamp
+            self._ts_line = b"webhook-timestamp: " + self._ts_bytes
         wid = webhook_id.encode()
-        ts = str(timestamp).encode()
-        prefix = b"%s.%s." % (wid, ts)
-        signature = b" ".join(
-            scheme + base64.b64encode(sign(prefix, body)) for scheme, sign in self._signers
-        )
-        return [
-            b"webhook-id: " + wid,
-            b"webhook-timestamp: " + ts,
-            b"webhook-signature: " + signature,
-        ]
+        prefix = b"%s.%s." % (wid, self._ts_bytes)
+        if len(self._signers) == 1:
+            scheme, sign = self._signers[0]
+            signature = scheme + binascii.b2a_base64(sign(prefix, body), newline=False)
+        else:
+            signature = b" ".join(
+                scheme + binascii.b2a_base64(sign(prefix, body), newline=False)
+                for scheme, sign in self._signers
+            )
+        return [b"webhook-id: " + wid, self._ts_line, b"webhook-signature: " + signature]

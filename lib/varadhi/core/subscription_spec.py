@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from varadhi.core import batching, filters, messages, names, signing
+from varadhi.core import batching, filters, messages, names, request_shaping, signing
 from varadhi.core.circuit import validate_circuit_policy
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import (
@@ -39,6 +39,7 @@ from varadhi.core.policies import (
     ConsumptionPolicy,
     DeliveryPolicy,
     Endpoint,
+    RequestShaping,
     ResponseRule,
     RetryPolicy,
     SecretRef,
@@ -239,6 +240,8 @@ _ENDPOINT_KEYS = (
     "auth_header",
     "auth_env",
     "signing",
+    "forward_headers",
+    "path",
     "connect_timeout",
     "request_timeout",
 )
@@ -299,10 +302,17 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
     if shards > names.MAX_PARTITIONS:
         raise top.error("shards", f"must be at most {names.MAX_PARTITIONS}, got {shards}")
     consumption = top.section("consumption", _CONSUMPTION_KEYS)
+    endpoint = _parse_endpoint(top.section("endpoint", _ENDPOINT_KEYS))
+    delivery = _parse_delivery(top.section("delivery", _DELIVERY_KEYS))
+    shaping = endpoint.shaping
+    why = request_shaping.check_mode(shaping, delivery.mode)
+    if why is not None:
+        key = "endpoint.path" if shaping.path else "endpoint.forward_headers"
+        raise InvalidArgument(f"{why} (in {source})", field=key)
     return SubscriptionSpec(
         name=name,
         topic=topic,
-        endpoint=_parse_endpoint(top.section("endpoint", _ENDPOINT_KEYS)),
+        endpoint=endpoint,
         shards=shards,
         grouped=top.boolean("grouped", _SPEC.grouped),
         rq_partitions=_internal_partitions(top, "rq_partitions", shards, 2 * shards),
@@ -316,7 +326,7 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
         dedup_window_ms=top.duration("dedup_window", 0) if top.has("dedup_window") else None,
         allow_uneven=top.boolean("allow_uneven", _SPEC.allow_uneven),
         filter=filters.parse(top.doc["filter"], "filter", source) if top.has("filter") else None,
-        delivery=_parse_delivery(top.section("delivery", _DELIVERY_KEYS)),
+        delivery=delivery,
     )
 
 
@@ -362,6 +372,7 @@ def _parse_endpoint(s: _Section) -> Endpoint:
         auth_header=auth_header,
         auth_env=auth_env,
         signing=_parse_signing(s),
+        shaping=RequestShaping(_parse_forward_headers(s, auth_header), _parse_path(s)),
         connect_timeout_ms=s.duration("connect_timeout", _ENDPOINT.connect_timeout_ms),
         request_timeout_ms=s.duration("request_timeout", _ENDPOINT.request_timeout_ms),
     )
@@ -397,6 +408,48 @@ def _parse_signing(s: _Section) -> tuple[SigningKey, ...]:
             raise k.error("env" if ref.env else "file", f"{ref} is given twice")
         keys.append(SigningKey(scheme, ref))
     return tuple(keys)
+
+
+def _parse_forward_headers(s: _Section, auth_header: str) -> tuple[tuple[str, str], ...]:
+    """Kafka header name -> HTTP header name (`varadhi.core.request_shaping`), sorted by Kafka
+    name. The HTTP names may not be ones varadhi or the HTTP client sets, nor a credential's or a
+    static header's; the shard's control headers cannot be forwarded."""
+    raw = s.doc.get("forward_headers") or {}
+    if not isinstance(raw, Mapping):
+        raise s.error("forward_headers", f"must map Kafka header names to HTTP ones, got {raw!r}")
+    static = {str(k).lower() for k in (s.doc.get("headers") or {})}
+    taken: set[str] = set()
+    for kafka_name, http_name in raw.items():
+        path = f"forward_headers.{_show(kafka_name)}"
+        if not isinstance(kafka_name, str) or not kafka_name or not kafka_name.isprintable():
+            raise s.error(path, f"{kafka_name!r} is not a Kafka header name")
+        if kafka_name in messages.CONTROL_HEADERS:
+            raise s.error(path, "is a header only shards write; it is never a message's")
+        if not isinstance(http_name, str) or not _TOKEN_RE.fullmatch(http_name):
+            raise s.error(path, f"{http_name!r} is not a valid HTTP header name")
+        lower = http_name.lower()
+        if lower in _SECRET_HEADERS or lower == auth_header.lower():
+            raise s.error(path, f"{http_name} carries the endpoint's credential")
+        if lower in _RESERVED_HEADERS or lower in _FRAMING_HEADERS:
+            raise s.error(path, f"{http_name} is set by varadhi or the HTTP client")
+        if lower in static or lower in taken:
+            raise s.error(path, f"{http_name} is already given (header names are case-insensitive)")
+        taken.add(lower)
+    return tuple(sorted(raw.items()))
+
+
+def _parse_path(s: _Section) -> str | None:
+    """The URL path template (`varadhi.core.request_shaping.placeholders` says what it may hold)."""
+    if not s.has("path"):
+        return None
+    template = s.string("path")
+    try:
+        for name in request_shaping.placeholders(template):
+            if name in messages.CONTROL_HEADERS:
+                raise ValueError(f"{{header:{name}}}: a header only shards write")
+    except ValueError as e:
+        raise s.error("path", str(e)) from None
+    return template
 
 
 def _parse_headers(s: _Section, auth_header: str) -> tuple[tuple[str, str], ...]:
@@ -612,6 +665,8 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
                 {"scheme": k.scheme, "env": k.secret.env, "file": k.secret.file} for k in e.signing
             ]
             or None,
+            "forward_headers": dict(e.shaping.forward_headers),
+            "path": e.shaping.path,
             "connect_timeout": e.connect_timeout_ms,
             "request_timeout": e.request_timeout_ms,
         },

@@ -82,8 +82,8 @@ from varadhi.core import messages
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request, Wait
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
-from varadhi.core.group_state import Entry, http_headers
-from varadhi.core.policies import RetryPolicy, SubscriptionSpec
+from varadhi.core.group_state import Entry, request_of
+from varadhi.core.policies import RequestShaping, RetryPolicy, SubscriptionSpec
 from varadhi.core.retry import decide
 from varadhi.core.state_rows import Kind, frame_of, nullable_ints
 from varadhi.kafka import clients as kafka_clients
@@ -325,8 +325,10 @@ class ReplayGroup:
         replay_id: str,
         clock: Callable[[], int],
         rng: random.Random,
+        shaping: RequestShaping | None = None,
     ):
         self.entries = sorted(entries, key=lambda e: e.origin)
+        self.shaping = shaping
         self.policy = policy
         self.replay_id = replay_id
         self.clock = clock
@@ -349,11 +351,11 @@ class ReplayGroup:
             wait_ms = self.due_ms - self.clock()
             if wait_ms > 0:
                 return Wait(wait_ms / 1000)
-            headers = http_headers(head)
-            headers[HTTP_REPLAY] = self.replay_id
             try:
-                return Request(body=head.value or b"", headers=headers)
-            except InvalidArgument as e:  # a group or message id with CR/LF in it
+                request = request_of(head, self.shaping)
+                headers = {**request.headers, HTTP_REPLAY: self.replay_id}
+                return Request(body=request.body, headers=headers, path=request.path)
+            except InvalidArgument as e:  # an id with CR/LF in it, a path not to be built
                 head.invalid = f"malformed: {e}"
         return None
 
@@ -442,7 +444,7 @@ def deliver_partition(
             by_group[row["group_key"]].append(entry_from_record(row, batch_ctx))
     rng = random.Random(ctx.seed)
     groups = [
-        ReplayGroup(entries, ctx.spec.retry, ctx.replay_id, clock, rng)
+        ReplayGroup(entries, ctx.spec.retry, ctx.replay_id, clock, rng, ctx.spec.endpoint.shaping)
         for entries in by_group.values()
     ]
     if groups:

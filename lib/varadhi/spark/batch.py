@@ -556,6 +556,7 @@ def _deliver(
             journal=journal,
             blocked=ctx.spec.blocked,
             hand_over=hand_over,
+            shaping=ctx.spec.endpoint.shaping,
         )
         runs.append((key, run))
     try:
