@@ -37,6 +37,11 @@ Which of `mapInPandas` / `mapInArrow` is measured follows the code under test: t
     .venv/bin/python bench/cpu_per_message.py [--records 25000] [--groups 10000] [--repeat 5]
                                               [--spark-records 100000] [--fail-rate 0.1]
 
+`--signing v1` (or `v1,v1a`: a key of each scheme) runs every step twice per repeat, interleaved:
+unsigned, then with every request signed (`endpoint.signing`, `varadhi.core.signing`), and
+reports both and the signed run's extra CPU per message (`signing_overhead`): the before and
+after of signing in one run.
+
 `--fail-rate` makes nginx fail that share of attempts as bench/delivery.py's failure runs do
 (half 500, half 503, by message id and attempt); the task then retries in place with the
 subscription defaults and sends what its linger cannot wait for to the RQ (its `out` rows), so
@@ -54,6 +59,7 @@ moves far less with the machine's load than wall time, but a busy machine still 
 from __future__ import annotations
 
 import argparse
+import base64
 import inspect
 import io
 import os
@@ -62,6 +68,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -70,6 +77,7 @@ from common import machine, nginx_binary, write_results
 from delivery import nginx
 from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request
+from varadhi.core.policies import SecretRef, SigningKey
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.spark import batch
 from varadhi.spark.batch import BatchContext, ForwardRule, deliver_records
@@ -385,6 +393,35 @@ def spark_stages(messages: int, groups: int, kind: str, columns: list[str], repe
         env.close()
 
 
+# Random keys of the signed runs, by scheme (`--signing`), in variables the default policy allows.
+SIGNING_KEYS = {
+    "v1": ("VARADHI_ENDPOINT_BENCH_WHSEC", "whsec_"),
+    "v1a": ("VARADHI_ENDPOINT_BENCH_WHSK", "whsk_"),
+}
+
+
+def signed_context(ctx: BatchContext, schemes: list[str]) -> BatchContext:
+    """`ctx` with its endpoint signing every request with a fresh key of each scheme."""
+    keys = []
+    for scheme in schemes:
+        env, prefix = SIGNING_KEYS[scheme]
+        os.environ[env] = prefix + base64.b64encode(os.urandom(32)).decode()
+        keys.append(SigningKey(scheme, SecretRef(env=env)))  # type: ignore[arg-type]
+    endpoint = replace(ctx.spec.endpoint, signing=tuple(keys))
+    return replace(ctx, spec=replace(ctx.spec, endpoint=endpoint))
+
+
+def per_message(runs: list[dict[str, float]], n: int) -> dict[str, float]:
+    """Each step's median CPU µs per message, with `total` and `input`."""
+    us = {
+        step: round(statistics.median(r[step] for r in runs) / n * 1e6, 1)
+        for step in ("load", "read", "task", "dump")
+    }
+    us["total"] = round(us["load"] + us["task"] + us["dump"], 1)
+    us["input"] = round(us["load"] + us["read"], 1)
+    return us
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
@@ -401,6 +438,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeat", type=int, default=5, help="runs of each step (median kept)")
     parser.add_argument(
+        "--signing",
+        metavar="SCHEMES",
+        default="",
+        help="also run each step with requests signed by a key of each scheme (v1, v1a, or "
+        "v1,v1a), interleaved with the unsigned runs",
+    )
+    parser.add_argument(
         "--spark-records",
         type=int,
         default=100_000,
@@ -410,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spark-repeat", type=int, default=3, help="runs of each JVM-side stage")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    schemes = [x for x in args.signing.split(",") if x]
+    if any(x not in SIGNING_KEYS for x in schemes):
+        parser.error(f"--signing: schemes are v1 and v1a, got {args.signing!r}")
     binary = nginx_binary()
     if not binary:
         print("no nginx (apt-get install nginx-light)", file=sys.stderr)
@@ -420,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     table = records(args.records, args.groups, columns)
     stream = jvm_stream(table)
     runs: list[dict[str, float]] = []
+    signed_runs: list[dict[str, float]] = []
     floors: list[float] = []
     failing = args.fail_rate > 0
     with nginx(binary, args.fail_rate) as endpoint:
@@ -433,9 +481,14 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         ctx = BatchContext(spec=spec, mq_indexes={TOPIC: 0}, now_ms=0, seed=1)
+        signed = signed_context(ctx, schemes) if schemes else None
         one_run(kind, stream, ctx, args.records, failing)  # warm-up: imports, connections
+        if signed is not None:
+            one_run(kind, stream, signed, args.records, failing)
         for _ in range(args.repeat):
             runs.append(one_run(kind, stream, ctx, args.records, failing))
+            if signed is not None:
+                signed_runs.append(one_run(kind, stream, signed, args.records, failing))
             if not failing:
                 floors.append(engine_floor(table, ctx))
     spark = (
@@ -444,12 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         else {}
     )
     n = args.records
-    us = {
-        step: round(statistics.median(r[step] for r in runs) / n * 1e6, 1)
-        for step in ("load", "read", "task", "dump")
-    }
-    us["total"] = round(us["load"] + us["task"] + us["dump"], 1)
-    us["input"] = round(us["load"] + us["read"], 1)
+    us = per_message(runs, n)
+    signed_us = per_message(signed_runs, n) if signed_runs else {}
     if floors:
         us["engine"] = round(statistics.median(floors) / n * 1e6, 1)
         us["task_outside_engine"] = round(us["task"] - us["engine"], 1)
@@ -477,6 +526,10 @@ def main(argv: list[str] | None = None) -> int:
             "spark_repeat": args.spark_repeat,
         },
         "cpu_us_per_msg": us,
+        "signing": schemes,
+        "cpu_us_per_msg_signed": signed_us,
+        "signing_overhead": round(signed_us["total"] / us["total"] - 1, 4) if signed_us else None,
+        "signed_runs_s": signed_runs,
         "task_counts": counts,
         "spark_cpu_us_per_record": spark,
         "runs_s": runs,
@@ -486,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     if failing:
         print(f"  {args.fail_rate:.0%} of attempts failing; the task's counts (median): {counts}")
     for step, value in us.items():
-        print(f"  {step:20s} {value:6.1f}")
+        extra = f"   signed ({args.signing}) {signed_us[step]:6.1f}" if step in signed_us else ""
+        print(f"  {step:20s} {value:6.1f}{extra}")
+    if signed_us:
+        print(f"  signing costs {signed_us['total'] - us['total']:+.1f} us/msg "
+              f"({signed_us['total'] / us['total'] - 1:+.1%} of the total)")  # fmt: skip
     for stage, by_kind in spark.items():
         print(f"  spark {stage:14s} {by_kind}")
     write_results(args.out, doc)

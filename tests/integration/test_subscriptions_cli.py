@@ -17,6 +17,7 @@ from varadhi import cli
 from varadhi.core.subscription_spec import spec_to_dict
 from varadhi.kafka.subscriptions import KIND
 from varadhi.kafka.topics import TopicService
+from varadhi.testing.endpoint import TEST_WHSEC, TEST_WHSEC_ENV
 
 pytestmark = pytest.mark.kafka
 
@@ -387,8 +388,15 @@ def test_apply_creates_then_updates_allowed_fields(
     assert kafka_partitions(f"{name}.rq.0") == 4
     created = stored(name)
 
+    signing = [{"scheme": "v1", "env": TEST_WHSEC_ENV}]
     doc.update(
-        endpoint={"url": "http://h/v2", "headers": {"Content-Type": "application/json"}},
+        endpoint={
+            "url": "http://h/v2",
+            "headers": {"Content-Type": "application/json"},
+            "signing": signing,
+            "forward_headers": {"tenant": "X-Tenant"},
+            "path": "/t/{header:tenant}",
+        },
         retry={"max_attempts": 9, "min_backoff": "2s"},
         consumption={"concurrency": 4},
         circuit_breaker={"open_for": "1m", "probes": 2},
@@ -403,6 +411,12 @@ def test_apply_creates_then_updates_allowed_fields(
     spec = updated["spec"]
     assert spec["endpoint"]["url"] == "http://h/v2"
     assert spec["endpoint"]["headers"] == {"Content-Type": "application/json"}
+    assert spec["endpoint"]["signing"] == [{"scheme": "v1", "env": TEST_WHSEC_ENV, "file": None}]
+    assert spec["endpoint"]["forward_headers"] == {"tenant": "X-Tenant"}
+    assert spec["endpoint"]["path"] == "/t/{header:tenant}"
+    # describe shows where the key is, never the key
+    code, out, _ = run("subscription", "describe", name, "--output", "json")
+    assert code == 0 and TEST_WHSEC_ENV in out and TEST_WHSEC.removeprefix("whsec_") not in out
     assert (spec["retry"]["max_attempts"], spec["retry"]["min_backoff"]) == (9, 2000)
     assert spec["consumption"]["concurrency"] == 4
     assert (spec["circuit_breaker"]["open_for"], spec["circuit_breaker"]["probes"]) == (60_000, 2)
@@ -462,6 +476,11 @@ def existing(run, make_topic, unique_name, write_yaml):
         ({"circuit_breaker": {"probes": 0}}, ("circuit_breaker.probes:",)),
         ({"endpoint": {"url": "http://h/x", "headers": {"Authorization": "Bearer x"}}},
          ("endpoint.headers.Authorization:", "auth_env")),
+        ({"endpoint": {"url": "http://h/x",
+                       "signing": [{"scheme": "v1", "env": "AWS_SECRET_ACCESS_KEY"}]}},
+         ("endpoint.signing[0]:", "VARADHI_ENDPOINT_")),
+        ({"endpoint": {"url": "http://h/x", "path": "/t/{tenant}"}},
+         ("endpoint.path:", "unknown placeholder")),
         ({"retries": 3}, ("unknown key(s) retries",)),
     ],
 )  # fmt: skip
