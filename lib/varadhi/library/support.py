@@ -44,6 +44,8 @@ def unsupported(
         out.append("dedup_window_ms (de-duplication)")
     if spec.delivery.mode != "single":
         out.append("delivery.mode: batch (batched requests)")
+    if spec.endpoint.shaping.forward_headers or spec.endpoint.shaping.path:
+        out.append("endpoint.forward_headers / endpoint.path (request shaping)")
     if sub.paused:
         out.append("paused (pause/resume: resume the subscription first)")
     if len(main.storage_topics) > 1:
