@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from varadhi.core.circuit import CircuitBreaker, probe_retry, validate_circuit_policy
@@ -199,3 +201,62 @@ def test_a_probe_batch_makes_no_retries_in_place_and_keeps_the_rest_of_the_polic
     assert linger_ms(probe) == 0
     assert (probe.max_attempts, probe.min_backoff_ms, probe.responses) == (7, 300, policy.responses)
     assert retries_in_place(policy, first_failure_ms=0, due_ms=1_000)  # the policy itself is kept
+
+
+# -- endpoint health: sustained failure suspends the subscription --------------------------------
+
+
+def test_sustained_failure_is_counted_from_the_first_batch_whose_attempts_all_failed(clock):
+    breaker = CircuitBreaker(replace(POLICY, suspend_after_ms=60_000), clock)
+    assert breaker.suspension_due() is None
+    breaker.record(3, 2)  # a success among them: not failing
+    assert breaker.failing_since_ms is None
+    breaker.record(10, 10)  # every attempt failed: failing from now; the circuit opens
+    since = clock.ms
+    clock.advance(30_000)
+    breaker.record(0, 0)  # no attempts (a tick) changes nothing
+    breaker.poll()
+    breaker.record(4, 4)  # a failed probe
+    assert breaker.failing_since_ms == since and breaker.suspension_due() is None
+    clock.advance(30_000)
+    assert breaker.suspension_due() == "every attempt to the endpoint failed for 60 s"
+    breaker.forget_failing()  # a suspension ended: count afresh
+    assert breaker.suspension_due() is None
+    breaker.record(2, 2)
+    clock.advance(60_000)
+    assert breaker.suspension_due() is not None
+    breaker.poll()
+    breaker.record(4, 1)  # a probe with a success ends it
+    assert breaker.failing_since_ms is None and breaker.suspension_due() is None
+
+
+def test_without_suspend_after_nothing_is_ever_due_and_a_disabled_breaker_still_counts(clock):
+    never = CircuitBreaker(POLICY, clock)
+    never.record(10, 10)
+    clock.advance(10**9)
+    assert never.suspension_due() is None
+    off = replace(POLICY, enabled=False, suspend_after_ms=1_000, resume="operator")
+    validate_circuit_policy(off)
+    disabled = CircuitBreaker(off, clock)
+    disabled.record(10, 10)
+    clock.advance(1_000)
+    assert disabled.state == "closed" and disabled.suspension_due() is not None
+
+
+def test_suspension_settings_are_validated():
+    with pytest.raises(InvalidArgument, match="circuit_breaker.suspend_after_ms"):
+        validate_circuit_policy(replace(POLICY, suspend_after_ms=0))
+    with pytest.raises(InvalidArgument, match="circuit_breaker.resume: probe needs"):
+        validate_circuit_policy(replace(POLICY, enabled=False, suspend_after_ms=1_000))
+    with pytest.raises(InvalidArgument, match="circuit_breaker.resume"):
+        validate_circuit_policy(replace(POLICY, resume="later"))
+
+
+def test_status_says_who_suspended_the_subscription_why_and_how_it_ends():
+    from varadhi.cli.status import suspended_text
+
+    probe = {"reason": "every attempt failed\x1b[2J", "since_ms": 1_000, "shard": 1}
+    text = suspended_text({**probe, "resume": "probe"}, 13_000)
+    assert text.startswith(" (suspended 12s ago by shard 1: every attempt failed")
+    assert "\x1b" not in text and "a probe by shard 1" in text
+    assert "`varadhi subscription resume`" in suspended_text({**probe, "resume": "operator"}, 0)

@@ -217,3 +217,18 @@ def test_the_spark_source_values_of_a_batch_and_of_a_progress():
         {},
         {"lag_main": 0, "lag_rq": 4},
     )
+
+
+def test_a_suspension_is_a_gauge_while_it_lasts_and_counted_once_each_time():
+    m = metrics.ShardMetrics("orders", 3)
+    assert scrape(m)[("varadhi_suspended", ids())] == 0
+    m.set_suspended(True)
+    m.set_suspended(True)  # the control loop reports it at every look
+    got = scrape(m)
+    assert got[("varadhi_suspended", ids())] == 1
+    assert got[("varadhi_suspensions_total", ids())] == 1
+    m.set_suspended(False)
+    m.set_suspended(True)
+    got = scrape(m)
+    assert got[("varadhi_suspended", ids())] == 1
+    assert got[("varadhi_suspensions_total", ids())] == 2

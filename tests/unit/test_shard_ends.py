@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from varadhi.kafka import jvm_errors
 from varadhi.kafka.jvm_errors import Link
-from varadhi.spark.shard.ends import QueryEnd, RunEnd, Verdict, catalog_change, idle, judge
+from varadhi.kafka.subscriptions import Suspension
+from varadhi.spark.shard.ends import (
+    QueryEnd,
+    RunEnd,
+    Verdict,
+    catalog_change,
+    idle,
+    judge,
+    waits_on_suspension,
+)
 
 NPE_FRAMES = (("org.apache.spark.sql.kafka010.KafkaMicroBatchStream", "metrics"),)
 # A batch function's own error, as it comes back inside the Java PythonException (shortened).
@@ -84,16 +93,28 @@ def test_restarts_and_the_other_failures():
     )
 
 
-def test_the_catalog_ends_a_query_when_paused_or_reassigned():
+def test_the_catalog_ends_a_query_when_paused_suspended_or_reassigned():
     from types import SimpleNamespace as Sub
 
-    started = Sub(paused=False, shard_count=2, generation=1)
-    assert catalog_change(started, Sub(paused=False, shard_count=2, generation=1)) is None
-    assert catalog_change(started, Sub(paused=True, shard_count=2, generation=1)) is QueryEnd.PAUSED
-    assert catalog_change(started, Sub(paused=True, shard_count=3, generation=1)) is QueryEnd.PAUSED
-    moved = catalog_change(started, Sub(paused=False, shard_count=3, generation=1))
-    reset = catalog_change(started, Sub(paused=False, shard_count=2, generation=2))
+    def sub(paused=False, shard_count=2, generation=1, suspended=None):
+        return Sub(
+            paused=paused, shard_count=shard_count, generation=generation, suspended=suspended
+        )
+
+    started = sub()
+    assert catalog_change(started, sub(), 0) is None
+    assert catalog_change(started, sub(paused=True), 0) is QueryEnd.PAUSED
+    assert catalog_change(started, sub(paused=True, shard_count=3), 0) is QueryEnd.PAUSED
+    moved = catalog_change(started, sub(shard_count=3), 0)
+    reset = catalog_change(started, sub(generation=2), 0)
     assert moved is reset is QueryEnd.CHANGED
+    # A suspension stops every shard but the one that probes it.
+    probing = Suspension("every attempt failed", 1, shard=1, resume="probe")
+    assert catalog_change(started, sub(suspended=probing), 0) is QueryEnd.SUSPENDED
+    assert catalog_change(started, sub(suspended=probing), 1) is None
+    by_operator = Suspension("every attempt failed", 1, shard=1, resume="operator")
+    assert catalog_change(started, sub(suspended=by_operator), 1) is QueryEnd.SUSPENDED
+    assert not waits_on_suspension(sub(), 0)
 
 
 def test_a_bounded_run_is_idle_only_when_all_holds_and_asks_kafka_last():

@@ -515,8 +515,20 @@ def test_subscription_round_trip_and_document_shape():
         "created_ms": 123,
         "rq_from": 0,
         "dlq_from": 0,
+        "suspended": None,
     }
     assert subs.Subscription.from_dict(json.loads(json.dumps(d, sort_keys=True))) == sub
+    suspension = subs.Suspension("every attempt to the endpoint failed for 600 s", 9, 2, "probe")
+    suspended = subs.Subscription(rich_spec(), shard_count=3, created_ms=1, suspended=suspension)
+    d = suspended.to_dict()
+    assert d["state"]["suspended"] == {
+        "reason": "every attempt to the endpoint failed for 600 s",
+        "since_ms": 9,
+        "shard": 2,
+        "resume": "probe",
+    }
+    back = subs.Subscription.from_dict(json.loads(json.dumps(d)))
+    assert back == suspended and back.stopped and not back.paused
 
 
 def test_subscription_from_dict_tolerates_state_added_by_other_components():

@@ -36,6 +36,18 @@ def standby_text(sb: dict) -> str:
     return f"standby {sb.get('instance')}: {how}"
 
 
+def suspended_text(suspended: dict, now_ms: int) -> str:
+    """The status line's note on a suspension (endpoint health), escaped for a terminal."""
+    since_s = max(0, now_ms - int(suspended["since_ms"])) / 1000
+    ends = (
+        f"a probe by shard {suspended['shard']} finds the endpoint healthy, or a resume"
+        if suspended["resume"] == "probe"
+        else "`varadhi subscription resume`"
+    )
+    reason = common.printable(str(suspended["reason"]))
+    return f" (suspended {since_s:.0f}s ago by shard {suspended['shard']}: {reason}; until {ends})"
+
+
 def _status(args: argparse.Namespace) -> int:
     with common.client(args) as client:
         doc = client.status(args.name)
@@ -43,6 +55,8 @@ def _status(args: argparse.Namespace) -> int:
         common.emit_json(doc)
         return 0
     flags = " (paused)" if doc["paused"] else ""
+    if doc.get("suspended"):
+        flags += suspended_text(doc["suspended"], int(time.time() * 1000))
     print(
         f"subscription {doc['subscription']}{flags}: {doc['shard_count']} shards, generation {doc['generation']}"
     )

@@ -227,6 +227,12 @@ def _describe(args: argparse.Namespace) -> int:
     print(f"grouped       {'yes' if spec['grouped'] else 'no'}")
     print(f"shards        {state['shard_count']}")
     print(f"paused        {'yes' if state['paused'] else 'no'}")
+    if state.get("suspended"):
+        sus = state["suspended"]
+        print(
+            f"suspended     by shard {sus['shard']} since {sus['since_ms']} ms: "
+            f"{common.printable(sus['reason'])} (resume: {sus['resume']})"
+        )
     print(f"generation    {state['generation']}")
     print(f"dead letters  {spec['on_dead_letter']}")
     print(f"delivery      {_delivery(spec['delivery'])}")

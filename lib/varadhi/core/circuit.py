@@ -17,6 +17,12 @@ circuit to half-open once its time is up. The shard acts on the answers (`varadh
 
 A failure is every attempt that did not succeed, as a batch counts them: an answer to retry or to
 dead-letter, a timeout, a refused connection. A disabled policy keeps the circuit closed.
+
+Endpoint health (`suspend_after_ms`): the breaker also remembers since when every attempt failed
+(`failing_since_ms`: set by a batch whose attempts all failed, cleared by any success; batches
+without attempts change nothing), whatever the circuit's state or whether it is enabled;
+`suspension_due` says when that has lasted `suspend_after_ms`, and the shard then suspends the
+subscription (`varadhi.spark.shard.job`).
 """
 
 from __future__ import annotations
@@ -68,6 +74,16 @@ def validate_circuit_policy(policy: CircuitPolicy, prefix: str = "circuit_breake
             "max_open_for_ms",
             f"must be at least open_for ({policy.open_for_ms} ms), got {policy.max_open_for_ms} ms",
         )
+    if policy.suspend_after_ms is not None and policy.suspend_after_ms < 1:
+        raise bad("suspend_after_ms", f"must be positive, got {policy.suspend_after_ms} ms")
+    if policy.resume not in ("probe", "operator"):
+        raise bad("resume", f"must be probe or operator, got {policy.resume!r}")
+    if policy.suspend_after_ms is not None and policy.resume == "probe" and not policy.enabled:
+        raise bad(
+            "resume",
+            "probe needs the circuit breaker enabled (its half-open probes find the endpoint "
+            "healthy again); set enabled: true, or resume: operator",
+        )
 
 
 class CircuitBreaker:
@@ -82,6 +98,7 @@ class CircuitBreaker:
         self.since_ms = clock()
         self.open_until_ms: int | None = None
         self.consecutive_opens = 0  # opens since the circuit last closed
+        self.failing_since_ms: int | None = None  # every attempt since then failed
         self._window: deque[tuple[int, int, int]] = deque()  # (ended ms, attempts, failures)
 
     def configure(self, policy: CircuitPolicy) -> None:
@@ -104,6 +121,10 @@ class CircuitBreaker:
         with self._lock:
             policy, now = self.policy, self._clock()
             failures = min(max(failures, 0), attempts)
+            if attempts > 0 and failures < attempts:
+                self.failing_since_ms = None
+            elif attempts > 0 and self.failing_since_ms is None:
+                self.failing_since_ms = now
             if not policy.enabled or attempts <= 0 or self.state == "open":
                 return self.state
             if self.state == "half_open":
@@ -140,6 +161,24 @@ class CircuitBreaker:
             if self.state != "open" or self.open_until_ms is None:
                 return 0.0
             return max(0.0, (self.open_until_ms - self._clock()) / 1000)
+
+    def suspension_due(self) -> str | None:
+        """Why the subscription should be suspended now (every attempt has failed for the
+        policy's `suspend_after_ms`), or None."""
+        with self._lock:
+            after, since = self.policy.suspend_after_ms, self.failing_since_ms
+            if after is None or since is None:
+                return None
+            failing_ms = self._clock() - since
+            if failing_ms < after:
+                return None
+            return f"every attempt to the endpoint failed for {failing_ms / 1000:.0f} s"
+
+    def forget_failing(self) -> None:
+        """Start counting sustained failure afresh (a suspension ended: the time the shards
+        waited is no attempt's failure)."""
+        with self._lock:
+            self.failing_since_ms = None
 
     def status(self) -> dict[str, Any]:
         """For progress documents: state, since when, until when (open), consecutive opens."""

@@ -160,6 +160,9 @@ class DeliveryPolicy:
     format: BatchFormat = "ndjson"
 
 
+ResumeMode = Literal["probe", "operator"]
+
+
 @dataclass(frozen=True)
 class CircuitPolicy:
     """When a shard stops sending to its endpoint, and how it tries again (`varadhi.core.circuit`).
@@ -169,7 +172,13 @@ class CircuitPolicy:
     Open: nothing is read or sent for `open_for_ms`, doubled for every consecutive open (a failed
     probe) up to `max_open_for_ms`. Half-open: micro-batches read at most `probes` records and
     make no retries in place; the first one that makes attempts closes the circuit if fewer than
-    `failure_rate` of them failed and opens it again otherwise."""
+    `failure_rate` of them failed and opens it again otherwise.
+
+    Endpoint health: when every attempt a shard made has failed for `suspend_after_ms` (None:
+    never), the subscription is suspended: every shard stops reading and sending (nothing is
+    lost; messages wait) until an operator resumes it (`resume: operator`) or, with `resume:
+    probe`, the shard that suspended it finds the endpoint healthy again with its circuit's
+    half-open probes (`varadhi.core.circuit`)."""
 
     enabled: bool = True
     failure_rate: float = 0.5
@@ -178,6 +187,8 @@ class CircuitPolicy:
     open_for_ms: int = 5_000
     max_open_for_ms: int = 60_000
     probes: int = 10
+    suspend_after_ms: int | None = None
+    resume: ResumeMode = "probe"
 
 
 @dataclass(frozen=True)

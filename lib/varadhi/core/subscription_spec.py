@@ -278,6 +278,8 @@ _CIRCUIT_KEYS = (
     "open_for",
     "max_open_for",
     "probes",
+    "suspend_after",
+    "resume",
 )
 
 
@@ -618,6 +620,10 @@ def _parse_circuit_section(s: _Section) -> CircuitPolicy:
         # Left out, it grows with a long open_for rather than refusing it.
         max_open_for_ms=s.duration("max_open_for", max(_CIRCUIT.max_open_for_ms, open_for)),
         probes=s.integer("probes", _CIRCUIT.probes),
+        suspend_after_ms=None
+        if s.doc.get("suspend_after") is None
+        else s.duration("suspend_after", 0),
+        resume=s.choice("resume", _CIRCUIT.resume, ("probe", "operator")),
     )
     try:
         validate_circuit_policy(policy, prefix=s.path)
@@ -704,6 +710,8 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             "open_for": b.open_for_ms,
             "max_open_for": b.max_open_for_ms,
             "probes": b.probes,
+            "suspend_after": b.suspend_after_ms,
+            "resume": b.resume,
         },
         "on_dead_letter": spec.on_dead_letter,
         "blocked": {

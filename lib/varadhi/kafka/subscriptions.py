@@ -4,7 +4,8 @@ shards.
 The catalog holds one record per subscription under `subscription/<name>`:
 
     {"spec": spec_to_dict(spec),
-     "state": {"paused": bool, "generation": int, "shard_count": int, "created_ms": int}}
+     "state": {"paused": bool, "generation": int, "shard_count": int, "created_ms": int,
+               "suspended": {"reason": str, "since_ms": int, "shard": int, "resume": str}?}}
 
 Decisions are pure functions of a catalog `Snapshot` (`check_create`, `check_main_topic`,
 `changed_fields`, `plan_apply`, `shard_assignments`) so they are tested without Kafka;
@@ -43,6 +44,32 @@ log = logging.getLogger(__name__)
 # ASCII digits only (`\d` also matches other scripts' digits, which int() accepts); fullmatch,
 # because `$` would also match before a trailing newline.
 @dataclass(frozen=True)
+class Suspension:
+    """Why and since when a shard suspended its subscription (endpoint health:
+    `circuit_breaker.suspend_after`), and how it ends: `probe` (that shard's half-open probes
+    find the endpoint healthy, or an operator's resume) or `operator` (a resume only)."""
+
+    reason: str
+    since_ms: int
+    shard: int
+    resume: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "reason": self.reason,
+            "since_ms": self.since_ms,
+            "shard": self.shard,
+            "resume": self.resume,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> Suspension | None:
+        if not d:
+            return None
+        return cls(str(d["reason"]), int(d["since_ms"]), int(d["shard"]), str(d["resume"]))
+
+
+@dataclass(frozen=True)
 class Subscription:
     """A subscription's spec plus the runtime state recorded with it in the catalog.
 
@@ -50,6 +77,8 @@ class Subscription:
     at creation; a shard-count change moves it). `generation` numbers the checkpoint generation;
     an offset reset bumps it so checkpoints and idempotency keys start afresh (DESIGN hazard 7).
     `paused` asks the shard jobs to stop consuming; they honour it between batches.
+    `suspended` does the same, set by a shard whose endpoint failed every attempt for the spec's
+    `circuit_breaker.suspend_after` (`Suspension`); a resume clears both.
     `rq_from`/`dlq_from` are the first RQ/DLQ storage topics the current shards own: a
     shard-count change adds new internal storage topics and feeders drain the older ones.
     """
@@ -61,10 +90,16 @@ class Subscription:
     generation: int = 0
     rq_from: int = 0
     dlq_from: int = 0
+    suspended: Suspension | None = None
 
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the shards must read and send nothing: paused or suspended."""
+        return self.paused or self.suspended is not None
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +109,7 @@ class Subscription:
             "created_ms": self.created_ms,
             "rq_from": self.rq_from,
             "dlq_from": self.dlq_from,
+            "suspended": self.suspended.to_dict() if self.suspended else None,
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -93,6 +129,7 @@ class Subscription:
             generation=int(state.get("generation", 0)),
             rq_from=int(state.get("rq_from", 0)),
             dlq_from=int(state.get("dlq_from", 0)),
+            suspended=Suspension.from_dict(state.get("suspended")),
         )
 
 
@@ -454,8 +491,23 @@ class SubscriptionService:
         return self._edit(spec.name, lambda doc: {**doc, "spec": spec_to_dict(spec)})
 
     def set_paused(self, name: str, paused: bool) -> Subscription:
-        """Set the `paused` flag (pause/resume). Only the flag: the shard jobs act on it."""
-        return self._edit(name, lambda doc: {**doc, "state": {**doc["state"], "paused": paused}})
+        """Set the `paused` flag (pause; a resume also ends a suspension). Only the state: the
+        shard jobs act on it."""
+        state = {"paused": paused} if paused else {"paused": False, "suspended": None}
+        return self._edit(name, lambda doc: {**doc, "state": {**doc["state"], **state}})
+
+    def set_suspended(self, name: str, suspension: Suspension | None) -> Subscription:
+        """Suspend the subscription (endpoint health; a suspension already recorded stays, so
+        the first shard to suspend it probes it), or end its suspension (None)."""
+
+        def edit(doc: dict[str, Any]) -> dict[str, Any]:
+            state = doc["state"]
+            if suspension is not None and state.get("suspended"):
+                return doc
+            value = suspension.to_dict() if suspension else None
+            return {**doc, "state": {**state, "suspended": value}}
+
+        return self._edit(name, edit)
 
     def _edit(self, name: str, edit: Callable[[dict[str, Any]], dict[str, Any]]) -> Subscription:
         """Replace the record of `name` by `edit(record)`; nothing is written if that is equal.

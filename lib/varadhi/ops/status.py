@@ -311,6 +311,7 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
         "filtered": int(carried.get("filtered", 0)) + sum(s["filtered"] for s in shards),
         "subscription": name,
         "paused": sub.paused,
+        "suspended": sub.suspended.to_dict() if sub.suspended else None,
         "generation": sub.generation,
         "shard_count": sub.shard_count,
         "shards": shards,

@@ -151,6 +151,8 @@ class ShardMetrics:
     latency_sum_s: float = 0.0
     durations: list[int] = field(default_factory=lambda: [0] * (len(BATCH_BUCKETS_S) + 1))
     durations_sum_s: float = 0.0
+    suspended: int = 0  # the subscription is suspended (endpoint health): 1, else 0
+    suspensions: int = 0  # times this shard saw it suspended
     summary: dict[str, Any] = field(default_factory=dict)
     lag: dict[str, int] = field(default_factory=dict)
     spark: dict[str, float] = field(default_factory=dict)
@@ -171,6 +173,13 @@ class ShardMetrics:
             self.durations[i] += 1
             self.durations_sum_s += delta.seconds
             self.summary = dict(summary)
+
+    def set_suspended(self, suspended: bool) -> None:
+        """The shard's hook for endpoint health (`ShardJob.suspension_hooks`)."""
+        with self._lock:
+            if suspended and not self.suspended:
+                self.suspensions += 1
+            self.suspended = int(suspended)
 
     def set_progress(self, lag: Mapping[str, int] | None, spark: Mapping[str, float]) -> None:
         with self._lock:
@@ -216,6 +225,18 @@ class ShardMetrics:
             out.append(g)
 
         counter("batches", "micro-batches completed", s.batches if s else None)
+        counter(
+            "suspensions",
+            "times the shard saw its subscription suspended (endpoint health)",
+            s.suspensions if s else None,
+        )
+        gauge(
+            "suspended",
+            "1 while the subscription is suspended: every attempt to its endpoint failed for "
+            "circuit_breaker.suspend_after",
+            None,
+            {"": s.suspended} if s else {},
+        )
         for key, (name, doc) in COUNTERS.items():
             counter(name, doc, s.counters[key] if s else None)
         by_status = CounterMetricFamily(
@@ -515,6 +536,7 @@ class ShardTelemetry:
 
     def start(self) -> ShardTelemetry:
         self._job.batch_hooks.append(self.on_batch)
+        self._job.suspension_hooks.append(self.metrics.set_suspended)
         info = JobInfo("shard", {"subscription": self._job.name, "shard": str(self._job.shard)})
         self._exporter = serve(
             [info, self.metrics], self.options, f"{self._job.name} shard {self._job.shard}"
@@ -543,6 +565,8 @@ class ShardTelemetry:
             self._exporter = None
         if self.on_batch in self._job.batch_hooks:
             self._job.batch_hooks.remove(self.on_batch)
+        if self.metrics.set_suspended in self._job.suspension_hooks:
+            self._job.suspension_hooks.remove(self.metrics.set_suspended)
         if self.spark_source is not None:
             try:
                 self.spark_source.close()

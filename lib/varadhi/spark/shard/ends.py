@@ -46,6 +46,7 @@ class QueryEnd(StrEnum):
     RESTART = "restart"  # a known Spark failure after which the same query goes on
     CIRCUIT = "circuit"  # the circuit breaker opened, or a half-open probe decided
     PAUSED = "paused"  # `subscription pause`
+    SUSPENDED = "suspended"  # endpoint health: every attempt failed for `suspend_after`
     CHANGED = "changed"  # the shard count or generation changed
     LAYOUT = "layout"  # the next main-topic storage topic's layout was saved
 
@@ -87,14 +88,26 @@ def judge(failure: jvm_errors.Diagnosis | None, replayed: bool) -> Verdict | Non
     return Verdict.FAILED
 
 
-def catalog_change(started: Subscription, current: Subscription) -> QueryEnd | None:
-    """Why the catalog's `current` subscription ends a query started for `started`: `PAUSED`,
-    `CHANGED` (another shard count or generation: an offset reset), or None (pure)."""
+def catalog_change(started: Subscription, current: Subscription, shard: int) -> QueryEnd | None:
+    """Why the catalog's `current` subscription ends shard `shard`'s query started for
+    `started`: `PAUSED`, `SUSPENDED` (unless this shard probes the suspension:
+    `waits_on_suspension`), `CHANGED` (another shard count or generation: an offset reset), or
+    None (pure)."""
     if current.paused:
         return QueryEnd.PAUSED
+    if waits_on_suspension(current, shard):
+        return QueryEnd.SUSPENDED
     if (current.shard_count, current.generation) != (started.shard_count, started.generation):
         return QueryEnd.CHANGED
     return None
+
+
+def waits_on_suspension(sub: Subscription, shard: int) -> bool:
+    """Whether shard `shard` must read and send nothing for `sub`'s suspension: every shard
+    does, but the one that suspended it when it is to find the endpoint healthy again with its
+    circuit's probes (`resume: probe`) (pure)."""
+    s = sub.suspended
+    return s is not None and not (s.resume == "probe" and s.shard == shard)
 
 
 def idle(

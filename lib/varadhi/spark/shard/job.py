@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from pyspark.sql import SparkSession
 
-from varadhi.core.circuit import CircuitBreaker
+from varadhi.core.circuit import CircuitBreaker, now_ms
 from varadhi.core.endpoint_guard import EndpointPolicy
 from varadhi.core.errors import InvalidArgument, LeaseExpired
 from varadhi.core.policies import CircuitPolicy
@@ -28,7 +29,7 @@ from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.spark import layouts, warehouse_fs
-from varadhi.spark.shard.ends import QueryEnd, RunEnd
+from varadhi.spark.shard.ends import QueryEnd, RunEnd, waits_on_suspension
 from varadhi.spark.shard.gate import BatchGate
 from varadhi.spark.shard.journal import ShardJournal
 from varadhi.spark.shard.lease import ShardLease
@@ -73,6 +74,7 @@ class ShardJob:
         # Called after each completed micro-batch as hook(last_batch, summary) (`summarize`),
         # on the batch's thread: `varadhi.spark.metrics` feeds its exporter and JSON log from it.
         self.batch_hooks: list[Any] = []
+        self.suspension_hooks: list[Callable[[bool], None]] = []  # endpoint health, for metrics
         self._spark = spark
         self._startup = StartupClock(f"{name} shard {shard}")  # INFO line per phase
         self._stop = threading.Event()
@@ -235,30 +237,95 @@ class ShardJob:
 
     def _deliver(self, parts: ShardParts, lease: ShardLease) -> bool:
         """Deliver until stopped (returns whether cleanly: on request or idle, and not while
-        paused or with the circuit open, which a stop also ends) or failed (raises): each turn
-        reads the subscription, checks the lease, waits while paused or while the circuit is
-        open, else runs one query (`QueryRun`) until it ends."""
+        paused, suspended or with the circuit open, which a stop also ends) or failed (raises):
+        each turn reads the subscription, checks the lease, waits while paused or suspended
+        (`_suspension`) or while the circuit is open, else runs one query (`QueryRun`) until it
+        ends."""
         while True:
             loaded = self._load()
             lease.check()
             if self._stop.is_set():
                 return False
-            if loaded.sub.paused:
+            sub = loaded.sub
+            if sub.paused:
                 log.info("%s shard %d: paused", self.name, self.shard)
                 self._progress.publish("paused", force=True)
                 if self._wait_while(lease, self._still_paused):
                     return False
                 continue
-            self._circuit.configure(loaded.sub.spec.circuit_breaker)
+            self._circuit.configure(sub.spec.circuit_breaker)
+            turn = self._suspension(sub, lease)
+            if turn is not None:
+                if turn:
+                    return False
+                continue
             if self._circuit.poll() == "open":
                 self._progress.publish("circuit open", force=True)
                 if self._wait_while(lease, self._circuit_open, self._until_half_open):
                     return False
                 self._progress.publish("running", force=True)
                 continue
-            self._run = QueryRun(parts, loaded, parts.layouts.current(loaded.sub))
+            self._run = QueryRun(parts, loaded, parts.layouts.current(sub))
             if self._run.run() in (QueryEnd.STOP, QueryEnd.IDLE):
                 return True
+
+    def _suspension(self, sub: subscriptions.Subscription, lease: ShardLease) -> bool | None:
+        """Endpoint health (`circuit_breaker.suspend_after`): suspend the subscription when every
+        attempt failed for that long, wait while it is suspended (`ends.waits_on_suspension`),
+        or end the suspension this shard probes once its circuit closed (a probe succeeded).
+        None: deliver on; False: look again; True: asked to stop while waiting."""
+        suspended = sub.suspended
+        if suspended is None:
+            why = self._circuit.suspension_due()
+            if why is None:
+                return None
+            policy = sub.spec.circuit_breaker
+            subscriptions.SubscriptionService(self.catalog).set_suspended(
+                self.name,
+                subscriptions.Suspension(why, now_ms(), self.shard, policy.resume),
+            )
+            how = (
+                "a probe finds it healthy" if policy.resume == "probe" else "an operator resumes it"
+            )
+            log.warning(
+                "%s shard %d: %s; subscription suspended until %s (`varadhi subscription resume`)",
+                self.name, self.shard, why, how,
+            )  # fmt: skip
+            return False
+        self._report_suspended(True)
+        if waits_on_suspension(sub, self.shard):
+            log.warning(
+                "%s shard %d: suspended by shard %d since %s: %s",
+                self.name, self.shard, suspended.shard, suspended.since_ms, suspended.reason,
+            )  # fmt: skip
+            self._progress.publish("suspended", force=True)
+            if self._wait_while(lease, self._still_suspended):
+                return True
+            self._circuit.forget_failing()  # the wait was no attempt's failure
+            self._report_suspended(False)
+            log.info("%s shard %d: suspension ended; delivering again", self.name, self.shard)
+            return False
+        if self._circuit.poll() == "closed" and self._circuit.failing_since_ms is None:
+            subscriptions.SubscriptionService(self.catalog).set_suspended(self.name, None)
+            self._report_suspended(False)
+            log.info(
+                "%s shard %d: a probe found the endpoint healthy; suspension ended",
+                self.name, self.shard,
+            )  # fmt: skip
+            return False
+        return None  # this shard probes: its circuit's half-open batches
+
+    def _report_suspended(self, suspended: bool) -> None:
+        for hook in self.suspension_hooks:
+            hook(suspended)
+
+    def _still_suspended(self, current: subscriptions.Subscription) -> bool:
+        """Whether this shard keeps waiting on the subscription's suspension, reported while it
+        does (rate-limited, as `_still_paused`)."""
+        if current.paused or not waits_on_suspension(current, self.shard):
+            return False
+        self._progress.publish("suspended")
+        return True
 
     def _after_outage(
         self, parts: ShardParts, sub: subscriptions.Subscription, lease: ShardLease
@@ -322,10 +389,14 @@ class ShardJob:
         return True
 
     def _circuit_open(self, current: subscriptions.Subscription) -> bool:
-        """Whether the circuit stays open (reconfigured from `current`; paused ends the wait),
-        reported while it does."""
+        """Whether the circuit stays open (reconfigured from `current`; paused, suspended or a
+        suspension due ends the wait), reported while it does."""
         self._circuit.configure(current.spec.circuit_breaker)
         if current.paused or self._circuit.poll() != "open":
+            return False
+        if waits_on_suspension(current, self.shard) or (
+            current.suspended is None and self._circuit.suspension_due()
+        ):
             return False
         self._progress.publish("circuit open")
         return True

@@ -202,7 +202,8 @@ class QueryRun:
 
     def _stop_reason(self, query, inputs: QueryInputs) -> QueryEnd | None:
         """One look between batches, in this order: a stop asked for, the lease (raises
-        `Fenced`), the circuit moved, the catalog (`ends.catalog_change`), the next layout. A
+        `Fenced`), the circuit moved, the catalog (`ends.catalog_change`) or a suspension due
+        (endpoint health), the next layout. A
         reason comes with the query stopped between batches; None: go on."""
         p = self.parts
         if p.stop.is_set():
@@ -218,7 +219,9 @@ class QueryRun:
             return QueryEnd.CIRCUIT
         current = subscriptions.from_snapshot(p.catalog.snapshot(), p.name)
         p.circuit.configure(current.spec.circuit_breaker)
-        changed = catalog_change(inputs.sub, current)
+        changed = catalog_change(inputs.sub, current, p.shard)
+        if changed is None and current.suspended is None and p.circuit.suspension_due():
+            changed = QueryEnd.SUSPENDED  # the control loop suspends the subscription
         if changed is not None:
             p.gate.stop(query)
             return changed
