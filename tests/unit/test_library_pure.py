@@ -12,7 +12,7 @@ from varadhi.core import messages as m
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.group_state import Entry
 from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
-from varadhi.kafka.subscriptions import Subscription
+from varadhi.kafka.subscriptions import Subscription, Suspension
 from varadhi.kafka.topics import CompositeTopic, StorageTopic
 from varadhi.library import handler, offsets
 from varadhi.library.assign import spread
@@ -228,5 +228,13 @@ def test_what_is_not_supported_is_named():
     assert unsupported(*ok) == []
     paused = (replace(ok[0], paused=True), *ok[1:])
     assert unsupported(*paused)[0].startswith("paused")
+    health = _sub(
+        on_dead_letter="skip",
+        circuit_breaker=CircuitPolicy(enabled=False, suspend_after_ms=60_000, resume="operator"),
+    )
+    assert unsupported(*health)[0].startswith("circuit_breaker.suspend_after")
+    suspension = Suspension("every attempt to the endpoint failed for 60 s", 1, 0, "operator")
+    suspended = (replace(ok[0], suspended=suspension), *ok[1:])
+    assert unsupported(*suspended)[0].startswith("suspended")
     two = replace(ok[1], storage_topics=(*ok[1].storage_topics, StorageTopic("t.1", 8, 2)))
     assert "storage topics" in unsupported(ok[0], two, ok[2], ok[3])[0]

@@ -38,6 +38,8 @@ def unsupported(
         )
     if spec.circuit_breaker.enabled:
         out.append("circuit_breaker (set circuit_breaker.enabled: false)")
+    if spec.circuit_breaker.suspend_after_ms is not None:
+        out.append("circuit_breaker.suspend_after (endpoint health: set it to null)")
     if spec.filter is not None:
         out.append("filter")
     if spec.dedup_window_ms:
@@ -48,6 +50,8 @@ def unsupported(
         out.append("endpoint.forward_headers / endpoint.path (request shaping)")
     if sub.paused:
         out.append("paused (pause/resume: resume the subscription first)")
+    if sub.suspended is not None:
+        out.append("suspended (endpoint health: resume the subscription first)")
     if len(main.storage_topics) > 1:
         out.append(
             f"topic {main.name} has {len(main.storage_topics)} storage topics (reading across a"
