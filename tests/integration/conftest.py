@@ -139,3 +139,38 @@ def make_subscription(catalog, unique_name):
         return spec
 
     return make
+
+
+@pytest.fixture
+def varadhi_killed_at():
+    """varadhi_killed_at(point, *args) -> output: runs `varadhi args` as a process of its own
+    (the catalog, broker and warehouse of this run, through the environment) that ends abruptly
+    at crash point `point` (`VARADHI_CRASH_AT`, `varadhi.core.faults`: no `finally`, no exit
+    handler, nothing flushed); asserts that it did (exit 137). A Spark JVM it started goes
+    with it: the whole process group is SIGKILLed once it has ended."""
+    import signal
+    import tempfile
+
+    def run(point: str, *args: str, timeout: float = 300) -> str:
+        env = {**os.environ, "VARADHI_CRASH_AT": point}
+        cmd = [sys.executable, "-c", "import sys; from varadhi.cli import main; sys.exit(main())"]
+        with tempfile.TemporaryFile() as out:
+            proc = subprocess.Popen(
+                [*cmd, *args], env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            try:
+                code = proc.wait(timeout)
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+            out.seek(0)
+            text = out.read().decode("utf-8", "replace")
+        assert code == 137 and f"crashing at {point.partition('@')[0]}" in text, (
+            f"exit {code}, not killed at {point}:\n{text[-4000:]}"
+        )
+        return text
+
+    return run

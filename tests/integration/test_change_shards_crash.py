@@ -8,8 +8,9 @@ pending rows and last-batch records to re-send; then shard 0 is fenced in the mi
 batch, which it delivered and never committed: its journal is handed over) and cloned for every
 run: a clone is another subscription of the same main topic with copies of the old RQ/DLQ
 records, of the GroupState tables, of the shards' positions, of shard 0's uncommitted plan and
-of its journal records (under the clone's keys). Crashes are exceptions raised right after a
-step's work (`crash_after`), as in the offset-reset tests."""
+of its journal records (under the clone's keys). Each crash is a `varadhi subscription
+change-shards` process ended abruptly right after a step's work (a crash point,
+`varadhi.core.faults`), as in the offset-reset tests; the same command then runs again."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from varadhi.kafka.catalog import key
 from varadhi.kafka.leases import Lease
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.ops import change_shards, change_shards_plan, feeders
+from varadhi.ops import change_shards_plan
 from varadhi.spark import journal, layouts
 from varadhi.spark.checkpoints import shard_position, uncommitted_plan
 from varadhi.spark.layouts import READER_KIND, Layout
@@ -272,39 +273,19 @@ def outcome(settings, spark, catalog, name: str) -> dict:
     )
 
 
-class Crash(Exception):
-    """An injected crash right after a step of a shard-count change."""
-
-
-def crash_after(monkeypatch, owner, attr: str, nth: int = 1, before: bool = False) -> None:
-    """Make `owner.attr` raise Crash right after (or, with `before`, instead of) its nth call."""
-    real, calls = getattr(owner, attr), []
-
-    def crashing(*args, **kwargs):
-        calls.append(attr)
-        if before and len(calls) == nth:
-            raise Crash(f"before {attr} #{nth}")
-        result = real(*args, **kwargs)
-        if not before and len(calls) == nth:
-            raise Crash(f"after {attr} #{nth}")
-        return result
-
-    monkeypatch.setattr(owner, attr, crashing)
-
-
-CS = change_shards.ChangeShards
-# (owner, attribute, nth call, crash instead of the call): every step boundary of `execute`.
+# Every step boundary of `execute`, as a crash point (`varadhi.core.faults`) at which a
+# `varadhi subscription change-shards` process ends.
 CRASH_POINTS = {
-    "recorded": (CS, "_write_op", 1, False),  # the plan written, nothing done
-    "fence": (CS, "_step_fence", 1, False),
-    "queues": (CS, "_step_queues", 1, False),
-    "state-written": (CS, "_resend", 1, True),  # new tables written, records not re-sent
-    "state": (CS, "_step_state", 1, False),  # tables, records and hand-over written
-    "layouts": (CS, "_step_layouts", 1, False),
-    "activate": (CS, "_step_activate", 1, False),
-    "fed-unmarked": (feeders, "_mark_fed", 1, True),  # RQ copied, not marked
-    "fed-rq": (feeders, "_mark_fed", 1, False),
-    "done": (feeders, "_mark_fed", 2, False),
+    "recorded": "change_shards_recorded",  # the plan written, nothing done
+    "fence": "change_shards_fence",
+    "queues": "change_shards_queues",
+    "state-written": "change_shards_state_tables",  # new tables written, records not re-sent
+    "state": "change_shards_state",  # tables, records and hand-over written
+    "layouts": "change_shards_layouts",
+    "activate": "change_shards_activate",
+    "fed-unmarked": "feeder_copied",  # RQ copied, not marked
+    "fed-rq": "feeder_marked@1",
+    "done": "feeder_marked@2",
 }
 
 
@@ -329,15 +310,11 @@ def clean(settings, spark, catalog, source):
 
 @pytest.mark.parametrize("crash", list(CRASH_POINTS))
 def test_a_crash_after_any_step_then_a_rerun_ends_where_one_clean_run_does(
-    settings, spark, catalog, source, clean, monkeypatch, capsys, crash
+    settings, spark, catalog, source, clean, varadhi_killed_at, capsys, crash
 ):
     name = _clone(settings, catalog, source, crash)
     command = ["subscription", "change-shards", name, "--to", str(TO), "--output", "json"]
-    owner, attr, nth, before = CRASH_POINTS[crash]
-    crash_after(monkeypatch, owner, attr, nth, before)
-    with pytest.raises(Crash):
-        cli(command)
-    monkeypatch.undo()
+    varadhi_killed_at(CRASH_POINTS[crash], *command)
     capsys.readouterr()
     assert cli(command) == 0
     assert json.loads(capsys.readouterr().out)["step"] == "done"

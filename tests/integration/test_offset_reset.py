@@ -138,30 +138,13 @@ def test_fast_forward_rq_skips_a_pending_retry_and_releases_its_group(
         assert located("m1") == set()
 
 
-class Crash(Exception):
-    """An injected crash at a step boundary of an offset reset."""
-
-
-def crash_after(monkeypatch, owner, attr: str, nth: int = 1) -> None:
-    """Make `owner.attr` raise Crash right after its nth call has done its work."""
-    real, calls = getattr(owner, attr), []
-
-    def crashing(*args, **kwargs):
-        result = real(*args, **kwargs)
-        calls.append(attr)
-        if len(calls) == nth:
-            raise Crash(f"after {attr} #{nth}")
-        return result
-
-    monkeypatch.setattr(owner, attr, crashing)
-
-
-# The step boundaries of `OffsetReset.execute`: the plan recorded (catalog write 1), GroupState
-# advanced, the positions written and the reset marked done (catalog write 2).
+# The step boundaries of `OffsetReset.execute` (crash points, `varadhi.core.faults`): the plan
+# recorded (catalog write 1), GroupState advanced, the positions written and the reset marked
+# done (catalog write 2). A `varadhi offsets reset` process is ended at each.
 CRASH_POINTS = {
-    "recorded": ("Catalog", "mutate", 1),
-    "state-advanced": ("OffsetReset", "_advance_state", 1),
-    "done": ("Catalog", "mutate", 2),
+    "recorded": "offset_reset_recorded",
+    "state-advanced": "offset_reset_state_advanced",
+    "done": "offset_reset_done",
 }
 
 
@@ -171,12 +154,12 @@ CRASH_POINTS = {
     [("main", ["--shift-by", "-3"]), ("main", ["--to-latest"]), ("dlq", ["--shift-by", "1"])],
 )
 def test_a_crash_at_any_step_then_a_rerun_ends_where_one_clean_run_does(
-    settings, spark, make_subscription, catalog, monkeypatch, capsys, queue, target, crash
+    settings, spark, make_subscription, catalog, varadhi_killed_at, capsys, queue, target, crash
 ):
     from kafka import KafkaProducer
 
     from varadhi.core import messages as m
-    from varadhi.kafka.catalog import Catalog, key
+    from varadhi.kafka.catalog import key
     from varadhi.kafka.topics import from_snapshot as topic_of
     from varadhi.ops import offsets
     from varadhi.spark import layouts
@@ -210,13 +193,7 @@ def test_a_crash_at_any_step_then_a_rerun_ends_where_one_clean_run_does(
     clean = reset.plan(spec.name, queue, mode, value)  # what one clean run does
     command = ["offsets", "reset", spec.name, "--queue", queue, *target, "--execute"]
     if crash is not None:
-        owner, attr, nth = CRASH_POINTS[crash]
-        crash_after(
-            monkeypatch, {"Catalog": Catalog, "OffsetReset": offsets.OffsetReset}[owner], attr, nth
-        )
-        with pytest.raises(Crash):
-            cli(command)
-        monkeypatch.undo()
+        varadhi_killed_at(CRASH_POINTS[crash], *command)
         produce(settings, spec.topic, [("late", "late1")])  # --to-latest must not see it
     assert cli(command + ["--output", "json"]) == 0
     outcome = json.loads(capsys.readouterr().out).get("outcome")

@@ -10,6 +10,21 @@ micro-batch reaches them:
 
 Elsewhere: `catalog_in_transaction`, a catalog write's records acknowledged by the broker and
 its transaction not yet committed (`varadhi.kafka.catalog`).
+
+The operations' steps, each reached right after the step's work and its record in the catalog
+(`tests/integration/test_offset_reset.py` and `test_change_shards_crash.py` end a real
+`varadhi` process at each and run the command again):
+
+- `offset_reset_recorded`, `offset_reset_state_advanced`, `offset_reset_done`
+  (`varadhi.ops.offsets.OffsetReset.execute`);
+- `change_shards_recorded` (the plan written, nothing done), then `change_shards_<step>` after
+  each of the steps `fence`, `queues`, `state`, `layouts` and `activate`
+  (`varadhi.ops.change_shards`); inside the state step, `change_shards_state_tables`: the new
+  GroupState tables written, the last-batch records not yet re-sent;
+- `feeder_copied` (a feeder's records copied, the feeder not marked done) and `feeder_marked`
+  (`varadhi.ops.feeders`).
+
+Test-only: nothing sets `VARADHI_CRASH_AT` but tests.
 """
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ from typing import Any
 import pandas as pd
 
 from varadhi.core.errors import InvalidArgument, NotFound, VaradhiError
+from varadhi.core.faults import crash_point
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import progress, subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
@@ -248,6 +249,7 @@ class ChangeShards:
             self._uncommitted_batches(plan, started=False)
             op = plan.operation_doc("fence", feeders)
             self._write_op(name, op)
+            crash_point("change_shards_recorded")
             for w in plan.warnings:
                 self.log(f"warning: {w}")
         step = op["step"]
@@ -268,6 +270,7 @@ class ChangeShards:
                 op = dict(op, step=STEPS[STEPS.index(s) + 1], **(report or {}))
                 if s not in ("layouts", "activate"):  # those two record it in their own write
                     self._write_op(name, op)
+                crash_point(f"change_shards_{s}")
         return self._feed_all(name, op["feeders_mode"])
 
     # -- steps ----------------------------------------------------------------------------
@@ -338,6 +341,7 @@ class ChangeShards:
                 .option("userMetadata", f"change-shards {plan.from_shards}->{plan.to_shards}")
                 .save(layouts.state_path(wh, plan.name, plan.to_shards, j))
             )
+        crash_point("change_shards_state_tables")
         self._resend(plan, outs)
         self._write_handover(plan, handed)
         moved = {

@@ -30,6 +30,7 @@ import pandas as pd
 from kafka import TopicPartition
 
 from varadhi.core.errors import InvalidArgument
+from varadhi.core.faults import crash_point
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
@@ -202,6 +203,7 @@ def feed(spark, catalog: Catalog, name: str, source: str) -> int:
     finally:
         copies.unpersist()
         there.unpersist()
+    crash_point("feeder_copied")
     _mark_fed(catalog, name, source, n)
     return n
 
@@ -236,6 +238,7 @@ def _mark_fed(catalog: Catalog, name: str, source: str, records: int) -> None:
         return {key(OPERATION, operation_name(name)): touched(op, feeders=feeders, step=step)}
 
     catalog.mutate(change)
+    crash_point("feeder_marked")
 
 
 __all__ = [

@@ -37,6 +37,7 @@ from kafka import TopicPartition
 from varadhi.core import messages as m
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.errors import InvalidArgument, VaradhiError
+from varadhi.core.faults import crash_point
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import dlq as dlq_ops
 from varadhi.kafka import subscriptions, topics
@@ -498,8 +499,11 @@ class OffsetReset:
                     field="subscription",
                 )
             op_id = self._record(name, sub, plan, before)
+            crash_point("offset_reset_recorded")
         self._advance_state(sub, plan, spark)
+        crash_point("offset_reset_state_advanced")
         self._finish(name, sub, plan, op_id)
+        crash_point("offset_reset_done")
         return plan, outcome
 
     def _record(self, name: str, sub, plan: Plan, before: Positions) -> str:
