@@ -1,0 +1,98 @@
+"""The library runtime (`varadhi.library.Consumer`, docs/library.md) draining a backlog into nginx.
+
+    scripts/kafka start
+    .venv/bin/python bench/library.py [--messages 50000] [--groups 5000] [--fail 0 0.1]
+
+One process, in this one: a topic of 12 partitions gets `--messages` 1 KiB messages over
+`--groups` group ids (the varadhi producer), then, per `--fail` rate, a fresh 2-shard
+subscription (skip mode, no circuit: what the runtime supports) is delivered by one `Consumer`
+to nginx answering 204 (500/503 for that fraction of attempts: bench/delivery.py's `nginx`, so
+its figures compare) until every message is delivered or dead-lettered. Reported per run: the
+rate from `start()` to the last message (start-up included), the time to the first delivery,
+and the process's CPU per message (this process also polls the counters, every 20 ms).
+Retries use the default policy (1 s backoff, through the RQ). Everything listens on 127.0.0.1;
+the bench uses its own catalog topic and leaves its topics behind (`varadhi topic delete`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import uuid
+
+from common import nginx_binary
+from delivery import nginx
+from varadhi.core.policies import CircuitPolicy, Endpoint, SubscriptionSpec
+from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.settings import Settings
+from varadhi.kafka.subscriptions import SubscriptionService
+from varadhi.kafka.topics import TopicService
+from varadhi.library import Consumer
+
+TIMEOUT_S = 900
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--messages", type=int, default=50_000)
+    p.add_argument("--groups", type=int, default=5_000)
+    p.add_argument("--fail", type=float, nargs="+", default=[0.0, 0.1])
+    args = p.parse_args(argv)
+    binary = nginx_binary()
+    if binary is None:
+        raise SystemExit("nginx is needed (apt-get install nginx-light)")
+    settings = Settings.from_env(catalog_topic="__varadhi_bench_library")
+    catalog = Catalog(settings)
+    catalog.ensure_topic()
+    topic = f"bench-lib-{uuid.uuid4().hex[:6]}"
+    TopicService(catalog).create(topic, 12)
+    body = b"x" * 1024
+    with Producer(topic, settings, catalog=catalog, linger_ms=20, batch_size=262_144) as out:
+        for i in range(args.messages):
+            out.send(body, group_id=f"g{i % args.groups}")
+        out.flush()
+    print("fail  msg/s  first delivery (s)  CPU us/msg  retried  dead-lettered")
+    for fail in args.fail:
+        with nginx(binary, fail) as endpoint:
+            name = f"bench-lib-{uuid.uuid4().hex[:6]}"
+            spec = SubscriptionSpec(
+                name,
+                topic,
+                Endpoint(endpoint.url),
+                shards=2,
+                on_dead_letter="skip",
+                circuit_breaker=CircuitPolicy(enabled=False),
+            )
+            SubscriptionService(catalog).create(spec)
+            cpu, started = time.process_time(), time.monotonic()
+            consumer = Consumer(name, settings).start()
+            first = None
+            try:
+                while True:
+                    counts = consumer.counters()
+                    if first is None and counts["delivered"]:
+                        first = time.monotonic() - started
+                    if counts["delivered"] + counts["dead_lettered"] >= args.messages:
+                        break
+                    if consumer.health()["state"] == "failed":
+                        raise SystemExit(f"the consumer failed: {consumer.health()['error']}")
+                    if time.monotonic() - started > TIMEOUT_S:
+                        raise SystemExit(f"not drained in {TIMEOUT_S} s: {counts}")
+                    time.sleep(0.02)
+                wall = time.monotonic() - started
+                used = time.process_time() - cpu
+            finally:
+                consumer.stop()
+            print(
+                f"{fail:<5} {args.messages / wall:>6.0f} {first:>19.2f}"
+                f" {used / args.messages * 1e6:>11.0f} {counts['retried']:>8}"
+                f" {counts['dead_lettered']:>14}"
+            )
+    catalog.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
