@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from varadhi.testing import endpoint as endpoint_keys
+from varadhi.testing import oauth_server, tls
 
 # Every skip of a run must be listed here (test id prefix -> why that skip is expected), or the run
 # fails at its end: a test that skips because a service did not start, or a condition that is
@@ -30,6 +31,9 @@ os.environ["VARADHI_CATALOG_TOPIC"] = f"__varadhi_catalog_test_{RUN_ID}"
 # The tests' signing keys, for every shard and executor (`endpoint.signing`)
 os.environ[endpoint_keys.TEST_WHSEC_ENV] = endpoint_keys.TEST_WHSEC
 os.environ[endpoint_keys.TEST_WHSK_ENV] = endpoint_keys.TEST_WHSK
+# ... and the endpoint TLS material (`endpoint.tls`) and OAuth2 client secret (`endpoint.oauth2`)
+tls.export(os.environ)
+os.environ[oauth_server.TEST_CLIENT_SECRET_ENV] = oauth_server.TEST_CLIENT_SECRET
 
 
 def _kafka_up(bootstrap: str, within_s: float = 60) -> bool:

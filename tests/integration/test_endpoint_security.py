@@ -1,16 +1,20 @@
 """Webhook-grade endpoints in the HTTP engine, against a real HTTP server on loopback (issue 29,
-parts 1 and 7): signed requests as the Standard Webhooks reference verifier (the
-`standardwebhooks` package, not our code) accepts them, and what the engine refuses to do
-whatever the spec says (other protocols, framing headers, injected credentials, private
-addresses)."""
+parts 1, 2 and 7): signed requests as the Standard Webhooks reference verifier (the
+`standardwebhooks` package, not our code) accepts them; mutual TLS with a CA of the test's own,
+OAuth2 client credentials from a real authorization server (authlib's) and a JWT bearer as PyJWT
+verifies it; and what the engine refuses to do whatever the spec says (other protocols, framing
+headers, injected credentials, private addresses)."""
 
 from __future__ import annotations
 
 import base64
 import json
 
+import jwt as pyjwt
 import pycurl
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
@@ -18,7 +22,16 @@ from varadhi.core.delivery import HttpDeliverer, Outcome, Request
 from varadhi.core.endpoint_guard import EndpointPolicy
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
-from varadhi.core.policies import DeliveryPolicy, Endpoint, SecretRef, SigningKey
+from varadhi.core.policies import (
+    DeliveryPolicy,
+    Endpoint,
+    EndpointTls,
+    JwtBearer,
+    OAuth2Credentials,
+    SecretRef,
+    SigningKey,
+)
+from varadhi.testing import tls
 from varadhi.testing.endpoint import (
     TEST_WHSEC,
     TEST_WHSEC_ENV,
@@ -27,6 +40,8 @@ from varadhi.testing.endpoint import (
     Record,
     TestEndpoint,
 )
+from varadhi.testing.harness import wait_for
+from varadhi.testing.oauth_server import TEST_CLIENT_ID, TEST_CLIENT_SECRET_ENV, OAuthServer
 
 OLD_WHSEC_ENV = "VARADHI_ENDPOINT_OLD_WHSEC"
 OLD_WHSEC = "whsec_" + base64.b64encode(b"the key being rotated out, 32 b.").decode()
@@ -266,3 +281,176 @@ def test_a_request_goes_to_its_shaped_path_on_the_reused_connection(endpoint):
     assert len({r.connection for r in records}) == 1  # one keep-alive connection throughout
     for r in records:  # the signature covers the body, whatever the path
         Webhook(TEST_WHSEC).verify(r.body, r.headers)
+
+
+# -- part 2: endpoint TLS and authentication -----------------------------------------------------
+
+TLS_REFS = EndpointTls(
+    ca=SecretRef(env=tls.CA_ENV),
+    cert=SecretRef(env=tls.CLIENT_CERT_ENV),
+    key=SecretRef(env=tls.CLIENT_KEY_ENV),
+)
+CA_ONLY = EndpointTls(ca=SecretRef(env=tls.CA_ENV))
+
+
+def delivered(streams) -> list[int | None]:
+    return [o.status for s in streams for o in s.outcomes]
+
+
+def test_mutual_tls_with_a_custom_ca_and_a_client_certificate(endpoint):
+    """A TLS endpoint that requires a client certificate its CA signed: reached only with the
+    CA bundle (else the server is not trusted) and the client certificate (else the server
+    ends the handshake)."""
+    ep = endpoint(tls=tls.test_pki().server_context(require_client_cert=True))
+    assert ep.url.startswith("https://")
+    for config in (None, CA_ONLY):  # untrusted server; no client certificate
+        stream = Messages("a", 1)
+        stats = run(ep.url, [stream], tls=config)
+        assert stats.errors == {"connection_error": 1} and ep.records() == []
+    streams = [Messages("m", 3), Messages("n", 2)]
+    stats = run(ep.url, streams, tls=TLS_REFS)
+    assert stats.by_status == {200: 5} and len(ep.records()) == 5
+
+
+def test_a_bad_tls_reference_or_material_is_refused_naming_the_field(monkeypatch):
+    monkeypatch.setenv("VARADHI_ENDPOINT_NOT_PEM", "secret text")
+    url = "https://127.0.0.1:1/"
+    bad = EndpointTls(ca=SecretRef(env=tls.CA_ENV), cert=SecretRef(env=tls.CLIENT_CERT_ENV),
+                      key=SecretRef(env="VARADHI_ENDPOINT_NOT_PEM"))  # fmt: skip
+    with pytest.raises(InvalidArgument) as e:
+        HttpDeliverer(Endpoint(url=url, tls=bad))
+    assert e.value.field == "endpoint.tls.key" and "secret text" not in str(e.value)
+    platform = EndpointTls(ca=SecretRef(env="SSL_CERT_FILE"))
+    with pytest.raises(InvalidArgument) as e:
+        HttpDeliverer(Endpoint(url=url, tls=platform))
+    assert e.value.field == "endpoint.tls.ca" and "VARADHI_ENDPOINT_" in str(e.value)
+
+
+@pytest.fixture
+def oauth():
+    started: list[OAuthServer] = []
+
+    def make(**kwargs) -> OAuthServer:
+        server = OAuthServer(**kwargs)
+        server.start()
+        started.append(server)
+        return server
+
+    yield make
+    for server in started:
+        server.stop()
+
+
+def oauth2(server: OAuthServer, secret_env: str = TEST_CLIENT_SECRET_ENV) -> OAuth2Credentials:
+    return OAuth2Credentials(
+        token_url=server.token_url,
+        client_id=TEST_CLIENT_ID,
+        client_secret=SecretRef(env=secret_env),
+        scope="deliver",
+    )
+
+
+def test_oauth2_client_credentials_one_token_shared_then_refreshed_on_401_and_on_expiry(
+    endpoint, oauth
+):
+    """A real authorization server (authlib) on https with the test CA, an mTLS endpoint that
+    accepts only its unexpired tokens."""
+    server = oauth(expires_in=2)
+    ep = endpoint(tls=tls.test_pki().server_context(True), authorize=server.valid)
+    auth = {"tls": TLS_REFS, "oauth2": oauth2(server)}
+    # Two deliverers of the process: one token, fetched once, on every request
+    for name in ("a", "b"):
+        streams = [Messages(f"{name}{i}", 2) for i in range(4)]
+        run(ep.url, streams, **auth)
+        assert delivered(streams) == [200] * 8
+    assert server.issued == 1 and server.requests[0]["scope"] == "deliver"
+    first = {r.headers["Authorization"] for r in ep.records()}
+    assert len(first) == 1 and server.valid(first.pop())
+    # Revoked at the server: each request answered 401 is sent once more with a new token;
+    # the streams see only the 200s
+    server.revoke_all()
+    streams = [Messages(f"c{i}", 2) for i in range(4)]
+    stats = run(ep.url, streams, **auth)
+    assert delivered(streams) == [200] * 8 and server.issued == 2
+    refused = [r for r in ep.records() if r.status == 401]
+    assert 1 <= len(refused) <= 8 and stats.by_status == {401: len(refused), 200: 8}
+    # Expired (2 s tokens, renewed when less than a fifth is left): a new one before any 401
+    token = ep.records()[-1].headers["Authorization"]
+    wait_for(lambda: not server.valid(token), 30, "the token to expire")
+    before = len(ep.records())
+    stats = run(ep.url, [Messages("d", 2)], **auth)
+    assert stats.by_status == {200: 2} and server.issued == 3
+    assert all(r.status == 200 for r in ep.records()[before:])
+
+
+def test_a_second_401_is_the_outcome_and_a_refused_token_request_sends_nothing(
+    endpoint, oauth, monkeypatch
+):
+    server = oauth()
+    ep = endpoint(tls=tls.test_pki().server_context(False), authorize=lambda _: False)
+    stream = Messages("a", 1)
+    stats = run(ep.url, [stream], tls=CA_ONLY, oauth2=oauth2(server))
+    # sent twice (a new token the second time), then the 401 is the stream's outcome
+    assert [o.status for o in stream.outcomes] == [401] and stats.by_status == {401: 2}
+    assert server.issued == 2 and len(ep.records()) == 2
+    # A wrong client secret: no token, nothing sent, the reason without the secret
+    monkeypatch.setenv("VARADHI_ENDPOINT_WRONG_SECRET", "not the client secret")
+    stream = Messages("b", 2)
+    stats = run(ep.url, [stream], tls=CA_ONLY,
+                oauth2=oauth2(server, "VARADHI_ENDPOINT_WRONG_SECRET"))  # fmt: skip
+    assert stats.errors == {"connection_error": 2} and len(ep.records()) == 2
+    for outcome in stream.outcomes:
+        assert "answered HTTP 401: invalid_client" in outcome.detail
+        assert "not the client secret" not in outcome.detail
+    # The token endpoint's own certificate is checked (the CA bundle serves it too)
+    stream = Messages("c", 1)
+    run(ep.url, [stream], tls=None, oauth2=oauth2(server))
+    assert "CERTIFICATE_VERIFY_FAILED" in stream.outcomes[0].detail
+
+
+def test_an_oauth2_token_url_must_be_https():
+    bad = OAuth2Credentials("http://127.0.0.1:1/token", "c", SecretRef(env=TEST_CLIENT_SECRET_ENV))
+    with pytest.raises(InvalidArgument) as e:
+        HttpDeliverer(Endpoint(url="https://127.0.0.1:1/", oauth2=bad))
+    assert e.value.field == "endpoint.oauth2.token_url" and "https" in str(e.value)
+
+
+def private_pem(algorithm: str) -> tuple[str, object]:
+    key = (
+        rsa.generate_private_key(65537, 2048)
+        if algorithm == "RS256"
+        else ec.generate_private_key(ec.SECP256R1())
+    )
+    pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    ).decode()  # fmt: skip
+    return pem, key.public_key()
+
+
+@pytest.mark.parametrize("algorithm", ["RS256", "ES256"])
+def test_a_signed_jwt_bearer_verified_by_pyjwt(endpoint, monkeypatch, algorithm):
+    pem, public = private_pem(algorithm)
+    monkeypatch.setenv("VARADHI_ENDPOINT_TEST_JWT_KEY", pem)
+    seen: list[dict] = []
+
+    def verify(header: str | None) -> bool:
+        scheme, _, token = (header or "").partition(" ")
+        claims = pyjwt.decode(token, public, algorithms=[algorithm], audience="https://hooks.test",
+                              issuer="varadhi", options={"require": ["iat", "exp", "sub"]})  # fmt: skip
+        seen.append({**claims, "kid": pyjwt.get_unverified_header(token)["kid"]})
+        return scheme == "Bearer"
+
+    ep = endpoint(authorize=verify)
+    spec = JwtBearer(algorithm, SecretRef(env="VARADHI_ENDPOINT_TEST_JWT_KEY"), "k-2026",
+                     "varadhi", audience="https://hooks.test", lifetime_ms=60_000)  # fmt: skip
+    stats = run(ep.url, [Messages("a", 2)], jwt=spec)
+    assert stats.by_status == {200: 2}
+    assert all(c["kid"] == "k-2026" and c["sub"] == "varadhi" for c in seen) and len(seen) == 2
+    assert seen[0]["exp"] - seen[0]["iat"] == 60
+    # A key of the other kind is refused naming the field, never quoting the key
+    other, _ = private_pem("ES256" if algorithm == "RS256" else "RS256")
+    monkeypatch.setenv("VARADHI_ENDPOINT_TEST_JWT_KEY", other)
+    with pytest.raises(InvalidArgument) as e:
+        HttpDeliverer(Endpoint(url=ep.url, jwt=spec))
+    assert e.value.field == "endpoint.jwt.key" and "PRIVATE" not in str(e.value)

@@ -7,9 +7,10 @@ import urllib.request
 
 import pytest
 
+from varadhi.core.endpoint_auth import RedirectRefused, TokenError
 from varadhi.core.errors import KafkaConfigError
 from varadhi.kafka import config as kc
-from varadhi.kafka.oauth_tokens import ClientCredentialsTokenProvider, RedirectRefused
+from varadhi.kafka.oauth_tokens import ClientCredentialsTokenProvider
 
 CA = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
 KEY = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n" + CA
@@ -330,5 +331,5 @@ def test_the_token_endpoint_must_be_https():
 def test_a_redirect_of_the_token_request_is_refused():
     """urllib followed a redirect of the token request, Authorization header and all."""
     request = urllib.request.Request("https://idp.example/token", data=b"grant_type=x")
-    with pytest.raises(KafkaConfigError, match="redirected"):
+    with pytest.raises(TokenError, match="redirected"):
         RedirectRefused().redirect_request(request, None, 302, "Found", {}, "https://x.test/")

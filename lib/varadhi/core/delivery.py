@@ -87,7 +87,7 @@ from urllib.parse import urlsplit
 
 import pycurl
 
-from varadhi.core import batching, endpoint_guard, signing
+from varadhi.core import batching, endpoint_auth, endpoint_guard, signing
 from varadhi.core import messages as m
 from varadhi.core.endpoint_guard import EndpointPolicy
 from varadhi.core.errors import InvalidArgument
@@ -224,6 +224,10 @@ class _Transfer:
         "truncated",
         "refused",
         "path",
+        "request",
+        "webhook_id",
+        "resent",
+        "auth_line",
     )
 
     def __init__(self, curl: pycurl.Curl, limit: int = RESPONSE_SNIPPET_BYTES):
@@ -236,6 +240,12 @@ class _Transfer:
         self.truncated = False  # there was more
         self.refused: str | None = None  # why `open_socket` refused an address
         self.path: str | None = None  # the request path the handle's URL has (`Request.path`)
+        # With a bearer token (`endpoint.oauth2`, `endpoint.jwt`): the request, to send it
+        # again once with a new token after a 401 (`resent`).
+        self.request: Request | None = None
+        self.webhook_id: str | None = None
+        self.resent = False
+        self.auth_line = b""  # the auth header line it carried
 
     def open_socket(self, purpose: int, address: tuple) -> socket.socket | int:
         """libcurl's OPENSOCKETFUNCTION under a deny-list of private ranges: the socket for a
@@ -281,6 +291,15 @@ class HttpDeliverer:
     `endpoint.signing`, every request is signed (`varadhi.core.signing`): a single request's
     `webhook-id` is its `X-Varadhi-Message-Id` (else its `Idempotency-Key`).
 
+    TLS and authentication (`varadhi.core.endpoint_auth`): `endpoint.tls` gives the CAs to
+    trust and a client certificate; `endpoint.oauth2` or `endpoint.jwt` a bearer token in
+    `endpoint.auth_header`, read per request from a cache (an OAuth2 token shared by the
+    process's deliverers). A 401 answer to a request with a bearer token drops that token and
+    sends the request once more with a new one (the 401 is counted in the stats, not handed
+    to the stream); a second 401 is the request's outcome, a failure like any 4xx. When no
+    token can be had, the request is not sent: its outcome is a `connection_error` whose
+    detail says why (never the secret).
+
     With a `delivery` policy in mode `batch`, a request carries the messages of up to
     `max_messages` streams (`varadhi.core.batching`: the body, and what the answer means for each);
     `max_in_flight` then bounds such requests. Each stream still has at most one message in
@@ -319,6 +338,19 @@ class HttpDeliverer:
             field = f"endpoint.signing[{i}]"
             keys.append((key.scheme, endpoint_guard.read_secret(key.secret, field, policy), field))
         self._signer = signing.Signer(keys) if keys else None
+        tls = endpoint_auth.read_tls(endpoint.tls, policy)
+        self._tls_options = [
+            (option, pem)
+            for option, pem in (
+                (pycurl.CAINFO_BLOB, tls.ca),
+                (pycurl.SSLCERT_BLOB, tls.cert),
+                (pycurl.SSLKEY_BLOB, tls.key),
+            )
+            if pem is not None
+        ]
+        self._bearer = endpoint_auth.bearer(endpoint, policy, tls.ca)
+        # Requests not sent for want of a token, with the reason: failed in `run`'s loop.
+        self._unsent: deque[tuple[_Transfer, str]] = deque()
         if not any(name.lower() == "content-type" for name in static):
             # libcurl would otherwise label a POST body application/x-www-form-urlencoded.
             static["Content-Type"] = (
@@ -329,6 +361,8 @@ class HttpDeliverer:
         # `Expect:` (empty) stops libcurl from waiting for `100 Continue` before large bodies.
         self._static_lines = [f"{k}: {v}".encode() for k, v in static.items()] + [b"Expect:"]
         self._reserved = _FRAMING | {k.lower() for k in static} | set(signing.HEADERS)
+        if self._bearer is not None:
+            self._reserved = self._reserved | {endpoint.auth_header.lower()}
         self._multi = pycurl.CurlMulti()
         # Keep every connection we may use open between requests and across runs.
         self._multi.setopt(pycurl.M_MAXCONNECTS, max_in_flight)
@@ -342,7 +376,8 @@ class HttpDeliverer:
         if parts.port:
             host = f"{host}:{parts.port}"
         url = parts._replace(netloc=host).geturl()  # without user:password@
-        auth = f", auth={self.endpoint.auth_header}:***" if self.endpoint.auth_env else ""
+        ep = self.endpoint
+        auth = f", auth={ep.auth_header}:***" if ep.auth_env or ep.oauth2 or ep.jwt else ""
         return (
             f"HttpDeliverer({self.endpoint.method} {url}, max_in_flight={self.max_in_flight}{auth})"
         )
@@ -414,6 +449,16 @@ class HttpDeliverer:
                             break
                         n_streams += 1
                     in_flight += self._ask(stream, waiting)
+                if self._unsent:  # no token: each such request fails without being sent
+                    while self._unsent:
+                        transfer, reason = self._unsent.popleft()
+                        errors["connection_error"] += 1
+                        latency[0] += 1
+                        outcome = Outcome(None, "connection_error", reason, None, 0.0)
+                        # `_complete` takes the handle off the multi handle: put it on first.
+                        self._multi.add_handle(transfer.curl)
+                        in_flight -= self._complete(transfer, outcome, waiting, held)
+                    continue
                 if in_flight == 0:  # nothing to send now, and no stream left to start
                     if held and (waiting or not _all_pulled(batcher, exhausted)):
                         time.sleep(HOLD_POLL_S)
@@ -435,6 +480,9 @@ class HttpDeliverer:
                         transfer = self._by_curl[curl]
                         status = curl.getinfo(pycurl.RESPONSE_CODE)
                         by_status[status] += 1
+                        if status == 401 and self._bearer is not None and not transfer.resent:
+                            self._resend(transfer)
+                            continue
                         outcome = Outcome(
                             status,
                             None,
@@ -473,9 +521,12 @@ class HttpDeliverer:
                             timeout_s = min(timeout_s, waiting.seconds_to_wake())
                         multi.select(timeout_s)
         finally:
+            unsent = {id(transfer) for transfer, _ in self._unsent}
+            self._unsent.clear()
             for transfer in self._by_curl.values():
                 if transfer.stream is not None or transfer.batch is not None:  # a stream raised
-                    multi.remove_handle(transfer.curl)
+                    if id(transfer) not in unsent:
+                        multi.remove_handle(transfer.curl)
                     transfer.stream = transfer.batch = None
                     self._idle.append(transfer)
         return DeliveryStats(
@@ -587,6 +638,15 @@ class HttpDeliverer:
                     f"a signed request needs an {m.HTTP_MESSAGE_ID} header", field="headers"
                 )
             lines = lines + self._signer.header_lines(webhook_id, int(time.time()), request.body)
+        if self._bearer is not None:
+            transfer.request, transfer.webhook_id, transfer.resent = request, webhook_id, False
+            try:
+                transfer.auth_line = self._bearer.line()
+                lines = lines + [transfer.auth_line]
+            except endpoint_auth.TokenError as e:
+                transfer.stream, transfer.body, transfer.truncated = stream, b"", False
+                self._unsent.append((transfer, str(e)))
+                return
         curl = transfer.curl
         if request.path != transfer.path:  # a shaped path (the handle keeps its last URL)
             curl.setopt(pycurl.URL, self._url(request.path))
@@ -599,6 +659,14 @@ class HttpDeliverer:
         transfer.truncated = False
         transfer.refused = None
         self._multi.add_handle(curl)
+
+    def _resend(self, transfer: _Transfer) -> None:
+        """Send a request the endpoint answered 401 again, once, with a new token."""
+        assert self._bearer is not None and transfer.request is not None
+        self._multi.remove_handle(transfer.curl)
+        self._bearer.refused(transfer.auth_line)
+        self._issue(transfer, transfer.stream, transfer.request, transfer.webhook_id)
+        transfer.resent = True
 
     def _url(self, path: str | None) -> str:
         """The endpoint URL with `path` appended to its path (None: the URL as configured)."""
@@ -629,6 +697,8 @@ class HttpDeliverer:
         curl.setopt(pycurl.USERAGENT, f"varadhi-spark/{__version__}")
         curl.setopt(pycurl.HEADERFUNCTION, transfer.on_header)
         curl.setopt(pycurl.WRITEFUNCTION, transfer.on_body)
+        for option, pem in self._tls_options:
+            curl.setopt(option, pem)
         self._by_curl[curl] = transfer
         return transfer
 
@@ -781,6 +851,14 @@ def _validate_endpoint(endpoint: Endpoint) -> None:
         )
     for name in ("connect_timeout_ms", "request_timeout_ms"):
         _require_positive_int(getattr(endpoint, name), f"endpoint.{name}")
+    credentials = [
+        name for name in ("auth_env", "oauth2", "jwt") if getattr(endpoint, name) is not None
+    ]
+    if len(credentials) > 1:
+        raise InvalidArgument(
+            f"set at most one of auth_env, oauth2 and jwt, got {' and '.join(credentials)}",
+            field=f"endpoint.{credentials[-1]}",
+        )
     for name, value in [*endpoint.headers, (endpoint.auth_header, "")]:
         if not _header_ok(name, value):
             raise InvalidArgument(

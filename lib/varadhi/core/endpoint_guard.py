@@ -1,7 +1,8 @@
 """What the platform allows an endpoint to use: which secrets a subscription may name, and which
 addresses it may reach. The platform's operator decides, not the spec's author.
 
-A subscription spec names its secrets (the auth header's value, signing keys) by reference: an
+A subscription spec names its secrets (the auth header's value, signing keys, the TLS material,
+the OAuth2 client secret, the JWT key) by reference: an
 environment variable (`env`) or a file (`file`). A spec author must not be able to make every
 executor send a platform secret (a Kafka password, cloud keys) to a host of their choice, so a
 reference is honoured only when the operator allows it, by settings of the shard's environment
@@ -10,7 +11,9 @@ reference is honoured only when the operator allows it, by settings of the shard
 - `VARADHI_ENDPOINT_SECRET_PREFIX` (default `VARADHI_ENDPOINT_`): environment variables whose
   name starts with it may be named;
 - `VARADHI_ENDPOINT_SECRET_NAMES`: a comma-separated allow-list of further names;
-- `VARADHI_ENDPOINT_SECRET_DIR`: files under this directory may be named (no file otherwise);
+- `VARADHI_ENDPOINT_SECRET_DIR`: files under this directory may be named (no file otherwise;
+  the TLS CA bundle and client certificate too, though they are not secret: one rule for every
+  file the engine reads);
 - `VARADHI_ENDPOINT_DENY_PRIVATE` (`true`/`1`): endpoints may not reach private, loopback,
   link-local (cloud metadata services at 169.254.169.254), multicast or reserved addresses.
 
@@ -134,13 +137,25 @@ def read_secret(
 
 
 def check_endpoint(endpoint: Endpoint, policy: EndpointPolicy) -> None:
-    """Every check of this module that needs no secret's value: the URL's literal address, the
-    auth header's and each signing key's reference. Raises InvalidArgument naming the field."""
+    """Every check of this module that needs no secret's value: the URL's (and the OAuth2
+    token URL's) literal address, and every secret's reference (the auth header, signing keys,
+    the TLS material, the OAuth2 client secret, the JWT key). Raises InvalidArgument naming the
+    field."""
     check_url(endpoint.url, "endpoint.url", policy)
     if endpoint.auth_env is not None:
         check_ref(SecretRef(env=endpoint.auth_env), "endpoint.auth_env", policy)
     for i, key in enumerate(endpoint.signing):
         check_ref(key.secret, f"endpoint.signing[{i}]", policy)
+    tls = endpoint.tls
+    if tls is not None:
+        for name, ref in (("ca", tls.ca), ("cert", tls.cert), ("key", tls.key)):
+            if ref is not None:
+                check_ref(ref, f"endpoint.tls.{name}", policy)
+    if endpoint.oauth2 is not None:
+        check_url(endpoint.oauth2.token_url, "endpoint.oauth2.token_url", policy)
+        check_ref(endpoint.oauth2.client_secret, "endpoint.oauth2.client_secret", policy)
+    if endpoint.jwt is not None:
+        check_ref(endpoint.jwt.key, "endpoint.jwt.key", policy)
 
 
 def address_refusal(address: str) -> str | None:

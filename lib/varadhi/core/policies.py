@@ -6,8 +6,9 @@ CLI options into them, and validating them with messages that name the field, li
 `varadhi.kafka.subscriptions`; deciding what a response means lives in `varadhi.core.retry`, and when to
 stop sending to a failing endpoint in `varadhi.core.circuit`.
 
-Secrets never live here: the endpoint names the environment variable that holds its auth header
-value (`auth_env`), and only the delivery code on executors reads it.
+Secrets never live here: the endpoint names where its secrets are (`auth_env`, `SecretRef`s:
+signing keys, the TLS client key, the OAuth2 client secret, the JWT key), and only the delivery
+code on executors reads them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ Backoff = Literal["fixed", "exponential"]
 OnDeadLetter = Literal["block", "skip"]
 Method = Literal["POST", "PUT", "PATCH"]
 SigningScheme = Literal["v1", "v1a"]
+JwtAlgorithm = Literal["RS256", "ES256"]
 DeliveryMode = Literal["single", "batch"]
 BatchFormat = Literal["ndjson", "json_array"]
 
@@ -73,6 +75,47 @@ class SigningKey:
 
 
 @dataclass(frozen=True)
+class EndpointTls:
+    """The endpoint's TLS beyond the system's defaults (`varadhi.core.endpoint_auth`): `ca`, a
+    PEM bundle of the CAs to trust instead of the system's (for the OAuth2 token endpoint too);
+    `cert` and `key`, a PEM client certificate (chain) and its private key, for endpoints that
+    require mutual TLS. Each by reference, like every secret."""
+
+    ca: SecretRef | None = None
+    cert: SecretRef | None = None
+    key: SecretRef | None = None
+
+
+@dataclass(frozen=True)
+class OAuth2Credentials:
+    """OAuth 2 client credentials (RFC 6749, 4.4): an access token from `token_url` (https)
+    for `client_id` and the secret `client_secret` names, sent as a bearer token in the
+    endpoint's `auth_header`. `scope` and `audience` are sent with the token request when set."""
+
+    token_url: str
+    client_id: str
+    client_secret: SecretRef
+    scope: str | None = None
+    audience: str | None = None
+
+
+@dataclass(frozen=True)
+class JwtBearer:
+    """A JWT of our own, signed with `key` (a PEM private key: RSA for RS256, P-256 for ES256),
+    sent as a bearer token in the endpoint's `auth_header`, for endpoints that verify OIDC-style
+    tokens: header `kid` = `key_id`; claims `iss`, `sub`, `aud`, `iat`, `exp` (`lifetime_ms`
+    after `iat`). `subject` None: the issuer; `audience` None: the endpoint URL."""
+
+    algorithm: JwtAlgorithm
+    key: SecretRef
+    key_id: str
+    issuer: str
+    subject: str | None = None
+    audience: str | None = None
+    lifetime_ms: int = 300_000
+
+
+@dataclass(frozen=True)
 class RequestShaping:
     """What of a record besides its value a single request carries (`varadhi.core.request_shaping`):
     `forward_headers` (Kafka header name, HTTP header name) pairs, and `path`, a template over
@@ -92,6 +135,10 @@ class Endpoint:
     # Several keys sign at once (a signature each), so that keys rotate without downtime.
     signing: tuple[SigningKey, ...] = ()
     shaping: RequestShaping = field(default_factory=RequestShaping)
+    tls: EndpointTls | None = None
+    # At most one of auth_env, oauth2 and jwt (each sets the auth header).
+    oauth2: OAuth2Credentials | None = None
+    jwt: JwtBearer | None = None
     # Connect fast (a local or in-VPC endpoint accepts in milliseconds; a dead one should fail
     # the attempt, not the batch); allow requests long enough for a slow but healthy endpoint.
     connect_timeout_ms: int = 2_000

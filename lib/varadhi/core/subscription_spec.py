@@ -11,8 +11,9 @@ milliseconds or strings with a unit (`500ms`, `2s`, `1m`, `1h`); stored document
 `circuit_breaker` policy, with a deprecation warning (`_parse_circuit`).
 
 Secrets never reach the catalog: an endpoint names the environment variable that holds its auth
-header value (`auth_env`) and where its signing keys are (`signing`: an environment variable or a
-file each); literal `Authorization` headers and credentials in the URL are refused. Which names
+header value (`auth_env`) and where its signing keys, TLS material, OAuth2 client secret and JWT
+key are (`signing`, `tls`, `oauth2.client_secret`, `jwt.key`: an environment variable or a file
+each); literal `Authorization` headers and credentials in the URL are refused. Which names
 and files the platform honours is checked at `apply` and at a deliverer's start
 (`varadhi.core.endpoint_guard`), not here: a stored spec parses whatever the reader's settings.
 Pure: no Kafka, no Spark (`varadhi.kafka.subscriptions` records specs in the catalog).
@@ -29,7 +30,7 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlsplit
 
-from varadhi.core import batching, filters, messages, names, request_shaping, signing
+from varadhi.core import batching, endpoint_auth, filters, messages, names, request_shaping, signing
 from varadhi.core.circuit import validate_circuit_policy
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import (
@@ -39,6 +40,9 @@ from varadhi.core.policies import (
     ConsumptionPolicy,
     DeliveryPolicy,
     Endpoint,
+    EndpointTls,
+    JwtBearer,
+    OAuth2Credentials,
     RequestShaping,
     ResponseRule,
     RetryPolicy,
@@ -242,10 +246,18 @@ _ENDPOINT_KEYS = (
     "signing",
     "forward_headers",
     "path",
+    "tls",
+    "oauth2",
+    "jwt",
     "connect_timeout",
     "request_timeout",
 )
 _SIGNING_KEYS = ("scheme", "env", "file")
+_REF_KEYS = ("env", "file")
+_TLS_KEYS = ("ca", "cert", "key")
+_OAUTH2_KEYS = ("token_url", "client_id", "client_secret", "scope", "audience")
+_JWT_KEYS = ("algorithm", "key", "key_id", "issuer", "subject", "audience", "lifetime")
+JWT_LIFETIME_MS = (10_000, 3_600_000)  # a JWT lives 10 s to 1 h
 _RETRY_KEYS = (
     "max_attempts",
     "backoff",
@@ -367,6 +379,13 @@ def _parse_endpoint(s: _Section) -> Endpoint:
     auth_env = s.doc.get("auth_env")
     if auth_env is not None and (not isinstance(auth_env, str) or not _ENV_RE.fullmatch(auth_env)):
         raise s.error("auth_env", f"must be an environment variable name, got {auth_env!r}")
+    credentials = [name for name in ("auth_env", "oauth2", "jwt") if s.has(name)]
+    if len(credentials) > 1:
+        raise s.error(
+            credentials[-1],
+            f"set at most one of auth_env, oauth2 and jwt (each sets {auth_header}), got "
+            f"{' and '.join(credentials)}",
+        )
     return Endpoint(
         url=url,
         method=method,
@@ -375,6 +394,9 @@ def _parse_endpoint(s: _Section) -> Endpoint:
         auth_env=auth_env,
         signing=_parse_signing(s),
         shaping=RequestShaping(_parse_forward_headers(s, auth_header), _parse_path(s)),
+        tls=_parse_tls(s),
+        oauth2=_parse_oauth2(s),
+        jwt=_parse_jwt(s),
         connect_timeout_ms=s.duration("connect_timeout", _ENDPOINT.connect_timeout_ms),
         request_timeout_ms=s.duration("request_timeout", _ENDPOINT.request_timeout_ms),
     )
@@ -394,22 +416,98 @@ def _parse_signing(s: _Section) -> tuple[SigningKey, ...]:
     for i, item in enumerate(raw):
         k = _Section(item, s.field(f"signing[{i}]"), s.source, _SIGNING_KEYS)
         scheme = k.choice("scheme", None, ("v1", "v1a"))
-        if k.has("env") == k.has("file"):
-            raise k.error(None, "needs exactly one of env (a variable name) and file (a path)")
-        if k.has("env"):
-            env = k.string("env")
-            if not _ENV_RE.fullmatch(env):
-                raise k.error("env", f"must be an environment variable name, got {env!r}")
-            ref = SecretRef(env=env)
-        else:
-            path = k.string("file")
-            if not path.startswith("/") or any(c in path for c in "\r\n\0"):
-                raise k.error("file", f"must be an absolute path, got {path!r}")
-            ref = SecretRef(file=path)
+        ref = _secret_ref(k)
         if any(key.secret == ref for key in keys):
             raise k.error("env" if ref.env else "file", f"{ref} is given twice")
         keys.append(SigningKey(scheme, ref))
     return tuple(keys)
+
+
+def _secret_ref(k: _Section) -> SecretRef:
+    """A secret by reference from a section holding `env` (a variable name) or `file` (an
+    absolute path)."""
+    if k.has("env") == k.has("file"):
+        raise k.error(None, "needs exactly one of env (a variable name) and file (a path)")
+    if k.has("env"):
+        env = k.string("env")
+        if not _ENV_RE.fullmatch(env):
+            raise k.error("env", f"must be an environment variable name, got {env!r}")
+        return SecretRef(env=env)
+    path = k.string("file")
+    if not path.startswith("/") or any(c in path for c in "\r\n\0"):
+        raise k.error("file", f"must be an absolute path, got {path!r}")
+    return SecretRef(file=path)
+
+
+def _ref(s: _Section, name: str) -> SecretRef | None:
+    """The secret reference under key `name` ({env: NAME} or {file: PATH}), None if absent."""
+    if not s.has(name):
+        return None
+    return _secret_ref(s.section(name, _REF_KEYS))
+
+
+def _parse_tls(s: _Section) -> EndpointTls | None:
+    """The endpoint's CA bundle and client certificate (`varadhi.core.endpoint_auth`)."""
+    if not s.has("tls"):
+        return None
+    t = s.section("tls", _TLS_KEYS)
+    tls = EndpointTls(ca=_ref(t, "ca"), cert=_ref(t, "cert"), key=_ref(t, "key"))
+    if (tls.cert is None) != (tls.key is None):
+        raise t.error("key" if tls.key is None else "cert", "a client certificate needs its key")
+    if tls == EndpointTls():
+        raise t.error(None, "needs ca, or cert and key")
+    if not urlsplit(s.doc["url"]).scheme == "https":
+        raise t.error(None, "applies to https:// endpoints only")
+    return tls
+
+
+def _parse_oauth2(s: _Section) -> OAuth2Credentials | None:
+    """OAuth 2 client credentials; the token URL must be https."""
+    if not s.has("oauth2"):
+        return None
+    o = s.section("oauth2", _OAUTH2_KEYS)
+    url = o.string("token_url")
+    with o.as_field("token_url"):
+        endpoint_auth.check_token_url(url, "token_url")
+    secret = _ref(o, "client_secret")
+    if secret is None:
+        raise o.error("client_secret", "is required ({env: NAME} or {file: PATH})")
+    return OAuth2Credentials(
+        token_url=url,
+        client_id=o.string("client_id"),
+        client_secret=secret,
+        scope=o.string("scope") if o.has("scope") else None,
+        audience=o.string("audience") if o.has("audience") else None,
+    )
+
+
+def _parse_jwt(s: _Section) -> JwtBearer | None:
+    """A signed JWT bearer of our own."""
+    if not s.has("jwt"):
+        return None
+    j = s.section("jwt", _JWT_KEYS)
+    key = _ref(j, "key")
+    if key is None:
+        raise j.error("key", "is required ({env: NAME} or {file: PATH})")
+    low, high = JWT_LIFETIME_MS
+    lifetime = j.duration("lifetime", JwtBearer.lifetime_ms, minimum=low)
+    if lifetime > high or lifetime % 1000:
+        raise j.error(
+            "lifetime", f"must be whole seconds, at most {high // 1000}s, got {lifetime}ms"
+        )
+    return JwtBearer(
+        algorithm=j.choice("algorithm", None, ("RS256", "ES256")),
+        key=key,
+        key_id=j.string("key_id"),
+        issuer=j.string("issuer"),
+        subject=j.string("subject") if j.has("subject") else None,
+        audience=j.string("audience") if j.has("audience") else None,
+        lifetime_ms=lifetime,
+    )
+
+
+def _ref_dict(ref: SecretRef | None) -> dict[str, str | None] | None:
+    return None if ref is None else {"env": ref.env, "file": ref.file}
 
 
 def _parse_forward_headers(s: _Section, auth_header: str) -> tuple[tuple[str, str], ...]:
@@ -673,6 +771,33 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             or None,
             "forward_headers": dict(e.shaping.forward_headers),
             "path": e.shaping.path,
+            "tls": None
+            if e.tls is None
+            else {
+                "ca": _ref_dict(e.tls.ca),
+                "cert": _ref_dict(e.tls.cert),
+                "key": _ref_dict(e.tls.key),
+            },
+            "oauth2": None
+            if e.oauth2 is None
+            else {
+                "token_url": e.oauth2.token_url,
+                "client_id": e.oauth2.client_id,
+                "client_secret": _ref_dict(e.oauth2.client_secret),
+                "scope": e.oauth2.scope,
+                "audience": e.oauth2.audience,
+            },
+            "jwt": None
+            if e.jwt is None
+            else {
+                "algorithm": e.jwt.algorithm,
+                "key": _ref_dict(e.jwt.key),
+                "key_id": e.jwt.key_id,
+                "issuer": e.jwt.issuer,
+                "subject": e.jwt.subject,
+                "audience": e.jwt.audience,
+                "lifetime": e.jwt.lifetime_ms,
+            },
             "connect_timeout": e.connect_timeout_ms,
             "request_timeout": e.request_timeout_ms,
         },

@@ -11,7 +11,8 @@ properties name. The Java clients (Spark) log in with their own handlers instead
 
 Hazards: a token is itself a credential, and a provider holds the secret it is made from: no
 `repr` shows either. The client secret goes only to an https token endpoint, and never on to
-another URL (a redirect is refused, `RedirectRefused`). Anyone can forge an unsecured token. A bad unsecured-login option or a missing
+another URL (a redirect is refused, `varadhi.core.endpoint_auth.RedirectRefused`; the request
+and the token cache are that module's, shared with endpoints' OAuth2). Anyone can forge an unsecured token. A bad unsecured-login option or a missing
 MSK IAM signer raises `KafkaConfigError`, like the rest of the configuration.
 """
 
@@ -21,14 +22,13 @@ import base64
 import json
 import threading
 import time
-import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from typing import Any
 
 from kafka.net.sasl.oauth import AbstractTokenProvider
 
-from varadhi.core.errors import KafkaConfigError
+from varadhi.core import endpoint_auth
+from varadhi.core.errors import InvalidArgument, KafkaConfigError
 
 #: The Python side of MSK IAM (PyPI; pyproject.toml's `msk` extra).
 MSK_IAM_PYPI = "aws-msk-iam-sasl-signer-python==1.0.2"
@@ -47,56 +47,24 @@ def client_credentials_provider(url: str, client_id: str, secret: str, scope: st
         return _providers[key]
 
 
-class RedirectRefused(urllib.request.HTTPRedirectHandler):
-    """Refuses every redirect: urllib would send the request again to wherever the token
-    endpoint points, client secret included."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        raise KafkaConfigError(
-            f"the OAuth token endpoint {req.full_url} redirected ({code}) to {newurl}; "
-            "set sasl.oauthbearer.token.endpoint.url to the final URL (credentials are never "
-            "sent on to another URL)"
-        )
-
-
-_NO_REDIRECTS = urllib.request.build_opener(RedirectRefused)
-
-
 class ClientCredentialsTokenProvider(AbstractTokenProvider):
     """kafka-python's token provider for OAUTHBEARER: the OAuth 2 client-credentials grant
-    against the token endpoint, the token reused until 30 s before it expires."""
+    against the token endpoint (`varadhi.core.endpoint_auth.request_token`: https only, no
+    redirect followed), the token reused until a little before it expires
+    (`endpoint_auth.CachedToken`). A URL that is not https raises KafkaConfigError."""
 
     def __init__(self, url: str, client_id: str, secret: str, scope: str | None = None):
-        if urllib.parse.urlsplit(url).scheme != "https":
-            raise KafkaConfigError(
-                f"the OAuth token endpoint {url!r} is not an https URL: the client secret is "
-                "sent to it"
-            )
-        self.url, self.client_id, self._secret, self.scope = url, client_id, secret, scope
-        self._token: str | None = None
-        self._expires = 0.0
-        self._lock = threading.Lock()
+        try:
+            endpoint_auth.check_token_url(url, "sasl.oauthbearer.token.endpoint.url")
+        except InvalidArgument as e:
+            raise KafkaConfigError(str(e)) from None
+        self.url, self.client_id, self.scope = url, client_id, scope
+        self._cached = endpoint_auth.CachedToken(
+            lambda: endpoint_auth.request_token(url, client_id, secret, scope)
+        )
 
     def token(self) -> str:
-        with self._lock:
-            if self._token is None or time.monotonic() > self._expires - 30:
-                form = {"grant_type": "client_credentials"}
-                if self.scope:
-                    form["scope"] = self.scope
-                request = urllib.request.Request(
-                    self.url,
-                    data=urllib.parse.urlencode(form).encode(),
-                    headers={"Content-Type": "application/x-www-form-urlencoded"},
-                )
-                basic = f"{urllib.parse.quote(self.client_id)}:{urllib.parse.quote(self._secret)}"
-                request.add_header(
-                    "Authorization", "Basic " + base64.b64encode(basic.encode()).decode()
-                )
-                with _NO_REDIRECTS.open(request, timeout=10) as response:
-                    body = json.load(response)
-                self._token = body["access_token"]
-                self._expires = time.monotonic() + float(body.get("expires_in", 3600))
-            return self._token
+        return self._cached.get()
 
     def extensions(self) -> dict:
         return {}

@@ -5,7 +5,12 @@ through `GET /received`) and the benchmarks. It is a threaded `http.server` spea
 with keep-alive, one thread per connection, so it behaves like a real server for the engine's
 connection pooling; it is not fast (a few thousand requests a second).
 
-Every POST/PUT/PATCH, on any path, is a delivery. What it answers, in this order:
+Every POST/PUT/PATCH, on any path, is a delivery. With `tls` (an `ssl.SSLContext`, e.g.
+`varadhi.testing.tls.Pki.server_context`) it speaks https, requiring a client certificate when the
+context does. With `authorize` (a function of the `Authorization` header), a delivery it refuses
+is answered 401 and recorded with that status, before anything below (it uses no scripted
+answer); a batch request it refuses is answered 401 with no record. What it answers, in this
+order:
 
 0. during an outage (`outage(seconds)`, or `GET /outage?seconds=S` from another process):
    503 (with `Retry-After: retry_after_s`) to every delivery, scripted or not;
@@ -50,11 +55,12 @@ import select
 import signal
 import socket
 import socketserver
+import ssl
 import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import IO, Any, Literal
@@ -144,6 +150,8 @@ class TestEndpoint:
         record_headers: bool = False,
         record_bodies: bool = False,
         record_file: str | None = None,
+        tls: ssl.SSLContext | None = None,
+        authorize: Callable[[str | None], bool] | None = None,
     ):
         if not 0.0 <= fail_rate <= 1.0:
             raise ValueError(f"fail_rate must be in [0, 1], got {fail_rate}")
@@ -167,6 +175,8 @@ class TestEndpoint:
         self.record_headers = record_headers
         self.record_bodies = record_bodies
         self._record_path = record_file
+        self.tls = tls
+        self.authorize = authorize
         self._record_out: IO[str] | None = None
         self._lock = threading.Lock()
         self._records: list[Record] = []
@@ -191,6 +201,10 @@ class TestEndpoint:
             self._record_out = open(self._record_path, "a", encoding="utf-8")  # noqa: SIM115
         self._stopping.clear()
         self._server = _Server((self.host, self.port), _Handler, self)
+        if self.tls is not None:  # the handshake is made in the connection's thread
+            self._server.socket = self.tls.wrap_socket(
+                self._server.socket, server_side=True, do_handshake_on_connect=False
+            )
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(
             target=self._server.serve_forever,
@@ -232,7 +246,8 @@ class TestEndpoint:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/"
+        scheme = "http" if self.tls is None else "https"
+        return f"{scheme}://{self.host}:{self.port}/"
 
     # -- inspection ------------------------------------------------------------------------
 
@@ -316,7 +331,11 @@ class TestEndpoint:
             _reply(h, 411, None)
             return
         body = h.rfile.read(int(h.headers.get("Content-Length") or 0))
+        refused = self.authorize is not None and not self.authorize(h.headers.get("Authorization"))
         if h.headers.get(BATCH_SIZE_HEADER) is not None:
+            if refused:
+                _reply(h, 401, None)
+                return
             self._deliver_batch(h, body)
             return
         received_ms = time.time() * 1000
@@ -327,9 +346,12 @@ class TestEndpoint:
         with self._lock:
             seq = len(self._records)
             n = self._seen[message_id] if message_id is not None else 0
-            if message_id is not None:
-                self._seen[message_id] += 1
-            answer = self._answer(message_id, seq, n)
+            if refused:
+                answer: Answer = 401
+            else:
+                if message_id is not None:
+                    self._seen[message_id] += 1
+                answer = self._answer(message_id, seq, n)
             status = self.ok_status if answer == "slow" else answer
             delay_ms = self.latency_ms + (self.slow_ms if answer == "slow" else 0)
             record = Record(
@@ -482,6 +504,8 @@ class _Handler(BaseHTTPRequestHandler):
     connection_id = 0
 
     def setup(self) -> None:
+        if isinstance(self.request, ssl.SSLSocket):
+            self.request.do_handshake()  # a failed one (no client certificate): OSError
         super().setup()
         self.connection_id = self.server.owner._connected(self.connection)
 
@@ -519,7 +543,10 @@ def _reply(h: BaseHTTPRequestHandler, status: int, retry_after: str | None) -> N
 
 def _client_gone(sock: socket.socket) -> bool:
     """Whether the peer has closed (or reset) the connection, with the request just read: no
-    request follows on it (the engine does not pipeline), so readable means end of stream."""
+    request follows on it (the engine does not pipeline), so readable means end of stream.
+    Over TLS: False (unknown: readable bytes may be a TLS record, not the end)."""
+    if isinstance(sock, ssl.SSLSocket):
+        return False
     try:
         readable, _, _ = select.select([sock], [], [], 0)
         return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
