@@ -310,10 +310,17 @@ def test_databricks_kafka_config_and_secrets_are_references_never_values():
 
 def test_rendered_jobs_deny_private_endpoints_unless_allowed_and_sign_with_secrets():
     """Every renderer's job environment denies private endpoint addresses by default (cloud
-    metadata at 169.254.169.254); the signing keys' variables are secrets like auth_env's."""
+    metadata at 169.254.169.254); the variables of the signing keys, the TLS client key and the
+    OAuth2 client secret are secrets like auth_env's."""
     endpoint = {
         "url": "https://example.test/x",
         "signing": [{"scheme": "v1", "env": "VARADHI_ENDPOINT_WHSEC"}],
+        "tls": {"cert": {"file": "/s/c.pem"}, "key": {"env": "VARADHI_ENDPOINT_TLS_KEY"}},
+        "oauth2": {
+            "token_url": "https://idp.test/token",
+            "client_id": "c",
+            "client_secret": {"env": "VARADHI_ENDPOINT_CLIENT_SECRET"},
+        },
     }
     p = jobdefs.plan(sub_doc(endpoint=endpoint))
     assert jobdefs.job_env(CFG)["VARADHI_ENDPOINT_DENY_PRIVATE"] == "true"
@@ -324,6 +331,8 @@ def test_rendered_jobs_deny_private_endpoints_unless_allowed_and_sign_with_secre
         "{{secrets/varadhi/VARADHI_ENDPOINT_WHSEC}}"
     )
     assert env["spark_env_vars"]["VARADHI_ENDPOINT_DENY_PRIVATE"] == "true"
+    for name in ("VARADHI_ENDPOINT_TLS_KEY", "VARADHI_ENDPOINT_CLIENT_SECRET"):
+        assert env["spark_env_vars"][name] == f"{{{{secrets/varadhi/{name}}}}}"
     args = emr_args(emr_defs.emr_steps(p, EMR_CFG)[0])
     assert "spark.executorEnv.VARADHI_ENDPOINT_DENY_PRIVATE=true" in args
 

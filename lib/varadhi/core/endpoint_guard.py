@@ -142,20 +142,29 @@ def check_endpoint(endpoint: Endpoint, policy: EndpointPolicy) -> None:
     the TLS material, the OAuth2 client secret, the JWT key). Raises InvalidArgument naming the
     field."""
     check_url(endpoint.url, "endpoint.url", policy)
+    if endpoint.oauth2 is not None:
+        check_url(endpoint.oauth2.token_url, "endpoint.oauth2.token_url", policy)
+    for field, ref in secret_refs(endpoint):
+        check_ref(ref, field, policy)
+
+
+def secret_refs(endpoint: Endpoint) -> list[tuple[str, SecretRef]]:
+    """Every secret `endpoint` names, with the field naming it: the auth header's variable,
+    the signing keys, the TLS material, the OAuth2 client secret, the JWT key."""
+    refs = []
     if endpoint.auth_env is not None:
-        check_ref(SecretRef(env=endpoint.auth_env), "endpoint.auth_env", policy)
-    for i, key in enumerate(endpoint.signing):
-        check_ref(key.secret, f"endpoint.signing[{i}]", policy)
+        refs.append(("endpoint.auth_env", SecretRef(env=endpoint.auth_env)))
+    refs += [(f"endpoint.signing[{i}]", key.secret) for i, key in enumerate(endpoint.signing)]
     tls = endpoint.tls
     if tls is not None:
         for name, ref in (("ca", tls.ca), ("cert", tls.cert), ("key", tls.key)):
             if ref is not None:
-                check_ref(ref, f"endpoint.tls.{name}", policy)
+                refs.append((f"endpoint.tls.{name}", ref))
     if endpoint.oauth2 is not None:
-        check_url(endpoint.oauth2.token_url, "endpoint.oauth2.token_url", policy)
-        check_ref(endpoint.oauth2.client_secret, "endpoint.oauth2.client_secret", policy)
+        refs.append(("endpoint.oauth2.client_secret", endpoint.oauth2.client_secret))
     if endpoint.jwt is not None:
-        check_ref(endpoint.jwt.key, "endpoint.jwt.key", policy)
+        refs.append(("endpoint.jwt.key", endpoint.jwt.key))
+    return refs
 
 
 def address_refusal(address: str) -> str | None:

@@ -48,6 +48,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from varadhi.core import endpoint_guard
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.endpoint_guard import DENY_PRIVATE_ENV
 from varadhi.core.errors import InvalidArgument, UnsupportedSparkVersion
@@ -154,7 +155,9 @@ class JobPlan:
     feeders: tuple[Feeder, ...] = ()
     operation: Mapping[str, Any] | None = None  # the change-shards document, until done
     auth_env: str | None = None  # the environment variable holding the endpoint's credential
-    signing_envs: tuple[str, ...] = ()  # the variables holding its signing keys
+    # the variables holding its other secrets (signing keys, TLS material, OAuth2 client
+    # secret, JWT key: `endpoint_guard.secret_refs`)
+    signing_envs: tuple[str, ...] = ()
 
     @property
     def shards(self) -> range:
@@ -332,7 +335,9 @@ def plan(
         else None,
         auth_env=sub.spec.endpoint.auth_env,
         signing_envs=tuple(
-            k.secret.env for k in sub.spec.endpoint.signing if k.secret.env is not None
+            ref.env
+            for field, ref in endpoint_guard.secret_refs(sub.spec.endpoint)
+            if ref.env is not None and field != "endpoint.auth_env"
         ),
     )
 
@@ -605,7 +610,8 @@ def job_env(cfg: DeployConfig) -> dict[str, str]:
 
 def secrets(p: JobPlan, cfg: DeployConfig) -> tuple[Secret, ...]:
     """The secrets the jobs read from their environment: the configured ones, and the endpoint's
-    credential and signing keys (`<secret_scope>/<NAME>` unless configured otherwise)."""
+    credential, signing keys and other secrets named by variable (`<secret_scope>/<NAME>` unless
+    configured otherwise)."""
     found = {s.env: s for s in cfg.secrets}
     for name in (p.auth_env, *p.signing_envs):
         if name and name not in found:
