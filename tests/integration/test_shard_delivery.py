@@ -43,8 +43,10 @@ from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.spark.shard.job import ShardJob
+from varadhi.testing import tls
 from varadhi.testing.endpoint import TEST_WHSEC, TEST_WHSEC_ENV, Record, TestEndpoint
 from varadhi.testing.harness import read_queue
+from varadhi.testing.oauth_server import TEST_CLIENT_ID, TEST_CLIENT_SECRET_ENV, OAuthServer
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
@@ -225,9 +227,16 @@ def endpoint():
 # -- 1. order and no loss under random failures ---------------------------------------------
 
 
+@pytest.fixture
+def oauth():
+    """A real OAuth2 authorization server (`varadhi.testing.oauth_server`), stopped after."""
+    with OAuthServer() as server:
+        yield server
+
+
 @pytest.mark.compat  # also run on the older Spark lines (scripts/test --spark-line)
 def test_per_group_order_and_no_loss_under_random_retryable_failures(
-    settings, catalog, spark, endpoint
+    settings, catalog, spark, endpoint, oauth
 ):
     # The endpoint's failures are a function of (seed, message id, attempt): with seed 5 about 60
     # of the ~260 requests fail, but no group needs more than 4 retries in a row, so the run
@@ -239,14 +248,29 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
         retry_after_s=0,
         record_headers=True,
         record_bodies=True,
+        # Issue 29, part 2: https requiring a client certificate of the test CA, and a bearer
+        # token the authorization server issued (else 401)
+        tls=tls.test_pki().server_context(require_client_cert=True),
+        authorize=oauth.valid,
     )
     # Signed (issue 29, part 1): every request, retries included, checked below with the
     # Standard Webhooks reference verifier. Shaped (part 6): a Kafka header forwarded, and the
-    # path from it.
+    # path from it. Part 2: the CA, client certificate and key, and the OAuth2 client secret
+    # by reference, as the executors read them.
     options = {
         "signing": [{"scheme": "v1", "env": TEST_WHSEC_ENV}],
         "forward_headers": {"tenant": "X-Tenant"},
         "path": "/t/{header:tenant}",
+        "tls": {
+            "ca": {"env": tls.CA_ENV},
+            "cert": {"env": tls.CLIENT_CERT_ENV},
+            "key": {"env": tls.CLIENT_KEY_ENV},
+        },
+        "oauth2": {
+            "token_url": oauth.token_url,
+            "client_id": TEST_CLIENT_ID,
+            "client_secret": {"env": TEST_CLIENT_SECRET_ENV},
+        },
     }
     sub = create_sub(catalog, ep, options, on_dead_letter="skip")
     groups = [f"g{i:02d}" for i in range(25)]
@@ -264,6 +288,8 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
     assert len(dead) == len(dlq), "a message was dead-lettered twice"
     failures = sum(1 for r in records if not ok(r))
     assert failures >= 30 and job.stats.retried > 0, "the endpoint hardly failed: no test"
+    # A token per executor process (Python worker), not per request or task
+    assert 1 <= oauth.issued <= 4
     assert "g03.000" in dead
 
     # Nothing lost, nothing both delivered and dead-lettered.
@@ -282,6 +308,7 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
             assert r.headers["webhook-id"] == msg_id
             Webhook(TEST_WHSEC).verify(r.body, r.headers, json_parse=False)
             assert (r.path, r.headers["X-Tenant"]) == ("/t/acme%2Feu", "acme/eu")
+            assert r.status != 401 and oauth.valid(r.headers["Authorization"])
             assert r.group_id == msg_id.split(".")[0]
             assert r.headers[m.HTTP_SOURCE].count("/") == 2
         # Every attempt but the last failed; only the last can be a success.

@@ -18,6 +18,7 @@ from varadhi.core.subscription_spec import spec_to_dict
 from varadhi.kafka.subscriptions import KIND
 from varadhi.kafka.topics import TopicService
 from varadhi.testing.endpoint import TEST_WHSEC, TEST_WHSEC_ENV
+from varadhi.testing.oauth_server import TEST_CLIENT_SECRET, TEST_CLIENT_SECRET_ENV
 
 pytestmark = pytest.mark.kafka
 
@@ -396,6 +397,11 @@ def test_apply_creates_then_updates_allowed_fields(
             "signing": signing,
             "forward_headers": {"tenant": "X-Tenant"},
             "path": "/t/{header:tenant}",
+            "oauth2": {
+                "token_url": "https://idp.example/token",
+                "client_id": "orders",
+                "client_secret": {"env": TEST_CLIENT_SECRET_ENV},
+            },
         },
         retry={"max_attempts": 9, "min_backoff": "2s"},
         consumption={"concurrency": 4},
@@ -414,9 +420,14 @@ def test_apply_creates_then_updates_allowed_fields(
     assert spec["endpoint"]["signing"] == [{"scheme": "v1", "env": TEST_WHSEC_ENV, "file": None}]
     assert spec["endpoint"]["forward_headers"] == {"tenant": "X-Tenant"}
     assert spec["endpoint"]["path"] == "/t/{header:tenant}"
-    # describe shows where the key is, never the key
+    assert spec["endpoint"]["oauth2"]["client_secret"] == {
+        "env": TEST_CLIENT_SECRET_ENV,
+        "file": None,
+    }
+    # describe shows where the keys and the client secret are, never them
     code, out, _ = run("subscription", "describe", name, "--output", "json")
     assert code == 0 and TEST_WHSEC_ENV in out and TEST_WHSEC.removeprefix("whsec_") not in out
+    assert TEST_CLIENT_SECRET_ENV in out and TEST_CLIENT_SECRET not in out
     assert (spec["retry"]["max_attempts"], spec["retry"]["min_backoff"]) == (9, 2000)
     assert spec["consumption"]["concurrency"] == 4
     assert (spec["circuit_breaker"]["open_for"], spec["circuit_breaker"]["probes"]) == (60_000, 2)
@@ -481,6 +492,14 @@ def existing(run, make_topic, unique_name, write_yaml):
          ("endpoint.signing[0]:", "VARADHI_ENDPOINT_")),
         ({"endpoint": {"url": "http://h/x", "path": "/t/{tenant}"}},
          ("endpoint.path:", "unknown placeholder")),
+        ({"endpoint": {"url": "https://h/x", "oauth2": {"token_url": "http://idp/t",
+          "client_id": "c", "client_secret": {"env": "VARADHI_ENDPOINT_S"}}}},
+         ("endpoint.oauth2.token_url:", "https")),
+        ({"endpoint": {"url": "https://h/x", "tls": {"ca": {"env": "SSL_CERT_FILE"}}}},
+         ("endpoint.tls.ca:", "VARADHI_ENDPOINT_")),
+        ({"endpoint": {"url": "https://h/x", "jwt": {"algorithm": "ES256", "key_id": "k",
+          "issuer": "i", "key": {"file": "/etc/ssl/private/k.pem"}}}},
+         ("endpoint.jwt.key:", "VARADHI_ENDPOINT_SECRET_DIR")),
         ({"retries": 3}, ("unknown key(s) retries",)),
     ],
 )  # fmt: skip
