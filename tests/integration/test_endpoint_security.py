@@ -374,6 +374,7 @@ def test_oauth2_client_credentials_one_token_shared_then_refreshed_on_401_and_on
     assert delivered(streams) == [200] * 8 and server.issued == 2
     refused = [r for r in ep.records() if r.status == 401]
     assert 1 <= len(refused) <= 8 and stats.by_status == {401: len(refused), 200: 8}
+    assert sum(stats.latency_ms) == stats.requests == 8 + len(refused)  # each answer counted
     # Expired (2 s tokens, renewed when less than a fifth is left): a new one before any 401
     token = ep.records()[-1].headers["Authorization"]
     wait_for(lambda: not server.valid(token), 30, "the token to expire")

@@ -480,9 +480,6 @@ class HttpDeliverer:
                         transfer = self._by_curl[curl]
                         status = curl.getinfo(pycurl.RESPONSE_CODE)
                         by_status[status] += 1
-                        if status == 401 and self._bearer is not None and not transfer.resent:
-                            self._resend(transfer)
-                            continue
                         outcome = Outcome(
                             status,
                             None,
@@ -493,6 +490,9 @@ class HttpDeliverer:
                         )
                         latency[bisect.bisect_left(LATENCY_BOUNDS_MS, outcome.elapsed_ms)] += 1
                         latency_sum += outcome.elapsed_ms
+                        if status == 401 and self._bearer is not None and not transfer.resent:
+                            self._resend(transfer)  # the same slot; the stream waits on
+                            continue
                         in_flight -= self._complete(transfer, outcome, waiting, held)
                     for curl, code, message in failed:
                         completed += 1
