@@ -18,6 +18,7 @@ from varadhi.core.delivery import DeliveryStats, HttpDeliverer, Outcome, Request
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
 from varadhi.core.policies import Endpoint
+from varadhi.core.rate_limit import Pacer
 from varadhi.testing.endpoint import TestEndpoint
 
 
@@ -663,3 +664,52 @@ def test_endpoint_runs_standalone_and_records_to_a_file(tmp_path):
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert [r["message_id"] for r in lines] == ["g-1", "g-2"]
     assert json.loads(err.strip().splitlines()[-1])["requests"] == 2
+
+
+# -- pacing (`endpoint.max_rate`) ------------------------------------------------------------
+
+
+class Paces:
+    """A pacer (`varadhi.core.rate_limit.Pacer`) that records when it let each message go."""
+
+    def __init__(self, rate: float):
+        self.pacer = Pacer(rate)
+        self.spent: list[float] = []
+        self.slowed = 0
+
+    def wait_s(self) -> float:
+        return self.pacer.wait_s()
+
+    def spend(self, messages: int = 1) -> None:
+        self.spent.extend([time.monotonic()] * messages)
+        self.pacer.spend(messages)
+
+    def slow_down(self) -> None:
+        self.slowed += 1
+        self.pacer.slow_down()
+
+
+def test_a_paced_engine_spaces_its_requests_and_loses_none(endpoint):
+    """200 messages over 40 streams at 100 a second: every message delivered in order, and
+    none of them sent sooner than its pace allows (a bound a slower machine only keeps better:
+    pacing never catches up with a burst)."""
+    ep = endpoint()
+    groups = [Group(f"g{i}", 5) for i in range(40)]
+    paces = Paces(100.0)
+    with HttpDeliverer(Endpoint(url=ep.url), max_in_flight=16) as engine:
+        stats = engine.run(groups, pacer=paces)
+    assert stats.requests == 200 and stats.by_status == {200: 200}
+    assert all(g.finished for g in groups)
+    gaps = [b - a for a, b in zip(paces.spent, paces.spent[1:], strict=False)]
+    assert len(paces.spent) == 200 and min(gaps) >= 0.0099, min(gaps)
+
+
+def test_a_paced_engine_slows_down_on_429_and_503(endpoint):
+    ep = endpoint(fail_rate=0.5, mix={"429": 1, "503": 1}, retry_after_s=0)
+    groups = [Group(f"g{i}", 2) for i in range(10)]
+    paces = Paces(1000.0)
+    with HttpDeliverer(Endpoint(url=ep.url), max_in_flight=4) as engine:
+        stats = engine.run(groups, pacer=paces)
+    throttled = stats.by_status.get(429, 0) + stats.by_status.get(503, 0)
+    assert throttled > 0 and paces.slowed == throttled
+    assert paces.pacer.rate < 1000.0

@@ -92,6 +92,7 @@ from varadhi.core import messages as m
 from varadhi.core.endpoint_guard import EndpointPolicy
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import DeliveryPolicy, Endpoint, Method, SecretRef
+from varadhi.core.rate_limit import THROTTLE_STATUSES, Pacer
 from varadhi.core.version import __version__
 
 # How much of a response body an Outcome keeps (dead letters carry it as a header).
@@ -317,6 +318,7 @@ class HttpDeliverer:
         policy = EndpointPolicy.from_env() if policy is None else policy
         endpoint_guard.check_endpoint(endpoint, policy)
         self.endpoint = endpoint
+        self._pacer: Pacer | None = None  # `run`'s, while it runs
         self.max_in_flight = max_in_flight
         self.delivery = delivery if delivery is not None and delivery.mode == "batch" else None
         self._deny_private = policy.deny_private
@@ -404,6 +406,7 @@ class HttpDeliverer:
         streams: Iterable[Stream],
         linger_s: float = 0.0,
         hold: Callable[[], bool] | None = None,
+        pacer: Pacer | None = None,
     ) -> DeliveryStats:
         """Deliver every stream; return when each has returned `None` from `next_request`.
 
@@ -414,7 +417,9 @@ class HttpDeliverer:
         `Wait` is asked again when its time has come, before any new stream is started. Once the
         engine first runs out of requests to make, busy-only waits (`Wait.while_busy`) that end
         more than `linger_s` later are stopped (see the module docstring). While `hold()` is
-        true, no new request goes out (see "Holding")."""
+        true, no new request goes out (see "Holding"). With a `pacer` (`varadhi.core.rate_limit`),
+        no request goes out before the pacer allows it, each costs one pace per message, and a
+        429 or 503 answer slows the pacer down."""
         if self._closed:
             raise RuntimeError("HttpDeliverer is closed")
         multi = self._multi
@@ -430,14 +435,20 @@ class HttpDeliverer:
         latency = [0] * (len(LATENCY_BOUNDS_MS) + 1)
         latency_sum = 0.0
         started = time.perf_counter()
+        self._pacer = pacer
+
+        def paced() -> bool:  # the pacer holds the next request back
+            return pacer is not None and pacer.wait_s() > 0
+
         try:
             while True:
-                held = hold is not None and hold()
+                held = (hold is not None and hold()) or paced()
                 while not held and in_flight < self.max_in_flight:
                     if batcher is not None:  # batch mode: one request for many streams
                         if not self._issue_batch(batcher, waiting):
                             break
                         in_flight += 1
+                        held = paced()
                         continue
                     stream = waiting.pop_due()
                     if stream is None:
@@ -449,6 +460,7 @@ class HttpDeliverer:
                             break
                         n_streams += 1
                     in_flight += self._ask(stream, waiting)
+                    held = paced()
                 if self._unsent:  # no token: each such request fails without being sent
                     while self._unsent:
                         transfer, reason = self._unsent.popleft()
@@ -461,7 +473,8 @@ class HttpDeliverer:
                     continue
                 if in_flight == 0:  # nothing to send now, and no stream left to start
                     if held and (waiting or not _all_pulled(batcher, exhausted)):
-                        time.sleep(HOLD_POLL_S)
+                        pace = pacer.wait_s() if pacer is not None else HOLD_POLL_S
+                        time.sleep(min(HOLD_POLL_S, max(pace, 0.001)))
                         continue
                     if not waiting:
                         break
@@ -472,7 +485,7 @@ class HttpDeliverer:
                     continue
                 multi.perform()
                 completed = 0
-                held = hold is not None and hold()
+                blocked = hold is not None and hold()
                 while True:
                     queued, ok, failed = multi.info_read()
                     for curl in ok:
@@ -480,6 +493,8 @@ class HttpDeliverer:
                         transfer = self._by_curl[curl]
                         status = curl.getinfo(pycurl.RESPONSE_CODE)
                         by_status[status] += 1
+                        if pacer is not None and status in THROTTLE_STATUSES:
+                            pacer.slow_down()
                         outcome = Outcome(
                             status,
                             None,
@@ -493,6 +508,7 @@ class HttpDeliverer:
                         if status == 401 and self._bearer is not None and not transfer.resent:
                             self._resend(transfer)  # the same slot; the stream waits on
                             continue
+                        held = blocked or paced()
                         in_flight -= self._complete(transfer, outcome, waiting, held)
                     for curl, code, message in failed:
                         completed += 1
@@ -508,9 +524,11 @@ class HttpDeliverer:
                         )
                         latency[bisect.bisect_left(LATENCY_BOUNDS_MS, outcome.elapsed_ms)] += 1
                         latency_sum += outcome.elapsed_ms
+                        held = blocked or paced()
                         in_flight -= self._complete(transfer, outcome, waiting, held)
                     if not queued:
                         break
+                held = blocked or paced()
                 if not completed:
                     timeout_ms = multi.timeout()
                     if timeout_ms != 0:
@@ -519,8 +537,11 @@ class HttpDeliverer:
                         # with every slot taken (or held), a due one would make this a spin.
                         if waiting and not held and in_flight < self.max_in_flight:
                             timeout_s = min(timeout_s, waiting.seconds_to_wake())
+                        if pacer is not None and in_flight < self.max_in_flight:
+                            timeout_s = min(timeout_s, max(pacer.wait_s(), 0.001))
                         multi.select(timeout_s)
         finally:
+            self._pacer = None
             unsent = {id(transfer) for transfer, _ in self._unsent}
             self._unsent.clear()
             for transfer in self._by_curl.values():
@@ -584,7 +605,7 @@ class HttpDeliverer:
         webhook_id = None
         if self._signer is not None:
             webhook_id = signing.batch_id([msg_id for _, msg_id in members])
-        self._issue(transfer, None, request, webhook_id)
+        self._issue(transfer, None, request, webhook_id, len(members))
         transfer.batch = _Batch(batcher, members)
         return True
 
@@ -619,9 +640,11 @@ class HttpDeliverer:
         stream: Stream | None,
         request: Request,
         webhook_id: str | None = None,
+        messages: int = 1,
     ) -> None:
-        """Send `request` on `transfer`'s handle; signed (`webhook_id`: a batch's, else the
-        request's message id) when the endpoint has signing keys."""
+        """Send `request` (of `messages` messages) on `transfer`'s handle; signed (`webhook_id`:
+        a batch's, else the request's message id) when the endpoint has signing keys; paced
+        (`run`'s pacer spends `messages` paces)."""
         headers = request.headers
         if headers:
             reserved = self._reserved
@@ -659,6 +682,8 @@ class HttpDeliverer:
         transfer.truncated = False
         transfer.refused = None
         self._multi.add_handle(curl)
+        if self._pacer is not None:
+            self._pacer.spend(messages)
 
     def _resend(self, transfer: _Transfer) -> None:
         """Send a request the endpoint answered 401 again, once, with a new token."""

@@ -143,6 +143,9 @@ class Endpoint:
     # the attempt, not the batch); allow requests long enough for a slow but healthy endpoint.
     connect_timeout_ms: int = 2_000
     request_timeout_ms: int = 10_000
+    # Messages a second for the whole subscription, split among its shards and slowed down by
+    # 429/503 answers (`varadhi.core.rate_limit`); None: no limit.
+    max_rate: float | None = None
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,7 @@ _ENDPOINT_KEYS = (
     "jwt",
     "connect_timeout",
     "request_timeout",
+    "max_rate",
 )
 _SIGNING_KEYS = ("scheme", "env", "file")
 _REF_KEYS = ("env", "file")
@@ -399,7 +400,18 @@ def _parse_endpoint(s: _Section) -> Endpoint:
         jwt=_parse_jwt(s),
         connect_timeout_ms=s.duration("connect_timeout", _ENDPOINT.connect_timeout_ms),
         request_timeout_ms=s.duration("request_timeout", _ENDPOINT.request_timeout_ms),
+        max_rate=_parse_max_rate(s),
     )
+
+
+def _parse_max_rate(s: _Section) -> float | None:
+    """Messages a second for the whole subscription (`varadhi.core.rate_limit`), or None."""
+    if s.doc.get("max_rate") is None:
+        return None
+    rate = s.number("max_rate", 0.0)
+    if rate <= 0:
+        raise s.error("max_rate", f"must be a positive number of messages a second, got {rate}")
+    return rate
 
 
 def _parse_signing(s: _Section) -> tuple[SigningKey, ...]:
@@ -800,6 +812,7 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             },
             "connect_timeout": e.connect_timeout_ms,
             "request_timeout": e.request_timeout_ms,
+            "max_rate": e.max_rate,
         },
         "shards": spec.shards,
         "grouped": spec.grouped,

@@ -33,7 +33,7 @@ from varadhi.spark.shard.ends import QueryEnd, RunEnd, waits_on_suspension
 from varadhi.spark.shard.gate import BatchGate
 from varadhi.spark.shard.journal import ShardJournal
 from varadhi.spark.shard.lease import ShardLease
-from varadhi.spark.shard.parts import DedupWindows, Loaded, ShardParts, StateStores
+from varadhi.spark.shard.parts import DedupWindows, Loaded, RateLimits, ShardParts, StateStores
 from varadhi.spark.shard.progress import ShardProgress
 from varadhi.spark.shard.query_run import QueryRun
 from varadhi.spark.shard.reading import EndOffsets, LayoutMoves
@@ -358,6 +358,7 @@ class ShardJob:
                 ticks=Ticks(settings, shard), sender=sender,
                 journal=ShardJournal(settings, name, shard),
                 dedup=DedupWindows(settings.warehouse, name, shard),
+                rates=RateLimits(),
                 stores=StateStores(lease.instance), progress=self._progress,
                 gate=BatchGate(f"{name} shard {shard}"), end_offsets=end_offsets,
                 layouts=LayoutMoves(self.catalog, name, shard, end_offsets),

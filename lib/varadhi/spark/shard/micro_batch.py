@@ -27,6 +27,7 @@ from pyspark.sql import DataFrame, Observation
 
 from varadhi.core import filters
 from varadhi.core.circuit import probe_retry
+from varadhi.core.rate_limit import RateGovernor, throttled
 from varadhi.core.state_rows import RESULT_SCHEMA, STATE_SCHEMA, StateRow, delivered_ids
 from varadhi.kafka import dlq as dlq_ops
 from varadhi.kafka import subscriptions, topics
@@ -165,6 +166,7 @@ class MicroBatch:
                 parts.journal.replayed(sub, app_id, batch_id),
                 parts.journal.handed_over(q.checkpoint, HadoopFS(self.df.sparkSession)),
             ),
+            rate_per_task=rate_per_task(parts.rates.governor(sub), spec.consumption.concurrency),
         )
         executors = SparkExecutors(records, spec.consumption.concurrency, q.partitions_read)
         return deliver_batch(ctx, self.store, pending, due_groups, executors)
@@ -212,12 +214,19 @@ def _commit(parts: ShardParts, inputs: QueryInputs, df: DataFrame, batch_id: int
     if outcome.resent:
         parts.progress.stats.replays += 1
         return
-    _finished(parts, batch_id, outcome, time.monotonic() - started)
+    _finished(parts, inputs, batch_id, outcome, time.monotonic() - started)
 
 
-def _finished(parts: ShardParts, batch_id: int, outcome: Outcome, seconds: float) -> None:
-    """A batch committed: its counters, the next tick, the status summary, the circuit's
-    verdict, progress (every batch's counts reach the progress topic, without waiting for the
+def rate_per_task(governor: RateGovernor | None, tasks: int) -> float | None:
+    """Each delivery task's rate for the next batch (`varadhi.core.rate_limit`), or None."""
+    return None if governor is None else governor.task_rate(tasks)
+
+
+def _finished(
+    parts: ShardParts, inputs: QueryInputs, batch_id: int, outcome: Outcome, seconds: float
+) -> None:
+    """A batch committed: its counters, the next tick, the status summary, the circuit's and
+    the rate governor's verdicts, progress (every batch's counts reach the progress topic, without waiting for the
     broker, so a restarted shard goes on from them: `ShardStats.resumed`) and the hooks."""
     progress, circuit, counts = parts.progress, parts.circuit, outcome.counts
     s = progress.stats
@@ -226,6 +235,9 @@ def _finished(parts: ShardParts, batch_id: int, outcome: Outcome, seconds: float
     parts.ticks.next_due_ms = next_due(outcome.pending)
     progress.state(outcome.pending)
     attempts, failures = int(counts.get("attempts", 0)), int(counts.get("failures", 0))
+    governor = parts.rates.governor(inputs.sub)
+    if governor is not None:
+        governor.observe(throttled(counts))
     before = circuit.state
     if circuit.record(attempts, failures) != before:
         log.warning(

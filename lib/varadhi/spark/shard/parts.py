@@ -6,6 +6,7 @@ it reads. Typed and explicit: a query (`query_run.QueryRun`) and a micro-batch
 - `ShardParts`: the shard's collaborators for the whole run (catalog, lease, circuit, sender,
   journal, progress, the batch gate, ...);
 - `StateStores`: the GroupState table of the running query's layout, opened once per path;
+- `RateLimits`: the shard's rate governor (`varadhi.core.rate_limit`), per limit and shard count;
 - `DedupWindows`: the shard's dedup window (subscription-wide: `varadhi.spark.dedup`), opened on
   first use.
 """
@@ -20,6 +21,7 @@ from typing import Any
 from pyspark.sql import SparkSession
 
 from varadhi.core.circuit import CircuitBreaker
+from varadhi.core.rate_limit import RateGovernor, shard_share
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.settings import Settings
@@ -78,6 +80,24 @@ class DedupWindows:
         return self._window
 
 
+class RateLimits:
+    """The shard's `RateGovernor` (`varadhi.core.rate_limit`) for its subscription's current
+    `endpoint.max_rate` and shard count, made anew when either changes; None without a limit."""
+
+    def __init__(self) -> None:
+        self._key: tuple[float, int] | None = None
+        self._governor: RateGovernor | None = None
+
+    def governor(self, sub: subscriptions.Subscription) -> RateGovernor | None:
+        limit = sub.spec.endpoint.max_rate
+        if limit is None:
+            return None
+        if self._key != (limit, sub.shard_count) or self._governor is None:
+            self._key = (limit, sub.shard_count)
+            self._governor = RateGovernor(shard_share(limit, sub.shard_count))
+        return self._governor
+
+
 @dataclass(frozen=True)
 class ShardParts:
     """One shard run's collaborators, from the lease taken to the run's end."""
@@ -93,6 +113,7 @@ class ShardParts:
     sender: QueueSender  # RQ/DLQ records (`varadhi.spark.shard.sender`)
     journal: ShardJournal  # the delivery journal and a shard-count change's hand-over
     dedup: DedupWindows
+    rates: RateLimits  # `endpoint.max_rate`: this shard's share, slowed by 429/503
     stores: StateStores
     progress: ShardProgress
     gate: BatchGate

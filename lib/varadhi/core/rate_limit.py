@@ -1,0 +1,106 @@
+"""A subscription's rate limit (`endpoint.max_rate`, messages a second for the whole subscription),
+split among its shards and their delivery tasks, and slowed down by the endpoint's own signals.
+
+Split. Shard `i` of `n` sends at most `max_rate / n` (`shard_share`): the limit holds whatever
+the shard count, and follows a shard-count change (a new count starts new queries with new
+shares). Within a shard, a micro-batch's delivery runs in at most `consumption.concurrency` tasks
+at a time; each task gets an equal part of the shard's current rate (`RateGovernor.task_rate`),
+so a shard whose tasks are fewer or idle sends below its share, never above.
+
+Pacing (`Pacer`, one per task): requests go out at most one message's interval apart (a batched
+request of k messages costs k intervals), with no burst: over any window of W seconds a task sends
+at most W x rate + one request's messages. A 429 or 503 answer halves the task's rate at once, to
+at least `FLOOR` of where it started, and every second without one gives back `RECOVER_PER_S`
+of it (the message itself is retried as the retry policy and its Retry-After say).
+
+Adapting across micro-batches (`RateGovernor`, one per shard, on the driver): a batch whose tasks
+got 429/503 answers halves the shard's rate for the next batch (down to `FLOOR` of its share);
+every second without them gives back `RECOVER_PER_S` of the share, so the full share returns
+within 1 / RECOVER_PER_S seconds of the last throttled batch (10 s).
+
+Pure but for the clocks, which are injected.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+#: The least a slow-down leaves of the share (of where a task started): never a stop.
+FLOOR = 0.05
+#: Share given back per second without a throttled answer (the full share in 10 s).
+RECOVER_PER_S = 0.1
+#: HTTP answers that slow the rate down.
+THROTTLE_STATUSES = (429, 503)
+
+
+def shard_share(max_rate: float, shard_count: int) -> float:
+    """Messages a second one shard of `shard_count` may send."""
+    return max_rate / shard_count
+
+
+class Pacer:
+    """One delivery task's pace: at most `rate` messages a second (module docstring)."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic):
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        self._clock = clock
+        self._base = rate
+        self.rate = rate
+        self._next = clock()  # when the next message may go
+        self._adjusted = self._next  # when `rate` was last brought up to date
+
+    def wait_s(self) -> float:
+        """Seconds until the next message may go (0: now)."""
+        return max(0.0, self._next - self._clock())
+
+    def spend(self, messages: int = 1) -> None:
+        """A request of `messages` messages went out."""
+        now = self._clock()
+        self._recover(now)
+        self._next = max(self._next, now) + messages / self.rate
+
+    def slow_down(self) -> None:
+        """The endpoint answered 429 or 503: half the rate from now on (not below `FLOOR` of
+        where the task started); it recovers `RECOVER_PER_S` of that a second afterwards."""
+        now = self._clock()
+        self._recover(now)
+        self.rate = max(self._base * FLOOR, self.rate / 2)
+
+    def _recover(self, now: float) -> None:
+        if self.rate < self._base:
+            back = self._base * RECOVER_PER_S * (now - self._adjusted)
+            self.rate = min(self._base, self.rate + back)
+        self._adjusted = now
+
+
+class RateGovernor:
+    """One shard's rate across its micro-batches (module docstring); `share` is its part of
+    the subscription's limit."""
+
+    def __init__(self, share: float, clock: Callable[[], float] = time.monotonic):
+        self.share = share
+        self.rate = share
+        self._clock = clock
+        self._at = clock()
+
+    def observe(self, throttled: int) -> None:
+        """A micro-batch ended with `throttled` 429/503 answers."""
+        now = self._clock()
+        if throttled > 0:
+            self.rate = max(self.share * FLOOR, self.rate / 2)
+        else:
+            recovered = self.share * RECOVER_PER_S * (now - self._at)
+            self.rate = min(self.share, self.rate + recovered)
+        self._at = now
+
+    def task_rate(self, tasks: int) -> float:
+        """The rate of each of `tasks` delivery tasks of the next micro-batch, as of now."""
+        self.observe(0)  # the time since the last batch counts towards recovery
+        return self.rate / max(1, tasks)
+
+
+def throttled(http_counts: dict[str, int]) -> int:
+    """429 and 503 answers among a batch's endpoint answers (`batch.http_counts`' keys)."""
+    return sum(int(http_counts.get(f"status_{s}", 0)) for s in THROTTLE_STATUSES)

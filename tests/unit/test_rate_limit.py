@@ -1,0 +1,91 @@
+"""The rate limit's pacing, split and adaptation (`varadhi.core.rate_limit`, pure, fake clocks)."""
+
+from __future__ import annotations
+
+import pytest
+
+from varadhi.core.rate_limit import (
+    FLOOR,
+    Pacer,
+    RateGovernor,
+    shard_share,
+    throttled,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def sent_in(pacer: Pacer, clock: Clock, seconds: float, step: float = 0.001) -> int:
+    """Messages a task sends in `seconds` when it sends whenever the pacer lets it."""
+    end, n = clock.t + seconds, 0
+    while clock.t < end:
+        if pacer.wait_s() == 0:
+            pacer.spend()
+            n += 1
+        else:
+            clock.t += step
+    return n
+
+
+def test_a_pacer_spaces_messages_evenly_and_never_bursts_after_a_pause():
+    clock = Clock()
+    pacer = Pacer(100.0, clock)
+    assert sent_in(pacer, clock, 1.0) in (100, 101)
+    clock.t += 30.0  # nothing sent for a while: no catch-up burst afterwards
+    assert sent_in(pacer, clock, 1.0) in (100, 101)
+    pacer.spend(10)  # a batched request of ten messages costs ten paces
+    assert pacer.wait_s() == pytest.approx(0.1, abs=0.011)
+
+
+def test_throttled_answers_halve_a_task_s_pace_down_to_the_floor_and_it_recovers():
+    clock = Clock()
+    pacer = Pacer(100.0, clock)
+    pacer.slow_down()
+    assert pacer.rate == 50.0
+    for _ in range(20):
+        pacer.slow_down()
+    assert pacer.rate == 100.0 * FLOOR
+    clock.t += 5.0
+    pacer.spend()  # 10% of the starting rate back per second without a throttled answer
+    assert pacer.rate == pytest.approx(55.0)
+    clock.t += 60.0
+    pacer.spend()
+    assert pacer.rate == 100.0  # never above where it started
+    with pytest.raises(ValueError):
+        Pacer(0.0, clock)
+
+
+def test_the_limit_is_split_among_shards_and_tasks():
+    assert shard_share(300.0, 3) == 100.0
+    clock = Clock()
+    governor = RateGovernor(shard_share(300.0, 3), clock)
+    assert governor.task_rate(4) == 25.0
+
+
+def test_a_throttled_batch_halves_the_shard_s_rate_which_recovers_within_ten_seconds():
+    clock = Clock()
+    governor = RateGovernor(100.0, clock)
+    governor.observe(throttled({"status_200": 50, "status_429": 3}))
+    assert governor.rate == 50.0
+    governor.observe(throttled({"status_503": 1}))
+    assert governor.rate == 25.0
+    clock.t += 5.0
+    assert governor.task_rate(1) == pytest.approx(75.0)  # 10% of the share a second back
+    clock.t += 5.0
+    assert governor.task_rate(1) == 100.0  # the whole share, never more
+    clock.t += 60.0
+    assert governor.task_rate(2) == 50.0
+    for _ in range(30):
+        governor.observe(1)
+    assert governor.rate == 100.0 * FLOOR
+
+
+def test_throttled_counts_429_and_503_answers_only():
+    assert throttled({"status_429": 2, "status_503": 3, "status_500": 7, "records": 9}) == 5
+    assert throttled({}) == 0
