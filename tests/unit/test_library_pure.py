@@ -236,5 +236,8 @@ def test_what_is_not_supported_is_named():
     suspension = Suspension("every attempt to the endpoint failed for 60 s", 1, 0, "operator")
     suspended = (replace(ok[0], suspended=suspension), *ok[1:])
     assert unsupported(*suspended)[0].startswith("suspended")
+    capped = replace(ok[0].spec, endpoint=Endpoint("http://127.0.0.1:1/", max_rate=300.0))
+    limited = (replace(ok[0], spec=capped), *ok[1:])
+    assert unsupported(*limited)[0].startswith("endpoint.max_rate")
     two = replace(ok[1], storage_topics=(*ok[1].storage_topics, StorageTopic("t.1", 8, 2)))
     assert "storage topics" in unsupported(ok[0], two, ok[2], ok[3])[0]

@@ -40,6 +40,8 @@ def unsupported(
         out.append("circuit_breaker (set circuit_breaker.enabled: false)")
     if spec.circuit_breaker.suspend_after_ms is not None:
         out.append("circuit_breaker.suspend_after (endpoint health: set it to null)")
+    if spec.endpoint.max_rate is not None:
+        out.append("endpoint.max_rate (the rate limit is split among shards; set it to null)")
     if spec.filter is not None:
         out.append("filter")
     if spec.dedup_window_ms:
