@@ -8,7 +8,7 @@ storage topic and the subscription's RQ on the partitions of the slots it is giv
 per message) or through a Python `handler` (`varadhi.library.handler`).
 
 Threads. One thread owns the Kafka consumer: it polls, hands records to the `Scheduler`,
-pauses reading when `max_pending` messages are held, and commits (`offsets.Ledger`: the lowest
+stops polling while `max_pending` messages are held (`_full`), and commits (`offsets.Ledger`: the lowest
 unfinished offset and, in the metadata, what finished above it). Delivery runs on another
 thread (the engine's loop, `max_in_flight` requests at a time) or on `max_in_flight` handler
 threads. The RQ and DLQ are written by an idempotent producer; a message's offset counts as
@@ -17,9 +17,9 @@ finished only once its outcome is final: delivered, or its RQ/DLQ copy acknowled
 Order. Within a slot, a key's messages are handed out one at a time in origin order
 (`scheduler`); a failed one goes to the RQ (every retry does: the shards' wait in the task is
 not used) and its key waits until the copy is read back, due and delivered. When a slot is
-assigned, its RQ partitions are read to their end before its main-topic partitions, so a key
-with a retry pending from before a restart or rebalance is blocked before its later messages
-are seen.
+assigned, nothing of it is handed out before its RQ partitions were read to the end they had
+then (`_caught_up`), so a key with a retry pending from before a restart or rebalance is
+blocked behind its copy before any of its later messages is delivered.
 
 Rebalance. When slots are revoked the member hands out nothing more of them; slots the
 rebalance gives back go on where they were (what is read again is skipped), slots gone wait for
@@ -86,7 +86,7 @@ def group_id(subscription: str) -> str:
 @dataclass(frozen=True)
 class Options:
     """`ordering_key`: see `keys`. `max_pending`: messages read and not finished per process
-    (delivering, waiting behind their key, waiting for an RQ copy): reading pauses at it.
+    (delivering, waiting behind their key, waiting for an RQ copy): polling stops at it.
     `max_in_flight`: concurrent deliveries (default: the spec's `consumption.max_in_flight`).
     `commit_interval_s`: how often finished offsets are committed."""
 
@@ -125,7 +125,6 @@ class Consumer:
         self._ledgers: dict[TopicPartition, Ledger] = {}
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
         self._catch_up: dict[int, dict[TopicPartition, int]] = {}  # slot -> RQ end offsets
-        self._paused: set[TopicPartition] = set()
         self._revoked: set[TopicPartition] = set()  # by the listener, for `_rebalanced`
         self._assigned: set[TopicPartition] | None = None  # the last assignment, unprocessed
         self._stopping = threading.Event()
@@ -264,13 +263,17 @@ class Consumer:
         next_check = time.monotonic() + CATALOG_CHECK_S
         try:
             while not self._stopping.is_set():
-                batches = consumer.poll(timeout_ms=POLL_MS)
+                if self._full():
+                    time.sleep(POLL_MS / 1000)
+                    batches = {}
+                else:
+                    batches = consumer.poll(timeout_ms=POLL_MS)
                 if self._assigned is not None:
                     self._rebalanced()
                 self._apply_finished()
                 for tp, records in batches.items():
                     self._ingest(tp, records)
-                self._gate()
+                self._caught_up()
                 now = time.monotonic()
                 if now >= next_commit:
                     self._commit()
@@ -387,29 +390,35 @@ class Consumer:
             if ledger is not None:
                 ledger.finish(offset)
 
-    def _gate(self) -> None:
-        """Pause a slot's main-topic partitions while its RQ is read to its end (`_catch_up`)
-        and every main-topic partition while `max_pending` messages are held."""
+    def _full(self) -> bool:
+        """Whether reading waits: `max_pending` messages are held and no slot is still reading
+        its RQ (which must go on, or a key waiting for its copy would wait for good).
+
+        Not with `pause`: kafka-python 3.0.12 was seen to fetch nothing more of a partition
+        paused and resumed under load. Hazard: a consumer that polls no more for
+        `max.poll.interval.ms` (5 min) leaves the group; it rejoins at its next poll."""
+        with self._lock:
+            return self._sched.pending >= self.options.max_pending and not any(
+                self._catch_up.values()
+            )
+
+    def _caught_up(self) -> None:
+        """Hand out a slot's messages once its RQ was read to the end it had at assignment."""
         consumer = self._consumer
         owned = consumer.assignment()  # may change under us: the listener runs elsewhere
-        for ends in self._catch_up.values():
+        done = set()
+        for slot, ends in self._catch_up.items():
             for tp, end in list(ends.items()):
                 if tp in owned and consumer.position(tp) >= end:
                     del ends[tp]
-        full = self._sched.pending >= self.options.max_pending
-        want = {
-            tp
-            for tp in self._ledgers
-            if tp.topic == self._main.name
-            and tp in owned
-            and (full or self._catch_up.get(self._slot(tp)))
-        }
-        held = {tp for tp in self._paused if tp.topic == self._main.name and tp in owned}
-        if want - held:
-            consumer.pause(*(want - held))
-        if held - want:
-            consumer.resume(*(held - want))
-        self._paused = (self._paused - held) | want
+            if not ends:
+                done.add(slot)
+        if done:
+            with self._lock:
+                for slot in done:
+                    del self._catch_up[slot]
+                self._sched.reopen(done)
+                self._lock.notify_all()
 
     def _commit(self, only: set[TopicPartition] | None = None) -> None:
         offsets = {}
@@ -442,8 +451,8 @@ class Consumer:
 
     # -- rebalance ----------------------------------------------------------------------------
     # The listener runs on kafka-python's I/O thread, which must not block: it only closes the
-    # revoked slots and pauses what it was given; `_rebalanced` (the Kafka thread, after the
-    # poll) does the rest.
+    # revoked slots and notes the assignment; `_rebalanced` (the Kafka thread, after the poll)
+    # does the rest.
     def _revoke(self, revoked) -> None:
         with self._lock:
             tps = set(revoked) & set(self._ledgers)
@@ -453,12 +462,6 @@ class Consumer:
     def _assign(self, assigned) -> None:
         with self._lock:
             self._assigned = set(assigned)
-        new = [tp for tp in assigned if tp not in self._ledgers]
-        # A new assignment resumes every partition; nothing new is read before `_rebalanced`
-        # made its ledger (`_gate` pauses the rest again as needed).
-        self._paused = set(new)
-        if new:
-            self._consumer.pause(*new)
 
     def _rebalanced(self) -> None:
         """After a rebalance: slots given back are handed out again; slots gone wait for their
@@ -479,7 +482,6 @@ class Consumer:
                 for tp in gone:
                     self._ledgers.pop(tp, None)
                     self._committed.pop(tp, None)
-                    self._paused.discard(tp)
                 for slot in slots:
                     self._catch_up.pop(slot, None)
         new = [tp for tp in assigned if tp not in self._ledgers]
@@ -497,17 +499,16 @@ class Consumer:
                 offset, metadata = committed.offset, committed.metadata or ""
                 ledgers[tp] = (Ledger(offset, decode(offset, metadata)), (offset, metadata))
         with self._lock:
-            self._sched.reopen(self._slots_of(assigned - set(new)))
             for tp, (ledger, position) in ledgers.items():
                 self._ledgers[tp] = ledger
                 if position is not None:
                     self._committed[tp] = position
             for tp in rq_tps:
                 self._catch_up.setdefault(self._slot(tp), {})[tp] = ends.get(tp, 0)
+            # a slot hands out nothing before its RQ was read to the end (`_caught_up`)
+            self._sched.close(set(self._catch_up))
+            self._sched.reopen(self._slots_of(assigned - set(new)) - set(self._catch_up))
             self._counts["rebalances"] += 1
-        if rq_tps:
-            self._consumer.resume(*rq_tps)
-            self._paused -= set(rq_tps)
 
     def _slot(self, tp: TopicPartition) -> int:
         topic = self._rq if tp.topic == self._rq.name else self._main
