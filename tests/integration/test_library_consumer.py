@@ -230,3 +230,19 @@ def test_the_console_script_delivers_until_sigterm_and_refuses_clearly(
             _, err = proc.communicate(timeout=DEADLINE_S)
         assert proc.returncode == 0, err
         assert sorted(r.message_id for r in endpoint.records()) == sorted(ids)
+
+
+def test_a_consumer_held_at_max_pending_reads_everything(
+    settings, catalog, make_topic, unique_name
+):
+    """Reading stops and goes on many times over (`max_pending` 20): no record is left unread.
+    (Pausing partitions for this, kafka-python stopped fetching some of them for good.)"""
+    spec = subscription(catalog, make_topic, unique_name, "http://127.0.0.1:9/unused")
+    ids = produce(settings, spec.topic, groups=200, per_group=15)
+    consumer = Consumer(
+        spec.name, settings, handler=lambda _m: Success(), options=Options(max_pending=20)
+    ).start()
+    try:
+        wait_for(lambda: consumer.counters()["delivered"] == len(ids), "every message", consumer)
+    finally:
+        consumer.stop()
