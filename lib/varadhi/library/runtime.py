@@ -291,7 +291,7 @@ class Consumer:
             try:
                 self._producer.flush(timeout=30)
                 self._apply_finished()
-                self._commit()
+                self._commit(final=True)
             except BaseException as e:  # noqa: BLE001
                 self._fail(e)
             finally:
@@ -420,24 +420,36 @@ class Consumer:
                 self._sched.reopen(done)
                 self._lock.notify_all()
 
-    def _commit(self, only: set[TopicPartition] | None = None) -> None:
+    def _commit(self, final: bool = False) -> None:
+        """Commit each partition's position (`Ledger.position`) where it moved. While running,
+        asynchronously (kafka-python 3.0.12's join was seen to stall when the member's own
+        blocking calls met a rebalance); the last one, at stop, waits."""
         offsets = {}
         for tp, ledger in self._ledgers.items():
-            if only is not None and tp not in only:
-                continue
             position = ledger.position()
             if position != self._committed.get(tp) and ledger.upto > ledger.start:
                 offsets[tp] = OffsetAndMetadata(position[0], position[1], -1)
         if not offsets:
             return
-        try:
-            self._consumer.commit(offsets)
-        except CommitFailedError as e:  # a rebalance is under way; its revoke commits
-            log.info("%s: commit refused (%s); the rebalance commits", self.name, e)
+        if final:
+            try:
+                self._consumer.commit(offsets)
+            except CommitFailedError as e:  # the group moved on: its new owners read again
+                log.info("%s: last commit refused (%s)", self.name, e)
+                return
+            self._committed_done(offsets, None)
             return
-        for tp, om in offsets.items():
-            self._committed[tp] = (om.offset, om.metadata)
-        self._counts["commits"] += 1
+        self._consumer.commit_async(offsets, callback=self._committed_done)
+
+    def _committed_done(self, offsets, error) -> None:
+        """A commit's answer (on kafka-python's thread for an asynchronous one)."""
+        if isinstance(error, BaseException):
+            log.info("%s: commit refused (%s); the next one tries again", self.name, error)
+            return
+        with self._lock:
+            for tp, om in offsets.items():
+                self._committed[tp] = (om.offset, om.metadata)
+            self._counts["commits"] += 1
 
     def _check_catalog(self) -> None:
         sub = subscriptions.from_snapshot(self._catalog.snapshot(), self.name)
