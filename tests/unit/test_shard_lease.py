@@ -256,3 +256,24 @@ def test_take_of_another_owner_than_prepared_closes_the_prepared_one():
     assert lease.held is not prepared and lease.held.owner == "orders-http/s3/1"
     assert prepared._stop.is_set()  # closed
     assert catalog.get(KIND, OWNER) is None
+
+
+def test_what_the_control_loop_rides_out_instead_of_failing():
+    """A Kafka error that may pass, with the lease still renewed (a broker back from an outage
+    whose catalog read times out once more), is waited out like an expired lease, within the
+    control outage's limit; a fence or any other failure is not. Before, it ended the shard
+    with exit 1."""
+    from varadhi.spark.shard.ends import ControlOutage
+    from varadhi.spark.shard.job import ShardJob
+
+    catalog, clock = FakeCatalog(), Clock()
+    lease = shard_lease(catalog, clock)
+    lease.take(OWNER)
+    outage = ControlOutage()
+    timeout = KafkaTimeoutError("Failed to get offsets by timestamps in 35000 ms")
+    assert ShardJob._rides_out(timeout, lease, outage)
+    assert not ShardJob._rides_out(timeout, lease, ControlOutage(limit_s=-1.0))  # too long
+    assert not ShardJob._rides_out(RuntimeError("a bug"), lease, outage)
+    assert not ShardJob._rides_out(Fenced(f"lease {OWNER}", 1, 2), lease, outage)
+    clock.t += TTL / 1000  # not renewed for a TTL: whatever failed, Kafka is away
+    assert ShardJob._rides_out(RuntimeError("a call that timed out"), lease, outage)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -29,7 +30,7 @@ from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.spark import layouts, warehouse_fs
-from varadhi.spark.shard.ends import QueryEnd, RunEnd, waits_on_suspension
+from varadhi.spark.shard.ends import ControlOutage, QueryEnd, RunEnd, waits_on_suspension
 from varadhi.spark.shard.gate import BatchGate
 from varadhi.spark.shard.journal import ShardJournal
 from varadhi.spark.shard.lease import ShardLease
@@ -196,20 +197,24 @@ class ShardJob:
     def _hold(self, sub: subscriptions.Subscription, lease: ShardLease) -> RunEnd:
         """The control loop once the lease is held and renewed: until stopped or fenced
         (`RunEnd`) or failed (raises); releases the lease and closes the run's parts on every
-        exit. An expired lease (Kafka away for a TTL) stops delivery, not the shard: it waits
-        for the lease (`_ride_out_expiry`) and goes on with it, or ends fenced."""
+        exit. Kafka away (an expired lease, or a Kafka error that may pass) stops delivery, not
+        the shard (`_rides_out`): it waits for the lease to be renewed (`await_renewal`) and goes
+        on with it, or ends fenced."""
         clean = False  # stopped on request (a signal) or idle, not fenced or failed
         parts = None
+        outage = ControlOutage()  # Kafka errors ridden out since the last batch completed
         try:
             parts = self._parts(sub, lease)
+            batches = self._progress.stats.batches
             while True:
+                if self._progress.stats.batches != batches:
+                    batches = self._progress.stats.batches
+                    outage.ok()
                 try:
                     clean = self._deliver(parts, lease)
                     return RunEnd.STOPPED
                 except Exception as e:
-                    if lease.fence_reason(e) is not None or not (
-                        isinstance(e, LeaseExpired) or lease.expired()
-                    ):
+                    if not self._rides_out(e, lease, outage):
                         raise
                     log.warning(
                         "%s shard %d: %s; delivering nothing until the lease is renewed",
@@ -234,6 +239,18 @@ class ShardJob:
             self._progress.publish("stopped", force=True)
             lease.close()
             self._close(parts)
+
+    @staticmethod
+    def _rides_out(error: Exception, lease: ShardLease, outage: ControlOutage) -> bool:
+        """Whether the delivery loop's `error` is Kafka away, to wait out rather than fail: the
+        lease expired (not renewed for its TTL, nobody seen to hold it), or a Kafka error that
+        may pass (a broker back from an outage whose clients time out once more), for at most
+        `ends.CONTROL_OUTAGE_S` without a batch completing. Not a fence (`fence_reason`)."""
+        if lease.fence_reason(error) is not None:
+            return False
+        if isinstance(error, LeaseExpired) or lease.expired():
+            return True
+        return kafka_clients.transient(error) and outage.ride_out(time.monotonic())
 
     def _deliver(self, parts: ShardParts, lease: ShardLease) -> bool:
         """Deliver until stopped (returns whether cleanly: on request or idle, and not while
