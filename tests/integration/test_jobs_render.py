@@ -69,6 +69,8 @@ def test_databricks_job_and_bundle_follow_the_catalog(varadhi_cli, catalog, sett
         "VARADHI_CATALOG_TOPIC": settings.catalog_topic,
         "VARADHI_KAFKA_CONFIG": "/Volumes/main/varadhi/conf/kafka.properties",
         "KAFKA_PASSWORD": "{{secrets/varadhi/KAFKA_PASSWORD}}",
+        # rendered cloud jobs deny private endpoint addresses (docs/delivery.md)
+        "VARADHI_ENDPOINT_DENY_PRIVATE": "true",
     }
     bundle = yaml.safe_load(render(varadhi_cli, subscription, "databricks-bundle", *flags))
     (job,) = bundle["resources"]["jobs"].values()
