@@ -13,6 +13,7 @@ default.api.timeout.ms) before it delivers again."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -97,8 +98,21 @@ def kafka(env: dict, *args: str) -> str:
     done = subprocess.run(
         [str(ROOT / "scripts/kafka"), *args], env=env, capture_output=True, text=True, timeout=180
     )
-    assert done.returncode == 0, done.stderr + done.stdout
+    assert done.returncode == 0, done.stderr + done.stdout + log_tails(done.stderr + done.stdout)
     return done.stdout.strip()
+
+
+def log_tails(message: str, lines: int = 40) -> str:
+    """The last lines of the log files a failed `scripts/kafka` names: the cluster's folder is
+    wiped at the end of the module, so they go into the failure's text."""
+    out = []
+    for path in re.findall(r"(/\S+\.log)\b", message):
+        try:
+            tail = Path(path).read_text(errors="replace").splitlines()[-lines:]
+        except OSError:
+            continue
+        out.append(f"\n--- {path} (last {lines} lines)\n" + "\n".join(tail))
+    return "".join(out)
 
 
 @pytest.fixture(scope="module")
