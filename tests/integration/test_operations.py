@@ -83,7 +83,7 @@ def test_repeated_unsideline_delivers_each_dead_letter_once(
     since = str(int(time.time() * 1000) - 1_000)
     # g1 and h1 fail once (404, fatal); k1 fails again after its first re-drive.
     script = {"g1": [404], "h1": [404], "k1": [404, 404]}
-    with TestEndpoint(script=script) as endpoint:
+    with TestEndpoint(script=script, record_headers=True) as endpoint:
         spec = make_subscription(endpoint.url)
         produce(settings, spec.topic, [("g", f"g{i}") for i in range(3)] + [("h", "h1")])
         produce(settings, spec.topic, [("k", "k1"), ("h", "h2")])
@@ -96,10 +96,23 @@ def test_repeated_unsideline_delivers_each_dead_letter_once(
         def parked():
             return sorted((p["msg_id"], p["state"]) for p in dlq.list_parked(catalog, spec.name))
 
+        def new_redrive(before: set[str]) -> str:
+            (op_id,) = set(dlq.redrives(catalog.snapshot(), spec.name)) - before
+            return op_id
+
+        def redriven_by(msg_id: str) -> list[str | None]:
+            """X-Varadhi-Redriven of each request of `msg_id`, in order (None: not sent)."""
+            return [
+                {k.lower(): v for k, v in r.headers.items()}.get("x-varadhi-redriven")
+                for r in endpoint.records()
+                if r.message_id == msg_id
+            ]
+
         # By message id, through the command line: g1 and k1 only; h1 stays parked, and h2
         # waits behind it.
         unsideline = ["dlq", "unsideline", spec.name]
         assert cli(unsideline + ["--message-ids", "g1", "k1"]) == 0
+        first = new_redrive(set())
         run_until_idle(settings, spark, spec.name)
         assert delivered(endpoint, "g") == ["g0", "g1", "g2"]
         assert ok("k1") == 0  # re-driven, failed again: a new dead letter
@@ -110,12 +123,20 @@ def test_repeated_unsideline_delivers_each_dead_letter_once(
             ("k1", "parked"),
             ("k1", "redriven"),
         ]
+        # Re-driven messages say so on every request; g2, which only waited behind g1, does
+        # not. k1's new dead letter shows the re-drive that put it back.
+        assert redriven_by("g1") == [None, first] and redriven_by("g2") == [None]
+        assert redriven_by("k1") == [None, first]
+        by = {(p["msg_id"], p["redriven_by"]) for p in dlq.list_parked(catalog, spec.name)}
+        assert by == {("g1", None), ("h1", None), ("k1", None), ("k1", first)}
 
         # An overlapping selector: g1 was re-driven already; k1's new dead letter was not.
         assert cli(unsideline + ["--group-ids", "g", "k"]) == 0
+        second = new_redrive({first})
         run_until_idle(settings, spark, spec.name)
         assert delivered(endpoint, "g") == ["g0", "g1", "g2"]
         assert ok("k1") == 1
+        assert redriven_by("k1") == [None, first, second]
         assert delivered(endpoint, "h") == []
 
         # A failure-time selector, twice: h1 once (h2 after it), nothing re-driven before again.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -73,6 +74,9 @@ def test_an_entry_carries_id_group_attempt_source_and_the_value_as_text():
         "value": '{"order": 1}',
     }
     assert b"\n" not in entry.data
+    redriven = replace(entry_state, headers={m.H_REDRIVEN: "redrive-1-a"})
+    doc = json.loads(encode_entry(redriven.value, http_headers(redriven)).data)
+    assert doc["redriven"] == "redrive-1-a"
 
 
 def test_a_value_that_is_not_utf8_goes_as_base64_and_ungrouped_has_a_null_group():

@@ -17,6 +17,7 @@ FORGED = {
     "attempts": 3,
     "status": 500,
     "state": "parked",
+    "redriven_by": f"redrive-1{ESC}[2J",
     "reason": f"HTTP 500{ESC}[31m red\r\nfake line\x9b",
 }
 

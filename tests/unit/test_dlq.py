@@ -56,21 +56,29 @@ def test_an_applied_redrive_covers_what_it_matched_below_its_scan_end():
 def test_repeating_a_selector_takes_only_what_was_not_redriven():
     sel = Selector(group_ids=("g",))
     first = [parked("a", offset=0), parked("x", group="h", offset=1), parked("b", offset=2)]
-    assert [p.msg_id for p in select_redrive(first, [sel], [])] == ["a", "b"]
+    assert [p.msg_id for _, p in select_redrive(first, {"r1": sel}, [])] == ["a", "b"]
     applied = [Applied(sel, {DLQ: {"0": 3}})]
     # the same selector again: nothing, except `a` dead-lettered again after its re-drive
     again = first + [parked("a", offset=3, last_failure_ms=9_000)]
-    assert [(p.msg_id, p.offset) for p in select_redrive(again, [sel], applied)] == [("a", 3)]
+    taken = select_redrive(again, {"r2": sel}, applied)
+    assert [(op_id, p.msg_id, p.offset) for op_id, p in taken] == [("r2", "a", 3)]
     # an overlapping selector takes the message the first one did not select
     since = Selector(failed_since_ms=0)
-    assert [p.msg_id for p in select_redrive(first, [since], applied)] == ["x"]
+    assert [p.msg_id for _, p in select_redrive(first, {"r3": since}, applied)] == ["x"]
 
 
 def test_failed_since_repeated_is_covered_like_group_ids():
     sel = Selector(failed_since_ms=500)
     records = [parked("a", offset=0), parked("b", group="h", offset=1, last_failure_ms=100)]
-    assert [p.msg_id for p in select_redrive(records, [sel], [])] == ["a"]
-    assert select_redrive(records, [sel], [Applied(sel, {DLQ: {"0": 2}})]) == []
+    assert [p.msg_id for _, p in select_redrive(records, {"r": sel}, [])] == ["a"]
+    assert select_redrive(records, {"r": sel}, [Applied(sel, {DLQ: {"0": 2}})]) == []
+
+
+def test_a_record_is_taken_by_the_first_of_several_pending_redrives_that_matches_it():
+    records = [parked("a", offset=0), parked("b", group="h", offset=1)]
+    ops = {"r1": Selector(group_ids=("h",)), "r2": Selector(failed_since_ms=0)}
+    taken = select_redrive(records, ops, [])
+    assert [(op_id, p.msg_id) for op_id, p in taken] == [("r2", "a"), ("r1", "b")]
 
 
 def test_applied_redrives_from_the_catalog_include_legacy_documents():
@@ -107,8 +115,25 @@ def test_list_state_of_a_record():
 
 
 def test_redrive_rows_keep_one_entry_per_origin():
-    rows = redrive_rows([parked("a", offset=0), parked("a", offset=3, origin="0:0:0")], True)
+    twice = [("r", parked("a", offset=0)), ("r", parked("a", offset=3, origin="0:0:0"))]
+    rows = redrive_rows(twice, True)
     assert [(r.msg_id, r.location, r.attempts) for r in rows] == [("a", "held", 0)]
+
+
+def test_a_redriven_entry_is_marked_with_its_redrive_and_a_later_redrive_replaces_the_mark():
+    from dataclasses import replace
+
+    from varadhi.core import messages as m
+    from varadhi.core.state_rows import entry_of
+
+    (row,) = redrive_rows([("redrive-1-a", parked("a"))], True)
+    assert entry_of(row).headers[m.H_REDRIVEN] == "redrive-1-a"
+    # parked again after that re-drive: the DLQ copy keeps the mark, which `dlq list` shows
+    again = replace(parked("a", offset=4), headers={m.H_REDRIVEN: "redrive-1-a"})
+    assert again.redriven_by == "redrive-1-a" and again.summary()["redriven_by"] == "redrive-1-a"
+    assert parked("b").summary()["redriven_by"] is None
+    (row,) = redrive_rows([("redrive-2-b", again)], True)
+    assert entry_of(row).headers[m.H_REDRIVEN] == "redrive-2-b"
 
 
 def test_scanned_offsets_merge_per_partition():
@@ -137,4 +162,5 @@ def test_truncated_copies_and_records_without_an_origin_are_not_re_driven():
     truncated = replace(parked("a", offset=1), headers={m.H_TRUNCATED: "5000000"})
     foreign = parked("b", offset=2, origin="junk")
     fine = parked("c", offset=3)
-    assert [r.msg_id for r in redrive_rows([truncated, foreign, fine], True)] == ["c"]
+    rows = redrive_rows([("r", p) for p in (truncated, foreign, fine)], True)
+    assert [r.msg_id for r in rows] == ["c"]

@@ -225,6 +225,14 @@ def test_request_headers_carry_idempotency_key_group_attempt_and_source():
     assert headers[m.HTTP_SOURCE] == "t.0/0/5"
     assert headers[m.HTTP_PRODUCED_AT] == "123"
     assert m.HTTP_GROUP_ID not in http_headers(new(6, group=None))
+    assert m.HTTP_REDRIVEN not in headers  # never re-driven
+
+
+def test_a_redriven_message_says_so_on_every_request_and_a_producer_cannot_forge_it():
+    entry = replace(new(5), location="held", headers={m.H_REDRIVEN: "redrive-1-a"})
+    assert http_headers(entry)[m.HTTP_REDRIVEN] == "redrive-1-a"
+    assert http_headers(replace(entry, attempts=3))[m.HTTP_REDRIVEN] == "redrive-1-a"
+    assert m.control_free({m.H_REDRIVEN: "forged", "x": "1"}) == {"x": "1"}
 
 
 # -- GroupRun: retries ---------------------------------------------------------------------------
@@ -679,7 +687,7 @@ def dead_letters_to_redrive(outs: Iterable[Out]) -> list[Entry]:
     for n, out in enumerate(outs):
         record = out_record(OutRow.of(state_row(Kind.OUT, "g", out.entry, target="dlq")), None)
         parked.append(parked_from_record("s.dlq.0", 0, n, record.key, record.value, record.headers))
-    rows = redrive_rows(parked, grouped=True)
+    rows = redrive_rows([("redrive-1-a", p) for p in parked], grouped=True)
     return [entry_of(row) for row in rows]
 
 

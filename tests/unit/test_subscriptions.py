@@ -225,6 +225,7 @@ def test_durations_in_documents():
         ({"endpoint__headers": {"X-A": "a\r\nb"}}, "endpoint.headers.X-A"),
         ({"endpoint__headers": {"X-A": "1", "x-a": "2"}}, "endpoint.headers.x-a"),
         ({"endpoint__headers": {"Idempotency-Key": "k"}}, "endpoint.headers.Idempotency-Key"),
+        ({"endpoint__headers": {"x-varadhi-redriven": "r"}}, "endpoint.headers.x-varadhi-redriven"),
         ({"endpoint__headers": {"Host": "other.test"}}, "endpoint.headers.Host"),
         ({"endpoint__headers": {"Content-Length": "0"}}, "endpoint.headers.Content-Length"),
         ({"endpoint__headers": {"transfer-encoding": "x"}}, "endpoint.headers.transfer-encoding"),

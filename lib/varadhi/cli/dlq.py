@@ -11,7 +11,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("dlq", help="dead-letter queue: list and unsideline (re-drive)")
     dsub = p.add_subparsers(dest="dlq_command", metavar="ACTION", required=True)
 
-    ls = dsub.add_parser("list", help="list parked messages with reason, status, attempts, times")
+    ls = dsub.add_parser(
+        "list",
+        help="list parked messages with reason, status, attempts, times",
+        description="List parked messages, oldest first, with their re-drive state (parked, "
+        "redrive requested, redriven) and, for a message parked again after a re-drive, the "
+        "re-drive that put it back (re-driven by).",
+    )
     ls.add_argument("name", help="subscription name")
     ls.add_argument("--group-id", help="only this group's messages")
     ls.add_argument(
@@ -24,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "unsideline",
         help="re-drive parked messages in their original group order, attempts reset",
         description="Record a re-drive; each running shard applies it at its next micro-batch. "
-        "A group blocked on its DLQ unblocks once its re-driven messages are delivered.",
+        "A group blocked on its DLQ unblocks once its re-driven messages are delivered. Every "
+        "request of a re-driven message carries X-Varadhi-Redriven: <re-drive id>.",
     )
     un.add_argument("name", help="subscription name")
     un.add_argument("--group-ids", nargs="+", default=[], metavar="G")
@@ -46,12 +53,17 @@ def _list(args: argparse.Namespace) -> int:
     if not rows:
         print("no parked messages")
         return 0
-    print(f"{'message id':<24} {'group':<16} {'attempts':>8} {'status':>6} {'state':<18} reason")
+    print(
+        f"{'message id':<24} {'group':<16} {'attempts':>8} {'status':>6} {'state':<18} "
+        f"{'re-driven by':<26} reason"
+    )
     for r in rows:
         msg_id, group = common.printable(r["msg_id"]), common.printable(r["group_id"])
+        by = common.printable(r["redriven_by"] or "-")
         print(
             f"{msg_id[:24]:<24} {group[:16]:<16} {r['attempts']:>8} "
-            f"{str(r['status'] or '-'):>6} {r['state']:<18} {common.printable(r['reason'] or '')}"
+            f"{str(r['status'] or '-'):>6} {r['state']:<18} {by[:26]:<26} "
+            f"{common.printable(r['reason'] or '')}"
         )
     return 0
 

@@ -11,7 +11,9 @@ as a JSON array (`application/json`), with the header `X-Varadhi-Batch-Size: <n>
 
 `value` is the message body as text when it is UTF-8; otherwise the entry has `value_base64`
 instead. `group` is null for an ungrouped subscription; `produced_at` is left out when the
-producer did not set it. No two entries of one request have the same id.
+producer did not set it; `redriven` (the id of the DLQ re-drive that put the message back, as
+single mode's `X-Varadhi-Redriven` header) only on a re-driven message. No two entries of one
+request have the same id.
 
 Answer. Any 2xx but 207: every message of the request was accepted. A non-2xx status, a timeout
 or a connection error: every message gets that outcome (and follows its own retry/DLQ path with
@@ -87,9 +89,9 @@ class InvalidAnswer(ValueError):
 
 def encode_entry(body: bytes, headers: Mapping[str, str]) -> Entry:
     """The batch entry of a single-mode request (`varadhi.core.group_state.http_headers`): its id,
-    group, attempt, produced time and source come from the request's headers, its value from the
-    body. Raises KeyError or ValueError for a request without a message id or attempt number
-    (every request a shard builds has them)."""
+    group, attempt, produced time, source and re-drive come from the request's headers, its
+    value from the body. Raises KeyError or ValueError for a request without a message id or
+    attempt number (every request a shard builds has them)."""
     msg_id = headers[m.HTTP_MESSAGE_ID]
     entry: dict[str, object] = {
         "id": msg_id,
@@ -100,6 +102,9 @@ def encode_entry(body: bytes, headers: Mapping[str, str]) -> Entry:
     produced = headers.get(m.HTTP_PRODUCED_AT)
     if produced:
         entry["produced_at"] = int(produced)
+    redriven = headers.get(m.HTTP_REDRIVEN)
+    if redriven:
+        entry["redriven"] = redriven
     try:
         entry["value"] = body.decode("utf-8")
     except UnicodeDecodeError:

@@ -445,8 +445,9 @@ def request_of(entry: Entry, shaping: RequestShaping | None = None) -> Request:
 
 
 def http_headers(entry: Entry, shaping: RequestShaping | None = None) -> dict[str, str]:
-    """The headers of a delivery: idempotency key, group, attempt number, source position, and
-    the Kafka headers `shaping` forwards."""
+    """The headers of a delivery: idempotency key, group, attempt number, source position, the
+    re-drive that put the message back (`messages.H_REDRIVEN`), and the Kafka headers `shaping`
+    forwards."""
     headers = {
         m.HTTP_MESSAGE_ID: entry.msg_id,
         m.HTTP_IDEMPOTENCY_KEY: entry.msg_id,
@@ -458,6 +459,9 @@ def http_headers(entry: Entry, shaping: RequestShaping | None = None) -> dict[st
     produced = entry.headers.get(m.H_PRODUCED_MS)
     if produced and produced.isascii() and produced.isdigit():  # another producer's may be junk
         headers[m.HTTP_PRODUCED_AT] = produced
+    redriven = entry.headers.get(m.H_REDRIVEN)
+    if redriven:  # only a shard writes it (`messages.control_free`)
+        headers[m.HTTP_REDRIVEN] = redriven
     if shaping is not None and shaping.forward_headers:
         headers.update(request_shaping.shaped_headers(shaping, entry.headers))
     return headers

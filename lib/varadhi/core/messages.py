@@ -41,6 +41,10 @@ H_TRUNCATED = "varadhi-truncated"
 # An empty record a shard writes to its own RQ to wake itself up when a parked retry falls due
 # while no other input arrives (Spark runs a micro-batch only when there is new data).
 H_TICK = "varadhi-tick"
+# On an entry a DLQ re-drive put back (and on its later RQ/DLQ copies): the re-drive's operation
+# id (`varadhi.kafka.dlq`); every HTTP request of it carries `HTTP_REDRIVEN`. A later re-drive of
+# the message replaces it.
+H_REDRIVEN = "varadhi-redriven"
 
 # What only a shard writes (on its RQ/DLQ records and ticks): a main-topic record carrying one
 # was forged or copied by another producer, and the shard drops it on read (`control_free`), or
@@ -58,6 +62,7 @@ CONTROL_HEADERS = frozenset(
         H_RESPONSE,
         H_TRUNCATED,
         H_TICK,
+        H_REDRIVEN,
     }
 )
 
@@ -77,6 +82,7 @@ HTTP_ATTEMPT = "X-Varadhi-Attempt"
 HTTP_SOURCE = "X-Varadhi-Source"
 HTTP_PRODUCED_AT = "X-Varadhi-Produced-At"
 HTTP_REPLAY = "X-Varadhi-Replay"  # only on re-deliveries by `varadhi replay`
+HTTP_REDRIVEN = "X-Varadhi-Redriven"  # only on messages a DLQ re-drive put back: its id
 
 
 @dataclass(frozen=True, order=True)

@@ -98,6 +98,7 @@ _RESERVED_HEADERS = tuple(
         messages.HTTP_SOURCE,
         messages.HTTP_PRODUCED_AT,
         messages.HTTP_REPLAY,
+        messages.HTTP_REDRIVEN,
         *signing.HEADERS,
     )
 )

@@ -12,6 +12,11 @@ batches of its own, so no other writer ever touches its GroupState:
   queued behind them, follows;
 - the shard marks the operation done for itself once that state is committed.
 
+A re-driven entry carries the header `varadhi-redriven` (`messages.H_REDRIVEN`) = the operation
+id, which only shards write; its RQ and DLQ copies keep it, so a message parked again after a
+re-drive shows which re-drive put it back (`Parked.redriven_by`), and every HTTP request of it
+carries `X-Varadhi-Redriven` (`group_state.http_headers`).
+
 A dead letter is re-driven at most once. A shard applying a re-drive reads its DLQ partitions up
 to the end offsets they had when it started (`scanned`), in chunks, keeping only the records
 the selector takes; the end offsets are recorded in its GroupState commit (a `redrive` row, in
@@ -94,11 +99,18 @@ class Parked:
     value: bytes | None = field(repr=False, default=None)
     headers: dict[str, str] = field(repr=False, default_factory=dict)
 
+    @property
+    def redriven_by(self) -> str | None:
+        """The re-drive that put this message back before it was parked again (its operation
+        id), or None when it was never re-driven."""
+        return self.headers.get(m.H_REDRIVEN) or None
+
     def summary(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("value")
         d.pop("headers")
         d["value_bytes"] = None if self.value is None else len(self.value)
+        d["redriven_by"] = self.redriven_by
         return d
 
 
@@ -353,16 +365,17 @@ def applied_redrives(snapshot: Snapshot, name: str) -> list[Applied]:
 
 
 def select_redrive(
-    parked: Iterable[Parked], selectors: Iterable[Selector], applied: Sequence[Applied]
-) -> list[Parked]:
-    """The records a re-drive takes (pure): those one of `selectors` matches that no applied
-    re-drive covers (re-driven already)."""
-    selectors = list(selectors)
-    return [
-        p
-        for p in parked
-        if any(sel.matches(p) for sel in selectors) and not any(a.covers(p) for a in applied)
-    ]
+    parked: Iterable[Parked], selectors: Mapping[str, Selector], applied: Sequence[Applied]
+) -> list[tuple[str, Parked]]:
+    """The records re-drives take (pure), each with the id of the first operation of
+    `selectors` (op id -> selector) that matches it, leaving out those an applied re-drive
+    covers (re-driven already)."""
+    out = []
+    for p in parked:
+        op_id = next((op_id for op_id, sel in selectors.items() if sel.matches(p)), None)
+        if op_id is not None and not any(a.covers(p) for a in applied):
+            out.append((op_id, p))
+    return out
 
 
 def apply_redrives(
@@ -388,9 +401,9 @@ def apply_redrives(
     applied = applied_redrives(snapshot, sub.name) + [
         Applied(ops[op_id], committed[op_id]) for op_id in committed if op_id in ops
     ]
-    chosen: list[Parked] = []
+    chosen: list[tuple[str, Parked]] = []
     for chunk in iter_parked(settings, partitions, dlq_start(snapshot, sub.name), ends=scanned):
-        chosen.extend(select_redrive(chunk, todo.values(), applied))
+        chosen.extend(select_redrive(chunk, todo, applied))
     added = store.redrive(redrive_rows(chosen, sub.spec.grouped))
     store.record_redrives(dict.fromkeys(todo, scanned))
     return added
@@ -493,11 +506,12 @@ def merged_scanned(base: Scanned, newer: Scanned) -> Scanned:
     return out
 
 
-def redrive_rows(parked: Iterable[Parked], grouped: bool) -> list[StateRow]:
-    """Parked messages as `held` pending state rows at their origin, attempts reset (pure)."""
+def redrive_rows(parked: Iterable[tuple[str, Parked]], grouped: bool) -> list[StateRow]:
+    """Parked messages, each with the id of the re-drive that takes it, as `held` pending state
+    rows at their origin, attempts reset, marked with that id (`messages.H_REDRIVEN`) (pure)."""
     rows = []
     seen = set()
-    for p in parked:
+    for op_id, p in parked:
         where = f"{p.topic}/{p.partition}/{p.offset}"
         try:
             origin = m.Origin.decode(p.origin)
@@ -515,6 +529,7 @@ def redrive_rows(parked: Iterable[Parked], grouped: bool) -> list[StateRow]:
             continue
         seen.add(origin)
         headers = {k: v for k, v in p.headers.items() if k not in RETRY_HEADERS}
+        headers[m.H_REDRIVEN] = op_id
         group_key = p.group_id if (grouped and p.group_id) else f"~{p.msg_id}"
         entry = Entry(origin, p.msg_id, p.group_id, "held", p.value, headers, source=where)
         rows.append(state_row(Kind.PENDING, group_key, entry))
