@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     from py4j import clientserver
 
     import varadhi
+    from varadhi.core.policies import Endpoint
     from varadhi.core.state_rows import RESULT_SCHEMA
     from varadhi.spark import records as shard_query
     from varadhi.spark.records import batch_records
@@ -70,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     frame = spark.createDataFrame(
         [(b"k", b"v", "t.0", 0, 1, None, 0, [("varadhi-msg-id", b"m-1")])], KAFKA_SCHEMA
     )
-    sub = SimpleNamespace(spec=SimpleNamespace(grouped=True, dedup_window_ms=0))
+    sub = SimpleNamespace(
+        spec=SimpleNamespace(
+            grouped=True, dedup_window_ms=0, endpoint=Endpoint("http://127.0.0.1/")
+        )
+    )
     mq = SimpleNamespace(storage_topics=[SimpleNamespace(name="t.0")])
     # A plan over computed rows, as Spark hands the shard each micro-batch.
     batch = batch_records(frame, sub, mq).localCheckpoint()

@@ -77,7 +77,7 @@ from common import machine, nginx_binary, write_results
 from delivery import nginx
 from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request
-from varadhi.core.policies import SecretRef, SigningKey
+from varadhi.core.policies import Endpoint, SecretRef, SigningKey
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.spark import batch
 from varadhi.spark.batch import BatchContext, ForwardRule, deliver_records
@@ -349,7 +349,11 @@ def spark_stages(messages: int, groups: int, kind: str, columns: list[str], repe
         TopicService(env.catalog).create(topic, 4)
         produce_backlog(env, topic, messages, groups)
         mq = TopicService(env.catalog).get(topic)
-        sub = SimpleNamespace(spec=SimpleNamespace(grouped=True, dedup_window_ms=0))
+        sub = SimpleNamespace(
+            spec=SimpleNamespace(
+                grouped=True, dedup_window_ms=0, endpoint=Endpoint("http://127.0.0.1/")
+            )
+        )
         spark = get_spark("bench-cpu-per-message", local=True, cores=2)
         source = (
             spark.read.format("kafka")

@@ -1,7 +1,8 @@
 """`varadhi.spark.records.batch_records`, the columns every micro-batch hands to delivery: the ids
 and group keys of Kafka-shaped records of every awkward shape agree with the Python rule
 (`record_ids.text_id` over `record_ids.header_value`), grouped and ungrouped, with and without
-the dedup id, and the same columns serve every batch."""
+the dedup id and the key's text form (`endpoint.key_header`), and the same columns serve every
+batch."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from varadhi.core import messages as m
+from varadhi.core.policies import Endpoint, RequestShaping
 from varadhi.core.record_ids import header_value, text_id
+from varadhi.spark.batch import KEY_TEXT
 from varadhi.spark.dedup import dedup_id
 from varadhi.spark.records import DELIVERY_COLUMNS, _record_columns, batch_records, delivery_records
 
@@ -35,6 +38,14 @@ CORPUS = [
 ]
 
 
+def sub_of(grouped: bool = True, dedup: int = 0, key_header: str | None = None):
+    """What `batch_records` reads of a subscription."""
+    endpoint = Endpoint("http://127.0.0.1:1/", shaping=RequestShaping(key_header=key_header))
+    return SimpleNamespace(
+        spec=SimpleNamespace(grouped=grouped, dedup_window_ms=dedup, endpoint=endpoint)
+    )
+
+
 def expected(key, headers, topic, partition, offset, grouped):
     """The Python rule for one record (`record_ids`)."""
     msg_id = text_id(header_value(headers, m.H_MSG_ID)) or f"{topic}-{partition}-{offset}"
@@ -54,21 +65,25 @@ def kafka_records(spark):
     return spark.createDataFrame(rows, SCHEMA), rows
 
 
-@pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("dedup", [0, 60_000])
-def test_ids_agree_with_the_python_rule(kafka_records, grouped, dedup):
+@pytest.mark.parametrize(
+    ("grouped", "dedup", "key_header"),
+    [(True, 0, None), (False, 0, None), (True, 60_000, None), (False, 60_000, "X-Key")],
+)
+def test_ids_agree_with_the_python_rule(kafka_records, grouped, dedup, key_header):
     frame, rows = kafka_records
-    sub = SimpleNamespace(spec=SimpleNamespace(grouped=grouped, dedup_window_ms=dedup))
+    sub = sub_of(grouped, dedup, key_header)
     mq = SimpleNamespace(storage_topics=[SimpleNamespace(name=MQ)])
     got = batch_records(frame, sub, mq).orderBy("offset").toPandas()
     assert list(got.columns) == [
         "kind", "group_key", "group_id", "msg_id", "topic", "partition", "offset", "key",
-        "value", "kheaders", *(["dedup_id"] if dedup else []),
+        "value", "kheaders", *([KEY_TEXT] if key_header else []), *(["dedup_id"] if dedup else []),
     ]  # fmt: skip
     for record, (key, value, topic, partition, offset, headers) in zip(
         got.to_dict("records"), rows, strict=True
     ):
         want = expected(key, headers, topic, partition, offset, grouped)
+        if key_header:
+            want[KEY_TEXT] = text_id(key)
         assert {k: record[k] for k in want} == want
         assert (record["value"], record["offset"]) == (value, offset)
     if dedup:  # the same id the dedup window computes over the Kafka source's columns
@@ -78,7 +93,7 @@ def test_ids_agree_with_the_python_rule(kafka_records, grouped, dedup):
 
 def test_every_batch_reuses_the_columns(kafka_records):
     frame, _ = kafka_records
-    sub = SimpleNamespace(spec=SimpleNamespace(grouped=True, dedup_window_ms=0))
+    sub = sub_of()
     mq = SimpleNamespace(storage_topics=[SimpleNamespace(name=MQ)])
     before = _record_columns.cache_info()
     for _ in range(3):
@@ -88,9 +103,13 @@ def test_every_batch_reuses_the_columns(kafka_records):
     assert after.currsize - before.currsize <= 1
 
 
-@pytest.mark.parametrize("grouped", [True, False])
-@pytest.mark.parametrize("dedup", [0, 60_000])
-def test_the_projection_is_generated_code_holding_each_id_once(kafka_records, grouped, dedup):
+@pytest.mark.parametrize(
+    ("grouped", "dedup", "key_header"),
+    [(True, 0, None), (False, 0, None), (True, 60_000, None), (False, 60_000, "X-Key")],
+)
+def test_the_projection_is_generated_code_holding_each_id_once(
+    kafka_records, grouped, dedup, key_header
+):
     """Spark generates each micro-batch's projection code on the driver, so its size is paid in
     every batch (docs/benchmarks.md, "Latency").
 
@@ -99,9 +118,10 @@ def test_the_projection_is_generated_code_holding_each_id_once(kafka_records, gr
       and generate a projection in every task of every batch instead.
     - Each text id is computed once: the message header's, the group header's, the key's, and
       with de-duplication the dedup id's (over the raw headers and the value). The group key
-      repeated both ids' expressions before: six, not three."""
+      repeated both ids' expressions before: six, not three. The key's text form, which the
+      delivery tasks get with `endpoint.key_header`, is the group id's fallback, not a fourth."""
     frame, _ = kafka_records
-    sub = SimpleNamespace(spec=SimpleNamespace(grouped=grouped, dedup_window_ms=dedup))
+    sub = sub_of(grouped, dedup, key_header)
     mq = SimpleNamespace(storage_topics=[SimpleNamespace(name=MQ)])
     plan = batch_records(frame, sub, mq)._jdf.queryExecution().executedPlan().toString()
     projects = [line for line in plan.splitlines() if "Project [" in line]
@@ -111,18 +131,20 @@ def test_the_projection_is_generated_code_holding_each_id_once(kafka_records, gr
     assert plan.count("sha2(") == 3 + (2 if dedup else 0), plan  # one per text id
 
 
-@pytest.mark.parametrize("dedup", [0, 60_000])
+@pytest.mark.parametrize(("dedup", "key_header"), [(0, None), (60_000, "X-Key")])
 def test_the_delivery_tasks_get_the_delivery_columns_in_concurrency_partitions(
-    kafka_records, dedup
+    kafka_records, dedup, key_header
 ):
+    """Only a subscription with `endpoint.key_header` hands its tasks the key's text form."""
     frame, _ = kafka_records
-    sub = SimpleNamespace(spec=SimpleNamespace(grouped=True, dedup_window_ms=dedup))
+    sub = sub_of(dedup=dedup, key_header=key_header)
     mq = SimpleNamespace(storage_topics=[SimpleNamespace(name=MQ)])
     records = batch_records(frame, sub, mq)
+    columns = [*DELIVERY_COLUMNS, *([KEY_TEXT] if key_header else [])]
     coalesced = delivery_records(records, 1, partitions_read=2)
-    assert coalesced.columns == list(DELIVERY_COLUMNS)
+    assert coalesced.columns == columns
     assert coalesced.rdd.getNumPartitions() == 1
     spread = delivery_records(records, 3, partitions_read=2)  # fewer partitions than tasks
-    assert spread.columns == list(DELIVERY_COLUMNS)
+    assert spread.columns == columns
     assert spread.rdd.getNumPartitions() == 3
     assert spread.count() == len(CORPUS)

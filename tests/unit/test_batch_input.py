@@ -1,6 +1,7 @@
 """How a phase-1 task reads its Arrow batches (`varadhi.spark.batch.record_rows`, `header_dicts`) and
 returns its rows (`arrow_batch`): the same values as the record-by-record conversion
-(`messages.headers_to_dict`) on whatever a producer wrote, and exactly Spark's types out."""
+(`messages.headers_to_dict`) on whatever a producer wrote, and exactly Spark's types out; which
+headers an entry gets from its record (`record_entry`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,16 @@ import pyarrow as pa
 
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry, RunCounts
+from varadhi.core.policies import Endpoint, SubscriptionSpec
 from varadhi.core.state_rows import RESULT_COLUMNS, Kind, TaskStats, stat_row, state_row, task_stats
-from varadhi.spark.batch import arrow_batch, header_dicts, record_rows
+from varadhi.spark.batch import (
+    KEY_TEXT,
+    BatchContext,
+    arrow_batch,
+    header_dicts,
+    record_entry,
+    record_rows,
+)
 
 HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 
@@ -94,3 +103,25 @@ def test_arrow_batch_has_spark_s_types_and_nulls_for_what_a_row_lacks():
     assert (first["kind"], first["value"], first["origin_offset"]) == ("pending", b"body", 2)
     assert second["kind"] == "touched" and second["value"] is None and second["msg_id"] is None
     assert task_stats(batch.to_pandas()) == [stats]  # the driver reads the counters back
+
+
+def test_a_main_topic_record_s_key_is_kept_in_a_shard_only_header():
+    """With `endpoint.key_header` the plan hands the tasks the key's text form (`KEY_TEXT`): a
+    main-topic record keeps it in `varadhi-key` (a producer's own is dropped); an RQ record keeps
+    the one its shard wrote (its own Kafka key is the group id)."""
+    ctx = BatchContext(
+        SubscriptionSpec("s", "t", Endpoint("http://127.0.0.1:1/")), {"t.0": 0}, 0, 1
+    )
+    row = {"kind": "mq", "group_id": "g", "msg_id": "m", "topic": "t.0", "partition": 0,
+           "offset": 5, "value": b"{}"}  # fmt: skip
+    forged = {m.H_MSG_ID: "m", m.H_KEY: "forged"}
+
+    def kept(row: dict, headers: dict[str, str]) -> str | None:
+        return record_entry(row, dict(headers), ctx).headers.get(m.H_KEY)
+
+    assert kept({**row, KEY_TEXT: "order-42"}, forged) == "order-42"
+    assert kept({**row, KEY_TEXT: None}, forged) is None  # the record has no key
+    assert kept(row, forged) is None  # no key_header: no column, no header
+    retry = {m.H_MSG_ID: "m", m.H_KEY: "order-42", m.H_ORIGIN: "0:0:5", m.H_ATTEMPTS: "1"}
+    rq = {**row, "kind": "rq", "topic": "s.rq.0", KEY_TEXT: "g"}
+    assert kept(rq, retry) == "order-42"

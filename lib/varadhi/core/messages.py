@@ -10,9 +10,10 @@ ungrouped message), whose partition is chosen by `varadhi.core.routing`, and who
 | `varadhi-produced-ms`| producer wall clock, ms since the epoch (for latency figures)    |
 
 Records on a subscription's internal queues (RQ, DLQ) keep those and add the retry headers
-below. `origin` is the message's position on the main topic, `"<storage index>:<partition>:
-<offset>"`; within a group the origin order is the produce order, which is what ordered delivery
-preserves.
+below (and, when the endpoint sends the record key in a header, `varadhi-key`: their Kafka key is
+the group id, not the original key). `origin` is the message's position on the main topic,
+`"<storage index>:<partition>:<offset>"`; within a group the origin order is the produce order,
+which is what ordered delivery preserves.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ H_TICK = "varadhi-tick"
 # id (`varadhi.kafka.dlq`); every HTTP request of it carries `HTTP_REDRIVEN`. A later re-drive of
 # the message replaces it.
 H_REDRIVEN = "varadhi-redriven"
+# The text form of the main-topic record's Kafka key (`varadhi.core.record_ids.text_id`), kept on
+# a message's entry, state rows and RQ/DLQ copies while its endpoint has `key_header` set
+# (`varadhi.core.request_shaping`): absent when the record had no key.
+H_KEY = "varadhi-key"
 
 # What only a shard writes (on its RQ/DLQ records and ticks): a main-topic record carrying one
 # was forged or copied by another producer, and the shard drops it on read (`control_free`), or
@@ -63,6 +68,7 @@ CONTROL_HEADERS = frozenset(
         H_TRUNCATED,
         H_TICK,
         H_REDRIVEN,
+        H_KEY,
     }
 )
 

@@ -118,11 +118,13 @@ class JwtBearer:
 @dataclass(frozen=True)
 class RequestShaping:
     """What of a record besides its value a single request carries (`varadhi.core.request_shaping`):
-    `forward_headers` (Kafka header name, HTTP header name) pairs, and `path`, a template over
-    the record's headers appended to the URL's path (`/orders/{header:tenant}`)."""
+    `forward_headers` (Kafka header name, HTTP header name) pairs, `path`, a template over the
+    record's headers appended to the URL's path (`/orders/{header:tenant}`), and `key_header`,
+    the HTTP header that carries the text form of the record's Kafka key."""
 
     forward_headers: tuple[tuple[str, str], ...] = ()
     path: str | None = None
+    key_header: str | None = None
 
 
 @dataclass(frozen=True)

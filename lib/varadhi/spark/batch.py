@@ -89,6 +89,11 @@ from varadhi.spark.journal import (
 )
 from varadhi.spark.zip_imports import keep_unchanged_zip_directories
 
+# The column with the text form of a record's Kafka key (`varadhi.core.record_ids`), which the
+# records carry only when the endpoint sends the key in a header (`varadhi.spark.records`,
+# `varadhi.core.request_shaping`).
+KEY_TEXT = "key_text"
+
 
 @dataclass(frozen=True)
 class BatchContext:
@@ -122,13 +127,20 @@ def record_entry(row: dict, headers: dict[str, str], ctx: BatchContext) -> Entry
     `msg_id` are the text forms of the record's ids (`varadhi.core.record_ids`, computed by Spark),
     so no key or header bytes can fail here: a non-UTF-8 key is a group like any other. A
     record that cannot be delivered (no value, a value over `max_message_bytes`) gets `invalid`
-    set, so its run dead-letters it in order without calling the endpoint."""
+    set, so its run dead-letters it in order without calling the endpoint.
+
+    A main-topic row with a `KEY_TEXT` (only while the endpoint has `key_header`) puts the key's
+    text form into header `messages.H_KEY`, which the message's state rows and RQ/DLQ copies
+    keep; a producer's own `varadhi-key` is dropped with the other control headers."""
     topic, partition, offset = row["topic"], int(row["partition"]), int(row["offset"])
     source = f"{topic}/{partition}/{offset}"
     msg_id = row["msg_id"]
     group_id = row["group_id"] if isinstance(row["group_id"], str) else None
     if row["kind"] == Kind.MQ:
         headers = m.control_free(headers)  # what only a shard writes is never a message's
+        key_text = row.get(KEY_TEXT)
+        if isinstance(key_text, str):  # null: the record has no key
+            headers[m.H_KEY] = key_text
     # RQ and DLQ copies carry the ids' text forms, which read back to the same group key.
     if m.H_MSG_ID in headers:
         headers[m.H_MSG_ID] = msg_id

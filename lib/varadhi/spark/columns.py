@@ -93,14 +93,16 @@ def msg_id_column(header: Column | None = None) -> Column:
     return F.coalesce(text_id_column(header), F.concat_ws("-", "topic", "partition", "offset"))
 
 
-def group_id_column(header: Column | None = None) -> Column:
+def group_id_column(header: Column | None = None, key_text: Column | None = None) -> Column:
     """A record's group id: the text form of its `varadhi-group-id` header, else of its key;
     null when both are absent or empty (the message is ungrouped). `header`: that header's
-    value, when a column holds it already (default: looked up in `headers`)."""
+    value, and `key_text`: the key's text form, when a column holds it already (default:
+    looked up in `headers`, computed from `key`)."""
     from pyspark.sql import functions as F
 
     header = header_column(m.H_GROUP_ID) if header is None else header
-    return F.coalesce(text_id_column(header), text_id_column(F.col("key")))
+    key_text = text_id_column(F.col("key")) if key_text is None else key_text
+    return F.coalesce(text_id_column(header), key_text)
 
 
 def group_key_column(

@@ -5,7 +5,8 @@
   storage topics (`assign`), where it starts on each (`startingOffsets`: carried over from the
   previous layout, -2 = earliest), and the Kafka source options (`options`);
 - `batch_records`: a micro-batch's Kafka records with their kind, group key and ids
-  (`DELIVERY_COLUMNS`: those of its columns the delivery tasks read);
+  (`DELIVERY_COLUMNS`: those of its columns the delivery tasks read; with `endpoint.key_header`,
+  also the key's text form, `KEY_TEXT`);
 - `filter_records`: without the main-topic records the subscription's filter drops, counted in
   the Spark plan.
 
@@ -28,12 +29,14 @@ from varadhi.core import filters
 from varadhi.core.messages import H_GROUP_ID, H_MSG_ID
 from varadhi.core.state_rows import Kind
 from varadhi.kafka import subscriptions, topics
+from varadhi.spark.batch import KEY_TEXT
 from varadhi.spark.columns import (
     filter_column,
     group_id_column,
     group_key_column,
     header_column,
     msg_id_column,
+    text_id_column,
 )
 from varadhi.spark.dedup import dedup_id
 from varadhi.spark.layouts import Layout
@@ -90,6 +93,8 @@ class Source:
 # The columns of `batch_records` a delivery task reads (`varadhi.spark.batch.deliver_records`), in
 # the order it gets them: `key` (read by filters) and `dedup_id` (by the de-duplication window)
 # are used in the Spark plan only (`PLAN_ONLY_COLUMNS`), so they never cost an Arrow conversion.
+# A subscription whose endpoint sends the record key in a header (`endpoint.key_header`) also
+# hands its tasks the key's text form, last (`KEY_TEXT`); no other pays for that column.
 DELIVERY_COLUMNS = (
     "kind",
     "group_key",
@@ -134,7 +139,10 @@ def batch_records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
     (docs/benchmarks.md, "Latency")."""
     mq_names = tuple(st.name for st in mq.storage_topics)
     dedup = bool(sub.spec.dedup_window_ms)
-    projections = _record_columns(bool(sub.spec.grouped), mq_names, dedup, SparkContext._gateway)
+    key_text = sub.spec.endpoint.shaping.key_header is not None
+    projections = _record_columns(
+        bool(sub.spec.grouped), mq_names, dedup, key_text, SparkContext._gateway
+    )
     for columns in projections:
         df = df.select(*columns)
     return df
@@ -142,7 +150,7 @@ def batch_records(df: DataFrame, sub, mq: topics.CompositeTopic) -> DataFrame:
 
 @functools.lru_cache(maxsize=32)
 def _record_columns(
-    grouped: bool, mq_names: tuple[str, ...], dedup: bool, _gateway: object
+    grouped: bool, mq_names: tuple[str, ...], dedup: bool, key_text: bool, _gateway: object
 ) -> tuple[tuple, ...]:
     """`batch_records`' projections, in order (Spark columns are plans' building blocks, not
     bound to a DataFrame, so they are reused). `_gateway`: the JVM they live in (a new one,
@@ -155,15 +163,22 @@ def _record_columns(
     generates that code again for every micro-batch."""
     msg_header, group_header = "_varadhi_msg_header", "_varadhi_group_header"
     kafka = ("topic", "partition", "offset", "key", "value", "headers")
+    # `key_text`: the key's text form is computed once, in the first step, and the group id
+    # reads it from there (so the generated code still holds one text id of the key).
+    key = (KEY_TEXT,) if key_text else ()
     looked_up = (
         *kafka,
         header_column(H_MSG_ID).alias(msg_header),
         header_column(H_GROUP_ID).alias(group_header),
+        *([text_id_column(F.col("key")).alias(KEY_TEXT)] if key_text else []),
     )
     ids = (
         *kafka,
+        *key,
         msg_id_column(F.col(msg_header)).alias("msg_id"),
-        group_id_column(F.col(group_header)).alias("group_id"),
+        group_id_column(F.col(group_header), F.col(KEY_TEXT) if key_text else None).alias(
+            "group_id"
+        ),
     )
     records = (
         F.when(F.col("topic").isin(list(mq_names)), F.lit(Kind.MQ.value))
@@ -178,6 +193,7 @@ def _record_columns(
         "key",
         "value",
         F.col("headers").alias("kheaders"),
+        *key,
         *([dedup_id().alias("dedup_id")] if dedup else []),
     )
     return looked_up, ids, records
