@@ -37,6 +37,7 @@ from varadhi.core import messages as m
 from varadhi.core import routing
 from varadhi.core.errors import VaradhiError
 from varadhi.core.messages import H_TICK
+from varadhi.core.record_ids import text_id
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
@@ -122,6 +123,39 @@ def produce(
                 producer.send(body, group_id=g, headers=headers, message_id=msg_id)
                 sub.produced.setdefault(g, []).append(msg_id)
         producer.flush(30)
+
+
+def produce_keyed(
+    settings, sub: Sub, group: str, keys: list[bytes | None]
+) -> dict[str, str | None]:
+    """A message of `group` for each of `keys` (None: no key), written as another producer
+    would: the group id in its header, the Kafka key its own, and a forged `varadhi-key`
+    header. Ids `<group>.<n>`; returns id -> the key's text form (`record_ids.text_id`)."""
+    kafka = KafkaProducer(
+        bootstrap_servers=settings.bootstrap, max_in_flight_requests_per_connection=1
+    )
+    texts: dict[str, str | None] = {}
+    try:
+        for n, key in enumerate(keys):
+            msg_id = f"{group}.{n:03d}"
+            headers = [
+                (m.H_MSG_ID, msg_id.encode()),
+                (m.H_GROUP_ID, group.encode()),
+                ("tenant", b"acme/eu"),
+                (m.H_KEY, b"forged"),
+            ]
+            kafka.send(
+                f"{sub.topic}.0",
+                key=key,
+                value=f"body of {msg_id}".encode(),
+                headers=headers,
+                partition=routing.route_group(group, 4, 1),
+            ).get(30)
+            sub.produced.setdefault(group, []).append(msg_id)
+            texts[msg_id] = text_id(key)
+    finally:
+        kafka.close()
+    return texts
 
 
 def run_shard(settings, spark, sub: Sub, idle_s: float = 2.0) -> ShardJob:
@@ -254,13 +288,14 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
         authorize=oauth.valid,
     )
     # Signed (issue 29, part 1): every request, retries included, checked below with the
-    # Standard Webhooks reference verifier. Shaped (part 6): a Kafka header forwarded, and the
-    # path from it. Part 2: the CA, client certificate and key, and the OAuth2 client secret
-    # by reference, as the executors read them.
+    # Standard Webhooks reference verifier. Shaped (part 6): a Kafka header forwarded, the
+    # path from it, and the record key in a header. Part 2: the CA, client certificate and
+    # key, and the OAuth2 client secret by reference, as the executors read them.
     options = {
         "signing": [{"scheme": "v1", "env": TEST_WHSEC_ENV}],
         "forward_headers": {"tenant": "X-Tenant"},
         "path": "/t/{header:tenant}",
+        "key_header": "X-Record-Key",
         "tls": {
             "ca": {"env": tls.CA_ENV},
             "cert": {"env": tls.CLIENT_CERT_ENV},
@@ -277,6 +312,12 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
     # One message is scripted to exhaust its retries, so the DLQ side is always exercised.
     ep.set_script("g03.000", [500, 503, 500])
     produce(settings, sub, groups, per_group=8, headers={"tenant": "acme/eu"})
+    # The key header carries each record's own key: the producer's records are keyed by their
+    # group id; these three of group gk (its `varadhi-group-id` header) are not, and gk.000
+    # goes through the RQ, whose records are keyed by the group id.
+    keys = {i: i.split(".")[0] for i in sub.all_ids}
+    keys.update(produce_keyed(settings, sub, "gk", [b"order-42", b"\xff\x00", None]))
+    ep.set_script("gk.000", [500, 200])
 
     job = run_shard(settings, spark, sub)
 
@@ -308,11 +349,14 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
             assert r.headers["webhook-id"] == msg_id
             Webhook(TEST_WHSEC).verify(r.body, r.headers, json_parse=False)
             assert (r.path, r.headers["X-Tenant"]) == ("/t/acme%2Feu", "acme/eu")
+            assert r.headers.get("X-Record-Key") == keys[msg_id], msg_id
             assert r.status != 401 and oauth.valid(r.headers["Authorization"])
             assert r.group_id == msg_id.split(".")[0]
             assert r.headers[m.HTTP_SOURCE].count("/") == 2
         # Every attempt but the last failed; only the last can be a success.
         assert not any(ok(r) for r in attempts[:-1]), msg_id
+
+    assert keys["gk.001"] == "b64:/wA=" and len(msgs["gk.000"]) > 1
 
     # Dead letters: exactly the messages whose three attempts all failed, with their reason.
     exhausted = {i for i, a in msgs.items() if len(a) == 3 and not ok(a[-1])}
@@ -323,14 +367,15 @@ def test_per_group_order_and_no_loss_under_random_retryable_failures(
         assert h[m.H_REASON] == f"retries exhausted after 3 attempts: HTTP {last.status}"
         assert (h[m.H_ATTEMPTS], h[m.H_STATUS]) == ("3", str(last.status))
         assert h[m.H_GROUP_ID] == msg_id.split(".")[0]
+        assert h.get(m.H_KEY) == keys[msg_id]  # for a re-drive from the DLQ
         assert int(h[m.H_FIRST_FAILURE_MS]) <= int(h[m.H_LAST_FAILURE_MS])
         assert d["value"] == f"body of {msg_id}".encode()
 
     # The RQ holds exactly one record per failed attempt that was retried: none lost, none
     # written twice (a shard re-writing parked retries would add more).
-    written = sorted(
-        (r["headers"][m.H_MSG_ID], int(r["headers"][m.H_ATTEMPTS])) for r in rq_of(settings, sub)
-    )
+    rq = rq_of(settings, sub)
+    assert all(r["headers"].get(m.H_KEY) == keys[r["headers"][m.H_MSG_ID]] for r in rq)
+    written = sorted((r["headers"][m.H_MSG_ID], int(r["headers"][m.H_ATTEMPTS])) for r in rq)
     expected = sorted(
         (i, r.attempt) for i, a in msgs.items() for r in a if not ok(r) and r.attempt < 3
     )

@@ -397,6 +397,7 @@ def test_apply_creates_then_updates_allowed_fields(
             "signing": signing,
             "forward_headers": {"tenant": "X-Tenant"},
             "path": "/t/{header:tenant}",
+            "key_header": "X-Record-Key",
             "oauth2": {
                 "token_url": "https://idp.example/token",
                 "client_id": "orders",
@@ -420,6 +421,7 @@ def test_apply_creates_then_updates_allowed_fields(
     assert spec["endpoint"]["signing"] == [{"scheme": "v1", "env": TEST_WHSEC_ENV, "file": None}]
     assert spec["endpoint"]["forward_headers"] == {"tenant": "X-Tenant"}
     assert spec["endpoint"]["path"] == "/t/{header:tenant}"
+    assert spec["endpoint"]["key_header"] == "X-Record-Key"
     assert spec["endpoint"]["oauth2"]["client_secret"] == {
         "env": TEST_CLIENT_SECRET_ENV,
         "file": None,
@@ -428,6 +430,7 @@ def test_apply_creates_then_updates_allowed_fields(
     code, out, _ = run("subscription", "describe", name, "--output", "json")
     assert code == 0 and TEST_WHSEC_ENV in out and TEST_WHSEC.removeprefix("whsec_") not in out
     assert TEST_CLIENT_SECRET_ENV in out and TEST_CLIENT_SECRET not in out
+    assert '"key_header": "X-Record-Key"' in out
     assert (spec["retry"]["max_attempts"], spec["retry"]["min_backoff"]) == (9, 2000)
     assert spec["consumption"]["concurrency"] == 4
     assert (spec["circuit_breaker"]["open_for"], spec["circuit_breaker"]["probes"]) == (60_000, 2)

@@ -1,12 +1,13 @@
 """Request shaping (`varadhi.core.request_shaping`, issue 29 part 6): Kafka headers copied to HTTP
-headers through an allow-list, and the URL path from a template over headers."""
+headers through an allow-list, the URL path from a template over headers, and the record key in a
+header."""
 
 import pytest
 
 from varadhi.core import request_shaping as shaping
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.group_state import Entry, request_of
-from varadhi.core.messages import Origin
+from varadhi.core.messages import H_KEY, Origin
 from varadhi.core.policies import RequestShaping
 
 
@@ -76,8 +77,29 @@ def test_requests_carry_the_allowed_headers_and_the_path():
         request_of(entry(tenant="acme", trace="a\nb"), rule)
 
 
+def test_the_key_header_carries_the_key_the_message_kept():
+    """The key's text form travels in the shard-only header `varadhi-key` (set from the record,
+    kept by RQ/DLQ copies); a message without one (no key) sends no key header."""
+    rule = RequestShaping(key_header="X-Record-Key")
+    keyed = request_of(entry(**{H_KEY: "order-42", "tenant": "acme"}), rule)
+    assert keyed.headers["X-Record-Key"] == "order-42" and "tenant" not in keyed.headers
+    assert keyed.headers["X-Varadhi-Group-Id"] == "g"  # the group id is not the key
+    assert "X-Record-Key" not in request_of(entry(tenant="acme"), rule).headers
+    assert "X-Record-Key" not in request_of(entry(**{H_KEY: ""}), rule).headers
+    # Without key_header, the kept key is not sent, nor is any `varadhi-*` header.
+    plain = request_of(entry(**{H_KEY: "order-42"}), RequestShaping((("tenant", "X-Tenant"),)))
+    assert "order-42" not in plain.headers.values()
+
+
 def test_shaping_is_for_single_requests():
     assert shaping.check_mode(RequestShaping(path="/x"), "batch")
     assert shaping.check_mode(RequestShaping((("a", "X-A"),)), "batch")
+    assert shaping.check_mode(RequestShaping(key_header="X-Key"), "batch")
     assert shaping.check_mode(RequestShaping(path="/x"), "single") is None
     assert shaping.check_mode(RequestShaping(), "batch") is None
+
+
+def test_fields_set_names_what_shapes_requests():
+    assert shaping.fields_set(RequestShaping()) == []
+    full = RequestShaping((("a", "X-A"),), "/x", "X-Key")
+    assert shaping.fields_set(full) == ["path", "forward_headers", "key_header"]

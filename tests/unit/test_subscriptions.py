@@ -230,6 +230,16 @@ def test_durations_in_documents():
         ({"endpoint__headers": {"Content-Length": "0"}}, "endpoint.headers.Content-Length"),
         ({"endpoint__headers": {"transfer-encoding": "x"}}, "endpoint.headers.transfer-encoding"),
         ({"endpoint__headers": {"webhook-id": "forged"}}, "endpoint.headers.webhook-id"),
+        ({"endpoint__key_header": "X Key"}, "endpoint.key_header"),
+        ({"endpoint__key_header": 5}, "endpoint.key_header"),
+        ({"endpoint__key_header": "Idempotency-Key"}, "endpoint.key_header"),
+        ({"endpoint__key_header": "Authorization"}, "endpoint.key_header"),
+        ({"endpoint__key_header": "Content-Length"}, "endpoint.key_header"),
+        ({"endpoint__key_header": "x-a", "endpoint__headers": {"X-A": "1"}},
+         "endpoint.key_header"),
+        ({"endpoint__key_header": "x-tenant", "endpoint__forward_headers": {"t": "X-Tenant"}},
+         "endpoint.key_header"),
+        ({"endpoint__key_header": "X-Key", "delivery__mode": "batch"}, "endpoint.key_header"),
         ({"endpoint__signing": {"scheme": "v1"}}, "endpoint.signing"),
         ({"endpoint__signing": []}, "endpoint.signing"),
         ({"endpoint__signing": [{"scheme": "v2", "env": "VARADHI_ENDPOINT_K"}]},
@@ -344,9 +354,12 @@ def test_request_shaping_round_trips_through_the_catalog_form():
     spec = parse(
         endpoint__forward_headers={"tenant": "X-Tenant", "trace": "traceparent"},
         endpoint__path="/orders/{header:tenant}",
+        endpoint__key_header="X-Record-Key",
     )
     assert spec.endpoint.shaping == RequestShaping(
-        (("tenant", "X-Tenant"), ("trace", "traceparent")), "/orders/{header:tenant}"
+        (("tenant", "X-Tenant"), ("trace", "traceparent")),
+        "/orders/{header:tenant}",
+        "X-Record-Key",
     )
     stored = json.loads(json.dumps(subscription_spec.spec_to_dict(spec)))
     assert subscription_spec.spec_from_dict(stored) == spec

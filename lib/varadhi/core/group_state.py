@@ -446,8 +446,8 @@ def request_of(entry: Entry, shaping: RequestShaping | None = None) -> Request:
 
 def http_headers(entry: Entry, shaping: RequestShaping | None = None) -> dict[str, str]:
     """The headers of a delivery: idempotency key, group, attempt number, source position, the
-    re-drive that put the message back (`messages.H_REDRIVEN`), and the Kafka headers `shaping`
-    forwards."""
+    re-drive that put the message back (`messages.H_REDRIVEN`), and the headers `shaping` adds
+    (forwarded Kafka headers, the record key)."""
     headers = {
         m.HTTP_MESSAGE_ID: entry.msg_id,
         m.HTTP_IDEMPOTENCY_KEY: entry.msg_id,
@@ -462,6 +462,6 @@ def http_headers(entry: Entry, shaping: RequestShaping | None = None) -> dict[st
     redriven = entry.headers.get(m.H_REDRIVEN)
     if redriven:  # only a shard writes it (`messages.control_free`)
         headers[m.HTTP_REDRIVEN] = redriven
-    if shaping is not None and shaping.forward_headers:
+    if shaping is not None and (shaping.forward_headers or shaping.key_header is not None):
         headers.update(request_shaping.shaped_headers(shaping, entry.headers))
     return headers

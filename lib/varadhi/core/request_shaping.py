@@ -1,5 +1,5 @@
-"""Request shaping (`endpoint.forward_headers`, `endpoint.path`): what of a Kafka record, besides
-its value, a single request carries. Pure.
+"""Request shaping (`endpoint.forward_headers`, `endpoint.path`, `endpoint.key_header`): what of a
+Kafka record, besides its value, a single request carries. Pure.
 
 - `forward_headers` maps chosen Kafka header names to HTTP header names: an allow-list, so a
   producer cannot set arbitrary request headers. A record without the header sends none.
@@ -7,8 +7,17 @@ its value, a single request carries. Pure.
   `/orders/{header:tenant}`. Each value is percent-encoded as one path segment (a `/` in it
   becomes `%2F`), and `.`/`..` or an empty value are refused, so no value can climb the URL.
 
-Not yet: the record key in a header. A delivery task does not read the key (it is used in the
-Spark plan only, to spare every subscription its Arrow conversion).
+- `key_header` names the HTTP header that carries the record's Kafka key in its text form (the
+  rule of `varadhi.core.record_ids.text_id`: the key itself when it is printable UTF-8 of at most
+  1024 bytes, else `b64:`/`sha256:` forms); a record without a key (or an empty one) sends none.
+  The key need not be the group id (a `varadhi-group-id` header wins over it), and the RQ
+  and DLQ copies of a message are keyed by its group id, so the key travels with the message in
+  the shard-only header `messages.H_KEY`: the shard's Spark plan computes the key's text form
+  only while `key_header` is set (no Arrow column otherwise) and `varadhi.spark.batch.record_entry`
+  puts it into the entry's headers, which state rows and RQ/DLQ copies keep (and re-drives from
+  the DLQ, and `varadhi replay`, which reads the main topic again). Hazard: a message already
+  waiting in the RQ, the DLQ or the state when `key_header` is first set has no such header and is
+  sent without the key header.
 
 A message whose headers cannot be shaped (a header the path needs is missing, a value with a
 CR/LF, a `..` segment) cannot be delivered: building its request raises `InvalidArgument`, and
@@ -24,6 +33,7 @@ from collections.abc import Mapping
 from urllib.parse import quote
 
 from varadhi.core.errors import InvalidArgument
+from varadhi.core.messages import H_KEY
 from varadhi.core.policies import RequestShaping
 
 # `{header:NAME}`, NAME a Kafka header name without braces
@@ -79,17 +89,32 @@ def render_path(template: str, headers: Mapping[str, str]) -> str:
 
 
 def shaped_headers(shaping: RequestShaping, headers: Mapping[str, str]) -> dict[str, str]:
-    """The HTTP headers a record's Kafka headers give (absent ones give none)."""
+    """The HTTP headers a message's headers give: the forwarded Kafka headers and, with
+    `key_header`, the key's text form from `messages.H_KEY` (absent ones give none)."""
     out: dict[str, str] = {}
     for kafka_name, http_name in shaping.forward_headers:
         value = headers.get(kafka_name)
         if value is not None:
             out[http_name] = value
+    if shaping.key_header is not None:
+        key = headers.get(H_KEY)
+        if key:
+            out[shaping.key_header] = key
     return out
+
+
+def fields_set(shaping: RequestShaping) -> list[str]:
+    """The names of the `endpoint` fields of `shaping` that are set."""
+    given = (
+        ("path", shaping.path is not None),
+        ("forward_headers", bool(shaping.forward_headers)),
+        ("key_header", shaping.key_header is not None),
+    )
+    return [name for name, is_set in given if is_set]
 
 
 def check_mode(shaping: RequestShaping, mode: str) -> str | None:
     """Why shaping cannot be used in delivery mode `mode`, or None."""
-    if mode == "batch" and (shaping.forward_headers or shaping.path):
+    if mode == "batch" and fields_set(shaping):
         return "applies to single requests only; delivery.mode batch sends many messages at once"
     return None

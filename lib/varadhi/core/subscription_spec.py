@@ -247,6 +247,7 @@ _ENDPOINT_KEYS = (
     "signing",
     "forward_headers",
     "path",
+    "key_header",
     "tls",
     "oauth2",
     "jwt",
@@ -323,7 +324,7 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
     shaping = endpoint.shaping
     why = request_shaping.check_mode(shaping, delivery.mode)
     if why is not None:
-        key = "endpoint.path" if shaping.path else "endpoint.forward_headers"
+        key = f"endpoint.{request_shaping.fields_set(shaping)[0]}"
         raise InvalidArgument(f"{why} (in {source})", field=key)
     return SubscriptionSpec(
         name=name,
@@ -395,7 +396,7 @@ def _parse_endpoint(s: _Section) -> Endpoint:
         auth_header=auth_header,
         auth_env=auth_env,
         signing=_parse_signing(s),
-        shaping=RequestShaping(_parse_forward_headers(s, auth_header), _parse_path(s)),
+        shaping=_parse_shaping(s, auth_header),
         tls=_parse_tls(s),
         oauth2=_parse_oauth2(s),
         jwt=_parse_jwt(s),
@@ -523,31 +524,53 @@ def _ref_dict(ref: SecretRef | None) -> dict[str, str | None] | None:
     return None if ref is None else {"env": ref.env, "file": ref.file}
 
 
-def _parse_forward_headers(s: _Section, auth_header: str) -> tuple[tuple[str, str], ...]:
+def _parse_shaping(s: _Section, auth_header: str) -> RequestShaping:
+    """`forward_headers`, `path` and `key_header` (`varadhi.core.request_shaping`). Every HTTP
+    header name they set is checked by `_check_shaped_header`, each distinct from the others."""
+    static = {str(k).lower() for k in (s.doc.get("headers") or {})}
+    taken: set[str] = set()
+    forward = _parse_forward_headers(s, auth_header, static, taken)
+    key_header = None
+    if s.has("key_header"):
+        key_header = s.string("key_header")
+        _check_shaped_header(s, "key_header", key_header, auth_header, static, taken)
+    return RequestShaping(forward, _parse_path(s), key_header)
+
+
+def _check_shaped_header(
+    s: _Section, path: str, http_name: object, auth_header: str, static: set[str], taken: set[str]
+) -> None:
+    """An HTTP header name shaping sets (at field `path`): a valid name, not one varadhi or the
+    HTTP client sets, nor a credential's, a static header's or one in `taken` (lower case; the
+    name is added to it)."""
+    if not isinstance(http_name, str) or not _TOKEN_RE.fullmatch(http_name):
+        raise s.error(path, f"{http_name!r} is not a valid HTTP header name")
+    lower = http_name.lower()
+    if lower in _SECRET_HEADERS or lower == auth_header.lower():
+        raise s.error(path, f"{http_name} carries the endpoint's credential")
+    if lower in _RESERVED_HEADERS or lower in _FRAMING_HEADERS:
+        raise s.error(path, f"{http_name} is set by varadhi or the HTTP client")
+    if lower in static or lower in taken:
+        raise s.error(path, f"{http_name} is already given (header names are case-insensitive)")
+    taken.add(lower)
+
+
+def _parse_forward_headers(
+    s: _Section, auth_header: str, static: set[str], taken: set[str]
+) -> tuple[tuple[str, str], ...]:
     """Kafka header name -> HTTP header name (`varadhi.core.request_shaping`), sorted by Kafka
-    name. The HTTP names may not be ones varadhi or the HTTP client sets, nor a credential's or a
-    static header's; the shard's control headers cannot be forwarded."""
+    name. The HTTP names are checked by `_check_shaped_header`; the shard's control headers
+    cannot be forwarded."""
     raw = s.doc.get("forward_headers") or {}
     if not isinstance(raw, Mapping):
         raise s.error("forward_headers", f"must map Kafka header names to HTTP ones, got {raw!r}")
-    static = {str(k).lower() for k in (s.doc.get("headers") or {})}
-    taken: set[str] = set()
     for kafka_name, http_name in raw.items():
         path = f"forward_headers.{_show(kafka_name)}"
         if not isinstance(kafka_name, str) or not kafka_name or not kafka_name.isprintable():
             raise s.error(path, f"{kafka_name!r} is not a Kafka header name")
         if kafka_name in messages.CONTROL_HEADERS:
             raise s.error(path, "is a header only shards write; it is never a message's")
-        if not isinstance(http_name, str) or not _TOKEN_RE.fullmatch(http_name):
-            raise s.error(path, f"{http_name!r} is not a valid HTTP header name")
-        lower = http_name.lower()
-        if lower in _SECRET_HEADERS or lower == auth_header.lower():
-            raise s.error(path, f"{http_name} carries the endpoint's credential")
-        if lower in _RESERVED_HEADERS or lower in _FRAMING_HEADERS:
-            raise s.error(path, f"{http_name} is set by varadhi or the HTTP client")
-        if lower in static or lower in taken:
-            raise s.error(path, f"{http_name} is already given (header names are case-insensitive)")
-        taken.add(lower)
+        _check_shaped_header(s, path, http_name, auth_header, static, taken)
     return tuple(sorted(raw.items()))
 
 
@@ -784,6 +807,7 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             or None,
             "forward_headers": dict(e.shaping.forward_headers),
             "path": e.shaping.path,
+            "key_header": e.shaping.key_header,
             "tls": None
             if e.tls is None
             else {

@@ -7,6 +7,7 @@ ignored. docs/library.md lists them and why.
 
 from __future__ import annotations
 
+from varadhi.core import request_shaping
 from varadhi.core.errors import InvalidArgument
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.kafka.topics import CompositeTopic
@@ -48,8 +49,9 @@ def unsupported(
         out.append("dedup_window_ms (de-duplication)")
     if spec.delivery.mode != "single":
         out.append("delivery.mode: batch (batched requests)")
-    if spec.endpoint.shaping.forward_headers or spec.endpoint.shaping.path:
-        out.append("endpoint.forward_headers / endpoint.path (request shaping)")
+    shaping = request_shaping.fields_set(spec.endpoint.shaping)
+    if shaping:
+        out.append(" / ".join(f"endpoint.{f}" for f in shaping) + " (request shaping)")
     if sub.paused:
         out.append("paused (pause/resume: resume the subscription first)")
     if sub.suspended is not None:
