@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import SubscriptionSpec
 from varadhi.core.subscription_spec import parse_spec
-from varadhi.kafka import dlq
+from varadhi.kafka import dlq, trace
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.subscriptions import Subscription, SubscriptionService, from_snapshot
@@ -277,6 +277,23 @@ class Client:
         if execute:
             plan, outcome = reset.execute(name, plan, spark=self.spark)
         return OffsetResetResult(plan, outcome, execute)
+
+    # -- delivery trace -----------------------------------------------------------------------
+
+    def trace(
+        self, name: str, message_id: str, since: int | str | None = None
+    ) -> list[dict[str, Any]]:
+        """Every traced step of message `message_id` of subscription `name`, oldest first
+        (`varadhi.core.trace`): each attempt (`at_ms`, `shard`, `attempt`, `status` or `error`,
+        `latency_ms`, `answer`: the start of the answer) and where the message went next
+        (`next`: delivered, retry, rq, dlq, filtered, deduplicated), with `reason` and
+        `redriven` where they apply. `since` (ISO-8601 or epoch ms) reads only events written
+        from then on; None reads the whole retention. Raises NotFound for an unknown
+        subscription, `TraceOff` when it has no trace."""
+        self.subscription(name)  # NotFound first: a clearer error than a missing topic
+        since_ms = None if since is None else dlq.parse_time_ms(str(since), "since")
+        events = trace.read(self.settings, name, message_id, since_ms)
+        return [e.to_dict() for e in events]
 
     # -- dead-letter queue --------------------------------------------------------------------
 

@@ -6,7 +6,8 @@ messages reach the endpoint, per group in produce order, also behind a retry; a 
 messages are all filtered blocks nothing; malformed headers are no error; the `filtered` count
 (shard stats and `varadhi status`) is exactly the number dropped; a filter changed with `apply`
 while the shard runs applies to the batches after it, without a restart. A replay afterwards
-applies the current filter.
+applies the current filter. The subscription is traced (`varadhi trace`): a retried message's
+attempts, a delivered one and a filtered one read back from the trace topic.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from collections.abc import Callable
 import pytest
 from kafka import KafkaProducer
 
+from varadhi import cli
+from varadhi.client import Client
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
 from varadhi.core.subscription_spec import parse_spec
@@ -74,7 +77,7 @@ def wait_for(what: str, done: Callable[[], bool]) -> None:
 
 
 def test_a_filter_delivers_only_matching_messages_in_order_and_counts_the_rest(
-    settings, catalog, spark
+    settings, catalog, spark, capsys
 ):
     suffix = uuid.uuid4().hex[:8]
     topic, name = f"flt-{suffix}", f"flts-{suffix}"
@@ -87,6 +90,7 @@ def test_a_filter_delivers_only_matching_messages_in_order_and_counts_the_rest(
         "consumption": {"trigger_interval": "100ms"},
         "circuit_breaker": {"enabled": False},
         "filter": FILTER_1,
+        "trace": {"retention": "1d"},
     }
     ep = TestEndpoint(record_headers=True)
     ep.start()
@@ -217,6 +221,8 @@ def test_a_filter_delivers_only_matching_messages_in_order_and_counts_the_rest(
     assert doc_status["filtered"] == doc_status["shards"][0]["filtered"] == dropped
     assert doc_status["shards"][0]["blocked_groups"] == 0
 
+    check_trace(settings, name, capsys)
+
     # A replay of everything applies the filter in force now (FILTER_2), old messages included.
     result = run_replay(catalog, name, str(started_ms), spark=spark)
     replayed = {
@@ -231,3 +237,34 @@ def test_a_filter_delivers_only_matching_messages_in_order_and_counts_the_rest(
         filters.parse(FILTER_2)
     )
     ep.stop()
+
+
+def check_trace(settings, name: str, capsys) -> None:
+    """The shard's delivery trace, read back as a user would (`Client.trace`, `varadhi trace`):
+    retry.000 failed once (500, to the RQ) and was delivered on its second attempt; a filtered
+    message has one routed step; an unknown id has none."""
+    client = Client(settings)
+    retried = client.trace(name, "retry.000")
+    assert [(e["kind"], e.get("attempt"), e.get("status"), e["next"]) for e in retried] == [
+        ("attempt", 1, 500, "rq"),
+        ("attempt", 2, 200, "delivered"),
+    ]
+    assert all(e["shard"] == 0 and e["group_id"] == "retry" for e in retried)
+    assert all(e["latency_ms"] >= 0 for e in retried)
+    assert retried[0]["at_ms"] <= retried[1]["at_ms"]
+    assert [e["next"] for e in client.trace(name, "mixed.000")] == ["delivered"]
+    filtered = client.trace(name, "alltest.000")
+    assert [(e["kind"], e["next"]) for e in filtered] == [("routed", "filtered")]
+    assert "filter" in filtered[0]["reason"]
+    assert client.trace(name, "no-such-message") == []
+
+    capsys.readouterr()
+    args = ["--bootstrap", settings.bootstrap, "trace", name, "--message-id", "retry.000"]
+    assert cli.main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["time", "(UTC)", "shard"]
+    # date, time, shard, attempt, status, latency, "ms", next, the answer's start
+    assert [line.split()[2:5] + line.split()[7:8] for line in lines[1:]] == [
+        ["0", "1", "500", "rq"],
+        ["0", "2", "200", "delivered"],
+    ]

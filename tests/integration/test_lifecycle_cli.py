@@ -13,7 +13,10 @@ import pytest
 from kafka import KafkaConsumer, TopicPartition
 from kafka.admin import KafkaAdminClient
 
+from varadhi.core import trace
 from varadhi.kafka import progress
+from varadhi.kafka import trace as kafka_trace
+from varadhi.kafka.clients import topic_configs
 from varadhi.ops import lifecycle
 from varadhi.ops.lifecycle import SubscriptionDeleter
 from varadhi.spark import journal
@@ -164,15 +167,28 @@ def test_delete_refused_then_dry_run_then_delete_then_recreate(
     assert all(s["state"] == "never started" for s in json.loads(out)["shards"])
 
 
-def test_delete_removes_the_delivery_journals_topic_too(varadhi_cli, setup, admin, settings):
-    """A shard with the journal on (the default) creates `<sub>.journal`; `subscription delete`
-    left it behind (issue 30): the dry run lists it and the delete removes it."""
+def test_delete_removes_the_delivery_journals_and_traces_topics_too(
+    varadhi_cli, setup, admin, settings
+):
+    """A shard with the journal on (the default) creates `<sub>.journal`, one with a trace
+    `<sub>.trace`; `subscription delete` left the journal behind (issue 30): the dry run lists
+    both and the delete removes them. The trace topic takes the spec's retention when made, and
+    a changed one when made again."""
     _, sub, _ = setup()
     journal.ensure_topic(settings, journal.topic_name(sub), 1)
-    assert kafka_topics(admin, sub) == [f"{sub}.dlq.0", f"{sub}.journal", f"{sub}.rq.0"]
+    traces = trace.topic_name(sub)
+    assert kafka_trace.ensure_topic(settings, traces, 3_600_000) == kafka_trace.PARTITIONS
+    assert kafka_trace.ensure_topic(settings, traces, 7_200_000) == kafka_trace.PARTITIONS
+    found = topic_configs(admin, settings, [traces], ["retention.ms", "message.timestamp.type"])
+    assert found[traces] == {"retention.ms": "7200000", "message.timestamp.type": "LogAppendTime"}
+    assert kafka_topics(admin, sub) == [
+        f"{sub}.dlq.0", f"{sub}.journal", f"{sub}.rq.0", f"{sub}.trace",
+    ]  # fmt: skip
     code, out, err = varadhi_cli("subscription", "delete", sub, "--dry-run", "--output", "json")
     assert code == 0, err
-    assert json.loads(out)["kafka_topics"] == [f"{sub}.rq.0", f"{sub}.dlq.0", f"{sub}.journal"]
+    assert json.loads(out)["kafka_topics"] == [
+        f"{sub}.rq.0", f"{sub}.dlq.0", f"{sub}.journal", f"{sub}.trace",
+    ]  # fmt: skip
     code, _, err = varadhi_cli("subscription", "delete", sub)
     assert code == 0, err
     assert kafka_topics(admin, sub) == []

@@ -46,7 +46,10 @@ def test_grants_fill_in_the_names_and_leave_out_the_optional_ones():
     ]
     assert not any(g.optional for g in shard)
     optional = acls.grants("shard", NAMES, optional=True)
-    assert [g.operations for g in optional if g.optional] == [("AlterConfigs",)]
+    assert [(g.name, g.operations) for g in optional if g.optional] == [
+        ("cat", ("AlterConfigs",)),
+        ("orders-http.trace", ("AlterConfigs",)),
+    ]
 
 
 @pytest.mark.parametrize("component", ["producer", "outbox relay"])

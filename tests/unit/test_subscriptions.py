@@ -170,14 +170,14 @@ def test_null_means_default():
 @pytest.mark.parametrize(
     "text,ms",
     [(0, 0), (250, 250), ("500ms", 500), ("2s", 2000), ("1m", 60_000), ("30m", 1_800_000),
-     ("1h", 3_600_000), (" 3 s ", 3000)],
+     ("1h", 3_600_000), (" 3 s ", 3000), ("7d", 604_800_000)],
 )  # fmt: skip
 def test_parse_duration_ms(text, ms):
     assert subscription_spec.parse_duration_ms(text, "x.y") == ms
 
 
 @pytest.mark.parametrize(
-    "text", ["500", "1.5s", "-1s", "1d", "s", "", -1, True, None, 1.5, "2 sec", "2s\n", "\u0663s"]
+    "text", ["500", "1.5s", "-1s", "1w", "s", "", -1, True, None, 1.5, "2 sec", "2s\n", "\u0663s"]
 )
 def test_parse_duration_ms_refuses(text):
     with pytest.raises(InvalidArgument) as e:

@@ -10,12 +10,23 @@ import sys
 
 from kafka.errors import AuthorizationError
 
-from varadhi.cli import dlq, jobs, offsets, outbox, produce, replay, status, subscription, topic
+from varadhi.cli import (
+    dlq,
+    jobs,
+    offsets,
+    outbox,
+    produce,
+    replay,
+    status,
+    subscription,
+    topic,
+    trace,
+)
 from varadhi.core.errors import NotAuthorized, VaradhiError
 from varadhi.jobs.runner import refusal_of
 from varadhi.kafka.clients import not_authorized
 
-COMMAND_GROUPS = [topic, produce, subscription, status, dlq, offsets, replay, outbox, jobs]
+COMMAND_GROUPS = [topic, produce, subscription, status, dlq, trace, offsets, replay, outbox, jobs]
 
 
 def version() -> str:

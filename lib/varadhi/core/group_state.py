@@ -62,6 +62,7 @@ from varadhi.core.delivery import Outcome, Request, Wait
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import BlockedPolicy, RequestShaping, RetryPolicy
 from varadhi.core.retry import decide, retries_in_place, waits_in_task
+from varadhi.core.trace import Next, Tracer
 
 Location = Literal["new", "held", "rq", "dlq"]
 
@@ -232,6 +233,11 @@ class GroupRun:
     `blocked` bounds what a group left blocked behind a dead letter keeps (`over_limit`, in
     `remaining`).
 
+    `tracer` (the subscription's delivery trace, `varadhi.core.trace`) is told every attempt and
+    where its message went next, and every message routed without one (malformed, over the
+    blocked limit, too large for the RQ, moved to the RQ after waiting in place, accepted by a
+    crashed run).
+
     `hand_over`: when the engine stops a retry's wait in place, the run stops as it is
     (`handed_over`; its `entries` go to the batch's second job) instead of writing the retry to
     the RQ. A queue whose head is such a handed-over retry (`in_place_retry`) starts waiting in
@@ -252,8 +258,10 @@ class GroupRun:
         blocked: BlockedPolicy = DEFAULT_BLOCKED,
         hand_over: bool = False,
         shaping: RequestShaping | None = None,
+        tracer: Tracer | None = None,
     ):
         self.entries = entries
+        self.tracer = tracer
         self.shaping = shaping
         self.hand_over = hand_over
         self.handed_over = False
@@ -283,6 +291,7 @@ class GroupRun:
                 head.last_failure_ms = now
                 head.reason = head.invalid
                 self._dead_letter(head)
+                self._routed(head, "dlq", head.invalid)
                 continue
             if head.location == "dlq" or head.value is None:
                 return None
@@ -291,6 +300,7 @@ class GroupRun:
                 self.delivered.append(head)
                 self.counts.delivered += 1
                 self.counts.skipped_replayed += 1
+                self._routed(head, "delivered", "accepted by a crashed run of this micro-batch")
                 continue
             wait_ms = head.due_ms - self.clock()
             if wait_ms > 0:  # a retry in place waits here; so does one read back from the RQ
@@ -335,6 +345,7 @@ class GroupRun:
             self.counts.delivered += 1
             if self.journal is not None:
                 self.journal.accepted(head.origin)
+            self._attempted(head, outcome, "delivered")
             return
         self.counts.failures += 1
         head.first_failure_ms = head.first_failure_ms or now
@@ -346,10 +357,12 @@ class GroupRun:
             head.due_ms = decision.due_ms or now
             if retries_in_place(self.policy, head.first_failure_ms, head.due_ms):
                 self._in_place = True
+                self._attempted(head, outcome, "retry")
             else:
-                self._retry_through_rq(head)
+                self._attempted(head, outcome, self._retry_through_rq(head))
             return
         self._dead_letter(head)
+        self._attempted(head, outcome, "dlq")
 
     def stop_waiting(self) -> None:
         """The head's wait in place would outlast the task's other deliveries by more than the
@@ -365,22 +378,52 @@ class GroupRun:
         if self.hand_over:  # the second job goes on waiting (`hand_over`)
             self.handed_over = self._stopped = True
             return
-        self._retry_through_rq(self.entries[0])
+        head = self.entries[0]
+        self._routed(head, self._retry_through_rq(head), "waited in place longer than the task")
 
-    def _retry_through_rq(self, head: Entry) -> None:
+    def _retry_through_rq(self, head: Entry) -> Next:
         """Write the head to the RQ (its due time, attempts and failure times set); its group
-        stops behind it. One too large for the RQ is dead-lettered instead."""
+        stops behind it. One too large for the RQ is dead-lettered instead. Returns where it
+        went."""
         if self.max_out_bytes is not None and out_bytes(head) > self.max_out_bytes:
             head.reason = (
                 f"{head.reason}; not retried: a record of about {out_bytes(head)} bytes exceeds "
                 f"the retry queue's {self.max_out_bytes}"
             )
             self._dead_letter(head)
-            return
+            return "dlq"
         self.outs.append(Out("rq", replace(head)))
         head.location, head.value = "rq", None
         self.counts.retried += 1
         self._stopped = True
+        return "rq"
+
+    def _attempted(self, head: Entry, outcome: Outcome, next_step: Next) -> None:
+        if self.tracer is not None:
+            self.tracer.attempt(
+                head.msg_id,
+                head.group_id,
+                head.attempts,
+                outcome.status,
+                outcome.error,
+                outcome.elapsed_ms,
+                outcome.body,
+                next_step,
+                detail=outcome.detail if outcome.status is None else None,
+                redriven=head.headers.get(m.H_REDRIVEN),
+                source=head.source or None,
+            )
+
+    def _routed(self, entry: Entry, next_step: Next, reason: str | None) -> None:
+        if self.tracer is not None:
+            self.tracer.routed(
+                entry.msg_id,
+                entry.group_id,
+                next_step,
+                reason,
+                redriven=entry.headers.get(m.H_REDRIVEN),
+                source=entry.source or None,
+            )
 
     def _dead_letter(self, head: Entry) -> None:
         """Park the head in the DLQ; in block mode its group stops behind it."""
@@ -401,6 +444,8 @@ class GroupRun:
         if self.entries and self.entries[0].location == "dlq":
             self.entries, spilled = over_limit(self.entries, self.blocked, self.clock())
             self.outs.extend(Out("dlq", e) for e in spilled)
+            for e in spilled:
+                self._routed(e, "dlq", e.reason)
             self.counts.dead_lettered += len(spilled)
             self.counts.over_limit += len(spilled)
         out = []

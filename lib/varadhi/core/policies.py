@@ -261,6 +261,14 @@ class BlockedPolicy:
 
 
 @dataclass(frozen=True)
+class TracePolicy:
+    """The delivery trace (`varadhi.core.trace`): every attempt of every message, and where it
+    went next, kept in the subscription's trace topic for `retention_ms`."""
+
+    retention_ms: int = 7 * 24 * 3600 * 1000
+
+
+@dataclass(frozen=True)
 class SubscriptionSpec:
     """Everything a user declares about a subscription (YAML `conf/subscriptions/*.yaml`)."""
 
@@ -284,6 +292,8 @@ class SubscriptionSpec:
     # Which main-topic messages are delivered, by key and headers (`varadhi.core.filters`); None: all.
     filter: Filter | None = None
     delivery: DeliveryPolicy = field(default_factory=DeliveryPolicy)
+    # The delivery trace (`varadhi trace`); None: off.
+    trace: TracePolicy | None = None
 
     @property
     def rq_topic(self) -> str:

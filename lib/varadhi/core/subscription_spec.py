@@ -49,17 +49,18 @@ from varadhi.core.policies import (
     SecretRef,
     SigningKey,
     SubscriptionSpec,
+    TracePolicy,
 )
 from varadhi.core.retry import validate_retry_policy
 
 log = logging.getLogger(__name__)
 
-_DURATION_RE = re.compile(r" *([0-9]+) *(ms|s|m|h) *")
-_UNIT_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000}
+_DURATION_RE = re.compile(r" *([0-9]+) *(ms|s|m|h|d) *")
+_UNIT_MS = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
 def parse_duration_ms(text: int | str, field: str) -> int:
-    """Milliseconds from an int (already milliseconds) or a string `<digits><ms|s|m|h>`.
+    """Milliseconds from an int (already milliseconds) or a string `<digits><ms|s|m|h|d>`.
 
     Negative values, fractions and strings without a unit are refused (a bare `"500"` is
     ambiguous between the YAML author's seconds and our milliseconds).
@@ -78,7 +79,7 @@ def parse_duration_ms(text: int | str, field: str) -> int:
             )
     raise InvalidArgument(
         f"{text!r} is not a duration: use milliseconds (500) or a whole number with a unit "
-        "(500ms, 2s, 1m, 1h)",
+        "(500ms, 2s, 1m, 1h, 7d)",
         field=field,
     )
 
@@ -236,7 +237,12 @@ _TOP_KEYS = (
     "allow_uneven",
     "filter",
     "delivery",
+    "trace",
 )
+_TRACE_KEYS = ("retention",)
+# The shortest and longest trace retention: an hour lets an operator look at a fresh failure;
+# 90 days bounds what one `varadhi trace` may have to read.
+TRACE_RETENTION_MS = (3_600_000, 90 * 24 * 3_600_000)
 _DELIVERY_KEYS = ("mode", "max_messages", "max_bytes", "format")
 _ENDPOINT_KEYS = (
     "url",
@@ -344,7 +350,21 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
         allow_uneven=top.boolean("allow_uneven", _SPEC.allow_uneven),
         filter=filters.parse(top.doc["filter"], "filter", source) if top.has("filter") else None,
         delivery=delivery,
+        trace=_parse_trace(top),
     )
+
+
+def _parse_trace(top: _Section) -> TracePolicy | None:
+    """The `trace` section (`trace: {retention: 7d}`; an empty section takes the default
+    retention), or None when the spec has none (or null, or false): tracing is off."""
+    if top.doc.get("trace") in (None, False):
+        return None
+    s = top.section("trace", _TRACE_KEYS)
+    low, high = TRACE_RETENTION_MS
+    retention = s.duration("retention", TracePolicy.retention_ms, minimum=low)
+    if retention > high:
+        raise s.error("retention", f"must be at most {high // 86_400_000}d, got {retention}ms")
+    return TracePolicy(retention_ms=retention)
 
 
 def _internal_partitions(top: _Section, name: str, shards: int, default: int) -> int:
@@ -891,6 +911,7 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             "max_bytes": spec.delivery.max_bytes,
             "format": spec.delivery.format,
         },
+        "trace": None if spec.trace is None else {"retention": spec.trace.retention_ms},
     }
 
 

@@ -4,7 +4,8 @@ component, holding exactly `grants(component, names)`), so the two cannot disagr
 
 A grant names its resource by a template over `Names`: `{catalog}` the catalog topic,
 `{topic}` a composite topic (its storage topics are `<topic>.0`, `<topic>.1`, ...), `{sub}` a
-subscription (its Kafka topics `<sub>.rq.<n>`, `<sub>.dlq.<n>`, `<sub>.journal`), `{outbox}` a
+subscription (its Kafka topics `<sub>.rq.<n>`, `<sub>.dlq.<n>`, `<sub>.journal`, `<sub>.trace`),
+`{outbox}` a
 Delta outbox. User-facing names cannot contain a dot, so a prefix `<sub>.` matches only that
 subscription's own topics (and those of a topic named exactly `<sub>`, if there is one).
 
@@ -96,7 +97,8 @@ TABLE: tuple[Grant, ...] = (
           ("Create", "Delete", "Describe", "DescribeConfigs", "Read", "Write"),
           "`subscription apply` and `change-shards` make the RQ/DLQ, `change-shards` writes "
           "the last batch's records to the new ones; DLQ list, re-drive, offsets and status "
-          "read them; `subscription delete` deletes them and the journal"),
+          "read them, `trace` reads the delivery trace; `subscription delete` deletes them, the "
+          "journal and the trace"),
     Grant("operator", TRANSACTIONAL_ID, LITERAL, "varadhi.{sub}.change-shards",
           ("Describe", "Write"),
           "`change-shards` sends the last batch's records in one transaction"),
@@ -121,10 +123,15 @@ TABLE: tuple[Grant, ...] = (
     Grant("shard", TOPIC, PREFIXED, "{topic}.", ("Describe", "Read"),
           "the Spark source reads the storage topics"),
     Grant("shard", TOPIC, PREFIXED, "{sub}.", ("Describe", "DescribeConfigs", "Read", "Write"),
-          "reads and writes its RQ, DLQ and delivery journal; sizes its RQ/DLQ records by their "
+          "reads and writes its RQ, DLQ, delivery journal and trace; sizes its RQ/DLQ records by their "
           "`max.message.bytes`"),
     Grant("shard", TOPIC, LITERAL, "{sub}.journal", ("Create",),
           "makes the delivery journal on first use"),
+    Grant("shard", TOPIC, LITERAL, "{sub}.trace", ("Create",),
+          "makes the delivery trace on first use (a spec with a `trace` section)"),
+    Grant("shard", TOPIC, LITERAL, "{sub}.trace", ("AlterConfigs",),
+          "sets a changed `trace.retention` on the trace topic; without it the shard logs that "
+          "it could not and keeps the topic's retention", optional=True),
     Grant("shard", TRANSACTIONAL_ID, PREFIXED, "varadhi.{sub}.s", ("Describe", "Write"),
           "the RQ/DLQ writer's transactions (`varadhi.<sub>.s<count>.shard-<n>`)"),
     # -- feeder ----------------------------------------------------------------------------

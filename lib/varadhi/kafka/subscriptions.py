@@ -339,6 +339,7 @@ MUTABLE_FIELDS = frozenset(
         "allow_uneven",
         "filter",
         "delivery",
+        "trace",
     }
 )
 IMMUTABLE_FIELDS = frozenset(

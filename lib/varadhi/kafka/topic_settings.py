@@ -21,7 +21,7 @@ from dataclasses import dataclass
 #: one kind and win over the general ones. Unset, a topic gets the cluster's defaults
 #: (`default.replication.factor`, `min.insync.replicas`, ...): replication factor -1 (KIP-464).
 TOPIC_PREFIX = "varadhi.topic."
-TOPIC_KINDS = ("storage", "rq", "dlq", "catalog", "progress", "journal")
+TOPIC_KINDS = ("storage", "rq", "dlq", "catalog", "progress", "journal", "trace")
 #: Kafka's topic-level configs (Kafka 4.1), for did-you-mean on a misspelt one.
 TOPIC_CONFIGS = frozenset(
     [

@@ -8,7 +8,7 @@ A subscription owns, in the catalog, its record `subscription/<sub>`, its RQ/DLQ
 topics `topic/<sub>.rq` and `topic/<sub>.dlq`, and every key whose name is `<sub>` or starts
 with `<sub>/` in any other kind (leases and reader layouts `<sub>/s<S>/<i>`, operations
 `<sub>/...`); outside it, the RQ/DLQ Kafka storage topics, its delivery journal's topic
-`<sub>.journal` (when a shard created it), its warehouse folder
+`<sub>.journal` and its delivery trace's `<sub>.trace` (when a shard created them), its warehouse folder
 `<warehouse>/<sub>` (GroupState, checkpoints, dedup tables) and its progress documents
 (`<catalog>_progress`, keys `<sub>/...`).
 
@@ -17,7 +17,7 @@ command again after a crash part way finishes the job:
 
 1. mark: one catalog transaction pauses the subscription and records `operation/<sub>/delete`
    (status shows it; a shard started meanwhile does not consume);
-2. data: unless `--keep-data`, delete the RQ/DLQ storage topics and the journal's topic (and
+2. data: unless `--keep-data`, delete the RQ/DLQ storage topics, the journal's and the trace's topics (and
    wait until Kafka has
    removed them, so a subscription created again with the name gets new, empty ones) and the
    warehouse folder; tombstone the progress documents;
@@ -38,7 +38,7 @@ from typing import Any
 
 from kafka.errors import KafkaError, TopicAuthorizationFailedError
 
-from varadhi.core import names
+from varadhi.core import names, trace
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotFound, VaradhiError
 from varadhi.kafka import clients as kafka_clients
@@ -205,8 +205,9 @@ def plan_subscription_delete(
 
 def own_topics(name: str) -> tuple[str, ...]:
     """The Kafka topics of subscription `name` that the catalog does not record: the delivery
-    journal's, which a shard creates when the journal is on (`varadhi.spark.journal`)."""
-    return (journal.topic_name(name),)
+    journal's and the delivery trace's, which a shard creates when the journal (trace) is on
+    (`varadhi.spark.journal`, `varadhi.kafka.trace`)."""
+    return (journal.topic_name(name), trace.topic_name(name))
 
 
 def check_stopped(

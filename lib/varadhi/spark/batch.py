@@ -79,6 +79,8 @@ from varadhi.core.state_rows import (
     state_rows,
     touched_row,
 )
+from varadhi.core.trace import Tracer
+from varadhi.kafka.trace import TraceTarget, TraceWriter
 from varadhi.spark.journal import (
     LOOKBACK_MS,
     Accepted,
@@ -112,6 +114,8 @@ class BatchContext:
     replayed: Accepted | None = None
     # Messages a second each delivery task may send (`varadhi.core.rate_limit`); None: no limit.
     rate_per_task: float | None = None
+    # Where the tasks write the delivery trace (`varadhi.kafka.trace`); None: not traced.
+    trace: TraceTarget | None = None
 
 
 def entry_from_record(row: dict, ctx: BatchContext) -> Entry:
@@ -553,6 +557,8 @@ def _deliver(
     if journal is not None and _attempt() > 0:  # an earlier attempt of this task died
         retried = read_on_retry(ctx.journal, ctx.now_ms - LOOKBACK_MS)
         replayed = joined(ctx.replayed, retried)
+    traces = TraceWriter(ctx.trace) if ctx.trace is not None and candidates else None
+    tracer = None if traces is None else Tracer(traces.add, ctx.trace.shard, _now_ms)
     runs: list[tuple[str, GroupRun]] = []
     answered: DeliveryStats | None = None
     for key, found in candidates.items():
@@ -572,6 +578,7 @@ def _deliver(
             blocked=ctx.spec.blocked,
             hand_over=hand_over,
             shaping=ctx.spec.endpoint.shaping,
+            tracer=tracer,
         )
         runs.append((key, run))
     try:
@@ -586,9 +593,14 @@ def _deliver(
                     hold=journal.behind if journal is not None else None,
                     pacer=Pacer(ctx.rate_per_task) if ctx.rate_per_task else None,
                 )
+        for _, run in runs:  # a blocked group over its limit spills now, traced with the rest
+            if not run.handed_over:
+                run.remaining()
     finally:
         if journal is not None:  # the last accepted messages, waiting for the broker
             journal.close()
+        if traces is not None:
+            traces.close()
 
     handed = 0
     for key, run in runs:

@@ -126,9 +126,12 @@ class DedupWindow:
             seen = ids if seen is None else seen.unionByName(ids)
         return seen
 
-    def filter(self, records: DataFrame, now_ms: int) -> tuple[DataFrame, list[str]]:
+    def filter(
+        self, records: DataFrame, now_ms: int
+    ) -> tuple[DataFrame, list[tuple[str, str, str | None]]]:
         """Drop main-topic records (`Kind.MQ`, column `dedup_id`) delivered within the window
-        or repeated in this batch. Returns the kept records and the dropped ids."""
+        or repeated in this batch. Returns the kept records and the dropped ones as (dedup id,
+        message id, group id)."""
         main = F.col("kind") == F.lit(Kind.MQ.value)
         mq = records.filter(main)
         first = Window.partitionBy("dedup_id").orderBy("topic", "partition", "offset")
@@ -142,9 +145,16 @@ class DedupWindow:
             fresh = fresh.join(seen, "dedup_id", "left_anti")
         else:
             dropped_seen = fresh.limit(0)
-        dropped = [r[0] for r in dropped_seen.unionByName(repeated).select("dedup_id").collect()]
+        dropped = [
+            (r[0], r[1], r[2])
+            for r in dropped_seen.unionByName(repeated)
+            .select("dedup_id", "msg_id", "group_id")
+            .collect()
+        ]
         if dropped:
-            log.info("dropped %d duplicate messages: %s", len(dropped), dropped[:20])
+            log.info(
+                "dropped %d duplicate messages: %s", len(dropped), [d[0] for d in dropped[:20]]
+            )
         return fresh.unionByName(records.filter(~main)), dropped
 
     def remember(self, ids: list[tuple[str, int]], app_id: str, batch_id: int) -> None:

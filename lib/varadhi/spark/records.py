@@ -199,13 +199,20 @@ def _record_columns(
     return looked_up, ids, records
 
 
+# The most filtered messages a traced batch names (`filter_records`' `traced`): the rest are
+# counted, not traced.
+MAX_TRACED_FILTERED = 10_000
+
+
 def filter_records(
-    records: DataFrame, filt: filters.Filter | None
+    records: DataFrame, filt: filters.Filter | None, traced: bool = False
 ) -> tuple[DataFrame, Observation | None]:
     """`records` (as `batch_records` makes them) without the main-topic ("mq") records `filt` does
     not match, and an Observation whose `filtered` metric counts those records once a Spark job
     has computed the result (None without a filter: `records` unchanged). RQ records are never
-    filtered: they are retries of messages the filter accepted earlier.
+    filtered: they are retries of messages the filter accepted earlier. `traced` (the
+    subscription's delivery trace is on): the Observation's `traced` metric also lists the
+    first `MAX_TRACED_FILTERED` of them as (msg_id, group_id) structs.
 
     The filter is part of the Spark plan, before any Python stage: a filtered record costs no
     Python work and no Arrow transfer. Hazard: `Observation.get` blocks until the first job over
@@ -215,9 +222,14 @@ def filter_records(
     observed = Observation()  # a unique name: one per batch, never shared between queries
     main = F.col("kind") == F.lit(Kind.MQ.value)
     keep = "_varadhi_keep"
+    dropped = main & ~F.col(keep)
+    metrics = [F.count_if(dropped).alias("filtered")]
+    if traced:
+        ids = F.when(dropped, F.struct("msg_id", "group_id"))
+        metrics.append(F.slice(F.collect_list(ids), 1, MAX_TRACED_FILTERED).alias("traced"))
     kept = (
         records.withColumn(keep, filter_column(filt, F.col("key"), F.col("kheaders")))
-        .observe(observed, F.count_if(main & ~F.col(keep)).alias("filtered"))
+        .observe(observed, *metrics)
         .where(~main | F.col(keep))
         .drop(keep)
     )

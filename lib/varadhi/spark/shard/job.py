@@ -40,6 +40,7 @@ from varadhi.spark.shard.query_run import QueryRun
 from varadhi.spark.shard.reading import EndOffsets, LayoutMoves
 from varadhi.spark.shard.sender import QueueSender
 from varadhi.spark.shard.ticks import Ticks
+from varadhi.spark.shard.trace import ShardTrace
 from varadhi.spark.startup import Ahead, StartupClock
 from varadhi.spark.state_store import StateStore
 from varadhi.spark.stop_signals import StopSignals
@@ -374,6 +375,7 @@ class ShardJob:
                 spark=self.spark, lease=lease, circuit=self._circuit,
                 ticks=Ticks(settings, shard), sender=sender,
                 journal=ShardJournal(settings, name, shard),
+                trace=ShardTrace(settings, name, shard),
                 dedup=DedupWindows(settings.warehouse, name, shard),
                 rates=RateLimits(),
                 stores=StateStores(lease.instance), progress=self._progress,

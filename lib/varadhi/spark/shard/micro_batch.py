@@ -119,7 +119,7 @@ class MicroBatch:
         self.filter: filters.Filter | None = None
         self.redrive_ops: dict[str, dlq_ops.Selector] = {}
         self.filtered: Observation | None = None
-        self.dropped: list[str] = []
+        self.dropped: list[tuple[str, str, str | None]] = []
 
     def apply_redrives(self) -> bool:
         parts, sub = self.parts, self.inputs.sub
@@ -147,7 +147,8 @@ class MicroBatch:
         if probes is not None and len(due_groups) > probes:
             due_groups = due_groups[:probes]
             parts.ticks.tick_again()  # the others are due already: tick for them
-        records, self.filtered = filter_records(self.df, self.filter)
+        trace = parts.trace.target(sub)
+        records, self.filtered = filter_records(self.df, self.filter, traced=trace is not None)
         if sub.spec.dedup_window_ms:
             window = parts.dedup.window(self.df.sparkSession, sub)
             records, self.dropped = window.filter(records, now_ms)
@@ -167,6 +168,7 @@ class MicroBatch:
                 parts.journal.handed_over(q.checkpoint, HadoopFS(self.df.sparkSession)),
             ),
             rate_per_task=rate_per_task(parts.rates.governor(sub), spec.consumption.concurrency),
+            trace=trace,
         )
         executors = SparkExecutors(records, spec.consumption.concurrency, q.partitions_read)
         return deliver_batch(ctx, self.store, pending, due_groups, executors)
@@ -178,8 +180,21 @@ class MicroBatch:
             window = self.parts.dedup.window(self.df.sparkSession, sub)
             window.remember(delivered_ids(result), self.inputs.app_id, self.batch_id)
             stats.append({"deduplicated": len(self.dropped)})
+            self.parts.trace.routed(
+                sub,
+                ((msg_id, group_id) for _, msg_id, group_id in self.dropped),
+                "deduplicated",
+                "delivered within the dedup window, or repeated in its micro-batch",
+            )
         if self.filtered is not None:  # computed with the batch's first job (delivery or dedup)
-            stats.append({"filtered": int(self.filtered.get["filtered"])})
+            observed = self.filtered.get
+            stats.append({"filtered": int(observed["filtered"])})
+            self.parts.trace.routed(
+                sub,
+                ((r["msg_id"], r["group_id"]) for r in observed.get("traced") or ()),
+                "filtered",
+                "the subscription's filter does not match it",
+            )
         return stats
 
     def finish_redrives(self) -> None:

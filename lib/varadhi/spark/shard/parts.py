@@ -4,7 +4,7 @@ it reads. Typed and explicit: a query (`query_run.QueryRun`) and a micro-batch
 
 - `Loaded`: the subscription and its three composite topics, as one catalog read saw them;
 - `ShardParts`: the shard's collaborators for the whole run (catalog, lease, circuit, sender,
-  journal, progress, the batch gate, ...);
+  journal, trace, progress, the batch gate, ...);
 - `StateStores`: the GroupState table of the running query's layout, opened once per path;
 - `RateLimits`: the shard's rate governor (`varadhi.core.rate_limit`), per limit and shard count;
 - `DedupWindows`: the shard's dedup window (subscription-wide: `varadhi.spark.dedup`), opened on
@@ -33,6 +33,7 @@ from varadhi.spark.shard.progress import ShardProgress
 from varadhi.spark.shard.reading import EndOffsets, LayoutMoves
 from varadhi.spark.shard.sender import QueueSender
 from varadhi.spark.shard.ticks import Ticks
+from varadhi.spark.shard.trace import ShardTrace
 from varadhi.spark.startup import StartupClock
 from varadhi.spark.state_store import StateStore
 
@@ -112,6 +113,7 @@ class ShardParts:
     ticks: Ticks  # wake the query for due retries
     sender: QueueSender  # RQ/DLQ records (`varadhi.spark.shard.sender`)
     journal: ShardJournal  # the delivery journal and a shard-count change's hand-over
+    trace: ShardTrace  # the delivery trace (`varadhi trace`)
     dedup: DedupWindows
     rates: RateLimits  # `endpoint.max_rate`: this shard's share, slowed by 429/503
     stores: StateStores
