@@ -36,11 +36,16 @@ Which of `mapInPandas` / `mapInArrow` is measured follows the code under test: t
 
     .venv/bin/python bench/cpu_per_message.py [--records 25000] [--groups 10000] [--repeat 5]
                                               [--spark-records 100000] [--fail-rate 0.1]
+                                              [--signing v1] [--trace]
 
 `--signing v1` (or `v1,v1a`: a key of each scheme) runs every step twice per repeat, interleaved:
 unsigned, then with every request signed (`endpoint.signing`, `varadhi.core.signing`), and
 reports both and the signed run's extra CPU per message (`signing_overhead`): the before and
 after of signing in one run.
+
+`--trace` does the same with the delivery trace on (`trace:`, `varadhi.kafka.trace`): every
+attempt's event is written to a trace topic on the broker of `VARADHI_BOOTSTRAP`, the task's
+writer thread's CPU counted with the rest (`trace_overhead`).
 
 `--fail-rate` makes nginx fail that share of attempts as bench/delivery.py's failure runs do
 (half 500, half 503, by message id and attempt); the task then retries in place with the
@@ -79,6 +84,10 @@ from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request
 from varadhi.core.policies import Endpoint, SecretRef, SigningKey
 from varadhi.core.subscription_spec import parse_spec
+from varadhi.core.trace import topic_name as trace_topic_name
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import trace as kafka_trace
+from varadhi.kafka.settings import Settings
 from varadhi.spark import batch
 from varadhi.spark.batch import BatchContext, ForwardRule, deliver_records
 
@@ -415,6 +424,18 @@ def signed_context(ctx: BatchContext, schemes: list[str]) -> BatchContext:
     return replace(ctx, spec=replace(ctx.spec, endpoint=endpoint))
 
 
+def traced_context(ctx: BatchContext) -> BatchContext:
+    """`ctx` with its tasks writing the delivery trace to a topic of the broker of
+    `VARADHI_BOOTSTRAP` (made here with a day's retention)."""
+    settings = Settings.from_env()
+    topic = trace_topic_name("bench-cpu")
+    partitions = kafka_trace.ensure_topic(settings, topic, 24 * 3_600_000)
+    target = kafka_trace.TraceTarget(
+        settings.bootstrap, topic, partitions, 0, kafka_clients.config_of(settings)
+    )
+    return replace(ctx, trace=target)
+
+
 def per_message(runs: list[dict[str, float]], n: int) -> dict[str, float]:
     """Each step's median CPU µs per message, with `total` and `input`."""
     us = {
@@ -449,6 +470,12 @@ def main(argv: list[str] | None = None) -> int:
         "v1,v1a), interleaved with the unsigned runs",
     )
     parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="also run each step with the delivery trace written to the broker of "
+        "VARADHI_BOOTSTRAP, interleaved with the untraced runs",
+    )
+    parser.add_argument(
         "--spark-records",
         type=int,
         default=100_000,
@@ -472,6 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     stream = jvm_stream(table)
     runs: list[dict[str, float]] = []
     signed_runs: list[dict[str, float]] = []
+    traced_runs: list[dict[str, float]] = []
     floors: list[float] = []
     failing = args.fail_rate > 0
     with nginx(binary, args.fail_rate) as endpoint:
@@ -486,13 +514,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         ctx = BatchContext(spec=spec, mq_indexes={TOPIC: 0}, now_ms=0, seed=1)
         signed = signed_context(ctx, schemes) if schemes else None
+        traced = traced_context(ctx) if args.trace else None
         one_run(kind, stream, ctx, args.records, failing)  # warm-up: imports, connections
         if signed is not None:
             one_run(kind, stream, signed, args.records, failing)
+        if traced is not None:
+            one_run(kind, stream, traced, args.records, failing)
         for _ in range(args.repeat):
             runs.append(one_run(kind, stream, ctx, args.records, failing))
             if signed is not None:
                 signed_runs.append(one_run(kind, stream, signed, args.records, failing))
+            if traced is not None:
+                traced_runs.append(one_run(kind, stream, traced, args.records, failing))
             if not failing:
                 floors.append(engine_floor(table, ctx))
     spark = (
@@ -503,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     n = args.records
     us = per_message(runs, n)
     signed_us = per_message(signed_runs, n) if signed_runs else {}
+    traced_us = per_message(traced_runs, n) if traced_runs else {}
     if floors:
         us["engine"] = round(statistics.median(floors) / n * 1e6, 1)
         us["task_outside_engine"] = round(us["task"] - us["engine"], 1)
@@ -534,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_us_per_msg_signed": signed_us,
         "signing_overhead": round(signed_us["total"] / us["total"] - 1, 4) if signed_us else None,
         "signed_runs_s": signed_runs,
+        "cpu_us_per_msg_traced": traced_us,
+        "trace_overhead": round(traced_us["total"] / us["total"] - 1, 4) if traced_us else None,
+        "traced_runs_s": traced_runs,
         "task_counts": counts,
         "spark_cpu_us_per_record": spark,
         "runs_s": runs,
@@ -544,10 +581,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {args.fail_rate:.0%} of attempts failing; the task's counts (median): {counts}")
     for step, value in us.items():
         extra = f"   signed ({args.signing}) {signed_us[step]:6.1f}" if step in signed_us else ""
+        extra += f"   traced {traced_us[step]:6.1f}" if step in traced_us else ""
         print(f"  {step:20s} {value:6.1f}{extra}")
     if signed_us:
         print(f"  signing costs {signed_us['total'] - us['total']:+.1f} us/msg "
               f"({signed_us['total'] / us['total'] - 1:+.1%} of the total)")  # fmt: skip
+    if traced_us:
+        print(f"  the trace costs {traced_us['total'] - us['total']:+.1f} us/msg "
+              f"({traced_us['total'] / us['total'] - 1:+.1%} of the total)")  # fmt: skip
     for stage, by_kind in spark.items():
         print(f"  spark {stage:14s} {by_kind}")
     write_results(args.out, doc)

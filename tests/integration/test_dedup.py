@@ -10,6 +10,7 @@ import pytest
 from kafka import KafkaProducer
 
 from varadhi.cli import main as cli
+from varadhi.client import Client
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import producer, topics
 from varadhi.kafka.subscriptions import SubscriptionService
@@ -25,13 +26,17 @@ def test_duplicates_within_the_window_are_delivered_once(
     settings, spark, make_subscription, catalog
 ):
     with TestEndpoint() as endpoint:
-        spec = make_subscription(endpoint.url, dedup_window="30m")
+        spec = make_subscription(endpoint.url, dedup_window="30m", trace={"retention": "1h"})
         produce(settings, spec.topic, [("g", "m1"), ("g", "m2"), ("g", "m1")])  # same batch
         run_until_idle(settings, spark, spec.name)
         produce(settings, spec.topic, [("g", "m2"), ("g", "m3")])  # a later batch
         job = run_until_idle(settings, spark, spec.name)
         assert delivered(endpoint, "g") == ["m1", "m2", "m3"]
         assert job.stats.deduplicated == 2  # one in each run: a shard's counters go on
+        # The trace says why each copy was not delivered (written by the shard's driver).
+        for msg_id in ("m1", "m2"):
+            steps = [(e["kind"], e["next"]) for e in Client(settings).trace(spec.name, msg_id)]
+            assert steps == [("attempt", "delivered"), ("routed", "deduplicated")], msg_id
 
         # Without a message id, the payload's hash is the id.
         topic = topics.from_snapshot(catalog.snapshot(), spec.topic)

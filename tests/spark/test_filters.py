@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pandas as pd
 import pytest
+from pyspark.sql import functions as F
 
 from varadhi.core import filters
 from varadhi.spark.columns import filter_column
@@ -97,6 +98,24 @@ def test_filter_records_drops_unmatched_main_topic_records_before_python(spark):
     assert sorted(seen["i"]) == [0, 1, 100, 101, 102, 103]
     assert observed is not None and observed.get["filtered"] == len(CORPUS) - 2
     assert list(kept.columns) == list(frame.columns)
+
+
+def test_a_traced_filter_names_the_messages_it_drops(spark):
+    """With the delivery trace on, the Observation also lists the dropped main-topic records'
+    ids (the shard's driver traces them as `filtered`); RQ records are never among them."""
+    rows = [(i, "mq", k, h) for i, (k, h) in enumerate(CORPUS)]
+    rows += [(100 + i, "rq", k, h) for i, (k, h) in enumerate(CORPUS[:4])]
+    frame = (
+        spark.createDataFrame(rows, SCHEMA)
+        .withColumn("msg_id", F.concat(F.lit("m"), F.col("i").cast("string")))
+        .withColumn("group_id", F.when(F.col("i") % 2 == 0, F.lit("even")))
+    )
+    f = filters.parse({"header": "type", "in": ["order.created", "order.paid"]})
+    kept, observed = filter_records(frame, f, traced=True)
+    assert sorted(r["i"] for r in kept.collect()) == [0, 1, 100, 101, 102, 103]
+    traced = sorted((r["msg_id"], r["group_id"]) for r in observed.get["traced"])
+    expected = [(f"m{i}", "even" if i % 2 == 0 else None) for i in range(2, len(CORPUS))]
+    assert traced == sorted(expected)
 
 
 def test_filter_records_counts_zero_on_an_empty_batch_and_is_absent_without_a_filter(spark):
