@@ -32,8 +32,7 @@ import json
 import logging
 import zlib
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +57,10 @@ def partition_of(msg_id: str, partitions: int) -> int:
     return zlib.crc32(msg_id.encode("utf-8", "surrogatepass")) % max(partitions, 1)
 
 
-@dataclass(frozen=True)
-class TraceEvent:
+class TraceEvent(NamedTuple):
     """One step of one message (module docstring). `at_ms`: ms since the epoch when the step
-    ended (the attempt's answer came, the message was routed)."""
+    ended (the attempt's answer came, the message was routed). A named tuple: made for every
+    attempt on the delivery path, and written as a JSON array (`encode`), both cheap."""
 
     msg_id: str
     at_ms: int
@@ -80,19 +79,18 @@ class TraceEvent:
 
     def to_dict(self) -> dict[str, Any]:
         """The event as a JSON object, without its null fields."""
-        return {k: v for k, v in asdict(self).items() if v is not None}
-
-
-_FIELDS = {f.name for f in fields(TraceEvent)}
+        return {k: v for k, v in self._asdict().items() if v is not None}
 
 
 def encode(events: Iterable[TraceEvent]) -> list[tuple[bytes, int]]:
     """Record values for `events` with how many events each holds (pure):
-    `{"v": 1, "events": [...]}`, at most `MAX_EVENTS_PER_RECORD` events each."""
+    `{"v": 1, "fields": [names], "events": [[values], ...]}`, at most `MAX_EVENTS_PER_RECORD`
+    events each. Each event is an array of its fields' values in the order `fields` names, so a
+    reader of another version matches them by name (`decode`)."""
     out: list[tuple[bytes, int]] = []
-    chunk: list[dict[str, Any]] = []
+    chunk: list[TraceEvent] = []
     for event in events:
-        chunk.append(event.to_dict())
+        chunk.append(event)
         if len(chunk) >= MAX_EVENTS_PER_RECORD:
             out.append((_value(chunk), len(chunk)))
             chunk = []
@@ -101,21 +99,25 @@ def encode(events: Iterable[TraceEvent]) -> list[tuple[bytes, int]]:
     return out
 
 
-def _value(events: list[dict[str, Any]]) -> bytes:
-    return json.dumps({"v": VERSION, "events": events}, separators=(",", ":")).encode()
+def _value(events: list[TraceEvent]) -> bytes:
+    doc = {"v": VERSION, "fields": TraceEvent._fields, "events": events}
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def decode(value: bytes | None) -> list[TraceEvent]:
-    """The events of one record value; [] (with a warning) for anything else, and an event
-    with unknown fields (a newer writer) keeps the fields this version knows (pure)."""
+    """The events of one record value; [] (with a warning) for anything else. Fields this
+    version does not know (a newer writer's) are ignored, missing ones are null (pure)."""
     try:
         doc = json.loads(value or b"")
-        return [
-            TraceEvent(**{k: v for k, v in item.items() if k in _FIELDS}) for item in doc["events"]
-        ]
-    except (ValueError, TypeError, KeyError) as e:
+        names = doc["fields"]
+        known = [(i, name) for i, name in enumerate(names) if name in _FIELDS]
+        return [TraceEvent(**{name: item[i] for i, name in known}) for item in doc["events"]]
+    except (ValueError, TypeError, KeyError, IndexError) as e:
         log.warning("skipping a trace record that is not one: %s", e)
         return []
+
+
+_FIELDS = frozenset(TraceEvent._fields)
 
 
 def of_message(events: Iterable[TraceEvent], msg_id: str) -> list[TraceEvent]:
