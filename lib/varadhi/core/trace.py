@@ -154,26 +154,27 @@ class Tracer:
         source: str | None = None,
     ) -> None:
         """An attempt's event; `detail` (why an attempt without an answer failed, curl's text)
-        becomes its reason."""
+        becomes its reason. Positional: this runs for every attempt."""
+        text = (
+            answer[: ANSWER_CHARS * 4].decode("utf-8", "replace")[:ANSWER_CHARS] if answer else None
+        )
         self.sink(
             TraceEvent(
-                msg_id=msg_id,
-                at_ms=self.clock(),
-                kind="attempt",
-                next=next_step,
-                shard=self.shard,
-                group_id=group_id,
-                attempt=attempt,
-                status=status,
-                error=error,
-                latency_ms=round(latency_ms, 3),
-                answer=answer[: ANSWER_CHARS * 4].decode("utf-8", "replace")[:ANSWER_CHARS]
-                if answer
-                else None,
-                reason=detail,
-                redriven=redriven,
-                source=source,
-            )
+                msg_id,
+                self.clock(),
+                "attempt",
+                next_step,
+                self.shard,
+                group_id,
+                attempt,
+                status,
+                error,
+                round(latency_ms, 3),
+                text,
+                detail,
+                redriven,
+                source,
+            )  # fmt: skip
         )
 
     def routed(

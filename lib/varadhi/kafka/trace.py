@@ -7,7 +7,9 @@
   gets the spec's (so `subscription apply` of a new retention takes effect at the shards' next
   start).
 - `TraceWriter`: a best-effort, batched writer. `add` is the hot path (a deque append); a
-  thread packs the events by partition into records (`trace.encode`) and sends them every
+  thread packs the events by partition into records (`trace.encode`; not compressed: gzip in
+  the producer nearly doubled the trace's CPU per event, and a topic `compression.type`, e.g.
+  `varadhi.topic.trace.config.compression.type`, has the broker do it) and sends them every
   `FLUSH_INTERVAL_S` or `FLUSH_EVENTS` events; `close` sends the rest and waits for the broker
   for at most `CLOSE_TIMEOUT_S`. It never raises and never holds delivery back: while Kafka is
   away, events wait (at most `MAX_WAITING` of them; more are dropped and counted), and what is
@@ -162,7 +164,7 @@ def _producer(target: TraceTarget) -> KafkaProducer:
                 target,
                 acks=1,
                 linger_ms=20,
-                compression_type="gzip",
+                compression_type=None,
                 max_block_ms=SEND_BLOCK_MS,
                 client_id="varadhi-trace",
             )
