@@ -18,6 +18,7 @@ from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
+from varadhi.core import endpoint_auth
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request
 from varadhi.core.endpoint_guard import EndpointPolicy
 from varadhi.core.errors import InvalidArgument
@@ -41,7 +42,12 @@ from varadhi.testing.endpoint import (
     TestEndpoint,
 )
 from varadhi.testing.harness import wait_for
-from varadhi.testing.oauth_server import TEST_CLIENT_ID, TEST_CLIENT_SECRET_ENV, OAuthServer
+from varadhi.testing.oauth_server import (
+    TEST_CLIENT_ID,
+    TEST_CLIENT_SECRET,
+    TEST_CLIENT_SECRET_ENV,
+    OAuthServer,
+)
 
 OLD_WHSEC_ENV = "VARADHI_ENDPOINT_OLD_WHSEC"
 OLD_WHSEC = "whsec_" + base64.b64encode(b"the key being rotated out, 32 b.").decode()
@@ -407,6 +413,32 @@ def test_a_second_401_is_the_outcome_and_a_refused_token_request_sends_nothing(
     stream = Messages("c", 1)
     run(ep.url, [stream], tls=None, oauth2=oauth2(server))
     assert "CERTIFICATE_VERIFY_FAILED" in stream.outcomes[0].detail
+
+
+def test_a_token_endpoint_whose_name_resolves_to_a_denied_address_gets_no_credentials(oauth):
+    """Under the deny-list, a token URL given as a host name that resolves to a denied address
+    (here localhost: loopback) is refused on the connected socket, before the TLS handshake:
+    the authorization server sees no request, so no client secret leaves. Before, the check
+    read only a literal address and urllib connected wherever the name pointed."""
+    server = oauth()
+    named = OAuth2Credentials(
+        token_url=server.token_url.replace("127.0.0.1", "localhost"),
+        client_id=TEST_CLIENT_ID,
+        client_secret=SecretRef(env=TEST_CLIENT_SECRET_ENV),
+    )
+    stream = Messages("a", 1)
+    url = "https://localhost:1/"  # never reached: no token, no request
+    run(url, [stream], tls=CA_ONLY, oauth2=named, policy=EndpointPolicy(deny_private=True))
+    [outcome] = stream.outcomes
+    assert outcome.error == "connection_error"
+    assert "address 127.0.0.1 is loopback" in outcome.detail, outcome.detail
+    assert server.issued == 0 and server.requests == []
+    # Without the deny-list the same name is used as before.
+    assert endpoint_auth.request_token(
+        named.token_url, TEST_CLIENT_ID, TEST_CLIENT_SECRET,
+        cadata=tls.test_pki().ca,
+    )[0]  # fmt: skip
+    assert server.issued == 1
 
 
 def test_an_oauth2_token_url_must_be_https():

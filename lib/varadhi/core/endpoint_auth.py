@@ -21,15 +21,21 @@ asking the token endpoint.
 JWT bearer (`JwtMinter`): RS256 (an RSA key) or ES256 (a P-256 key), header `kid`, claims `iss`,
 `sub`, `aud`, `iat`, `exp`; a new token is minted a fifth of its lifetime before it expires.
 
+Addresses. Under the private-address deny-list (`VARADHI_ENDPOINT_DENY_PRIVATE`) the token
+endpoint is held to it as the endpoint is: a literal address is refused at `apply`, and the
+address a name resolves to is checked on the connected socket, before the TLS handshake and
+before any credential is sent (`_GuardedHTTPSConnection`), so a name that resolves to a cloud
+metadata address (or is re-pointed there later) gets no client secret.
+
 Hazards: a token is a credential; it goes only into the request's auth header. Through an HTTP
-proxy the token endpoint is reached like any https URL (`https_proxy`); the private-address
-deny-list (`VARADHI_ENDPOINT_DENY_PRIVATE`) checks the token URL's literal address only, not
-the address its name resolves to.
+proxy the token endpoint is reached like any https URL (`https_proxy`), and the address checked
+is the proxy's (the platform chose it).
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import ssl
 import threading
@@ -119,6 +125,27 @@ class RedirectRefused(urllib.request.HTTPRedirectHandler):
         )
 
 
+class _GuardedHTTPSConnection(http.client.HTTPSConnection):
+    """An HTTPS connection that, once its TCP connection stands and before the TLS handshake,
+    refuses a peer address the deny-list names (`endpoint_guard.address_refusal`). Through a
+    proxy (a tunnel) the peer is the proxy, which is not checked."""
+
+    def connect(self) -> None:
+        http.client.HTTPConnection.connect(self)  # TCP, and a proxy's CONNECT if any
+        if not self._tunnel_host:
+            reason = endpoint_guard.address_refusal(self.sock.getpeername()[0])
+            if reason is not None:
+                self.sock.close()
+                raise OSError(reason)
+        server_hostname = self._tunnel_host or self.host
+        self.sock = self._context.wrap_socket(self.sock, server_hostname=server_hostname)
+
+
+class _GuardedHTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req):  # noqa: ANN001, ANN201 - urllib's handler protocol
+        return self.do_open(_GuardedHTTPSConnection, req, context=self._context)
+
+
 def request_token(
     url: str,
     client_id: str,
@@ -126,10 +153,13 @@ def request_token(
     scope: str | None = None,
     audience: str | None = None,
     cadata: str | None = None,
+    deny_private: bool = False,
 ) -> tuple[str, float]:
     """One client-credentials grant: (access token, seconds it lives; 3600 when the answer
-    says not). `cadata`: PEM CAs to trust instead of the system's. Raises InvalidArgument for a
-    URL `check_token_url` refuses, TokenError for any failure to get a token."""
+    says not). `cadata`: PEM CAs to trust instead of the system's. `deny_private`: refuse a
+    token endpoint whose address the deny-list names (module docstring). Raises
+    InvalidArgument for a URL `check_token_url` refuses, TokenError for any failure to get a
+    token."""
     check_token_url(url, "token_url")
     form = {"grant_type": "client_credentials"}
     if scope:
@@ -144,9 +174,8 @@ def request_token(
     basic = f"{urllib.parse.quote(client_id)}:{urllib.parse.quote(secret)}"
     request.add_header("Authorization", "Basic " + base64.b64encode(basic.encode()).decode())
     context = ssl.create_default_context(cadata=cadata)
-    opener = urllib.request.build_opener(
-        RedirectRefused, urllib.request.HTTPSHandler(context=context)
-    )
+    handler = _GuardedHTTPSHandler if deny_private else urllib.request.HTTPSHandler
+    opener = urllib.request.build_opener(RedirectRefused, handler(context=context))
     try:
         with opener.open(request, timeout=TOKEN_TIMEOUT_S) as response:
             body = json.loads(response.read(65_536))
@@ -238,14 +267,15 @@ def shared_token(
     scope: str | None = None,
     audience: str | None = None,
     cadata: str | None = None,
+    deny_private: bool = False,
 ) -> CachedToken:
     """The process's one cache for these credentials (see the module docstring)."""
     check_token_url(url, "token_url")
-    key = (url, client_id, secret, scope, audience, cadata)
+    key = (url, client_id, secret, scope, audience, cadata, deny_private)
     with _shared_lock:
         if key not in _shared:
             _shared[key] = CachedToken(
-                lambda: request_token(url, client_id, secret, scope, audience, cadata)
+                lambda: request_token(url, client_id, secret, scope, audience, cadata, deny_private)
             )
         return _shared[key]
 
@@ -362,6 +392,7 @@ def bearer(endpoint: Endpoint, policy: EndpointPolicy, ca: bytes | None) -> Bear
             o.scope,
             o.audience,
             None if ca is None else ca.decode(),
+            policy.deny_private,
         )
         return BearerHeader(endpoint.auth_header, source)
     if endpoint.jwt is not None:
