@@ -7,6 +7,7 @@ process on the session's SparkSession."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -106,6 +107,18 @@ def test_an_endpoint_failing_every_attempt_suspends_the_subscription_until_a_pro
             wait_for(lambda: shard_states(catalog, name)[waiting] == "suspended", 120, "a wait")
             code = cli(["status", name])
             assert code == 0
+
+            # 1b. An operator resumes while the endpoint still fails: the shards deliver again
+            # and suspend again only after `suspend_after` (3 s) of new failures. (The probing
+            # shard used to suspend again at once, for the failures before the resume.)
+            resumed_ms = int(time.time() * 1000)
+            assert cli(["subscription", "resume", name]) == 0
+            wait_for(lambda: current().suspended is not None, 180, "a suspension after resume")
+            again = current().suspended
+            # A bound of the logic, not of speed: failures counted only from the resume on.
+            assert again.since_ms - resumed_ms >= 3_000, (again.since_ms - resumed_ms, again)
+            waiting = 1 - again.shard
+            wait_for(lambda: shard_states(catalog, name)[waiting] == "suspended", 120, "a wait")
 
             # 2. The endpoint is healthy again: the suspending shard's probe ends the suspension
             # and both shards deliver everything.

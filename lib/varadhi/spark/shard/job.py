@@ -83,6 +83,9 @@ class ShardJob:
         self._circuit = CircuitBreaker(CircuitPolicy())  # configured from the spec
         self._progress = ShardProgress(self.settings, name, shard, self._circuit)
         self._run: QueryRun | None = None  # the query of the current layout
+        # This shard probes the subscription's suspension (`resume: probe`): its last turn found
+        # it suspended by this shard. Seen unsuspended next, an operator resumed it.
+        self._probing = False
 
     @property
     def stats(self):
@@ -293,6 +296,13 @@ class ShardJob:
         or end the suspension this shard probes once its circuit closed (a probe succeeded).
         None: deliver on; False: look again; True: asked to stop while waiting."""
         suspended = sub.suspended
+        if suspended is None and self._probing:
+            # An operator resumed while this shard probed: deliver again with the failure clock
+            # started afresh, as the shards that waited do, rather than suspend again at once
+            # for the failures the suspension already answered.
+            self._probing = False
+            self._circuit.forget_failing()
+            log.info("%s shard %d: suspension ended by an operator", self.name, self.shard)
         if suspended is None:
             why = self._circuit.suspension_due()
             if why is None:
@@ -324,6 +334,7 @@ class ShardJob:
             log.info("%s shard %d: suspension ended; delivering again", self.name, self.shard)
             return False
         if self._circuit.poll() == "closed" and self._circuit.failing_since_ms is None:
+            self._probing = False
             subscriptions.SubscriptionService(self.catalog).set_suspended(self.name, None)
             self._report_suspended(False)
             log.info(
@@ -331,6 +342,7 @@ class ShardJob:
                 self.name, self.shard,
             )  # fmt: skip
             return False
+        self._probing = True
         return None  # this shard probes: its circuit's half-open batches
 
     def _report_suspended(self, suspended: bool) -> None:
