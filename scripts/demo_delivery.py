@@ -66,6 +66,7 @@ def main() -> int:
                 "multiplier": 2,
             },
             "consumption": {"trigger_interval": "200ms", "max_in_flight": 64},
+            "trace": {"retention": "1h"},  # every attempt, shown below by `varadhi trace`
         }
     )
     SubscriptionService(catalog).create(spec)
@@ -128,6 +129,11 @@ def main() -> int:
     print()
     varadhi = str(ROOT / ".venv" / "bin" / "varadhi")
     subprocess.run([varadhi, "status", name], env=env, check=False)
+    if parked_rows:
+        example = parked_rows[0]["msg_id"]
+        print(f"\n== every attempt of dead-lettered message {example} (varadhi trace)")
+        trace = [varadhi, "trace", name, "--message-id", example]
+        subprocess.run(trace, env=env, check=False)
 
     print(f"\n== replay: re-deliver the first minute of {topic} out of band (X-Varadhi-Replay)")
     endpoint.fail_rate = 0.0
