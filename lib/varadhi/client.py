@@ -73,7 +73,8 @@ class OffsetResetResult:
 
 @dataclass(frozen=True)
 class RedriveProgress:
-    """Which shards applied a re-drive (`done`) out of the subscription's `shard_count`."""
+    """Which shards applied a re-drive (`done`; a rate-capped one: put everything back) out of
+    the subscription's `shard_count`."""
 
     op_id: str
     done: tuple[int, ...]
@@ -312,17 +313,23 @@ class Client:
         message_ids: Sequence[str] = (),
         failed_since: int | str | None = None,
         failed_until: int | str | None = None,
+        rate: float | str | None = None,
     ) -> str:
         """Record a re-drive (unsideline) of the parked messages any of the selectors match
         (times: ISO-8601 or epoch ms); each running shard applies it at its next micro-batch, in
-        the groups' order. Returns the re-drive's id (see `redrive_progress`)."""
+        the groups' order. With `rate` (messages a second for the whole subscription: a number
+        or text like `"50/s"`), the shards put them back at no more than that, in portions, each
+        group in order and ahead of its newer traffic. Returns the re-drive's id (see
+        `redrive_progress`)."""
         selector = dlq.Selector(
             group_ids=tuple(group_ids),
             message_ids=tuple(message_ids),
             failed_since_ms=_time_ms(failed_since, "failed_since"),
             failed_until_ms=_time_ms(failed_until, "failed_until"),
         ).validate()
-        return dlq.request_unsideline(self.catalog, name, selector)
+        if isinstance(rate, str):
+            rate = dlq.parse_rate(rate)
+        return dlq.request_unsideline(self.catalog, name, selector, rate)
 
     def redrive_progress(self, name: str, op_id: str) -> RedriveProgress:
         snap = self.catalog.snapshot()
@@ -333,8 +340,9 @@ class Client:
     def wait_for_redrive(
         self, name: str, op_id: str, timeout_s: float, poll_s: float = 1.0
     ) -> RedriveProgress:
-        """Wait until every shard applied the re-drive; raises `RedriveNotApplied` after
-        `timeout_s` (the shards are probably not running)."""
+        """Wait until every shard applied the re-drive (a rate-capped one: put everything
+        back); raises `RedriveNotApplied` after `timeout_s` (the shards are probably not
+        running, or the rate needs longer)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             progress = self.redrive_progress(name, op_id)

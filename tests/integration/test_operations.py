@@ -190,8 +190,10 @@ def test_unsideline_refuses_bad_requests_without_side_effects(
     assert cli(["dlq", "unsideline", "no-such-sub", "--group-ids", "g"]) == 2
     assert cli(["dlq", "unsideline", spec.name, "--failed-since", "yesterday"]) == 2
     assert cli(["dlq", "unsideline", spec.name, "--failed-until", "2026-01-01T00:00:00Z"]) == 2
+    assert cli(["dlq", "unsideline", spec.name, "--group-ids", "g", "--rate", "0/s"]) == 2
     err = capsys.readouterr().err
     assert "does not exist" in err and "not a time" in err and "needs --failed-since" in err
+    assert "--rate must be a positive number of messages a second" in err
     assert dlq.redrives(catalog.snapshot(), spec.name) == before
 
 

@@ -17,6 +17,7 @@ from varadhi.core.state_rows import (
     RESULT_COLUMNS,
     RESULT_SCHEMA,
     Kind,
+    RedriveProgress,
     TaskStats,
     delivered_ids,
     done_row,
@@ -130,6 +131,9 @@ def test_a_table_written_with_the_old_schema_reads_and_takes_commits(spark, tmp_
         RESULT_COLUMNS,
     )
     touched, new_rows = changes(result, "app", 4)
+    # and a rate-capped re-drive's portion: its progress is committed with the batch
+    progress = RedriveProgress({"s.dlq.0": {"0": 2}}, 1_000, 0.5)
+    store.record_redrives({"redrive-2": {"s.dlq.0": {"0": 9}}}, {"redrive-2": progress})
     assert store.commit(touched, new_rows, "app", 4)
 
     again = StateStore(spark, path, "w2")
@@ -140,6 +144,7 @@ def test_a_table_written_with_the_old_schema_reads_and_takes_commits(spark, tmp_
     ]
     assert [(r.msg_id, r.target) for r in state_rows(again.outs("app", 4))] == [("m5", "dlq")]
     assert again.redrives_applied() == {"redrive-1": {"s.dlq.0": {"0": 4}}}
+    assert again.redrives_in_progress() == {"redrive-2": ({"s.dlq.0": {"0": 9}}, progress)}
     schema = spark.read.format("delta").load(path).schema
     assert [(f.name, f.dataType.simpleString()) for f in schema.fields] == OLD_COLUMNS
     # The first commit gave the old table the state table's properties (one commit before

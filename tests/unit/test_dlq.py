@@ -1,5 +1,7 @@
 """Re-drive decisions (pure): what an applied re-drive covers, what a new one takes, list states."""
 
+import pytest
+
 from varadhi.kafka.catalog import Snapshot, key
 from varadhi.kafka.dlq import (
     Applied,
@@ -164,3 +166,51 @@ def test_truncated_copies_and_records_without_an_origin_are_not_re_driven():
     fine = parked("c", offset=3)
     rows = redrive_rows([("r", p) for p in (truncated, foreign, fine)], True)
     assert [r.msg_id for r in rows] == ["c"]
+
+
+def test_a_rate_is_n_a_second_positive_with_or_without_its_unit():
+    from varadhi.core.errors import InvalidArgument
+    from varadhi.kafka.dlq import parse_rate
+
+    assert parse_rate("50/s") == parse_rate("50") == 50.0
+    assert parse_rate("0.5/s") == 0.5
+    for bad in ("0", "-3/s", "fast", "5/m", "inf", "nan", ""):
+        with pytest.raises(InvalidArgument, match="--rate must be a positive number"):
+            parse_rate(bad)
+
+
+def test_pending_redrives_come_oldest_first_with_their_rate_shared_among_their_shards():
+    from varadhi.kafka.dlq import Redrive, pending_for
+
+    g = Selector(group_ids=("g",))
+    rated = doc(g, created_ms=2_000) | {"rate": 30, "shards": 3, "ends": {}}
+    snap = Snapshot(
+        {
+            key("operation", "s/redrive-9-b"): rated,
+            key("operation", "s/redrive-1-a"): doc(g, created_ms=3_000),
+            key("operation", "s/redrive-5-c"): doc(g, done=[0], created_ms=1_000),
+        }
+    )
+    assert pending_for(snap, "s", 0) == {
+        "redrive-9-b": Redrive(g, 30.0, 3, 2_000),
+        "redrive-1-a": Redrive(g, None, 1, 3_000),
+    }
+    assert Redrive(g, 30.0, 3).shard_rate == 10.0 and Redrive(g).shard_rate is None
+    # what covers a re-drive's picks: only the re-drives requested before it
+    snap = Snapshot(
+        {
+            key("operation", "s/redrive-1-a"): doc(g, done=[0], scanned={DLQ: {"0": 4}}),
+            key("operation", "s/redrive-2-b"): doc(g, done=[0], scanned={DLQ: {"0": 9}})
+            | {"created_ms": 6_000},
+        }
+    )
+    assert applied_redrives(snap, "s", (6_000, "redrive-2-b")) == [Applied(g, {DLQ: {"0": 4}})]
+
+
+def test_list_state_of_a_record_a_rate_capped_redrive_is_putting_back():
+    g = Selector(group_ids=("g",))
+    under_way = {"r": doc(g, scanned={DLQ: {"0": 3}}) | {"rate": 5, "ends": {DLQ: {"0": 6}}}}
+    assert redrive_state(parked("a", offset=2), under_way, 1) == "redriven"
+    assert redrive_state(parked("a", offset=4), under_way, 1) == "redrive requested"
+    assert redrive_state(parked("a", offset=6), under_way, 1) == "parked"  # after it started
+    assert redrive_state(parked("a", partition=1), under_way, 1) == "redrive requested"

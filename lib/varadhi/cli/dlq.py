@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from varadhi.cli import common
+from varadhi.kafka.dlq import parse_rate
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +40,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     un.add_argument("--failed-since", metavar="TIME", help="ISO-8601 (UTC if no zone) or epoch ms")
     un.add_argument("--failed-until", metavar="TIME")
     un.add_argument(
-        "--wait", type=float, default=0, metavar="SECONDS", help="wait until every shard applied it"
+        "--rate",
+        metavar="N/s",
+        help="put the messages back at no more than N a second for the whole subscription "
+        "(`50/s` or `50`; split among its shards): each shard takes its share in portions, one "
+        "a micro-batch, each group in order and ahead of its newer traffic (default: all at once)",
+    )
+    un.add_argument(
+        "--wait",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="wait until every shard applied it (with --rate: put everything back)",
     )
     un.set_defaults(func=_unsideline)
 
@@ -69,11 +81,20 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _unsideline(args: argparse.Namespace) -> int:
+    rate = None if args.rate is None else parse_rate(args.rate)
     with common.client(args) as client:
         op_id = client.redrive(
-            args.name, args.group_ids, args.message_ids, args.failed_since, args.failed_until
+            args.name,
+            args.group_ids,
+            args.message_ids,
+            args.failed_since,
+            args.failed_until,
+            rate=rate,
         )
-        print(f"re-drive {op_id} recorded; running shards apply it at their next micro-batch")
+        when = "at their next micro-batch"
+        if rate is not None:
+            when = f"from their next micro-batch, at most {rate:g} messages a second in all"
+        print(f"re-drive {op_id} recorded; running shards apply it {when}")
         if args.wait:
             client.wait_for_redrive(args.name, op_id, args.wait)
             print(f"re-drive {op_id} applied by every shard")

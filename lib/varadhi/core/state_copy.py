@@ -4,8 +4,9 @@
 `redrive`; kinds and columns in `varadhi.core.state_rows`) and answers what the batch-commit
 protocol and the delivery plan ask of the state: the last batch committed (`meta`), the pending
 groups (`pending`), parked bodies (`held_groups`, `held_rows`), a batch's RQ/DLQ records
-(`outs`), re-drives applied (`redrives_applied`); it changes in memory (`record_redrives`,
-`forget_redrives`, `redrive`), and `committed` is the table a commit of a batch writes.
+(`outs`), re-drives applied (`redrives_applied`) and rate-capped ones under way
+(`redrives_in_progress`); it changes in memory (`record_redrives`, `forget_redrives`,
+`redrive`, `hold_back`), and `committed` is the table a commit of a batch writes.
 
 Where the table lives is the subclass's business: `varadhi.spark.state_store.StateStore` keeps it
 in Delta; `varadhi.testing.micro_batch.MemoryState` in memory, for tests that run a whole
@@ -21,8 +22,10 @@ import pandas as pd
 from varadhi.core.state_rows import (
     COLUMN_NAMES,
     Kind,
+    RedriveProgress,
     Scanned,
     StateRow,
+    decode_progress,
     decode_scanned,
     frame_of,
     meta_row,
@@ -76,21 +79,64 @@ class StateCopy:
 
     def redrives_applied(self) -> dict[str, Scanned]:
         """Re-drive operation id -> the DLQ end offsets its scan covered, for the `redrive`
-        rows of the copy."""
+        rows of the copy of re-drives applied completely."""
         f = self.frame
-        rows = f[f["kind"] == Kind.REDRIVE]
+        rows = f[(f["kind"] == Kind.REDRIVE) & f["source"].isna()]
         return {
             str(op_id): decode_scanned(scanned)
             for op_id, scanned in zip(rows["msg_id"], rows["headers"], strict=True)
         }
 
+    def redrives_in_progress(self) -> dict[str, tuple[Scanned, RedriveProgress]]:
+        """Rate-capped re-drives part-way through: operation id -> (the end offsets it started
+        with, its progress)."""
+        f = self.frame
+        rows = f[(f["kind"] == Kind.REDRIVE) & f["source"].notna()]
+        return {
+            str(op_id): (decode_scanned(ends), decode_progress(progress))
+            for op_id, ends, progress in zip(
+                rows["msg_id"], rows["headers"], rows["source"], strict=True
+            )
+        }
+
     # -- writing --------------------------------------------------------------------------
-    def record_redrives(self, scanned: dict[str, Scanned]) -> None:
-        """Add a `redrive` row per operation (in memory; the next `commit` persists them)."""
+    def record_redrives(
+        self, scanned: dict[str, Scanned], progress: dict[str, RedriveProgress] | None = None
+    ) -> None:
+        """Set a `redrive` row per operation, replacing its earlier one (in memory; the next
+        `commit` persists them): applied completely, or part-way with its `progress`."""
         if not scanned:
             return
-        rows = normalise(frame_of([redrive_row(op_id, sc) for op_id, sc in scanned.items()]))
-        self.frame = normalise(pd.concat([self.frame, rows], ignore_index=True))
+        progress = progress or {}
+        self.forget_redrives(scanned)
+        rows = [redrive_row(op_id, sc, progress.get(op_id)) for op_id, sc in scanned.items()]
+        self.frame = normalise(
+            pd.concat([self.frame, normalise(frame_of(rows))], ignore_index=True)
+        )
+
+    def hold_back(self, rows: list[StateRow]) -> int:
+        """Add `dlq` entries that stop their groups (a rate-capped re-drive's barriers,
+        `varadhi.core.redrive_pace`) where no entry of the group is pending at that origin yet
+        (in memory; the next `commit`). Returns how many were added."""
+        f = self.frame
+        pending = f[f["kind"] == Kind.PENDING]
+        at = set(
+            zip(
+                pending["group_key"],
+                pending["origin_index"],
+                pending["origin_partition"],
+                pending["origin_offset"],
+                strict=True,
+            )
+        )
+        add = [
+            r
+            for r in rows
+            if (r.group_key, r.origin_index, r.origin_partition, r.origin_offset) not in at
+        ]
+        if add:
+            self.frame = normalise(pd.concat([f, normalise(frame_of(add))], ignore_index=True))
+        return len(add)
 
     def forget_redrives(self, op_ids: Iterable[str]) -> None:
         """Drop the `redrive` rows of these operations (in memory; the next `commit`)."""

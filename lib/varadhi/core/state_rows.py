@@ -15,7 +15,7 @@ Persisted kinds (the table holds only these):
 | `pending` | one pending message of a non-healthy group (`varadhi.core.group_state.Entry`) |
 | `out`     | an RQ/DLQ record of the table's last committed batch (the outbox)        |
 | `meta`    | which batch (`app_id`, `batch_id`) the table's content belongs to        |
-| `redrive` | a DLQ re-drive applied here and not yet marked done (`varadhi.kafka.dlq`)      |
+| `redrive` | a DLQ re-drive applied here and not yet marked done, or part-way through (`varadhi.kafka.dlq`) |
 
 In flight only: `fwd` (a record phase 1 forwards to phase 2, with its body), `held` (a parked
 body the driver adds to phase 2: a `pending` row at location `held`, renamed), `touched` (a
@@ -43,7 +43,7 @@ The state columns (`STATE_COLUMNS`), and the kinds that use each:
 | `last_failure_ms`       | bigint | pending out fwd held  | last failed attempt (null: none)                              |
 | `reason`                | string | pending out fwd held  | why the last attempt failed; a never-attempted `new`/`held` entry: why it is malformed (`Entry.invalid`) |
 | `status`                | int    | pending out fwd held  | the last attempt's HTTP status (null: none)                   |
-| `source`                | string | pending out fwd held  | `topic/partition/offset` where this copy was read             |
+| `source`                | string | pending out fwd held redrive | `topic/partition/offset` where this copy was read; `redrive`: a rate-capped re-drive's progress (`encode_progress`; null once complete) |
 | `target`                | string | out                   | `rq` or `dlq`                                                 |
 | `batch_id`              | bigint | out meta              | the batch that committed the row                              |
 | `app_id`                | string | out meta              | the query (`txnAppId`) that committed the row                 |
@@ -237,9 +237,32 @@ def touched_row(key: str) -> StateRow:
 Scanned = dict[str, dict[str, int]]  # DLQ storage topic -> partition (as text) -> end offset
 
 
-def redrive_row(op_id: str, scanned: Scanned) -> StateRow:
-    """A re-drive applied in the table: `msg_id` the operation id, `headers` its scan."""
-    return StateRow(Kind.REDRIVE, msg_id=op_id, headers=encode_scanned(scanned))
+def redrive_row(op_id: str, scanned: Scanned, progress: RedriveProgress | None = None) -> StateRow:
+    """A re-drive applied in the table: `msg_id` the operation id, `headers` its scan (the end
+    offsets it covers). A rate-capped re-drive part-way through also has its `progress` (in
+    `source`, `encode_progress`); a row without one is applied completely."""
+    source = None if progress is None else encode_progress(progress)
+    return StateRow(Kind.REDRIVE, msg_id=op_id, headers=encode_scanned(scanned), source=source)
+
+
+@dataclass(frozen=True)
+class RedriveProgress:
+    """How far a rate-capped re-drive has got on a shard (`varadhi.core.redrive_pace`): below
+    `taken` every message it selects is back; its last portion was taken at `at_ms` and left
+    `carry` (a fraction of a message) for the next."""
+
+    taken: Scanned
+    at_ms: int
+    carry: float
+
+
+def encode_progress(progress: RedriveProgress) -> str:
+    return json.dumps(asdict(progress), sort_keys=True)
+
+
+def decode_progress(text: str) -> RedriveProgress:
+    d = json.loads(text)
+    return RedriveProgress(d["taken"], int(d["at_ms"]), float(d["carry"]))
 
 
 def encode_scanned(scanned: Scanned) -> str:

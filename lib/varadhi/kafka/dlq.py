@@ -30,6 +30,25 @@ the selection (and one chunk), not by the DLQ.
 
 DLQ records stay in Kafka (it is append-only); `list_parked` reports a record as `redriven` when
 an applied re-drive covers it in that way.
+
+A rate-capped re-drive (`rate`: messages a second for the whole subscription, split evenly
+among the `shards` it was recorded for) is applied in portions, one per micro-batch
+(`varadhi.core.redrive_pace`: the pace, the order and the barriers that keep each group's order
+across portions). On its first portion a shard reads its DLQ partitions up to their end offsets
+once and keeps what it selects (`Pick`: position, group, origin; no bodies) in memory
+(`PickCache`; read again after a restart); each portion then reads only the records it takes.
+Its `redrive` row carries the end offsets it started with and its progress, committed with the
+portion's entries, so a shard that crashes goes on from its last committed portion: nothing is
+put back twice or skipped. After each commit the progress is added to the operation document's
+`scanned` (what `list_parked` shows as `redriven`; the rest below its `ends` as `redrive
+requested`); once everything up to the ends is back, the row is an applied one and the shard
+marks the operation done. A shard ticks (`varadhi.spark.shard.ticks`) so that a batch runs at
+least every second while a re-drive waits: portions go on without new traffic.
+
+Re-drives apply in the order they were requested (`created_ms`, then id). A record several of
+them select belongs to the first: a later re-drive skips what an earlier one covers, applied or
+still under way on the shard (below its end offsets), and only that, so a shard that reads its
+picks again after a restart finds the same ones.
 """
 
 from __future__ import annotations
@@ -38,7 +57,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -50,7 +69,14 @@ from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.errors import InvalidArgument, VaradhiError
 from varadhi.core.group_state import Entry
 from varadhi.core.record_ids import header_value, text_id
-from varadhi.core.state_rows import Kind, Scanned, StateRow, state_row
+from varadhi.core.redrive_pace import (
+    Pick,
+    is_taken,
+    pick_order,
+    plan_portion,
+    portion_size,
+)
+from varadhi.core.state_rows import Kind, RedriveProgress, Scanned, StateRow, state_row
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
@@ -160,6 +186,49 @@ class Selector:
             d.get("failed_since_ms"),
             d.get("failed_until_ms"),
         )
+
+
+@dataclass(frozen=True)
+class Redrive:
+    """A re-drive operation as shards apply it: what it selects, its `rate` (messages a second
+    for the whole subscription; None: all at once) shared by the `shards` it was recorded for,
+    and when it was requested (`created_ms`, its place in the order re-drives apply in)."""
+
+    selector: Selector
+    rate: float | None = None
+    shards: int = 1
+    created_ms: int = 0
+
+    @property
+    def shard_rate(self) -> float | None:
+        """Each shard's share of the rate (None: no rate)."""
+        return None if self.rate is None else self.rate / max(1, self.shards)
+
+    @classmethod
+    def from_doc(cls, doc: Mapping[str, Any]) -> Redrive:
+        rate = doc.get("rate")
+        return cls(
+            Selector.from_dict(doc["selector"]),
+            None if rate is None else float(rate),
+            int(doc.get("shards") or 1),
+            int(doc.get("created_ms") or 0),
+        )
+
+
+def parse_rate(text: str) -> float:
+    """A re-drive's rate, `N/s` or `N` (messages a second, for the whole subscription): a
+    positive finite number. Raises InvalidArgument naming `--rate` otherwise."""
+    number = text.strip().removesuffix("/s").strip()
+    try:
+        rate = float(number)
+    except ValueError:
+        rate = float("nan")
+    if not (0 < rate < float("inf")):
+        raise InvalidArgument(
+            f"--rate must be a positive number of messages a second, like 50/s or 50; got {text!r}",
+            field="rate",
+        )
+    return rate
 
 
 def parse_time_ms(text: str, field_name: str) -> int:
@@ -324,13 +393,15 @@ def redrives(snapshot: Snapshot, name: str) -> dict[str, dict[str, Any]]:
     }
 
 
-def pending_for(snapshot: Snapshot, name: str, shard: int) -> dict[str, Selector]:
-    """Re-drives that `shard` has not applied yet: op id -> selector (pure)."""
-    return {
-        op_id: Selector.from_dict(doc["selector"])
+def pending_for(snapshot: Snapshot, name: str, shard: int) -> dict[str, Redrive]:
+    """Re-drives that `shard` has not applied completely yet, in the order they apply in:
+    op id -> `Redrive` (pure)."""
+    pending = {
+        op_id: Redrive.from_doc(doc)
         for op_id, doc in redrives(snapshot, name).items()
         if shard not in doc.get("done", [])
     }
+    return dict(sorted(pending.items(), key=lambda kv: (kv[1].created_ms, kv[0])))
 
 
 @dataclass(frozen=True)
@@ -351,10 +422,15 @@ class Applied:
         return p.offset < int(self.scanned.get(p.topic, {}).get(str(p.partition), 0))
 
 
-def applied_redrives(snapshot: Snapshot, name: str) -> list[Applied]:
-    """Every re-drive some shard has applied, as `Applied` (pure)."""
+def applied_redrives(
+    snapshot: Snapshot, name: str, before: tuple[int, str] | None = None
+) -> list[Applied]:
+    """Every re-drive some shard has applied (a rate-capped one: as far as it has got), as
+    `Applied` (pure); with `before` (created_ms, op id), only those requested before it."""
     out = []
-    for doc in redrives(snapshot, name).values():
+    for op_id, doc in redrives(snapshot, name).items():
+        if before is not None and (int(doc.get("created_ms") or 0), op_id) >= before:
+            continue
         selector = Selector.from_dict(doc["selector"])
         if "scanned" in doc:
             if doc["scanned"]:
@@ -385,41 +461,169 @@ def apply_redrives(
     dlq: topics.CompositeTopic,
     shard: int,
     store,
-    ops: Mapping[str, Selector],
+    ops: Mapping[str, Redrive],
+    picks: PickCache,
+    now_ms: int,
 ) -> int:
-    """Apply the re-drives `ops` (pending for `shard`) to the shard's state copy `store`, between
-    its batches; the next state commit persists them with a `redrive` row per operation (its
-    scan's end offsets). An operation whose row is in the table already (committed, not yet
-    marked done) is not applied again. Returns how many entries were added or replaced."""
+    """Apply the re-drives `ops` (pending for `shard`, in order) to the shard's state copy
+    `store`, between its batches: one without a rate completely, one with a rate its next
+    portion; the next state commit persists them with a `redrive` row per operation. An
+    operation whose row says it was applied completely (committed, not yet marked done) is not
+    applied again. `picks` keeps rate-capped ones' picks between batches; `now_ms` paces them.
+    Returns how many entries were added or replaced."""
     committed = store.redrives_applied()
-    store.forget_redrives(set(committed) - set(ops))  # marked done since: no longer needed
-    todo = {op_id: sel for op_id, sel in ops.items() if op_id not in committed}
-    if not todo:
-        return 0
+    moving = store.redrives_in_progress()
+    store.forget_redrives((set(committed) | set(moving)) - set(ops))  # done since: not needed
+    picks.keep(moving.keys() & ops.keys())
     partitions = dlq_partitions(sub, dlq, shard)
-    scanned = end_offsets(settings, partitions)
-    applied = applied_redrives(snapshot, sub.name) + [
-        Applied(ops[op_id], committed[op_id]) for op_id in committed if op_id in ops
-    ]
-    chosen: list[tuple[str, Parked]] = []
-    for chunk in iter_parked(settings, partitions, dlq_start(snapshot, sub.name), ends=scanned):
-        chosen.extend(select_redrive(chunk, todo, applied))
-    added = store.redrive(redrive_rows(chosen, sub.spec.grouped))
-    store.record_redrives(dict.fromkeys(todo, scanned))
+    start = dlq_start(snapshot, sub.name)
+    added = 0
+    ahead: list[Applied] = []  # what the re-drives before the next one cover on this shard
+    for op_id, op in ops.items():
+        covered = applied_redrives(snapshot, sub.name, (op.created_ms, op_id)) + ahead
+        if op_id in committed:
+            ahead.append(Applied(op.selector, committed[op_id]))
+        elif op.rate is None:
+            scanned = end_offsets(settings, partitions)
+            chosen: list[tuple[str, Parked]] = []
+            for chunk in iter_parked(settings, partitions, start, ends=scanned):
+                chosen.extend(select_redrive(chunk, {op_id: op.selector}, covered))
+            added += store.redrive(redrive_rows(chosen, sub.spec.grouped))
+            store.record_redrives({op_id: scanned})
+            ahead.append(Applied(op.selector, scanned))
+        else:
+            ends, progress = moving.get(op_id) or (end_offsets(settings, partitions), None)
+            portion = _Portion(settings, sub, partitions, start, op_id, op, ends, covered)
+            added += portion.apply(store, progress, picks, now_ms)
+            ahead.append(Applied(op.selector, ends))  # it claims what it selects below its ends
     return added
 
 
-def finish_redrives(catalog: Catalog, name: str, shard: int, store, ops: Iterable[str]) -> None:
-    """After the state commit: mark done the operations of `ops` whose `redrive` row the table
-    holds, with their scanned offsets, and drop the rows from the copy (the next commit)."""
-    applied = {op_id: sc for op_id, sc in store.redrives_applied().items() if op_id in set(ops)}
+class PickCache:
+    """A shard's picks (`redrive_pace.Pick`, in `pick_order`) of its rate-capped re-drives under
+    way, op id -> picks, kept between batches (read again after a restart), and the progress
+    each last reported to its operation document. Not thread-safe (the batch gate guards it)."""
+
+    def __init__(self) -> None:
+        self._picks: dict[str, list[Pick]] = {}
+        self._reported: dict[str, Scanned] = {}
+
+    def keep(self, op_ids: Iterable[str]) -> None:
+        """Forget every operation but these."""
+        keep = set(op_ids)
+        for d in (self._picks, self._reported):
+            for op_id in set(d) - keep:
+                del d[op_id]
+
+    def picks(self, op_id: str, read: Callable[[], list[Pick]]) -> list[Pick]:
+        """The picks of `op_id`, read (`read()`) the first time."""
+        if op_id not in self._picks:
+            self._picks[op_id] = read()
+        return self._picks[op_id]
+
+    def unreported(self, progress: Mapping[str, Scanned]) -> dict[str, Scanned]:
+        """Of `progress` (op id -> taken), what differs from what was last reported."""
+        return {op: t for op, t in progress.items() if self._reported.get(op) != t}
+
+    def reported(self, progress: Mapping[str, Scanned]) -> None:
+        self._reported.update(progress)
+
+
+@dataclass(frozen=True)
+class _Portion:
+    """The next portion of the rate-capped re-drive `op_id` on one shard (its I/O; the
+    decisions are `varadhi.core.redrive_pace`'s)."""
+
+    settings: Any
+    sub: Any
+    partitions: dict[str, list[int]]
+    start: dict[str, dict[str, int]]
+    op_id: str
+    op: Redrive
+    ends: Scanned
+    covered: list[Applied]  # what the re-drives before it cover
+
+    def apply(self, store, progress: RedriveProgress | None, cache: PickCache, now_ms: int) -> int:
+        """Put the portion's messages back in `store` with its barriers and its `redrive` row
+        (`progress` None: the first portion); returns how many entries were added."""
+        taken = {} if progress is None else progress.taken
+        last_ms = None if progress is None else progress.at_ms
+        carry = 0.0 if progress is None else progress.carry
+        rate = self.op.shard_rate
+        assert rate is not None
+        budget, carry = portion_size(rate, last_ms, carry, now_ms)
+        if budget == 0 and progress is not None:
+            return 0  # not one whole message yet: the row stays as it is
+        order = [(t, p) for t, parts in self.partitions.items() for p in parts]
+        picks = cache.picks(self.op_id, lambda: self._read_picks(taken, order))
+        remaining = [p for p in picks if not is_taken(p, taken)]
+        portion = plan_portion(remaining, budget, taken, self.ends, order)
+        wanted = {(p.topic, p.partition, p.offset) for p in portion.take}
+        chosen = []
+        if wanted:
+            for chunk in iter_parked(
+                self.settings, self.partitions, self._from(taken), ends=portion.taken
+            ):
+                chosen.extend(
+                    (self.op_id, p) for p in chunk if (p.topic, p.partition, p.offset) in wanted
+                )
+        added = store.redrive(redrive_rows(chosen, self.sub.spec.grouped))
+        store.hold_back(barrier_rows(portion.barriers, self.op_id))
+        if portion.complete:
+            store.record_redrives({self.op_id: self.ends})
+        else:
+            step = RedriveProgress(portion.taken, now_ms, carry)
+            store.record_redrives({self.op_id: self.ends}, {self.op_id: step})
+        log.info(
+            "re-drive %s: %d parked messages back (at most %.6g a second on this shard)%s",
+            self.op_id,
+            len(chosen),
+            rate,
+            "; complete" if portion.complete else "",
+        )
+        return added
+
+    def _from(self, taken: Scanned) -> dict[str, dict[str, int]]:
+        """Where reading starts: the progress, or the DLQ's start when that is later."""
+        out = {t: dict(parts) for t, parts in self.start.items()}
+        for t, parts in taken.items():
+            for p, o in parts.items():
+                out.setdefault(t, {})[p] = max(int(o), int(out.get(t, {}).get(p, 0)))
+        return out
+
+    def _read_picks(self, taken: Scanned, order: list[tuple[str, int]]) -> list[Pick]:
+        """The re-drive's picks from its progress to its end offsets: one DLQ scan."""
+        found: list[Pick] = []
+        grouped = self.sub.spec.grouped
+        for chunk in iter_parked(self.settings, self.partitions, self._from(taken), ends=self.ends):
+            for _, p in select_redrive(chunk, {self.op_id: self.op.selector}, self.covered):
+                if redrivable(p):
+                    found.append(pick_of(p, grouped))
+        return pick_order(found, order)
+
+
+def finish_redrives(
+    catalog: Catalog, name: str, shard: int, store, ops: Iterable[str], picks: PickCache
+) -> None:
+    """After the state commit: mark done the operations of `ops` whose `redrive` row says they
+    were applied completely, with their scanned offsets, and drop the rows from the copy (the
+    next commit); add the progress of rate-capped ones under way to their documents."""
+    ops = set(ops)
+    applied = {op_id: sc for op_id, sc in store.redrives_applied().items() if op_id in ops}
     if applied:
         mark_done(catalog, name, applied, shard, scanned=applied)
         store.forget_redrives(applied)
+    moving = {op: v for op, v in store.redrives_in_progress().items() if op in ops}
+    news = picks.unreported({op_id: progress.taken for op_id, (_, progress) in moving.items()})
+    if news:
+        report_progress(catalog, name, {op_id: (moving[op_id][0], t) for op_id, t in news.items()})
+        picks.reported(news)
 
 
 def redrive_state(p: Parked, docs: Mapping[str, dict[str, Any]], shard_count: int) -> str:
-    """`parked`, `redrive requested` or `redriven` for one DLQ record (pure)."""
+    """`parked`, `redrive requested` or `redriven` for one DLQ record (pure). A record a
+    rate-capped re-drive under way will take (below the `ends` its shard started with) is
+    `redrive requested` until its portion is back."""
     state = "parked"
     for doc in docs.values():
         sel = Selector.from_dict(doc["selector"])
@@ -433,7 +637,12 @@ def redrive_state(p: Parked, docs: Mapping[str, dict[str, Any]], shard_count: in
                 state = "redrive requested"
         elif Applied(sel, doc["scanned"]).covers(p):
             return "redriven"
-        elif not complete and str(p.partition) not in doc["scanned"].get(p.topic, {}):
+        elif complete:
+            continue
+        elif str(p.partition) in doc.get("ends", {}).get(p.topic, {}):
+            if p.offset < int(doc["ends"][p.topic][str(p.partition)]):
+                state = "redrive requested"  # a later portion takes it
+        elif str(p.partition) not in doc["scanned"].get(p.topic, {}):
             state = "redrive requested"  # its shard has not applied it yet
     return state
 
@@ -455,13 +664,19 @@ def list_parked(
     return list(rows)
 
 
-def request_unsideline(catalog: Catalog, name: str, selector: Selector) -> str:
-    """Record a re-drive for every shard to apply; returns its operation id."""
+def request_unsideline(
+    catalog: Catalog, name: str, selector: Selector, rate: float | None = None
+) -> str:
+    """Record a re-drive for every shard to apply; returns its operation id. With `rate`
+    (messages a second, > 0), the shards put the messages back at that rate in all, each its
+    share of it (the shard count now)."""
     selector.validate()
+    if rate is not None and not (0 < rate < float("inf")):
+        raise InvalidArgument(f"--rate must be a positive number, got {rate!r}", field="rate")
     op_id = f"redrive-{int(time.time())}-{uuid.uuid4().hex[:6]}"
 
     def change(snap: Snapshot):
-        subscriptions.from_snapshot(snap, name)  # must exist
+        sub = subscriptions.from_snapshot(snap, name)  # must exist
         doc = {
             "kind": OpKind.UNSIDELINE,
             "selector": selector.to_dict(),
@@ -469,6 +684,8 @@ def request_unsideline(catalog: Catalog, name: str, selector: Selector) -> str:
             "done": [],
             "scanned": {},
         }
+        if rate is not None:
+            doc |= {"rate": rate, "shards": sub.shard_count, "ends": {}}
         return {key(OPERATION, f"{name}/{op_id}"): doc}
 
     catalog.mutate(change)
@@ -499,11 +716,61 @@ def mark_done(
     catalog.mutate(change)
 
 
+def report_progress(
+    catalog: Catalog, name: str, progress: Mapping[str, tuple[Scanned, Scanned]]
+) -> None:
+    """Add the progress of rate-capped re-drives under way on a shard (op id -> (the end
+    offsets it started with, how far it has taken)) to their documents: `scanned` covers what
+    is back, `ends` what it will take."""
+
+    def change(snap: Snapshot):
+        out = {}
+        for op_id, (ends, taken) in progress.items():
+            doc = snap.get(OPERATION, f"{name}/{op_id}")
+            if doc is not None:
+                out[key(OPERATION, f"{name}/{op_id}")] = dict(
+                    doc,
+                    scanned=merged_scanned(doc.get("scanned", {}), taken),
+                    ends=merged_scanned(doc.get("ends", {}), ends),
+                )
+        return out
+
+    catalog.mutate(change)
+
+
 def merged_scanned(base: Scanned, newer: Scanned) -> Scanned:
     out = {t: dict(parts) for t, parts in base.items()}
     for t, parts in newer.items():
         out.setdefault(t, {}).update({str(p): int(o) for p, o in parts.items()})
     return out
+
+
+def redrivable(p: Parked) -> bool:
+    """Whether a DLQ record can go back (pure): it has a valid origin and a body and is not a
+    truncated copy (replay its origin instead)."""
+    try:
+        m.Origin.decode(p.origin)
+    except ValueError:
+        return False
+    return m.H_TRUNCATED not in p.headers and p.value is not None
+
+
+def group_key_of(p: Parked, grouped: bool) -> str:
+    """The state's group key of a parked message (pure)."""
+    return p.group_id if (grouped and p.group_id) else f"~{p.msg_id}"
+
+
+def pick_of(p: Parked, grouped: bool) -> Pick:
+    """A redrivable parked message as a rate-capped re-drive's `Pick` (pure)."""
+    return Pick(
+        p.topic,
+        p.partition,
+        p.offset,
+        group_key_of(p, grouped),
+        m.Origin.decode(p.origin),
+        p.msg_id,
+        p.group_id,
+    )
 
 
 def redrive_rows(parked: Iterable[tuple[str, Parked]], grouped: bool) -> list[StateRow]:
@@ -513,24 +780,37 @@ def redrive_rows(parked: Iterable[tuple[str, Parked]], grouped: bool) -> list[St
     seen = set()
     for op_id, p in parked:
         where = f"{p.topic}/{p.partition}/{p.offset}"
-        try:
-            origin = m.Origin.decode(p.origin)
-        except ValueError:
-            log.warning("DLQ record %s has no valid %s: not re-driven", where, m.H_ORIGIN)
+        if not redrivable(p):
+            if m.H_TRUNCATED in p.headers:
+                log.warning(
+                    "DLQ record %s is a truncated copy: not re-driven; replay its origin %s",
+                    where,
+                    p.origin,
+                )
+            elif p.value is not None:
+                log.warning("DLQ record %s has no valid %s: not re-driven", where, m.H_ORIGIN)
             continue
-        if m.H_TRUNCATED in p.headers:
-            log.warning(
-                "DLQ record %s is a truncated copy: not re-driven; replay its origin %s",
-                where,
-                p.origin,
-            )
-            continue
-        if origin in seen or p.value is None:
+        origin = m.Origin.decode(p.origin)
+        if origin in seen:
             continue
         seen.add(origin)
         headers = {k: v for k, v in p.headers.items() if k not in RETRY_HEADERS}
         headers[m.H_REDRIVEN] = op_id
-        group_key = p.group_id if (grouped and p.group_id) else f"~{p.msg_id}"
         entry = Entry(origin, p.msg_id, p.group_id, "held", p.value, headers, source=where)
-        rows.append(state_row(Kind.PENDING, group_key, entry))
+        rows.append(state_row(Kind.PENDING, group_key_of(p, grouped), entry))
     return rows
+
+
+def barrier_rows(picks: Iterable[Pick], op_id: str) -> list[StateRow]:
+    """A rate-capped re-drive's barriers (`redrive_pace.plan_portion`) as bodiless `dlq` pending
+    rows at their picks' origins, where their groups stop until a later portion takes them
+    (pure)."""
+    reason = f"waiting for re-drive {op_id}"
+    return [
+        state_row(
+            Kind.PENDING,
+            p.group_key,
+            Entry(p.origin, p.msg_id, p.group_id, "dlq", reason=reason),
+        )
+        for p in picks
+    ]

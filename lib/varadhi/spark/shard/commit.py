@@ -8,7 +8,7 @@ Spark handing `foreachBatch` a micro-batch and Spark committing its offsets:
    committed state and died before Spark committed the batch), re-send that commit's RQ/DLQ
    records (`sender.send(state.outs(...))`) and return: nothing is delivered again;
 3. `work.apply_redrives()`: DLQ re-drives pending for this shard, applied to the state copy
-   (persisted by step 6);
+   (a rate-capped one: its next portion, with its progress; persisted by step 6);
 4. `work.deliver(state.pending())`: deliver on executors, which journal what the endpoint
    accepted; a batch run again after a crash skips what the crashed run journaled;
 5. `work.after_delivery(result)`: bookkeeping that is idempotent per batch (the dedup window,

@@ -118,7 +118,7 @@ def idle(
     all_read: Callable[[], bool],
 ) -> bool:
     """Whether a run bounded by `stop_when_idle_s` (`after_s`; None: unbounded) ends now: no
-    parked retry waits for a tick, no batch runs, none ended for more than `after_s` (`quiet_s`
+    parked retry or DLQ re-drive waits for a tick (`retry_waiting`), no batch runs, none ended for more than `after_s` (`quiet_s`
     since the last) and the query has read all its partitions hold. `all_read` is asked last,
     only when all else holds (it asks Kafka for the end offsets)."""
     if after_s is None or retry_waiting or batch_running or quiet_s <= after_s:

@@ -27,6 +27,7 @@ from varadhi.core.policies import CircuitPolicy
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import leases, subscriptions, topics
 from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.dlq import PickCache
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.spark import layouts, warehouse_fs
@@ -389,7 +390,7 @@ class ShardJob:
                 journal=ShardJournal(settings, name, shard),
                 trace=ShardTrace(settings, name, shard),
                 dedup=DedupWindows(settings.warehouse, name, shard),
-                rates=RateLimits(),
+                rates=RateLimits(), redrive_picks=PickCache(),
                 stores=StateStores(lease.instance), progress=self._progress,
                 gate=BatchGate(f"{name} shard {shard}"), end_offsets=end_offsets,
                 layouts=LayoutMoves(self.catalog, name, shard, end_offsets),

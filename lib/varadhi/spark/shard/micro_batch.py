@@ -117,7 +117,7 @@ class MicroBatch:
             inputs, df, batch_id, store, parts
         )  # fmt: skip
         self.filter: filters.Filter | None = None
-        self.redrive_ops: dict[str, dlq_ops.Selector] = {}
+        self.redrive_ops: dict[str, dlq_ops.Redrive] = {}
         self.filtered: Observation | None = None
         self.dropped: list[tuple[str, str, str | None]] = []
 
@@ -131,7 +131,7 @@ class MicroBatch:
         if self.redrive_ops:
             redriven = dlq_ops.apply_redrives(
                 parts.settings, snapshot, sub, self.inputs.dlq, parts.shard, self.store,
-                self.redrive_ops,
+                self.redrive_ops, parts.redrive_picks, int(time.time() * 1000),
             )  # fmt: skip
             log.info(
                 "%s shard %d: re-driving %d parked messages", parts.name, parts.shard, redriven
@@ -200,8 +200,9 @@ class MicroBatch:
     def finish_redrives(self) -> None:
         parts = self.parts
         dlq_ops.finish_redrives(
-            parts.catalog, parts.name, parts.shard, self.store, self.redrive_ops
-        )
+            parts.catalog, parts.name, parts.shard, self.store, self.redrive_ops,
+            parts.redrive_picks,
+        )  # fmt: skip
 
 
 def run_batch(parts: ShardParts, inputs: QueryInputs, df: DataFrame, batch_id: int) -> None:

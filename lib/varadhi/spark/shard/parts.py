@@ -24,6 +24,7 @@ from varadhi.core.circuit import CircuitBreaker
 from varadhi.core.rate_limit import RateGovernor, shard_share
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.dlq import PickCache
 from varadhi.kafka.settings import Settings
 from varadhi.spark.dedup import DedupWindow, tables_root
 from varadhi.spark.shard.gate import BatchGate
@@ -116,6 +117,7 @@ class ShardParts:
     trace: ShardTrace  # the delivery trace (`varadhi trace`)
     dedup: DedupWindows
     rates: RateLimits  # `endpoint.max_rate`: this shard's share, slowed by 429/503
+    redrive_picks: PickCache  # rate-capped DLQ re-drives under way (`varadhi.kafka.dlq`)
     stores: StateStores
     progress: ShardProgress
     gate: BatchGate

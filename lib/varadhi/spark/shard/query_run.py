@@ -180,7 +180,8 @@ class QueryRun:
         if idle(
             p.stop_when_idle_s,
             quiet_s=time.monotonic() - p.gate.last_end,
-            retry_waiting=p.ticks.next_due_ms is not None,
+            # a parked retry, or a re-drive (a rate-capped one goes on for many batches)
+            retry_waiting=p.ticks.next_due_ms is not None or bool(redrives),
             batch_running=p.gate.busy(),
             all_read=lambda: caught_up(consumed(query.lastProgress), assign, p.end_offsets(assign)),
         ):

@@ -5,7 +5,8 @@ A tick is an empty record with the header `messages.H_TICK` on the first partiti
 owns of its RQ's produce storage topic; the batch it triggers delivers nothing for it (the
 delivery path drops tick records) but runs the parked retries that are due and the pending
 re-drives. `tick_due` (pure) decides: for a waiting re-drive, one tick every
-`REDRIVE_TICK_MS` since the last batch started; otherwise one tick per due time (the earliest
+`REDRIVE_TICK_MS` since the last batch started (a rate-capped re-drive takes one portion a
+batch, at most a second's worth: `varadhi.core.redrive_pace`); otherwise one tick per due time (the earliest
 parked retry's `next_due_ms`), only if no batch has started since it fell due.
 
 Threading: `batch_started` and `tick_again` are called on the batch's thread, `maybe_tick` on
@@ -19,12 +20,14 @@ import time
 from kafka import KafkaProducer
 
 from varadhi.core.messages import H_TICK
+from varadhi.core.redrive_pace import MAX_PORTION_S
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.settings import Settings
 
-#: How often a shard with a pending re-drive wakes its query when no batch runs.
-REDRIVE_TICK_MS = 2_000
+#: How often a shard with a pending re-drive wakes its query when no batch runs: as often as a
+#: rate-capped re-drive's portion may grow (`redrive_pace.MAX_PORTION_S`), so it keeps its pace.
+REDRIVE_TICK_MS = int(MAX_PORTION_S * 1000)
 
 
 def tick_due(
