@@ -1,5 +1,6 @@
 """A subscription filter compiled to Spark (`varadhi.spark.columns.filter_column`) on records of every awkward
-shape, and `varadhi.spark.records.filter_records`: main-topic records only, counted, before Python."""
+shape, pinned to its Python twin (`varadhi.core.filters.matches`, the library runtime's) on the same
+corpus, and `varadhi.spark.records.filter_records`: main-topic records only, counted, before Python."""
 
 from __future__ import annotations
 
@@ -24,19 +25,29 @@ CORPUS = [
     (b"k", [("type", b"order.viewed"), ("type", b"order.paid")]),  # 6: repeated, first counts
     (b"k", [('it\'s "odd"', b"v"), ("Type", b"order.paid")]),  # 7: odd name; names are exact
     (b"k", [("type", "größe-日本".encode()), ("region", b"eu-")]),  # 8
+    # 9: a surrogate key; a surrogate in type; an overlong '/' in region: none is UTF-8
+    (b"\xed\xa0\x80", [("type", b"\xed\xa0\x80order.paid"), ("region", b"eu-\xc0\xaf")]),
+    # 10: a NUL in key and type (valid UTF-8); region's first value null, its second ignored
+    (b"tenant-7/\x00x", [("region", None), ("region", b"eu-late"), ("type", b"order.paid\x00")]),
+    (b"k", []),  # 11: an empty header list
+    (b"\xf4\x90\x80\x80", [("type", "größe".encode())]),  # 12: a key beyond U+10FFFF
 ]
 
 CASES = [
     ({"header": "type", "in": ["order.created", "order.paid"]}, {0, 1}),
     ({"header": "type", "in": ["größe-日本"]}, {8}),
-    ({"header": "region", "prefix": "eu-"}, {0, 2, 8}),  # 3's value is not UTF-8
-    ({"header": "region", "exists": True}, {0, 1, 2, 3, 8}),  # 4's is null
-    ({"header": "type", "exists": False}, {2, 4, 5, 7}),
+    ({"header": "type", "prefix": "größe"}, {8, 12}),
+    ({"header": "region", "prefix": "eu-"}, {0, 2, 8}),  # 3's and 9's values are not UTF-8
+    ({"header": "region", "exists": True}, {0, 1, 2, 3, 8, 9}),  # 4's and 10's first are null
+    ({"header": "type", "exists": False}, {2, 4, 5, 7, 11}),
     ({"header": 'it\'s "odd"', "in": ["v"]}, {7}),
-    ({"key": {"prefix": "tenant-7/"}}, {0, 2}),
-    ({"key": {"in": ["k", "tenant-8/b"]}}, {1, 6, 7, 8}),
+    ({"key": {"prefix": "tenant-7/"}}, {0, 2, 10}),
+    ({"key": {"in": ["k", "tenant-8/b"]}}, {1, 6, 7, 8, 11}),
     ({"key": {"exists": False}}, {3, 4}),
-    ({"not": {"header": "type", "in": ["order.created", "order.paid"]}}, {2, 3, 4, 5, 6, 7, 8}),
+    (
+        {"not": {"header": "type", "in": ["order.created", "order.paid"]}},
+        {2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12},
+    ),
     (
         {
             "all": [
@@ -48,7 +59,7 @@ CASES = [
     ),
     (
         {"any": [{"key": {"prefix": "tenant-8/"}}, {"not": {"header": "region", "exists": True}}]},
-        {1, 4, 5, 6, 7},
+        {1, 4, 5, 6, 7, 10, 11, 12},
     ),
 ]
 
@@ -60,11 +71,13 @@ def corpus(spark):
 
 
 @pytest.mark.parametrize(("doc", "expected"), CASES)
-def test_filter_column(corpus, doc, expected):
-    keep = filter_column(filters.parse(doc), corpus["key"], corpus["kheaders"])
+def test_filter_column_and_its_python_twin_agree(corpus, doc, expected):
+    f = filters.parse(doc)
+    keep = filter_column(f, corpus["key"], corpus["kheaders"])
     frame = corpus.select("i", keep.alias("keep")).toPandas()
     assert frame["keep"].notna().all()  # never null, whatever the bytes
     assert {int(i) for i in frame.loc[frame["keep"], "i"]} == expected
+    assert {i for i, (k, h) in enumerate(CORPUS) if filters.matches(f, k, h)} == expected
 
 
 def test_default_columns_are_the_kafka_sources(spark):

@@ -147,3 +147,37 @@ def test_apply_may_change_the_filter():
     same = subscription_spec.parse_spec(spec_doc(filter={"header": "type", "in": ["a", "a"]}))
     assert subs.changed_fields(again, same) == []
     assert subs.changed_fields(again, subscription_spec.parse_spec(spec_doc())) == ["filter"]
+
+
+# (filter, key, headers, matches): the comparison rules of `filters` on one record each. The Spark
+# twin is pinned to `matches` on a corpus of its own in tests/spark/test_filters.py.
+MATCHES = [
+    ({"header": "type", "in": ["a", "b"]}, None, [("type", b"b")], True),
+    ({"header": "type", "in": ["a"]}, None, [("Type", b"a")], False),  # names are exact
+    ({"header": "type", "in": ["a"]}, None, [("type", b"A")], False),  # values too
+    ({"header": "type", "in": ["a"]}, None, [("type", b"x"), ("type", b"a")], False),  # first
+    ({"header": "type", "in": ["a"]}, None, [("type", None), ("type", b"a")], False),
+    ({"header": "type", "exists": True}, None, [("type", None), ("type", b"a")], False),
+    ({"header": "type", "exists": True}, None, [("type", b"")], False),
+    ({"header": "type", "exists": False}, None, None, True),
+    ({"header": "type", "exists": True}, None, [("type", b"\xff")], True),  # present, not text
+    ({"header": "type", "prefix": "\u00e9"}, None, [("type", b"\xff")], False),
+    ({"not": {"header": "type", "in": ["x"]}}, None, [("type", b"\xfe\xff")], True),
+    ({"header": "t", "prefix": "größe"}, None, [("t", "größe-日本".encode())], True),
+    ({"header": "t", "in": ["日本"]}, None, [("t", "日本".encode())], True),
+    ({"header": "t", "prefix": "g"}, None, [("t", b"g\xed\xa0\x80")], False),  # a surrogate
+    ({"header": "t", "prefix": "/"}, None, [("t", b"\xc0\xaf")], False),  # overlong '/'
+    ({"key": {"prefix": "tenant-7/"}}, b"tenant-7/\x00", [], True),
+    ({"key": {"prefix": "t"}}, bytearray(b"tx"), [], True),
+    ({"key": {"in": ["k"]}}, b"", [], False),
+    ({"key": {"exists": False}}, b"", [], True),
+    ({"key": {"exists": True}}, b"\xff", [], True),
+    ({"all": [{"key": {"in": ["k"]}}, {"header": "a", "exists": True}]}, b"k", [("a", b"1")], True),
+    ({"all": [{"key": {"in": ["k"]}}, {"header": "a", "exists": True}]}, b"k", [], False),
+    ({"any": [{"key": {"in": ["x"]}}, {"header": "a", "exists": False}]}, b"k", [], True),
+]
+
+
+@pytest.mark.parametrize(("doc", "key", "headers", "expected"), MATCHES)
+def test_matches_follows_the_comparison_rules(doc, key, headers, expected):
+    assert filters.matches(filters.parse(doc), key, headers) is expected

@@ -1,5 +1,6 @@
 """Subscription filters: which main-topic messages a subscription delivers, decided by their key
-and headers inside the Spark plan, before any Python delivery code sees them.
+and headers outside the delivery path: inside the Spark plan, before any Python delivery code
+sees them (shards), or as a record is read, before it is scheduled (the library runtime).
 
 A filter is the `filter` key of a subscription document: one *condition*, written as YAML.
 
@@ -25,25 +26,27 @@ or false for every record (never null), so `not`, `all` and `any` are plain bool
 Only main-topic records are filtered: the retry queue holds messages the filter already
 accepted, and they are always delivered (or dead-lettered) as if there were no filter. A message
 the filter drops is not delivered, not retried and not dead-lettered; it never holds up its group
-and is counted as `filtered` (`varadhi.spark.shard.job`, `varadhi.ops.replay`).
+and is counted as `filtered` (`varadhi.spark.shard.job`, `varadhi.ops.replay`,
+`varadhi.library.runtime`).
 
 `parse` validates a document into frozen dataclasses (errors name the dotted field, e.g.
-`filter.all[1].prefix`), `to_dict` is its inverse (the catalog form) and
+`filter.all[1].prefix`), `to_dict` is its inverse (the catalog form),
 `varadhi.spark.columns.filter_column` compiles a filter to a Spark Column over the Kafka source's
-`key` and `headers` columns. Nesting is limited
+`key` and `headers` columns (the shards), and `matches` evaluates it in Python on one record's
+key and headers (the library runtime, `varadhi.library`, before it schedules the record). The two
+must agree on every input: `tests/spark/test_filters.py` pins them together on one corpus of
+awkward records. Nesting is limited
 to `MAX_DEPTH` levels and `MAX_CONDITIONS` conditions, so a filter stays a small expression.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from varadhi.core.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    pass
+from varadhi.core.record_ids import header_value
 
 MAX_DEPTH = 8
 MAX_CONDITIONS = 100
@@ -189,6 +192,31 @@ def _text(value: Any, field: str, source: str) -> str:
         hint = ' (quote numbers and booleans: "1")' if not isinstance(value, str) else ""
         raise _error(field, source, f"must be a non-empty string, got {value!r}{hint}")
     return value
+
+
+def matches(
+    f: Filter, key: bytes | None, headers: Sequence[tuple[str, bytes | None]] | None
+) -> bool:
+    """Whether a record with Kafka key `key` and Kafka headers `headers` ((name, value) pairs, as
+    kafka-python gives them) passes `f`, by the comparison rules of the module docstring: the
+    first value of a repeated header, UTF-8 text compared exactly, a missing, empty or not-UTF-8
+    value matching no `in` or `prefix`. Never raises on a record's bytes (pure)."""
+    if isinstance(f, All):
+        return all(matches(c, key, headers) for c in f.conditions)
+    if isinstance(f, AnyOf):
+        return any(matches(c, key, headers) for c in f.conditions)
+    if isinstance(f, Not):
+        return not matches(f.condition, key, headers)
+    data = key if f.header is None else header_value(headers, f.header)
+    if f.op == "exists":
+        return bool(data) == f.present
+    if not data:
+        return False
+    try:
+        text = bytes(data).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return text in f.values if f.op == "in" else text.startswith(f.values[0])
 
 
 def to_dict(f: Filter) -> dict[str, Any]:
