@@ -9,6 +9,7 @@ from varadhi.core.rate_limit import (
     Pacer,
     RateGovernor,
     shard_share,
+    slot_share,
     throttled,
 )
 
@@ -89,3 +90,33 @@ def test_a_throttled_batch_halves_the_shard_s_rate_which_recovers_within_ten_sec
 def test_throttled_counts_429_and_503_answers_only():
     assert throttled({"status_429": 2, "status_503": 3, "status_500": 7, "records": 9}) == 5
     assert throttled({}) == 0
+
+
+def test_a_library_member_takes_its_slots_part_and_members_never_sum_above_the_limit():
+    assert slot_share(300.0, 2, 4) == 150.0
+    assert slot_share(300.0, 0, 4) == 0.0
+    assert slot_share(300.0, 4, 4) == 300.0
+    for slots in (1, 2, 3, 7, 12):  # any split of the slots among members: at most the limit
+        for held in range(slots + 1):
+            both = slot_share(100.0, held, slots) + slot_share(100.0, slots - held, slots)
+            assert both == pytest.approx(100.0)
+    for held, slots in ((5, 4), (-1, 4), (0, 0)):
+        with pytest.raises(ValueError):
+            slot_share(300.0, held, slots)
+
+
+def test_a_reshared_pacer_sends_at_its_new_share_and_keeps_a_slow_down():
+    clock = Clock()
+    pacer = Pacer(100.0, clock)
+    assert sent_in(pacer, clock, 1.0) in (100, 101)
+    pacer.reshare(50.0)  # a rebalance took half the member's slots
+    assert sent_in(pacer, clock, 2.0) in (100, 101, 102)
+    pacer.slow_down()
+    assert pacer.rate == 25.0
+    pacer.reshare(100.0)  # slots back: the slow-down stays, scaled
+    assert pacer.rate == 50.0
+    clock.t += 60.0
+    pacer.spend()
+    assert pacer.rate == 100.0  # recovers to the new share, never above it
+    with pytest.raises(ValueError):
+        pacer.reshare(0.0)

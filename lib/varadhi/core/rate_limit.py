@@ -18,6 +18,13 @@ got 429/503 answers halves the shard's rate for the next batch (down to `FLOOR` 
 every second without them gives back `RECOVER_PER_S` of the share, so the full share returns
 within 1 / RECOVER_PER_S seconds of the last throttled batch (10 s).
 
+The library runtime (`varadhi.library`) has no shards and no micro-batches: a member holding k
+of the subscription's S slots (a slot is shard s's partitions: the unit of work,
+`varadhi.library.assign`) sends at most k/S of the limit (`slot_share`), paced by one `Pacer` for
+all its deliveries (one HTTP engine), which slows down on 429/503 as a task's does; at each
+rebalance its share is set anew (`Pacer.reshare`) before any message of its new slots goes out.
+Why the members' sum stays within the limit: `varadhi.library.runtime`.
+
 Pure but for the clocks, which are injected.
 """
 
@@ -37,6 +44,14 @@ THROTTLE_STATUSES = (429, 503)
 def shard_share(max_rate: float, shard_count: int) -> float:
     """Messages a second one shard of `shard_count` may send."""
     return max_rate / shard_count
+
+
+def slot_share(max_rate: float, held: int, slots: int) -> float:
+    """Messages a second a library member holding `held` of a subscription's `slots` slots may
+    send: `held / slots` of `max_rate` (0 when it holds none)."""
+    if slots < 1 or not 0 <= held <= slots:
+        raise ValueError(f"a member holds 0 to {slots} slots, not {held}")
+    return max_rate * held / slots
 
 
 class Pacer:
@@ -67,6 +82,18 @@ class Pacer:
         now = self._clock()
         self._recover(now)
         self.rate = max(self._base * FLOOR, self.rate / 2)
+
+    def reshare(self, rate: float) -> None:
+        """From now on `rate` is the most this pacer sends (a library member's new share after a
+        rebalance). A slow-down in effect stays in effect, scaled to the new share; the next
+        message keeps the time the old rate gave it. Not thread-safe: call it on the thread that
+        spends."""
+        if rate <= 0:
+            raise ValueError(f"rate must be positive, got {rate}")
+        now = self._clock()
+        self._recover(now)
+        self.rate = self.rate * rate / self._base
+        self._base = rate
 
     def _recover(self, now: float) -> None:
         if self.rate < self._base:
