@@ -1,7 +1,8 @@
 """The library runtime (varadhi.library) against the real broker and a real HTTP endpoint, no
 Spark: per-key order with keys delivered concurrently, a retry through the RQ, a dead letter in
-the DLQ, a restart that delivers nothing finished again, two members sharing the work through a
-rebalance, and the refusal of a subscription using what the runtime does not support."""
+the DLQ, a restart that delivers nothing finished again, a filter, shaped requests, the delivery
+trace and a member's share of the rate limit, two members sharing the work through a rebalance,
+and the refusal of a subscription using what the runtime does not support."""
 
 from __future__ import annotations
 
@@ -14,9 +15,20 @@ import time
 from collections import defaultdict
 
 import pytest
+from kafka import KafkaProducer
 
+from varadhi import Client
+from varadhi.core import filters, routing
 from varadhi.core import messages as m
-from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.core.policies import (
+    CircuitPolicy,
+    Endpoint,
+    RequestShaping,
+    RetryPolicy,
+    SubscriptionSpec,
+    TracePolicy,
+)
+from varadhi.core.record_ids import text_id
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.library import Consumer, Options, Success, Unsupported
@@ -40,12 +52,14 @@ def wait_for(condition, what: str, *consumers: Consumer) -> None:
         time.sleep(0.05)
 
 
-def subscription(catalog, make_topic, unique_name, url: str, **fields) -> SubscriptionSpec:
+def subscription(
+    catalog, make_topic, unique_name, url: str, endpoint: Endpoint | None = None, **fields
+) -> SubscriptionSpec:
     topic = make_topic(4)
     spec = SubscriptionSpec(
         unique_name("lib"),
         topic,
-        Endpoint(url),
+        endpoint or Endpoint(url),
         shards=2,
         on_dead_letter="skip",
         circuit_breaker=CircuitPolicy(enabled=False),
@@ -137,6 +151,111 @@ def test_http_order_retry_dead_letter_and_restart(settings, catalog, make_topic,
             third.stop()
         assert third.counters()["attempts"] == 0
         assert endpoint.records(since=seen) == []
+
+
+def test_filter_shaped_requests_trace_and_rate_share(settings, catalog, make_topic, unique_name):
+    """A subscription with a filter (type: keep), forward_headers / path / key_header, a trace
+    and a rate limit. Records are written as another producer would: the group id in a header,
+    a Kafka key of their own (none for g3), a forged `varadhi-key`. Filtered messages (type
+    skip, a type that is not UTF-8) never reach the endpoint; the rest arrive shaped, with
+    their own key, in key order, g1-2 through the RQ (its copy keeps the key); gx-0 has no
+    tenant for the path: dead-lettered as malformed. The trace shows each step."""
+    with TestEndpoint(retry_after_s=0, record_headers=True) as endpoint:
+        shaped = Endpoint(
+            endpoint.url + "/hook",
+            max_rate=600.0,
+            shaping=RequestShaping(
+                (("tenant", "X-Tenant"),), path="/t/{header:tenant}", key_header="X-Record-Key"
+            ),
+        )
+        spec = subscription(
+            catalog,
+            make_topic,
+            unique_name,
+            "",
+            endpoint=shaped,
+            filter=filters.parse({"header": "type", "in": ["keep"]}),
+            trace=TracePolicy(3600 * 1000),
+        )
+        endpoint.set_script("g1-2", [500, 200])
+        keys = {"g0": b"k0", "g1": b"order-1", "g2": b"\xff\x00", "g3": None}
+        kept, dropped = [], []
+        kafka = KafkaProducer(
+            bootstrap_servers=settings.bootstrap, max_in_flight_requests_per_connection=1
+        )
+        try:
+            for n in range(6):
+                for group, key in keys.items():
+                    msg_id = f"{group}-{n}"
+                    kind = b"keep" if n % 2 == 0 else b"skip" if n == 1 else b"\xffkeep"
+                    (kept if kind == b"keep" else dropped).append(msg_id)
+                    headers = [
+                        (m.H_MSG_ID, msg_id.encode()),
+                        (m.H_GROUP_ID, group.encode()),
+                        ("tenant", b"acme/eu"),
+                        ("type", kind),
+                        (m.H_KEY, b"forged"),
+                    ]
+                    kafka.send(
+                        f"{spec.topic}.0",
+                        key=key,
+                        value=msg_id.encode(),
+                        headers=headers,
+                        partition=routing.route_group(group, 4, 1),
+                    )
+            no_tenant = [(m.H_MSG_ID, b"gx-0"), (m.H_GROUP_ID, b"gx"), ("type", b"keep")]
+            kafka.send(f"{spec.topic}.0", value=b"gx-0", headers=no_tenant, partition=0).get(
+                DEADLINE_S
+            )
+            kafka.flush()
+        finally:
+            kafka.close()
+
+        consumer = Consumer(spec.name, settings).start()
+        try:
+            wait_for(
+                lambda: (
+                    consumer.counters()["delivered"] == len(kept)
+                    and consumer.counters()["dead_lettered"] == 1
+                ),
+                "delivery",
+                consumer,
+            )
+            # one member holds both slots: the whole limit (a member of k of S slots: k/S)
+            assert consumer.health()["rate_limit"] == 600.0
+        finally:
+            consumer.stop()  # the trace's last events are written by now
+        counts = consumer.counters()
+        assert (counts["filtered"], counts["retried"]) == (len(dropped), 1)
+
+        records = endpoint.records()
+        ok = [(r.group_id, r.message_id) for r in records if r.status == 200]
+        assert sorted(i for _, i in ok) == sorted(kept)
+        assert_in_order(ok)
+        for r in records:
+            assert (r.path, r.headers["X-Tenant"]) == ("/hook/t/acme%2Feu", "acme/eu"), r
+            key = text_id(keys[r.group_id])
+            assert r.headers.get("X-Record-Key") == key, r  # the record's own, never forged
+        assert text_id(keys["g2"]) == "b64:/wA="  # a key that is not UTF-8: its b64 form
+        rq = read_queue(settings, f"{spec.rq_topic}.0")
+        assert [(r["headers"][m.H_MSG_ID], r["headers"][m.H_KEY]) for r in rq] == [
+            ("g1-2", "order-1")
+        ]
+        dlq = read_queue(settings, f"{spec.dlq_topic}.0")
+        assert [r["headers"][m.H_MSG_ID] for r in dlq] == ["gx-0"]
+        assert dlq[0]["headers"][m.H_REASON].startswith("malformed: ")
+        assert "tenant" in dlq[0]["headers"][m.H_REASON]
+
+        client = Client(settings)
+        steps = [(e["kind"], e.get("status"), e["next"]) for e in client.trace(spec.name, "g1-2")]
+        assert steps == [("attempt", 500, "rq"), ("attempt", 200, "delivered")]
+        slot = {e["shard"] for e in client.trace(spec.name, "g1-2")}
+        assert slot <= {0, 1} and len(slot) == 1
+        for msg_id in ("g0-1", "g2-3"):  # type skip; a type that is not UTF-8
+            assert [e["next"] for e in client.trace(spec.name, msg_id)] == ["filtered"]
+        malformed = client.trace(spec.name, "gx-0")
+        assert [(e["kind"], e["next"]) for e in malformed] == [("routed", "dlq")]
+        assert malformed[0]["reason"].startswith("malformed: ")
 
 
 def test_two_members_share_the_work_through_a_rebalance(settings, catalog, make_topic, unique_name):

@@ -8,10 +8,17 @@ from dataclasses import replace
 
 import pytest
 
+from varadhi.core import filters
 from varadhi.core import messages as m
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.group_state import Entry
-from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.core.policies import (
+    CircuitPolicy,
+    Endpoint,
+    RequestShaping,
+    RetryPolicy,
+    SubscriptionSpec,
+)
 from varadhi.kafka.subscriptions import Subscription, Suspension
 from varadhi.kafka.topics import CompositeTopic, StorageTopic
 from varadhi.library import handler, offsets
@@ -236,8 +243,13 @@ def test_what_is_not_supported_is_named():
     suspension = Suspension("every attempt to the endpoint failed for 60 s", 1, 0, "operator")
     suspended = (replace(ok[0], suspended=suspension), *ok[1:])
     assert unsupported(*suspended)[0].startswith("suspended")
-    capped = replace(ok[0].spec, endpoint=Endpoint("http://127.0.0.1:1/", max_rate=300.0))
-    limited = (replace(ok[0], spec=capped), *ok[1:])
-    assert unsupported(*limited)[0].startswith("endpoint.max_rate")
+    # a filter, request shaping and a rate limit are honoured (docs/library.md), not refused
+    shaped = Endpoint(
+        "http://127.0.0.1:1/",
+        max_rate=300.0,
+        shaping=RequestShaping((("a", "X-A"),), path="/t/{header:tenant}", key_header="X-Key"),
+    )
+    filtered = replace(ok[0].spec, endpoint=shaped, filter=filters.parse({"key": {"exists": True}}))
+    assert unsupported(replace(ok[0], spec=filtered), *ok[1:]) == []
     two = replace(ok[1], storage_topics=(*ok[1].storage_topics, StorageTopic("t.1", 8, 2)))
     assert "storage topics" in unsupported(ok[0], two, ok[2], ok[3])[0]

@@ -28,6 +28,32 @@ uncommitted: kafka-python's rebalance listener runs on its I/O thread, which mus
 so no commit is made at a revoke, and the next owner delivers again what finished since the
 last commit (`commit_interval_s`), as well as what was in flight: at least once.
 
+Filter, shaping, trace. A main-topic record the subscription's filter does not match
+(`filters.matches`, the Python twin of the shards' Spark column) is dropped as it is read, before
+it is scheduled: counted (`filtered`), traced, its offset finished; RQ records are never
+filtered. Requests are built by `group_state.request_of` with the endpoint's request shaping, as
+a shard's; with `key_header` a main-topic record's key, in its text form, is kept in the
+shard-only header `messages.H_KEY`, which its RQ and DLQ copies carry. A message whose request
+cannot be shaped (or has a bad id) is dead-lettered as malformed with the reason. With a `trace`
+in the spec, every attempt and every message routed without one (filtered, malformed to the DLQ)
+is an event of the subscription's trace topic, its `shard` the message's slot.
+
+Rate limit. With `endpoint.max_rate` (HTTP only: a handler is not paced), a member holding k of
+the subscription's S slots paces its one HTTP engine at k/S of the limit (`rate_limit.slot_share`,
+slowed down by 429/503 as a shard's tasks are), set at each rebalance (`_rebalanced`, applied by
+the engine's thread in `_take` before it hands out anything of the new assignment). Why the
+members' sum never exceeds the limit: the group's rebalance protocol is eager (kafka-python's
+default for `SlotAssignor`), so every member gives up all its slots (`_revoke` closes them: none
+is handed out) before any member gets the new assignment, and one generation's assignments are
+disjoint; so at any time the slots messages are handed out from are disjoint among members, and
+each member's rate is its own slots' part, k/S, of the limit: at most S/S in sum. During a
+rebalance the members hand out nothing new (requests already sent finish), and each takes its new
+share before it hands out its first message of the new generation; the pacer lets at most one
+message go at the old rate's time after a share shrinks. Hazard: a member that left the group
+without knowing it (it stopped polling for `max.poll.interval.ms`, `_full`) goes on delivering
+what it holds at its old share until its next poll, next to the slots' new owners: the sum may
+then exceed the limit, as duplicates may come (at least once).
+
 Hazards: a subscription must not be run by this runtime and by Spark shards at once (they take
 no common lease); the consumer does not re-read the catalog for a spec change while it runs,
 except that it stops with an error when the subscription is paused or edited
@@ -49,17 +75,20 @@ from kafka import ConsumerRebalanceListener, TopicPartition
 from kafka.errors import CommitFailedError, KafkaError
 from kafka.structs import OffsetAndMetadata
 
+from varadhi.core import filters, routing
 from varadhi.core import messages as m
-from varadhi.core import routing
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request, Wait
 from varadhi.core.errors import InvalidArgument, VaradhiError
-from varadhi.core.group_state import Entry, http_headers, out_bytes, with_response
+from varadhi.core.group_state import Entry, out_bytes, request_of, with_response
 from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
+from varadhi.core.rate_limit import Pacer, slot_share
 from varadhi.core.record_ids import header_value, text_id
 from varadhi.core.retry import Decision, decide
 from varadhi.core.state_rows import OutRow, retry_state
+from varadhi.core.trace import Next, Tracer, topic_name
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
+from varadhi.kafka import trace as trace_topic
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.settings import Settings
 from varadhi.library import handler as handlers
@@ -132,9 +161,16 @@ class Consumer:
         self._error: str | None = None
         self._threads: list[threading.Thread] = []
         self._rng = random.Random()
+        self._trace: trace_topic.TraceWriter | None = None
+        self._trace_lock = threading.Lock()  # `TraceWriter.add` takes one thread at a time
+        self._tracers: list[Tracer] | None = None  # per slot, with a trace
+        self._pacer: Pacer | None = None  # with `endpoint.max_rate` and HTTP
+        self._rate: float | None = None  # this member's share of `max_rate` now
+        self._reshare: float | None = None  # a new share, for the engine thread (`_take`)
         self._counts = dict.fromkeys(
             (
                 "read",
+                "filtered",
                 "delivered",
                 "attempts",
                 "failures",
@@ -166,6 +202,7 @@ class Consumer:
             limits = topics.max_message_bytes(
                 catalog, [rq.produce_topic.name, dlq.produce_topic.name]
             )
+            traced = self._trace_target(sub)
         except BaseException:
             self._state = "failed"
             catalog.close()
@@ -178,6 +215,13 @@ class Consumer:
         self._max_in_flight = self.options.max_in_flight or sub.spec.consumption.max_in_flight
         if self.handler is None:  # validates the endpoint before anything starts
             self._deliverer = HttpDeliverer(sub.spec.endpoint, self._max_in_flight)
+            limit = sub.spec.endpoint.max_rate
+            if limit is not None:  # one slot's share until the first assignment sets it
+                self._pacer = Pacer(slot_share(limit, 1, sub.shard_count))
+                self._rate = 0.0
+        if traced is not None:
+            self._trace = trace_topic.TraceWriter(traced)
+            self._tracers = [Tracer(self._traced, s, _now_ms) for s in range(sub.shard_count)]
         self._producer = kafka_clients.producer(
             self.settings, acks="all", linger_ms=1, max_request_size=MAX_REQUEST_BYTES
         )
@@ -233,8 +277,10 @@ class Consumer:
 
     def health(self) -> dict[str, Any]:
         """`state` (new, starting, running, stopping, stopped, failed), `error` (why it
-        failed), the partitions and slots it holds, and whether it still catches up on the RQ
-        of a slot before reading its main-topic partitions."""
+        failed), the partitions and slots it holds, whether it still catches up on the RQ
+        of a slot before reading its main-topic partitions, and `rate_limit`: the messages a
+        second it may send, its slots' share of `endpoint.max_rate` (None: no limit, or a
+        handler delivers)."""
         with self._lock:
             parts = sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers)
             return {
@@ -243,10 +289,12 @@ class Consumer:
                 "partitions": parts,
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
+                "rate_limit": self._rate,
             }
 
     def counters(self) -> dict[str, int]:
-        """Totals since start: records `read`, messages `delivered`, `attempts` and
+        """Totals since start: records `read`, main-topic messages the filter dropped
+        (`filtered`), messages `delivered`, `attempts` and
         `failures`, `retried` (written to the RQ), `dead_lettered`, `duplicates` (copies
         finished unsent), `skipped_finished` (finished before a restart, per the commit),
         `commits`, `rebalances`; and now: `pending` (held), `in_flight`."""
@@ -301,6 +349,8 @@ class Consumer:
                 self._catalog.close()
                 if self.handler is None:
                     self._deliverer.close()
+                if self._trace is not None:
+                    self._trace.close()
                 if self._state != "failed":
                     self._state = "stopped"
 
@@ -311,9 +361,17 @@ class Consumer:
                 self._consumer.seek(tp, records[0].offset)
             return
         works = []
+        dropped = 0
+        # Only main-topic records are filtered: what reached the RQ passed the filter already.
+        keep = None if tp.topic == self._rq.name else self._spec.filter
         for r in records:
             if not ledger.read(r.offset):
                 self._counts["skipped_finished"] += 1
+                continue
+            if keep is not None and not filters.matches(keep, r.key, r.headers):
+                ledger.finish(r.offset)
+                dropped += 1
+                self._trace_filtered(tp, r)
                 continue
             work = self._work(tp, r)
             if work is None:
@@ -322,6 +380,7 @@ class Consumer:
             works.append(work)
         with self._lock:
             self._counts["read"] += len(records)
+            self._counts["filtered"] += dropped
             for work in works:
                 for dup in self._sched.add(work):
                     self._counts["duplicates"] += 1
@@ -337,10 +396,11 @@ class Consumer:
         from_rq = tp.topic == self._rq.name
         if not from_rq:
             headers = m.control_free(headers)
-        msg_id = text_id(header_value(r.headers, m.H_MSG_ID)) or (
-            f"{tp.topic}-{tp.partition}-{r.offset}"
-        )
-        group = text_id(header_value(r.headers, m.H_GROUP_ID)) or text_id(r.key)
+            if self._spec.endpoint.shaping.key_header is not None:
+                key_text = text_id(r.key)  # the RQ/DLQ copies keep it: they are keyed by group
+                if key_text is not None:
+                    headers[m.H_KEY] = key_text
+        msg_id, group = _ids(tp, r)
         if m.H_MSG_ID in headers:
             headers[m.H_MSG_ID] = msg_id
         if m.H_GROUP_ID in headers:
@@ -379,6 +439,18 @@ class Consumer:
         if self._spec.grouped:
             key = ordering_key(self.options.ordering_key, r.key, headers, value)
         return Work(entry, tp.topic, tp.partition, r.offset, slot, key)
+
+    def _trace_filtered(self, tp: TopicPartition, r) -> None:
+        tracer = self._tracer(slot_of(tp.partition, self._main.partitions, self._sub.shard_count))
+        if tracer is not None:
+            msg_id, group = _ids(tp, r)
+            tracer.routed(
+                msg_id,
+                group,
+                "filtered",
+                "the subscription's filter does not match it",
+                source=f"{tp.topic}/{tp.partition}/{r.offset}",
+            )
 
     def _apply_finished(self) -> None:
         while True:
@@ -517,6 +589,12 @@ class Consumer:
                     self._committed[tp] = position
             for tp in rq_tps:
                 self._catch_up.setdefault(self._slot(tp), {})[tp] = ends.get(tp, 0)
+            if self._pacer is not None:  # set before any of the new slots is handed out
+                limit = self._spec.endpoint.max_rate
+                assert limit is not None
+                held = len(self._slots_of(assigned))
+                self._rate = slot_share(limit, held, self._sub.shard_count)
+                self._reshare = self._rate or None  # no slot: nothing to pace
             # a slot hands out nothing before its RQ was read to the end (`_caught_up`)
             self._sched.close(set(self._catch_up))
             self._sched.reopen(self._slots_of(assigned - set(new)) - set(self._catch_up))
@@ -531,14 +609,22 @@ class Consumer:
 
     # -- delivery -----------------------------------------------------------------------------
     def _take(self) -> Work | None:
+        """(The engine's thread) The next message to deliver; the pacer takes the share the
+        last rebalance gave first (`Pacer` is not thread-safe: only this thread touches it)."""
         with self._lock:
             if self._stopping.is_set():
                 return None
+            if self._reshare is not None:
+                assert self._pacer is not None
+                self._pacer.reshare(self._reshare)
+                self._reshare = None
             return self._sched.take(_now_ms())
 
     def _deliver_http(self) -> None:
         try:
-            self._deliverer.run([_Lane(self) for _ in range(self._max_in_flight)])
+            self._deliverer.run(
+                [_Lane(self) for _ in range(self._max_in_flight)], pacer=self._pacer
+            )
         except BaseException as e:  # noqa: BLE001
             self._fail(e)
 
@@ -572,15 +658,17 @@ class Consumer:
                     e.attempts + 1,
                     e.source,
                 )
+                started = time.perf_counter()
                 try:
                     result = self.handler(message)
                 except Exception as exc:  # noqa: BLE001 - a retry, see `handler`
                     result = handlers.Retry(reason=f"handler raised {type(exc).__name__}: {exc}")
+                elapsed_ms = (time.perf_counter() - started) * 1000
                 now = _now_ms()
                 decision = handlers.decision(
                     self._spec.retry, e.attempts + 1, result, now, self._rng
                 )
-                self._settle(work, decision, None, b"")
+                self._settle(work, decision, Outcome(None, None, decision.reason, None, elapsed_ms))
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
 
@@ -596,11 +684,22 @@ class Consumer:
             self._counts["dead_lettered"] += 1
             self._sched.done(work)
             self._lock.notify_all()
+        tracer = self._tracer(work.slot)
+        if tracer is not None:
+            tracer.routed(
+                e.msg_id,
+                e.group_id,
+                "dlq",
+                e.reason,
+                redriven=e.headers.get(m.H_REDRIVEN),
+                source=e.source,
+            )
         self._send("dlq", work)
 
-    def _settle(self, work: Work, decision: Decision, status: int | None, body: bytes) -> None:
+    def _settle(self, work: Work, decision: Decision, outcome: Outcome) -> None:
         """Act on an attempt's decision: finish, write to the RQ (the key waits for it) or to
-        the DLQ (the key goes on: skip mode)."""
+        the DLQ (the key goes on: skip mode); trace the attempt. A handler's `outcome` has no
+        status, and its decision's reason as its detail."""
         e = work.entry
         now = _now_ms()
         e.attempts += 1
@@ -611,13 +710,16 @@ class Consumer:
                 self._sched.done(work)
                 self._lock.notify_all()
                 self._finished.put((TopicPartition(work.topic, work.partition), work.offset))
-                return
+        if decision.action == "success":
+            self._trace_attempt(work, outcome, "delivered")
+            return
+        with self._lock:
             self._counts["failures"] += 1
         e.first_failure_ms = e.first_failure_ms or now
         e.last_failure_ms = now
         e.reason = decision.reason
-        e.status = status
-        e.headers = with_response(e.headers, body)
+        e.status = outcome.status
+        e.headers = with_response(e.headers, outcome.body)
         target = "dlq"
         if decision.action == "retry":
             e.due_ms = decision.due_ms or now
@@ -637,7 +739,60 @@ class Consumer:
                 self._counts["dead_lettered"] += 1
                 self._sched.done(work)
             self._lock.notify_all()
+        self._trace_attempt(work, outcome, target)
         self._send(target, work)
+
+    # -- the delivery trace -------------------------------------------------------------------
+    def _trace_target(self, sub: subscriptions.Subscription) -> trace_topic.TraceTarget | None:
+        """Where this member's trace events go (None: the spec has no trace). The topic is made
+        (or its retention set) here, as a shard does; when Kafka refuses that, this run is not
+        traced (logged): a trace never holds delivery back."""
+        policy = sub.spec.trace
+        if policy is None:
+            return None
+        topic = topic_name(self.name)
+        try:
+            partitions = trace_topic.ensure_topic(self.settings, topic, policy.retention_ms)
+        except (KafkaError, VaradhiError) as e:
+            log.warning(
+                "%s: the delivery trace's topic cannot be made (%s): not traced", self.name, e
+            )
+            return None
+        return trace_topic.TraceTarget(
+            bootstrap=self.settings.bootstrap,
+            topic=topic,
+            partitions=partitions,
+            shard=None,
+            kafka=kafka_clients.config_of(self.settings),
+        )
+
+    def _traced(self, event) -> None:
+        with self._trace_lock:
+            assert self._trace is not None
+            self._trace.add(event)
+
+    def _tracer(self, slot: int) -> Tracer | None:
+        """The tracer of a slot's messages (its events' `shard` is the slot); None untraced."""
+        return None if self._tracers is None else self._tracers[slot]
+
+    def _trace_attempt(self, work: Work, outcome: Outcome, next_step: Next) -> None:
+        tracer = self._tracer(work.slot)
+        if tracer is None:
+            return
+        e = work.entry
+        tracer.attempt(
+            e.msg_id,
+            e.group_id,
+            e.attempts,
+            outcome.status,
+            outcome.error,
+            outcome.elapsed_ms,
+            outcome.body,
+            next_step,
+            detail=outcome.detail if outcome.status is None else None,
+            redriven=e.headers.get(m.H_REDRIVEN),
+            source=e.source,
+        )
 
     def _send(self, target: str, work: Work) -> None:
         """Write `work`'s RQ or DLQ record, on its slot's partition of the queue, as a shard
@@ -708,8 +863,10 @@ class _Lane:
                 return None if c._stopping.is_set() else Wait(IDLE_S)
             if not work.entry.invalid:
                 try:
-                    request = Request(work.entry.value or b"", http_headers(work.entry))
-                except InvalidArgument as e:
+                    request = request_of(work.entry, c._spec.endpoint.shaping)
+                except (
+                    InvalidArgument
+                ) as e:  # a bad id, or headers the request cannot be shaped from
                     work.entry.invalid = f"malformed: {e}"
                 else:
                     self.work = work
@@ -730,7 +887,7 @@ class _Lane:
             c._rng,
             outcome.detail,
         )
-        c._settle(work, decision, outcome.status, outcome.body)
+        c._settle(work, decision, outcome)
 
     def stop_waiting(self) -> None:  # never waits while_busy
         pass
@@ -745,6 +902,12 @@ class _Listener(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned):
         self.consumer._assign(assigned)
+
+
+def _ids(tp: TopicPartition, r) -> tuple[str, str | None]:
+    """A record's message id and group id, as the shards read them (`varadhi.core.record_ids`)."""
+    msg_id = text_id(header_value(r.headers, m.H_MSG_ID)) or f"{tp.topic}-{tp.partition}-{r.offset}"
+    return msg_id, text_id(header_value(r.headers, m.H_GROUP_ID)) or text_id(r.key)
 
 
 def _now_ms() -> int:

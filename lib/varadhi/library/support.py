@@ -7,7 +7,6 @@ ignored. docs/library.md lists them and why.
 
 from __future__ import annotations
 
-from varadhi.core import request_shaping
 from varadhi.core.errors import InvalidArgument
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.kafka.topics import CompositeTopic
@@ -41,17 +40,10 @@ def unsupported(
         out.append("circuit_breaker (set circuit_breaker.enabled: false)")
     if spec.circuit_breaker.suspend_after_ms is not None:
         out.append("circuit_breaker.suspend_after (endpoint health: set it to null)")
-    if spec.endpoint.max_rate is not None:
-        out.append("endpoint.max_rate (the rate limit is split among shards; set it to null)")
-    if spec.filter is not None:
-        out.append("filter")
     if spec.dedup_window_ms:
         out.append("dedup_window_ms (de-duplication)")
     if spec.delivery.mode != "single":
         out.append("delivery.mode: batch (batched requests)")
-    shaping = request_shaping.fields_set(spec.endpoint.shaping)
-    if shaping:
-        out.append(" / ".join(f"endpoint.{f}" for f in shaping) + " (request shaping)")
     if sub.paused:
         out.append("paused (pause/resume: resume the subscription first)")
     if sub.suspended is not None:
