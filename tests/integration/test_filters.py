@@ -259,6 +259,8 @@ def check_trace(settings, name: str, capsys) -> None:
     assert client.trace(name, "no-such-message") == []
 
     capsys.readouterr()
+    assert cli.main(["--bootstrap", settings.bootstrap, "subscription", "describe", name]) == 0
+    assert f"trace         kept 1d in {name}.trace (varadhi trace)" in capsys.readouterr().out
     args = ["--bootstrap", settings.bootstrap, "trace", name, "--message-id", "retry.000"]
     assert cli.main(args) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -358,7 +358,7 @@ def test_describe_and_list(run, make_topic, unique_name, bootstrap):
     code, out, _ = run("subscription", "describe", name)
     assert code == 0
     assert f"subscription  {name}" in out and "1 messages written" in out
-    assert "delivery      single" in out
+    assert "delivery      single" in out and "trace         off" in out
     assert f"{topic}.0[2, 3]" in out
 
     code, out, _ = run("subscription", "list", "--output", "json")

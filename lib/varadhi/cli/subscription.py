@@ -236,6 +236,7 @@ def _describe(args: argparse.Namespace) -> int:
     print(f"generation    {state['generation']}")
     print(f"dead letters  {spec['on_dead_letter']}")
     print(f"delivery      {_delivery(spec['delivery'])}")
+    print(f"trace         {_trace(info['name'], spec.get('trace'))}")
     for label in ("rq", "dlq"):
         for st in info[label]["storage_topics"]:
             print(
@@ -257,6 +258,15 @@ def _delivery(d: dict[str, Any]) -> str:
     if d["mode"] != "batch":
         return d["mode"]
     return f"batch: up to {d['max_messages']} messages, {d['max_bytes']} bytes, {d['format']}"
+
+
+def _trace(name: str, trace: dict[str, Any] | None) -> str:
+    """`off`, or `kept 7d in orders-http.trace (varadhi trace)`."""
+    if trace is None:
+        return "off"
+    ms = trace["retention"]
+    kept = f"{ms // 86_400_000}d" if ms % 86_400_000 == 0 else f"{ms / 3_600_000:g}h"
+    return f"kept {kept} in {name}.trace (varadhi trace)"
 
 
 def _list(args: argparse.Namespace) -> int:
