@@ -52,6 +52,7 @@ REDRIVE_GROUPS = widget("redrive_group_ids", "", "Re-drive groups (comma-separat
 REDRIVE_MESSAGES = widget("redrive_message_ids", "", "Re-drive message ids (comma-separated)")
 FAILED_SINCE = widget("failed_since", "", "Re-drive failed since (ISO-8601 or epoch ms)")
 FAILED_UNTIL = widget("failed_until", "", "... and until (optional)")
+RATE = widget("redrive_rate", "", "Re-drive at most N messages a second (empty: all at once)")
 EXECUTE = widget("execute", "no", "Execute the re-drive", ["no", "yes"]) == "yes"
 WAIT_S = float(widget("wait_seconds", "300", "Seconds to wait for the shards"))
 if not NAME:
@@ -178,14 +179,17 @@ display(picked[["msg_id", "group_id", "reason", "status", "attempts", "last_fail
 # MAGIC ## 4. Re-drive
 # MAGIC
 # MAGIC Records the re-drive in the catalog; every running shard applies it at its next
-# MAGIC micro-batch. The command-line equivalent is
-# MAGIC `varadhi dlq unsideline NAME --group-ids G1 G2 --wait 300`.
+# MAGIC micro-batch; with `redrive_rate` N, at most N messages a second in all, a portion each
+# MAGIC micro-batch, each group in order. The command-line equivalent is
+# MAGIC `varadhi dlq unsideline NAME --group-ids G1 G2 [--rate N/s] --wait 300`.
 
 # COMMAND ----------
 
 op_id = None
 if EXECUTE:
-    op_id = client.redrive(NAME, GROUP_IDS, MESSAGE_IDS, FAILED_SINCE, FAILED_UNTIL)
+    op_id = client.redrive(
+        NAME, GROUP_IDS, MESSAGE_IDS, FAILED_SINCE, FAILED_UNTIL, rate=RATE or None
+    )
     print(f"re-drive {op_id} recorded")
 else:
     print("not executed: set the `execute` widget to `yes` to re-drive the selection")
@@ -195,7 +199,8 @@ else:
 # MAGIC %md
 # MAGIC ## 5. Watch until applied
 # MAGIC
-# MAGIC A shard marks the re-drive done once its state holds the messages again. If nothing moves,
+# MAGIC A shard marks the re-drive done once its state holds the messages again (with a rate, all
+# MAGIC of them: the selection over the rate takes that many seconds at least). If nothing moves,
 # MAGIC check that the shard jobs run and are not paused (`varadhi status`).
 
 # COMMAND ----------

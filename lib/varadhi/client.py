@@ -327,9 +327,8 @@ class Client:
             failed_since_ms=_time_ms(failed_since, "failed_since"),
             failed_until_ms=_time_ms(failed_until, "failed_until"),
         ).validate()
-        if isinstance(rate, str):
-            rate = dlq.parse_rate(rate)
-        return dlq.request_unsideline(self.catalog, name, selector, rate)
+        pace = None if rate is None else dlq.parse_rate(str(rate))
+        return dlq.request_unsideline(self.catalog, name, selector, pace)
 
     def redrive_progress(self, name: str, op_id: str) -> RedriveProgress:
         snap = self.catalog.snapshot()

@@ -54,6 +54,8 @@ def test_bad_offset_resets_are_refused_before_any_io(queue, mode, value, field):
             {"failed_since": "2026-11-25T10:00:00Z", "failed_until": "2026-11-24T10:00:00Z"},
             "before --failed-since",
         ),
+        ({"group_ids": ["g"], "rate": 0}, "--rate must be a positive number"),
+        ({"group_ids": ["g"], "rate": "fast"}, "--rate must be a positive number"),
     ],
 )
 def test_bad_redrives_are_refused_before_any_io(kwargs, needle):
