@@ -155,7 +155,7 @@ def test_http_order_retry_dead_letter_and_restart(settings, catalog, make_topic,
 
 def test_filter_shaped_requests_trace_and_rate_share(settings, catalog, make_topic, unique_name):
     """A subscription with a filter (type: keep), forward_headers / path / key_header, a trace
-    and a rate limit. Records are written as another producer would: the group id in a header,
+    and a rate limit, its share taken by one member and then by two. Records are written as another producer would: the group id in a header,
     a Kafka key of their own (none for g3), a forged `varadhi-key`. Filtered messages (type
     skip, a type that is not UTF-8) never reach the endpoint; the rest arrive shaped, with
     their own key, in key order, g1-2 through the RQ (its copy keeps the key); gx-0 has no
@@ -245,6 +245,20 @@ def test_filter_shaped_requests_trace_and_rate_share(settings, catalog, make_top
         assert [r["headers"][m.H_MSG_ID] for r in dlq] == ["gx-0"]
         assert dlq[0]["headers"][m.H_REASON].startswith("malformed: ")
         assert "tenant" in dlq[0]["headers"][m.H_REASON]
+
+        # Two members on the drained subscription: each holds one slot, and takes half.
+        members = [Consumer(spec.name, settings).start() for _ in range(2)]
+        try:
+            wait_for(
+                lambda: [c.health()["rate_limit"] for c in members] == [300.0, 300.0],
+                "each member's share",
+                *members,
+            )
+            assert sorted(c.health()["slots"] for c in members) == [[0], [1]]
+        finally:
+            for c in members:
+                c.stop()
+        assert len(endpoint.records()) == len(records)  # the stop committed everything
 
         client = Client(settings)
         steps = [(e["kind"], e.get("status"), e["next"]) for e in client.trace(spec.name, "g1-2")]
