@@ -85,7 +85,7 @@ from varadhi.core.rate_limit import Pacer, slot_share
 from varadhi.core.record_ids import header_value, text_id
 from varadhi.core.retry import Decision, decide
 from varadhi.core.state_rows import OutRow, retry_state
-from varadhi.core.trace import Next, Tracer, topic_name
+from varadhi.core.trace import Next, TraceEvent, Tracer, topic_name
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka import trace as trace_topic
@@ -720,7 +720,7 @@ class Consumer:
         e.reason = decision.reason
         e.status = outcome.status
         e.headers = with_response(e.headers, outcome.body)
-        target = "dlq"
+        target: Next = "dlq"
         if decision.action == "retry":
             e.due_ms = decision.due_ms or now
             limit = self._limits[self._rq.name]
@@ -766,7 +766,7 @@ class Consumer:
             kafka=kafka_clients.config_of(self.settings),
         )
 
-    def _traced(self, event) -> None:
+    def _traced(self, event: TraceEvent) -> None:
         with self._trace_lock:
             assert self._trace is not None
             self._trace.add(event)
@@ -862,11 +862,9 @@ class _Lane:
             if work is None:
                 return None if c._stopping.is_set() else Wait(IDLE_S)
             if not work.entry.invalid:
-                try:
+                try:  # raises for a bad id, or headers the request cannot be shaped from
                     request = request_of(work.entry, c._spec.endpoint.shaping)
-                except (
-                    InvalidArgument
-                ) as e:  # a bad id, or headers the request cannot be shaped from
+                except InvalidArgument as e:
                     work.entry.invalid = f"malformed: {e}"
                 else:
                     self.work = work
