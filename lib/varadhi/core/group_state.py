@@ -400,19 +400,7 @@ class GroupRun:
 
     def _attempted(self, head: Entry, outcome: Outcome, next_step: Next) -> None:
         if self.tracer is not None:
-            self.tracer.attempt(
-                head.msg_id,
-                head.group_id,
-                head.attempts,
-                outcome.status,
-                outcome.error,
-                outcome.elapsed_ms,
-                outcome.body,
-                next_step,
-                detail=outcome.detail if outcome.status is None else None,
-                redriven=head.headers.get(m.H_REDRIVEN),
-                source=head.source or None,
-            )
+            trace_attempt(self.tracer, head, outcome, next_step)
 
     def _routed(self, entry: Entry, next_step: Next, reason: str | None) -> None:
         if self.tracer is not None:
@@ -459,6 +447,24 @@ class GroupRun:
 # Room for the headers a shard adds to an RQ/DLQ record (origin, attempts, due and failure
 # times, reason, status) and Kafka's per-record framing.
 OUT_HEADERS_RESERVE_BYTES = 2048
+
+
+def trace_attempt(tracer: Tracer, entry: Entry, outcome: Outcome, next_step: Next) -> None:
+    """Tell `tracer` of `entry`'s attempt (its count already includes it), how it ended, and
+    where the message goes next (`varadhi.core.trace`)."""
+    tracer.attempt(
+        entry.msg_id,
+        entry.group_id,
+        entry.attempts,
+        outcome.status,
+        outcome.error,
+        outcome.elapsed_ms,
+        outcome.body,
+        next_step,
+        detail=outcome.detail if outcome.status is None else None,
+        redriven=entry.headers.get(m.H_REDRIVEN),
+        source=entry.source or None,
+    )
 
 
 def out_bytes(entry: Entry) -> int:

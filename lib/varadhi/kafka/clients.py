@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import socket
 import ssl
+import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Protocol
@@ -183,6 +185,25 @@ def producer(settings: HasKafka, **kwargs: Any) -> KafkaProducer:
     made = _build(_Producer, settings, kwargs)
     made._settings = settings
     return made
+
+
+_process_producers: dict[tuple[int, str, KafkaConfig, str], KafkaProducer] = {}
+_process_producers_lock = threading.Lock()
+
+
+def process_producer(settings: HasKafka, client_id: str, **kwargs: Any) -> KafkaProducer:
+    """The process's one producer for this cluster and `client_id`, made with `kwargs` on first
+    use. For writers made per task (the delivery journal, the trace): a Spark worker runs many
+    tasks one after another, and a new producer costs a connection and a metadata round trip.
+    Keyed by pid, so a forked worker never uses its parent's. Hazard: `kwargs` of a later call
+    with the same key are ignored."""
+    with _process_producers_lock:
+        key = (os.getpid(), settings.bootstrap, config_of(settings), client_id)
+        made = _process_producers.get(key)
+        if made is None:
+            made = producer(settings, client_id=client_id, **kwargs)
+            _process_producers[key] = made
+        return made
 
 
 def admin(settings: HasKafka, **kwargs: Any) -> KafkaAdminClient:

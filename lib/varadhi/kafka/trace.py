@@ -26,7 +26,6 @@ Writers on executors reach Kafka with the cluster's client configuration, carrie
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -149,27 +148,11 @@ def _set_retention(admin, topic: str, retention_ms: str) -> None:
         )
 
 
-_producers: dict[tuple[int, str, KafkaConfig], KafkaProducer] = {}
-_producers_lock = threading.Lock()
-
-
 def _producer(target: TraceTarget) -> KafkaProducer:
-    """One trace producer per process and cluster (keyed by pid: a forked worker never uses its
-    parent's)."""
-    with _producers_lock:
-        key = (os.getpid(), target.bootstrap, target.kafka)
-        producer = _producers.get(key)
-        if producer is None:
-            producer = kafka_clients.producer(
-                target,
-                acks=1,
-                linger_ms=20,
-                compression_type=None,
-                max_block_ms=SEND_BLOCK_MS,
-                client_id="varadhi-trace",
-            )
-            _producers[key] = producer
-        return producer
+    """The process's trace producer (`kafka_clients.process_producer`)."""
+    return kafka_clients.process_producer(
+        target, "varadhi-trace", acks=1, linger_ms=20, max_block_ms=SEND_BLOCK_MS
+    )
 
 
 class TraceWriter:

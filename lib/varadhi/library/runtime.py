@@ -79,7 +79,13 @@ from varadhi.core import filters, routing
 from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request, Wait
 from varadhi.core.errors import InvalidArgument, VaradhiError
-from varadhi.core.group_state import Entry, out_bytes, request_of, with_response
+from varadhi.core.group_state import (
+    Entry,
+    out_bytes,
+    request_of,
+    trace_attempt,
+    with_response,
+)
 from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
 from varadhi.core.rate_limit import Pacer, slot_share
 from varadhi.core.record_ids import header_value, text_id
@@ -777,22 +783,8 @@ class Consumer:
 
     def _trace_attempt(self, work: Work, outcome: Outcome, next_step: Next) -> None:
         tracer = self._tracer(work.slot)
-        if tracer is None:
-            return
-        e = work.entry
-        tracer.attempt(
-            e.msg_id,
-            e.group_id,
-            e.attempts,
-            outcome.status,
-            outcome.error,
-            outcome.elapsed_ms,
-            outcome.body,
-            next_step,
-            detail=outcome.detail if outcome.status is None else None,
-            redriven=e.headers.get(m.H_REDRIVEN),
-            source=e.source,
-        )
+        if tracer is not None:
+            trace_attempt(tracer, work.entry, outcome, next_step)
 
     def _send(self, target: str, work: Work) -> None:
         """Write `work`'s RQ or DLQ record, on its slot's partition of the queue, as a shard

@@ -84,7 +84,6 @@ import bisect
 import itertools
 import json
 import logging
-import os
 import threading
 import time
 from collections import defaultdict, deque
@@ -305,27 +304,12 @@ def decode(value: bytes | None) -> list[tuple[int, int, int, int]]:
 
 # -- writing (executors) --------------------------------------------------------------------
 
-_producers: dict[tuple[int, str, KafkaConfig], KafkaProducer] = {}
-_producers_lock = threading.Lock()
-
 
 def _producer(target: JournalTarget) -> KafkaProducer:
-    """One producer per Python worker process and cluster: a Spark worker runs many tasks in a
-    row, and a new producer costs a connection and a metadata round trip. Keyed by pid, so a
-    forked worker never uses its parent's."""
-    with _producers_lock:
-        key = (os.getpid(), target.bootstrap, target.kafka)
-        producer = _producers.get(key)
-        if producer is None:
-            producer = kafka_clients.producer(
-                target,
-                acks=1,
-                linger_ms=0,
-                max_block_ms=SEND_BLOCK_MS,
-                client_id="varadhi-journal",
-            )
-            _producers[key] = producer
-        return producer
+    """The process's journal producer (`kafka_clients.process_producer`)."""
+    return kafka_clients.process_producer(
+        target, "varadhi-journal", acks=1, linger_ms=0, max_block_ms=SEND_BLOCK_MS
+    )
 
 
 class JournalWriter:
