@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 shards=2,
                 on_dead_letter="skip",
                 circuit_breaker=CircuitPolicy(enabled=False),
+                runtime="library",
             )
             SubscriptionService(catalog).create(spec)
             cpu, started = time.process_time(), time.monotonic()

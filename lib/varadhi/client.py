@@ -175,7 +175,10 @@ class Client:
 
     def apply(self, specs: Sequence[SubscriptionSpec]) -> list[tuple[str, Subscription]]:
         """Create or update each subscription (all checked first): (`created`/`updated`/
-        `unchanged`, subscription) pairs."""
+        `unchanged`, subscription) pairs. A change of `runtime` is refused unless the
+        subscription is paused and none of its shards or library members may still deliver
+        (`status.check_runtime_switches`)."""
+        status.check_runtime_switches(self.catalog, specs)
         return SubscriptionService(self.catalog).apply_all(specs)
 
     def subscription(self, name: str) -> Subscription:

@@ -2,7 +2,8 @@
 Spark: per-key order with keys delivered concurrently, a retry through the RQ, a dead letter in
 the DLQ, a restart that delivers nothing finished again, a filter, shaped requests, the delivery
 trace and a member's share of the rate limit, two members sharing the work through a rebalance,
-and the refusal of a subscription using what the runtime does not support."""
+pause and resume followed, status showing a member, and the refusals: a subscription using what
+the runtime does not support, or of the other runtime."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 from kafka import KafkaProducer
@@ -64,6 +66,7 @@ def subscription(
         on_dead_letter="skip",
         circuit_breaker=CircuitPolicy(enabled=False),
         retry=FAST_RETRY,
+        runtime="library",
         **fields,
     )
     SubscriptionService(catalog).create(spec)
@@ -334,7 +337,9 @@ def test_a_subscription_using_unsupported_features_is_refused(
     settings, catalog, make_topic, unique_name
 ):
     topic = make_topic(2)
-    spec = SubscriptionSpec(unique_name("lib"), topic, Endpoint("http://127.0.0.1:9/"))
+    spec = SubscriptionSpec(
+        unique_name("lib"), topic, Endpoint("http://127.0.0.1:9/"), runtime="library"
+    )
     SubscriptionService(catalog).create(spec)  # block mode and the circuit: the defaults
     consumer = Consumer(spec.name, settings)
     with pytest.raises(Unsupported, match="on_dead_letter: block.*circuit_breaker") as refused:
@@ -392,3 +397,103 @@ def test_a_consumer_held_at_max_pending_reads_everything(
         wait_for(lambda: consumer.counters()["delivered"] == len(ids), "every message", consumer)
     finally:
         consumer.stop()
+
+
+def test_members_follow_pause_and_resume_show_in_status_and_stop_on_a_runtime_change(
+    settings, catalog, make_topic, unique_name, monkeypatch, capsys
+):
+    """While the subscription is paused a member delivers nothing and reads nothing (what is
+    produced meanwhile waits in Kafka: the group's lag shows it), reports `paused`, and
+    delivers it all in key order after the resume; `varadhi status` shows the member. The
+    runtime changes only while paused, and the member, still running, then stops; a Spark
+    shard refuses the `runtime: library` subscription before its session starts."""
+    from varadhi.client import Client
+    from varadhi.core.errors import InvalidArgument, WrongRuntime
+    from varadhi.jobs import shard as shard_job
+    from varadhi.kafka.progress import member_documents, progress_documents
+    from varadhi.ops import status
+    from varadhi.spark import session
+
+    def no_spark(*_args, **_kwargs):
+        raise AssertionError("the refused shard started Spark")
+
+    monkeypatch.setattr(session, "get_spark", no_spark)
+    with TestEndpoint() as endpoint:
+        spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook")
+        code = shard_job.main(["--subscription", spec.name, "--shard", "0"])
+        assert code == 2
+        assert "has runtime: library; a Spark shard does not deliver it" in capsys.readouterr().err
+
+        first = produce(settings, spec.topic, groups=6, per_group=3)
+        consumer = Consumer(spec.name, settings).start()
+        service = SubscriptionService(catalog)
+        try:
+            wait_for(lambda: consumer.counters()["delivered"] == len(first), "delivery", consumer)
+            member = consumer.health()["member"]
+
+            def shown() -> dict:
+                doc = status.collect(catalog, spec.name)
+                return {m["member"]: m for m in doc["library"]["members"]}.get(member, {})
+
+            wait_for(
+                lambda: (
+                    shown().get("slots") == [0, 1]
+                    and shown()["counters"].get("delivered") == len(first)
+                ),
+                "status showing the member",
+                consumer,
+            )
+            assert status.collect(catalog, spec.name)["shards"] == []
+
+            refused = pytest.raises(InvalidArgument, match="subscription pause")
+            with Client(settings) as client, refused:  # not while the subscription runs
+                client.apply([replace(spec, runtime="spark")])
+
+            service.set_paused(spec.name, True)
+            wait_for(lambda: consumer.health()["state"] == "paused", "the pause", consumer)
+            read = consumer.counters()["read"]
+            produced_ms = int(time.time() * 1000)
+            second = produce(settings, spec.topic, groups=6, per_group=3, start=3)
+
+            def paused_with_the_records_waiting() -> bool:
+                found = progress_documents(settings, spec.name, None, produced_ms)
+                doc = member_documents(found).get(member, {})
+                lib = status.collect(catalog, spec.name)["library"]
+                return (
+                    doc.get("state") == "paused"
+                    and doc["updated_ms"] > produced_ms + 1_000
+                    and lib["main_lag"] >= len(second)
+                )
+
+            wait_for(paused_with_the_records_waiting, "the paused member's report", consumer)
+            assert consumer.counters()["read"] == read
+            assert consumer.counters()["paused"] == 1
+            assert not {r.message_id for r in endpoint.records()} & set(second)
+
+            service.set_paused(spec.name, False)
+            wait_for(
+                lambda: consumer.counters()["delivered"] == len(first) + len(second),
+                "delivery after the resume",
+                consumer,
+            )
+            assert consumer.health()["state"] == "running"
+            ok = [(r.group_id, r.message_id) for r in endpoint.records() if r.status == 200]
+            assert sorted(i for _, i in ok) == sorted(first + second)
+            assert_in_order(ok)
+
+            # Paused and reported paused: the runtime may change; the member stops on it.
+            service.set_paused(spec.name, True)
+            wait_for(lambda: consumer.health()["state"] == "paused", "the second pause", consumer)
+            wait_for(lambda: shown().get("state") == "paused", "status: paused", consumer)
+            with Client(settings) as client:
+                ((action, changed),) = client.apply([replace(spec, runtime="spark")])
+            assert (action, changed.spec.runtime) == ("updated", "spark")
+            wait_for(lambda: consumer.wait(0.1), "the member's end", consumer)
+            health = consumer.health()
+            assert health["state"] == "failed" and "has runtime: spark" in health["error"]
+            found = progress_documents(settings, spec.name, None, produced_ms)
+            assert member_documents(found)[member]["state"] == "failed"  # its last word
+        finally:
+            consumer.stop()
+        with pytest.raises(WrongRuntime):
+            Consumer(spec.name, settings).start()

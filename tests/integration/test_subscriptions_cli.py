@@ -187,19 +187,21 @@ def test_create_with_explicit_partitions_ungrouped_and_uneven(
         "subscription", "create", name, "--topic", topic, "--endpoint", "https://h.example/x",
         "--shards", "3", "--allow-uneven", "--ungrouped", "--rq-partitions", "6",
         "--dlq-partitions", "9", "--on-dead-letter", "skip", "--backoff", "fixed",
-        "--batch", "20",
+        "--batch", "20", "--runtime", "library",
     )  # fmt: skip
     assert code == 0, err
     assert (kafka_partitions(f"{name}.rq.0"), kafka_partitions(f"{name}.dlq.0")) == (6, 9)
     spec = stored(name)["spec"]
     assert spec["grouped"] is False and spec["allow_uneven"] is True
     assert spec["on_dead_letter"] == "skip" and spec["retry"]["backoff"] == "fixed"
+    assert spec["runtime"] == "library"
     assert spec["delivery"] == {
         "mode": "batch", "max_messages": 20, "max_bytes": 1048576, "format": "ndjson"
     }  # fmt: skip
     code, out, _ = run("subscription", "describe", name)
     assert code == 0
     assert "delivery      batch: up to 20 messages, 1048576 bytes, ndjson" in out
+    assert "runtime       library" in out
 
     code, out, _ = run("subscription", "describe", name, "--output", "json")
     assert code == 0

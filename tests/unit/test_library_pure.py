@@ -234,7 +234,7 @@ def test_what_is_not_supported_is_named():
     ok = _sub(on_dead_letter="skip", circuit_breaker=CircuitPolicy(enabled=False))
     assert unsupported(*ok) == []
     paused = (replace(ok[0], paused=True), *ok[1:])
-    assert unsupported(*paused)[0].startswith("paused")
+    assert unsupported(*paused) == []  # members follow pause/resume
     health = _sub(
         on_dead_letter="skip",
         circuit_breaker=CircuitPolicy(enabled=False, suspend_after_ms=60_000, resume="operator"),

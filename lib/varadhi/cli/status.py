@@ -48,6 +48,45 @@ def suspended_text(suspended: dict, now_ms: int) -> str:
     return f" (suspended {since_s:.0f}s ago by shard {suspended['shard']}: {reason}; until {ends})"
 
 
+def library_lines(doc: dict, flags: str) -> list[str]:
+    """`varadhi status` of a `runtime: library` subscription as text (pure): the consumer
+    group's lag and DLQ depth, then one row per member that reported lately."""
+    lib = doc["library"]
+    lines = [
+        f"subscription {doc['subscription']}{flags}: runtime library, {doc['shard_count']} slots,"
+        f" consumer group {lib['group']}",
+        f"main lag {lib['main_lag']}, rq lag {lib['rq_lag']} (past the group's committed offsets),"
+        f" dlq depth {lib['dlq_depth']}",
+    ]
+    if not lib["members"]:
+        lines.append("no member reported in the last 10 minutes (start `varadhi-consumer`)")
+    else:
+        lines.append(
+            f"{'member':<28} {'state':<9} {'slots':<7} {'seen':>6} {'pending':>7} "
+            f"{'in flight':>9} {'delivered':>9} {'retried':>7} {'dead':>5}"
+        )
+    for m in lib["members"]:
+        c = m["counters"]
+        slots = ",".join(str(s) for s in m["slots"]) or "-"
+        lines.append(
+            f"{common.printable(m['member']):<28} {m['state']:<9} {slots:<7} "
+            f"{m['age_ms'] / 1000:>5.0f}s {c.get('pending', 0):>7} {c.get('in_flight', 0):>9} "
+            f"{c.get('delivered', 0):>9} {c.get('retried', 0):>7} {c.get('dead_lettered', 0):>5}"
+        )
+        if m.get("error"):
+            lines.append(f"  {common.printable(str(m['error']))}")
+    st = doc["stats"]
+    lines.append(
+        f"messages: inserted {st['inserted']}; of the members shown, since each started: read"
+        f" {st['routed']}, emitted {st['emitted']}, acknowledged {st['acknowledged']}"
+    )
+    lines += [
+        f"operation {key}: {op.get('kind', '?')} {op.get('step', '')}".rstrip()
+        for key, op in doc["operations"].items()
+    ]
+    return lines
+
+
 def _status(args: argparse.Namespace) -> int:
     with common.client(args) as client:
         doc = client.status(args.name)
@@ -57,6 +96,9 @@ def _status(args: argparse.Namespace) -> int:
     flags = " (paused)" if doc["paused"] else ""
     if doc.get("suspended"):
         flags += suspended_text(doc["suspended"], int(time.time() * 1000))
+    if doc.get("runtime") == "library":
+        print("\n".join(library_lines(doc, flags)))
+        return 0
     print(
         f"subscription {doc['subscription']}{flags}: {doc['shard_count']} shards, generation {doc['generation']}"
     )

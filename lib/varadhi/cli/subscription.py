@@ -66,6 +66,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="accept shards that do not divide the topic's partition count",
     )
+    c.add_argument(
+        "--runtime",
+        choices=["spark", "library"],
+        help="who delivers it: spark shards (`varadhi-job shard`, the default) or library "
+        "members (`varadhi-consumer`, docs/library.md); each refuses the other's subscriptions",
+    )
     c.set_defaults(func=_create)
 
     a = ssub.add_parser(
@@ -74,7 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Create or update the subscriptions of a YAML file: one subscription, or a "
         "list under `subscriptions:`. All are checked before any is applied. Updates may change "
         "endpoint, retry, consumption, circuit_breaker, on_dead_letter, max_message_bytes, "
-        "dedup_window, filter and delivery (a changed filter applies from the next micro-batch).",
+        "dedup_window, filter and delivery (a changed filter applies from the next micro-batch); "
+        "runtime only while the subscription is paused and its shards or members report paused "
+        "or stopped (docs/library.md#moving-between-runtimes).",
     )
     a.add_argument("-f", "--file", required=True, metavar="FILE", help="YAML file")
     a.set_defaults(func=_apply)
@@ -163,6 +171,7 @@ def _create(args: argparse.Namespace) -> int:
         "on_dead_letter": args.on_dead_letter,
         "allow_uneven": args.allow_uneven,
         "delivery": None if args.batch is None else {"mode": "batch", "max_messages": args.batch},
+        "runtime": args.runtime,
     }
     spec = parse_spec(doc, source="command line")
     with common.client(args) as client:
@@ -225,6 +234,7 @@ def _describe(args: argparse.Namespace) -> int:
     print(f"topic         {spec['topic']}")
     print(f"endpoint      {endpoint['method']} {endpoint['url']}")
     print(f"grouped       {'yes' if spec['grouped'] else 'no'}")
+    print(f"runtime       {spec.get('runtime', 'spark')}")
     print(f"shards        {state['shard_count']}")
     print(f"paused        {'yes' if state['paused'] else 'no'}")
     if state.get("suspended"):

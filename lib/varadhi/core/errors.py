@@ -46,6 +46,24 @@ class AlreadyExists(VaradhiError):
         self.name = name
 
 
+class WrongRuntime(InvalidArgument):
+    """A process of one runtime was given a subscription whose spec names the other
+    (`runtime: spark | library`): refused before it delivers anything, so that Spark shards and
+    library members never deliver one subscription at once (exit code 2)."""
+
+    def __init__(self, name: str, runtime: str, process: str):
+        super().__init__(
+            f"subscription {name} has runtime: {runtime}; {process} does not deliver it"
+            f" ({_RUNNERS[runtime]} does). To move it to the other runtime: docs/library.md"
+            "#moving-between-runtimes"
+        )
+        self.name = name
+        self.runtime = runtime
+
+
+_RUNNERS = {"spark": "a Spark shard, `varadhi-job shard`", "library": "`varadhi-consumer`"}
+
+
 class ConcurrentModification(VaradhiError):
     """Another writer changed the catalog entry between our read and our write. Safe to retry."""
 

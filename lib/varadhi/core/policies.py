@@ -26,6 +26,9 @@ SigningScheme = Literal["v1", "v1a"]
 JwtAlgorithm = Literal["RS256", "ES256"]
 DeliveryMode = Literal["single", "batch"]
 BatchFormat = Literal["ndjson", "json_array"]
+# Which processes deliver a subscription: Spark shards, or library members (docs/library.md).
+Runtime = Literal["spark", "library"]
+RUNTIMES: tuple[Runtime, ...] = ("spark", "library")
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,9 @@ class SubscriptionSpec:
     delivery: DeliveryPolicy = field(default_factory=DeliveryPolicy)
     # The delivery trace (`varadhi trace`); None: off.
     trace: TracePolicy | None = None
+    # Who delivers it: `spark` shards (`varadhi-job shard`) or `library` members
+    # (`varadhi-consumer`); each refuses a subscription of the other (never both at once).
+    runtime: Runtime = "spark"
 
     @property
     def rq_topic(self) -> str:

@@ -35,6 +35,7 @@ from varadhi.core.circuit import validate_circuit_policy
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import (
     DEFAULT_RESPONSES,
+    RUNTIMES,
     BlockedPolicy,
     CircuitPolicy,
     ConsumptionPolicy,
@@ -238,6 +239,7 @@ _TOP_KEYS = (
     "filter",
     "delivery",
     "trace",
+    "runtime",
 )
 _TRACE_KEYS = ("retention",)
 # The shortest and longest trace retention: an hour lets an operator look at a fresh failure;
@@ -351,6 +353,7 @@ def parse_spec(doc: Mapping[str, Any], source: str = "<input>") -> SubscriptionS
         filter=filters.parse(top.doc["filter"], "filter", source) if top.has("filter") else None,
         delivery=delivery,
         trace=_parse_trace(top),
+        runtime=top.choice("runtime", _SPEC.runtime, RUNTIMES),
     )
 
 
@@ -912,6 +915,7 @@ def spec_to_dict(spec: SubscriptionSpec) -> dict[str, Any]:
             "format": spec.delivery.format,
         },
         "trace": None if spec.trace is None else {"retention": spec.trace.retention_ms},
+        "runtime": spec.runtime,
     }
 
 

@@ -21,8 +21,10 @@ micro-batch.
 
 Exit codes: 0 stopped (SIGINT or SIGTERM, after the micro-batch in flight; or idle with
 --stop-when-idle; a standby stopped while waiting), 3 fenced by a newer instance of the same
-shard (or its lease expired), 1 failed, 2 refused (unknown subscription or shard), 4 a missing
-Kafka ACL (one line naming it).
+shard (or its lease expired), 1 failed, 2 refused (unknown subscription or shard, or a
+subscription of `runtime: library`, which `varadhi-consumer` delivers: before Spark starts; a
+running shard that finds the runtime changed ends with it too), 4 a missing Kafka ACL (one line
+naming it).
 """
 
 from __future__ import annotations
@@ -65,20 +67,19 @@ def main(argv: list[str]) -> int:
     runner.setup_logging()
     settings = runner.settings(args)
     options = runner.telemetry(args)
-    spark = None
-    if args.cluster:
-        from varadhi.spark.session import get_spark
-
-        spark = get_spark(f"varadhi-{args.subscription}-{args.shard}", local=False)
+    # The session (local, or the cluster's) is made by the job once the subscription was read
+    # and accepted: an unknown subscription or shard, or one of `runtime: library`, is refused
+    # (exit 2) before Spark starts.
     job = ShardJob(
         args.subscription,
         args.shard,
         settings,
-        spark=spark,
         stop_when_idle_s=args.stop_when_idle,
         standby=args.standby,
         lease_ttl_ms=ttl_from_env(args.lease_ttl),
+        cluster=args.cluster,
     )
+    job.check()  # before `attach`, which may start the session
     telemetry = attach(job, options)
     try:
         return job.run()

@@ -2,7 +2,8 @@
 
 Shards publish a progress document every few seconds (and when they stop) to a progress topic
 next to the catalog (`<catalog topic>_progress`, one partition, time-retained, keyed by
-`<subscription>/<shard>`, a standby instance by `<subscription>/<shard>/standby/<instance>`). It
+`<subscription>/<shard>`, a standby instance by `<subscription>/<shard>/standby/<instance>`, a
+member of the library runtime by `<subscription>/member/<member>`: `varadhi.library`). It
 is not compacted: its history is what the status notebook plots. `varadhi.ops.status` reads the
 newest document of each shard.
 
@@ -64,23 +65,33 @@ def ensure_progress_topic(settings: Settings) -> None:
         admin.close()
 
 
+MEMBER = "member/"  # the key suffix of a library member's documents: `member/<member>`
+
+
 class ProgressPublisher:
-    """Sends a shard's progress documents, at most every `interval_s` unless forced."""
+    """Sends a shard's (or a library member's) progress documents, at most every `interval_s`
+    unless forced."""
 
     def __init__(
         self,
         settings: Settings,
         subscription: str,
-        shard: int,
+        shard: int | None,
         interval_s: float = 5.0,
         standby: str | None = None,
+        member: str | None = None,
     ):
+        """Documents of shard `shard`, of its standby instance `standby`, or (`shard` None) of
+        the library member `member` (a name without "/")."""
+        if (shard is None) == (member is None) or (member is not None and "/" in member):
+            raise ValueError("a progress publisher is a shard's or a member's")
         ensure_progress_topic(settings)
         self.topic = progress_topic(settings)
         # A standby instance reports under `<sub>/<shard>/standby/<instance>` (`standbys_of`),
         # never under the shard's own key, whose newest document is the active instance's.
         suffix = f"/standby/{standby}" if standby else ""
-        self.key = f"{subscription}/{shard}{suffix}".encode()
+        where = f"{MEMBER}{member}" if shard is None else f"{shard}{suffix}"
+        self.key = f"{subscription}/{where}".encode()
         self.interval_s = interval_s
         self._last = 0.0
         self._lock = threading.Lock()
@@ -140,6 +151,11 @@ def standbys_of(
         if now_ms - int(doc.get("updated_ms") or 0) < fresh_ms:
             out.setdefault(int(shard), []).append(doc)
     return out
+
+
+def member_documents(found: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The library members' documents among `progress_documents` (pure): member -> document."""
+    return {k.removeprefix(MEMBER): doc for k, doc in found.items() if k.startswith(MEMBER)}
 
 
 def progress_documents(

@@ -24,10 +24,8 @@ from typing import Any, Literal
 from varadhi.core import endpoint_guard, routing
 from varadhi.core.catalog_kinds import DocKind
 from varadhi.core.endpoint_guard import EndpointPolicy
-from varadhi.core.errors import AlreadyExists, InvalidArgument, NotFound
-from varadhi.core.policies import (
-    SubscriptionSpec,
-)
+from varadhi.core.errors import AlreadyExists, InvalidArgument, NotFound, WrongRuntime
+from varadhi.core.policies import Runtime, SubscriptionSpec
 from varadhi.core.subscription_spec import parse_spec, spec_from_dict, spec_to_dict
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import topics
@@ -138,6 +136,16 @@ def from_snapshot(snapshot: Snapshot, name: str) -> Subscription:
     if doc is None:
         raise NotFound("subscription", name)
     return Subscription.from_dict(live_record(snapshot, doc))
+
+
+def check_runtime(sub: Subscription, runtime: Runtime, process: str) -> None:
+    """Refuse (`WrongRuntime`, exit code 2) to run `sub` in a process of `runtime` (`process`
+    names it in the message) unless its spec names that runtime (pure). A Spark shard and a
+    library member both call it when they start, before any side effect, and again while
+    they run (a shard before each query, a member with each look at the catalog), so that a
+    process left over from before a runtime change stops instead of delivering."""
+    if sub.spec.runtime != runtime:
+        raise WrongRuntime(sub.name, sub.spec.runtime, process)
 
 
 def live_record(snapshot: Snapshot, doc: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -340,6 +348,7 @@ MUTABLE_FIELDS = frozenset(
         "filter",
         "delivery",
         "trace",
+        "runtime",
     }
 )
 IMMUTABLE_FIELDS = frozenset(
@@ -353,6 +362,8 @@ def changed_fields(current: Subscription, new: SubscriptionSpec) -> list[str]:
     Shards are compared with the live `shard_count`: changing them moves state and queues and
     is `subscription change-shards`' job. Topic, grouping and partition counts never change; a
     different choice is a new subscription. `allow_uneven` only affects validation at creation.
+    `runtime` changes only while the subscription is paused (the caller, `varadhi.Client.apply`,
+    also refuses while a process of it may still deliver: `ops.status.check_runtime_switch`).
     """
     old = current.spec
     if new.shards != current.shard_count:
@@ -370,6 +381,14 @@ def changed_fields(current: Subscription, new: SubscriptionSpec) -> list[str]:
             raise InvalidArgument(
                 f"cannot change ({before!r} -> {after!r}); create a new subscription instead",
                 field=f.name,
+            )
+        if f.name == "runtime" and not current.paused:
+            raise InvalidArgument(
+                f"cannot change ({before} -> {after}) while the subscription runs: "
+                f"`varadhi subscription pause {old.name}`, wait until `varadhi status` shows "
+                "its shards or members paused or stopped, apply, stop them, start the other "
+                "runtime's processes, resume (docs/library.md#moving-between-runtimes)",
+                field="runtime",
             )
         changed.append(f.name)
     return changed

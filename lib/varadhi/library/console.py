@@ -2,8 +2,9 @@
 until SIGTERM or Ctrl-C (docs/library.md).
 
 Exit codes as the `varadhi` command's: 0 stopped on a signal, 2 refused before starting (an
-unsupported feature, an unknown subscription, a bad option), 1 a failure while running, 4 a
-missing ACL, 130 interrupted before it started.
+unsupported feature, an unknown subscription, a subscription of `runtime: spark`, a bad
+option), 1 a failure while running (the subscription edited or its runtime changed meanwhile),
+4 a missing ACL, 130 interrupted before it started.
 """
 
 from __future__ import annotations

@@ -54,20 +54,36 @@ without knowing it (it stopped polling for `max.poll.interval.ms`, `_full`) goes
 what it holds at its old share until its next poll, next to the slots' new owners: the sum may
 then exceed the limit, as duplicates may come (at least once).
 
-Hazards: a subscription must not be run by this runtime and by Spark shards at once (they take
-no common lease); the consumer does not re-read the catalog for a spec change while it runs,
-except that it stops with an error when the subscription is paused or edited
-(`CATALOG_CHECK_S`).
+Pause. The member reads the subscription from the catalog every `CATALOG_CHECK_S`. While it
+is paused the member hands out nothing more (deliveries in flight end, their outcomes are
+written and committed), pauses every partition it is assigned (kafka-python's `pause`; it goes
+on polling, so it stays in the group) and reports `paused`; after a resume it resumes them and
+delivers on. What it held when paused stays held, in order, and goes first. Hazard: `pause`
+is not used for `max_pending` (`_full`) because kafka-python 3.0.12 stopped fetching
+partitions paused and resumed many times under load; a subscription's pause is one pause and
+one resume, which the tests cover, but not under load.
+
+Runtimes. Only a subscription of `runtime: library` is run (`subscriptions.check_runtime`, at
+start and with each look at the catalog: a member still running when the runtime was changed
+to `spark` stops, with an error, before the shards are resumed). Any other edit of the
+subscription stops it with an error too: the consumer does not follow spec changes yet.
+
+Progress. Every `PROGRESS_S` (and when it pauses, resumes or stops) the member publishes a
+document under `<subscription>/member/<member>` on the progress topic (`kafka.progress`):
+its state, slots, partitions, counters and committed offsets; `varadhi status` shows them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import random
+import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from queue import Empty, SimpleQueue
 from typing import Any
 
@@ -96,6 +112,7 @@ from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka import trace as trace_topic
 from varadhi.kafka.catalog import Catalog
+from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.library import handler as handlers
 from varadhi.library.assign import SlotAssignor, slot_of
@@ -108,14 +125,25 @@ log = logging.getLogger(__name__)
 
 #: How long an idle delivery lane waits before it asks for work again.
 IDLE_S = 0.005
-#: How often the subscription's catalog record is read again (a pause or an edit stops it).
+#: How often the subscription's catalog record is read again (a pause, a resume, an edit).
 CATALOG_CHECK_S = 5.0
+#: How often a member publishes its progress document (also on a pause, a resume and a stop).
+PROGRESS_S = 5.0
 POLL_MS = 50
+#: What refusals and errors call this runtime's processes.
+PROCESS = "a library member (varadhi-consumer)"
 
 
 def group_id(subscription: str) -> str:
     """The Kafka consumer group of a subscription's library members."""
     return f"varadhi-library.{subscription}"
+
+
+def member_id() -> str:
+    """A name for this member in progress documents: host, process id and a random suffix (two
+    consumers of one process differ), without "/"."""
+    host = socket.gethostname().replace("/", "_") or "host"
+    return f"{host}-{os.getpid()}-{secrets.token_hex(3)}"
 
 
 @dataclass(frozen=True)
@@ -163,6 +191,9 @@ class Consumer:
         self._revoked: set[TopicPartition] = set()  # by the listener, for `_rebalanced`
         self._assigned: set[TopicPartition] | None = None  # the last assignment, unprocessed
         self._stopping = threading.Event()
+        self._paused = False  # the subscription is paused: hand out nothing, read nothing
+        self._next_publish = 0.0  # monotonic time of the next progress document
+        self.member = member_id()
         self._state = "new"
         self._error: str | None = None
         self._threads: list[threading.Thread] = []
@@ -199,6 +230,7 @@ class Consumer:
         try:
             snap = catalog.snapshot()
             sub = subscriptions.from_snapshot(snap, self.name)
+            subscriptions.check_runtime(sub, "library", PROCESS)
             main = topics.from_snapshot(snap, sub.spec.topic)
             rq = topics.from_snapshot(snap, sub.spec.rq_topic)
             dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
@@ -209,11 +241,15 @@ class Consumer:
                 catalog, [rq.produce_topic.name, dlq.produce_topic.name]
             )
             traced = self._trace_target(sub)
+            self._progress = ProgressPublisher(
+                self.settings, self.name, None, PROGRESS_S, member=self.member
+            )
         except BaseException:
             self._state = "failed"
             catalog.close()
             raise
         self._catalog, self._sub = catalog, sub
+        self._paused = sub.paused
         self._spec = sub.spec
         self._main = main.storage_topics[0]
         self._rq, self._dlq = rq.produce_topic, dlq.produce_topic
@@ -282,16 +318,19 @@ class Consumer:
         return not any(t.is_alive() for t in self._threads)
 
     def health(self) -> dict[str, Any]:
-        """`state` (new, starting, running, stopping, stopped, failed), `error` (why it
-        failed), the partitions and slots it holds, whether it still catches up on the RQ
-        of a slot before reading its main-topic partitions, and `rate_limit`: the messages a
-        second it may send, its slots' share of `endpoint.max_rate` (None: no limit, or a
-        handler delivers)."""
+        """`state` (new, starting, running, pausing, paused, stopping, stopped, failed),
+        `error` (why it failed), `member` (its name in `varadhi status`), the partitions and
+        slots it holds, whether it still catches up on the RQ of a slot before reading its
+        main-topic partitions, and `rate_limit`: the messages a second it may send, its slots'
+        share of `endpoint.max_rate` (None: no limit, or a handler delivers). `pausing`: the
+        subscription is paused and deliveries are still in flight; `paused`: none is, and
+        nothing more is handed out or read until a resume."""
         with self._lock:
             parts = sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers)
             return {
-                "state": self._state,
+                "state": self._shown_state(),
                 "error": self._error,
+                "member": self.member,
                 "partitions": parts,
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
@@ -303,12 +342,20 @@ class Consumer:
         (`filtered`), messages `delivered`, `attempts` and
         `failures`, `retried` (written to the RQ), `dead_lettered`, `duplicates` (copies
         finished unsent), `skipped_finished` (finished before a restart, per the commit),
-        `commits`, `rebalances`; and now: `pending` (held), `in_flight`."""
+        `commits`, `rebalances`; and now: `pending` (held), `in_flight`, `paused` (1 while the
+        subscription is paused)."""
         with self._lock:
             out = dict(self._counts)
             out["pending"] = self._sched.pending
             out["in_flight"] = sum(self._sched.in_flight.values())
+            out["paused"] = int(self._paused)
             return out
+
+    def _shown_state(self) -> str:
+        """`_state`, or while running and paused `pausing`/`paused` (under the lock)."""
+        if self._state != "running" or not self._paused:
+            return self._state
+        return "pausing" if any(self._sched.in_flight.values()) else "paused"
 
     # -- the Kafka thread ---------------------------------------------------------------------
     def _consume(self) -> None:
@@ -317,13 +364,15 @@ class Consumer:
         next_check = time.monotonic() + CATALOG_CHECK_S
         try:
             while not self._stopping.is_set():
-                if self._full():
+                if self._full() and not self._paused:
                     time.sleep(POLL_MS / 1000)
                     batches = {}
-                else:
+                else:  # paused, it polls on (paused partitions give nothing): it stays a member
                     batches = consumer.poll(timeout_ms=POLL_MS)
                 if self._assigned is not None:
                     self._rebalanced()
+                if self._paused:  # partitions a rebalance gave it since
+                    self._pause_reading()
                 self._apply_finished()
                 for tp, records in batches.items():
                     self._ingest(tp, records)
@@ -335,6 +384,7 @@ class Consumer:
                 if now >= next_check:
                     self._check_catalog()
                     next_check = now + CATALOG_CHECK_S
+                self._publish()
         except BaseException as e:  # noqa: BLE001 - reported through health() and the CLI
             self._fail(e)
         finally:
@@ -359,6 +409,11 @@ class Consumer:
                     self._trace.close()
                 if self._state != "failed":
                     self._state = "stopped"
+                try:
+                    self._publish(force=True)
+                except BaseException as e:  # noqa: BLE001 - its last word only
+                    log.info("%s: last progress document not sent (%s)", self.name, e)
+                self._progress.close()
 
     def _ingest(self, tp: TopicPartition, records) -> None:
         ledger = self._ledgers.get(tp)
@@ -530,14 +585,60 @@ class Consumer:
             self._counts["commits"] += 1
 
     def _check_catalog(self) -> None:
+        """Follow the subscription's pause and resume; stop (raise) when its runtime is no
+        longer `library` (first: a runtime changed while paused ends the member before it
+        would deliver on the resume), or on any other edit (not followed yet)."""
         sub = subscriptions.from_snapshot(self._catalog.snapshot(), self.name)
-        if sub != self._sub:
-            what = "paused" if sub.paused else "changed"
+        subscriptions.check_runtime(sub, "library", PROCESS)
+        if replace(sub, paused=self._sub.paused) != self._sub:
             raise VaradhiError(
-                f"subscription {self.name} was {what} while this consumer ran; the library"
-                " runtime does not follow pause/resume or edits yet: start it again"
-                + (" after resume" if sub.paused else "")
+                f"subscription {self.name} was changed while this consumer ran; the library"
+                " runtime does not follow edits yet: start it again"
             )
+        self._sub = sub
+        if sub.paused != self._paused:
+            self._set_paused(sub.paused)
+
+    def _set_paused(self, paused: bool) -> None:
+        """Pause: hand out nothing more (deliveries in flight end) and read nothing (every
+        assigned partition paused; polling goes on). Resume: read and hand out again."""
+        with self._lock:
+            self._paused = paused
+            self._lock.notify_all()
+        if paused:
+            self._pause_reading()
+        else:
+            self._consumer.resume(*self._consumer.paused())
+        log.info("%s: %s", self.name, "paused" if paused else "resumed")
+        self._publish(force=True)
+
+    def _pause_reading(self) -> None:
+        consumer = self._consumer
+        unpaused = consumer.assignment() - consumer.paused()
+        if unpaused:
+            consumer.pause(*unpaused)
+
+    def _publish(self, force: bool = False) -> None:
+        """The member's progress document (at most every `PROGRESS_S` unless forced)."""
+        now = time.monotonic()
+        if not force and now < self._next_publish:
+            return
+        self._next_publish = now + PROGRESS_S
+        with self._lock:
+            doc = {
+                "runtime": "library",
+                "member": self.member,
+                "state": self._shown_state(),
+                "error": self._error,
+                "slots": sorted(self._slots_of(self._ledgers)),
+                "partitions": sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers),
+                "committed": {
+                    f"{tp.topic}/{tp.partition}": offset
+                    for tp, (offset, _) in sorted(self._committed.items())
+                },
+            }
+        doc["counters"] = self.counters()
+        self._progress.publish(doc, force=True)
 
     # -- rebalance ----------------------------------------------------------------------------
     # The listener runs on kafka-python's I/O thread, which must not block: it only closes the
@@ -618,7 +719,7 @@ class Consumer:
         """(The engine's thread) The next message to deliver; the pacer takes the share the
         last rebalance gave first (`Pacer` is not thread-safe: only this thread touches it)."""
         with self._lock:
-            if self._stopping.is_set():
+            if self._stopping.is_set() or self._paused:
                 return None
             if self._reshare is not None:
                 assert self._pacer is not None
@@ -641,7 +742,7 @@ class Consumer:
                 with self._lock:
                     work = None
                     while not self._stopping.is_set():
-                        work = self._sched.take(_now_ms())
+                        work = None if self._paused else self._sched.take(_now_ms())
                         if work is not None:
                             break
                         due = self._sched.next_due_ms()

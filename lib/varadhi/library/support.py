@@ -44,8 +44,6 @@ def unsupported(
         out.append("dedup_window_ms (de-duplication)")
     if spec.delivery.mode != "single":
         out.append("delivery.mode: batch (batched requests)")
-    if sub.paused:
-        out.append("paused (pause/resume: resume the subscription first)")
     if sub.suspended is not None:
         out.append("suspended (endpoint health: resume the subscription first)")
     if len(main.storage_topics) > 1:

@@ -3,6 +3,11 @@ and what Kafka knows now.
 
 `varadhi status` reads the newest document of each shard and adds what Kafka knows now (log-end
 offsets, hence lag, and DLQ depth), so status needs neither Spark nor a running shard.
+
+A subscription of `runtime: library` has no shards running: its status shows the library
+members that reported within `MEMBER_WINDOW_MS` (`members_of`) and its consumer group's lag
+from the group's committed offsets (`group_lag`) instead. `check_runtime_switch` is what a
+runtime change waits for: no shard and no member of the subscription may still deliver.
 """
 
 from __future__ import annotations
@@ -12,18 +17,25 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kafka import TopicPartition
+
 from varadhi.core.catalog_kinds import DocKind
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.policies import SubscriptionSpec
+from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.leases import KIND as LEASE_KIND
 from varadhi.kafka.leases import lease_view
 from varadhi.kafka.progress import (
     latest_progress,
+    member_documents,
     progress_documents,
     progress_of_subscriptions,
     shard_documents,
     standbys_of,
 )
+from varadhi.library.runtime import group_id
 from varadhi.spark import layouts
 
 log = logging.getLogger(__name__)
@@ -213,15 +225,155 @@ def topics_statistics(
     return out
 
 
+# A member publishes every 5 s while it runs (`varadhi.library.runtime.PROGRESS_S`); status
+# shows the members that reported within this window (a stopped member's last word too).
+MEMBER_WINDOW_MS = 10 * 60_000
+# States in which a member delivers nothing.
+MEMBER_IDLE_STATES = ("stopped", "failed", "silent")
+
+
+def member_state(doc: Mapping[str, Any], now_ms: int, silent_ms: int = SILENT_MS) -> str:
+    """A library member's state for status (pure): what its newest document says, or `silent`
+    when that is `silent_ms` old and does not say it ended (the process died or hangs)."""
+    said = str(doc.get("state", "?"))
+    age = now_ms - int(doc.get("updated_ms") or 0)
+    if said not in ("stopped", "failed") and age >= silent_ms:
+        return "silent"
+    return said
+
+
+def members_of(
+    found: Mapping[str, Mapping[str, Any]], now_ms: int, window_ms: int = MEMBER_WINDOW_MS
+) -> list[dict[str, Any]]:
+    """The library members among `progress_documents` that reported within `window_ms`, by
+    member name (pure): member, state (`member_state`), seconds since its last report, slots,
+    partitions, counters, committed offsets and error."""
+    out = []
+    for member, doc in sorted(member_documents(dict(found)).items()):
+        age = now_ms - int(doc.get("updated_ms") or 0)
+        if age >= window_ms:
+            continue
+        out.append(
+            {
+                "member": member,
+                "state": member_state(doc, now_ms),
+                "age_ms": age,
+                "slots": list(doc.get("slots") or []),
+                "partitions": list(doc.get("partitions") or []),
+                "counters": dict(doc.get("counters") or {}),
+                "committed": dict(doc.get("committed") or {}),
+                "error": doc.get("error"),
+            }
+        )
+    return out
+
+
+def running_members(
+    sub: subscriptions.Subscription, members: Sequence[Mapping[str, Any]]
+) -> dict[str, str]:
+    """The members of `members_of` that may still deliver, with their state (pure): not those
+    stopped, failed or silent, nor those paused while the subscription is paused."""
+    return {
+        m["member"]: m["state"]
+        for m in members
+        if m["state"] not in MEMBER_IDLE_STATES and not (sub.paused and m["state"] == "paused")
+    }
+
+
+def group_lag(
+    committed: Mapping[TopicPartition, int],
+    ends: Mapping[str, list[int]],
+    topic_names: Sequence[str],
+) -> int:
+    """Records of `topic_names` (storage topics) past the consumer group's committed offsets
+    (pure); a partition without a commit counts from its log start (0), as a new group reads.
+    The commit is a member's lowest unfinished offset: what finished above it counts too."""
+    consumed = {
+        name: {str(tp.partition): offset for tp, offset in committed.items() if tp.topic == name}
+        for name in topic_names
+    }
+    return lag(consumed, dict(ends), {n: list(range(len(ends[n]))) for n in topic_names})
+
+
+def group_committed(catalog: Catalog, group: str) -> dict[TopicPartition, int]:
+    """The committed offsets of consumer group `group` (one request; none: empty)."""
+    admin = kafka_clients.admin(catalog.settings, client_id="varadhi-status")
+    try:
+        found = admin.list_group_offsets({group: None}).get(group, {})
+    finally:
+        admin.close()
+    return {tp: om.offset for tp, om in found.items() if om.offset >= 0}
+
+
+def library_status(
+    catalog: Catalog,
+    sub: subscriptions.Subscription,
+    ends: Mapping[str, list[int]],
+    main: str,
+    rq: str,
+    now_ms: int,
+) -> dict[str, Any]:
+    """The members and the consumer group of a `runtime: library` subscription (`collect`)."""
+    since = max(sub.created_ms, now_ms - MEMBER_WINDOW_MS)
+    members = members_of(progress_documents(catalog.settings, sub.name, None, since), now_ms)
+    committed = group_committed(catalog, group_id(sub.name))
+    return {
+        "group": group_id(sub.name),
+        "main_lag": group_lag(committed, ends, [main]),
+        "rq_lag": group_lag(committed, ends, [rq]),
+        "members": members,
+    }
+
+
+def check_runtime_switch(
+    sub: subscriptions.Subscription,
+    shards: Mapping[int, str],
+    members: Mapping[str, str],
+) -> None:
+    """Refuse a change of `sub`'s runtime while any of its shards (`running_shards`) or library
+    members (`running_members`) may still deliver (pure). The subscription must also be paused
+    (`subscriptions.changed_fields` refuses that): paused processes of the old runtime stop,
+    before delivering, once they see the change (`subscriptions.check_runtime`)."""
+    busy = [f"shard {s} ({state})" for s, state in sorted(shards.items())]
+    busy += [f"member {m} ({state})" for m, state in sorted(members.items())]
+    if busy:
+        raise InvalidArgument(
+            f"cannot change the runtime of {sub.name} while it may still deliver: "
+            f"{', '.join(busy)}; pause it (`varadhi subscription pause {sub.name}`) and wait "
+            "until `varadhi status` shows them paused or stopped",
+            field="runtime",
+        )
+
+
+def check_runtime_switches(catalog: Catalog, specs: Sequence[SubscriptionSpec]) -> None:
+    """`check_runtime_switch` for each of `specs` that changes an existing paused
+    subscription's runtime (`varadhi.Client.apply`, before it applies anything)."""
+    snap = catalog.snapshot()
+    now = int(time.time() * 1000)
+    for spec in specs:
+        if snap.get(subscriptions.KIND, spec.name) is None:
+            continue
+        sub = subscriptions.from_snapshot(snap, spec.name)
+        if sub.spec.runtime == spec.runtime or not sub.paused:
+            continue  # unchanged, or refused by `changed_fields` for not being paused
+        since = max(sub.created_ms, now - MEMBER_WINDOW_MS)
+        found = progress_documents(catalog.settings, sub.name, None, since)
+        shards = running_shards(sub, shard_documents(found), leases_of(snap, sub, now), now)
+        check_runtime_switch(sub, shards, running_members(sub, members_of(found, now)))
+
+
 def collect(catalog: Catalog, name: str) -> dict[str, Any]:
     """Status of subscription `name`: per shard and queue, lag, rates, blocked groups, DLQ depth,
-    generation and operations in progress."""
+    generation and operations in progress; for a `runtime: library` subscription its members
+    and its consumer group's lag instead of shards (`library_status`, under `library`)."""
     snap = catalog.snapshot()
     sub = subscriptions.from_snapshot(snap, name)
     mq = topics.from_snapshot(snap, sub.spec.topic)
     rq = topics.from_snapshot(snap, sub.spec.rq_topic)
     dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
     ends = topics.end_offsets(catalog, mq.storage_topics + rq.storage_topics + dlq.storage_topics)
+    if sub.spec.runtime == "library":
+        return _library_collect(catalog, snap, sub, mq, rq, dlq, ends)
     found = progress_documents(catalog.settings, name, shards_that_ran(snap, sub), sub.created_ms)
     progress = shard_documents(found)
     now = int(time.time() * 1000)
@@ -297,15 +449,12 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
                 "filtered": int(totals.get("filtered", 0)),
             }
         )
-    operations = {
-        k: v
-        for k, v in snap.items(DocKind.OPERATION).items()
-        if k == name or k.startswith(f"{name}/")
-    }
+    operations = _operations(snap, name)
     # Counts of the shards a shard-count change retired (`carry_totals`) go on in the totals.
     carried = (snap.get(subscriptions.KIND, name) or {}).get("state", {}).get("carried_totals", {})
     before = stats_of(0, carried)
     return {
+        "runtime": sub.spec.runtime,
         "stats": {k: before[k] + sum(s["stats"][k] for s in shards) for k in STAT_NAMES},
         # Main-topic messages the subscription's filter dropped (`varadhi.core.filters`).
         "filtered": int(carried.get("filtered", 0)) + sum(s["filtered"] for s in shards),
@@ -316,6 +465,43 @@ def collect(catalog: Catalog, name: str) -> dict[str, Any]:
         "shard_count": sub.shard_count,
         "shards": shards,
         "operations": operations,
+    }
+
+
+def _operations(snap, name: str) -> dict[str, Any]:
+    return {
+        k: v
+        for k, v in snap.items(DocKind.OPERATION).items()
+        if k == name or k.startswith(f"{name}/")
+    }
+
+
+def _library_collect(catalog, snap, sub, mq, rq, dlq, ends) -> dict[str, Any]:
+    """`collect` of a `runtime: library` subscription: no shards; its members and group."""
+    now = int(time.time() * 1000)
+    main, rq_now = mq.storage_topics[0].name, rq.produce_topic.name
+    library = library_status(catalog, sub, ends, main, rq_now, now)
+    library["dlq_depth"] = sum(sum(ends[st.name]) for st in dlq.storage_topics)
+    totals: dict[str, int] = {}
+    for m in library["members"]:
+        for k, v in m["counters"].items():
+            if isinstance(v, int):
+                totals[k] = totals.get(k, 0) + v
+    inserted = sum(sum(ends[st.name]) for st in mq.storage_topics)
+    # Members count from their own start: these are the shown members' totals.
+    stats = stats_of(inserted, {"routed": totals.get("read", 0), **totals})
+    return {
+        "runtime": sub.spec.runtime,
+        "stats": stats,
+        "filtered": 0,
+        "subscription": sub.name,
+        "paused": sub.paused,
+        "suspended": sub.suspended.to_dict() if sub.suspended else None,
+        "generation": sub.generation,
+        "shard_count": sub.shard_count,
+        "shards": [],
+        "library": library,
+        "operations": _operations(snap, sub.name),
     }
 
 

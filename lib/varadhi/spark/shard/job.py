@@ -55,7 +55,9 @@ class ShardJob:
     `run()` returns the process exit code (`ends.RunEnd`): 0 stopped on request or idle, 3 fenced
     by a newer instance; a failure raises (exit code 1 through the job runner).
     `stop_when_idle_s` bounds a run (tests, demo, benchmarks); `standby` waits for the active
-    instance's lease to expire instead of taking it at once (failover).
+    instance's lease to expire instead of taking it at once (failover). Without `spark`, the
+    session is made once the subscription was read and accepted (`_start`): a local one, or
+    with `cluster` the one spark-submit or the cluster configured.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class ShardJob:
         stop_when_idle_s: float | None = None,
         standby: bool = False,
         lease_ttl_ms: int | None = None,
+        cluster: bool = False,
     ):
         self.settings = settings or Settings.from_env()
         self.catalog = Catalog(self.settings)
@@ -79,6 +82,7 @@ class ShardJob:
         self.batch_hooks: list[Any] = []
         self.suspension_hooks: list[Callable[[bool], None]] = []  # endpoint health, for metrics
         self._spark = spark
+        self._cluster = cluster
         self._startup = StartupClock(f"{name} shard {shard}")  # INFO line per phase
         self._stop = threading.Event()
         self._circuit = CircuitBreaker(CircuitPolicy())  # configured from the spec
@@ -113,13 +117,25 @@ class ShardJob:
         if self._spark is None:
             from varadhi.spark.session import get_spark
 
-            self._spark = get_spark(f"varadhi-{self.name}-shard-{self.shard}")
+            self._spark = get_spark(
+                f"varadhi-{self.name}-shard-{self.shard}", local=not self._cluster
+            )
             self._startup.mark("Spark session ready")
         return self._spark
+
+    def check(self) -> None:
+        """Refuse, before anything starts, what `run` would refuse at its start: an unknown
+        subscription or shard, a subscription of another runtime, an endpoint the platform does
+        not allow. For callers that start something around the job first (`spark.metrics`
+        starts the session); `run` checks again."""
+        self._load()
 
     def _load(self) -> Loaded:
         snap = self.catalog.snapshot()
         sub = subscriptions.from_snapshot(snap, self.name)
+        # Before the session and the lease at a start; before each query of a running shard
+        # (a runtime change while it was paused ends it here, before it delivers).
+        subscriptions.check_runtime(sub, "spark", "a Spark shard")
         if not 0 <= self.shard < sub.shard_count:
             raise InvalidArgument(
                 f"shard {self.shard} is outside 0..{sub.shard_count - 1} of {self.name}"
