@@ -8,6 +8,7 @@ from varadhi.core.rate_limit import (
     FLOOR,
     Pacer,
     RateGovernor,
+    TaskPace,
     shard_share,
     slot_share,
     throttled,
@@ -66,7 +67,7 @@ def test_the_limit_is_split_among_shards_and_tasks():
     assert shard_share(300.0, 3) == 100.0
     clock = Clock()
     governor = RateGovernor(shard_share(300.0, 3), clock)
-    assert governor.task_rate(4) == 25.0
+    assert governor.task_pace(4) == TaskPace(25.0, 25.0)
 
 
 def test_a_throttled_batch_halves_the_shard_s_rate_which_recovers_within_ten_seconds():
@@ -77,11 +78,12 @@ def test_a_throttled_batch_halves_the_shard_s_rate_which_recovers_within_ten_sec
     governor.observe(throttled({"status_503": 1}))
     assert governor.rate == 25.0
     clock.t += 5.0
-    assert governor.task_rate(1) == pytest.approx(75.0)  # 10% of the share a second back
+    # The next batch's tasks start at 10% of the share a second back; their ceiling is the share.
+    assert governor.task_pace(1) == TaskPace(100.0, pytest.approx(75.0))
     clock.t += 5.0
-    assert governor.task_rate(1) == 100.0  # the whole share, never more
+    assert governor.task_pace(1) == TaskPace(100.0, 100.0)  # the whole share, never more
     clock.t += 60.0
-    assert governor.task_rate(2) == 50.0
+    assert governor.task_pace(2) == TaskPace(50.0, 50.0)
     for _ in range(30):
         governor.observe(1)
     assert governor.rate == 100.0 * FLOOR
@@ -120,3 +122,22 @@ def test_a_reshared_pacer_sends_at_its_new_share_and_keeps_a_slow_down():
     assert pacer.rate == 100.0  # recovers to the new share, never above it
     with pytest.raises(ValueError):
         pacer.reshare(0.0)
+
+
+def test_a_task_started_slowed_down_recovers_to_its_ceiling_within_ten_seconds():
+    """A batch planned during a slow-down (the shard's rate halved twice) must not keep it for
+    its whole run: its tasks start at the slowed rate and regain 10% of the ceiling a second,
+    never passing it, so in no window do they send more than the ceiling allows."""
+    clock = Clock()
+    pacer = TaskPace(rate=50.0, start=12.5).pacer(clock)
+    assert pacer.rate == 12.5
+    clock.t += 5.0
+    pacer.spend()
+    assert pacer.rate == pytest.approx(37.5)
+    clock.t += 3.0
+    pacer.spend()
+    assert pacer.rate == 50.0
+    for _ in range(10):  # then at most the ceiling's 50 a second, one second at a time
+        assert sent_in(pacer, clock, 1.0) <= 51
+    assert Pacer(100.0, clock, start=0.0).rate == 100.0 * FLOOR  # never a stop
+    assert Pacer(100.0, clock, start=500.0).rate == 100.0  # never above the ceiling

@@ -4,19 +4,29 @@ split among its shards and their delivery tasks, and slowed down by the endpoint
 Split. Shard `i` of `n` sends at most `max_rate / n` (`shard_share`): the limit holds whatever
 the shard count, and follows a shard-count change (a new count starts new queries with new
 shares). Within a shard, a micro-batch's delivery runs in at most `consumption.concurrency` tasks
-at a time; each task gets an equal part of the shard's current rate (`RateGovernor.task_rate`),
-so a shard whose tasks are fewer or idle sends below its share, never above.
+at a time; each task gets an equal part of the shard's share as its ceiling, and starts at the
+same part of the shard's current rate (`RateGovernor.task_pace`), so a shard whose tasks are fewer
+or idle sends below its share, never above.
 
 Pacing (`Pacer`, one per task): requests go out at most one message's interval apart (a batched
 request of k messages costs k intervals), with no burst: over any window of W seconds a task sends
-at most W x rate + one request's messages. A 429 or 503 answer halves the task's rate at once, to
-at least `FLOOR` of where it started, and every second without one gives back `RECOVER_PER_S`
-of it (the message itself is retried as the retry policy and its Retry-After say).
+at most W x rate + one request's messages, `rate` never above the task's part of the share (its
+ceiling). A 429 or 503 answer halves the task's rate at once, to at least `FLOOR` of its ceiling,
+and every second without one gives back `RECOVER_PER_S` of the ceiling (the message itself is
+retried as the retry policy and its Retry-After say).
 
 Adapting across micro-batches (`RateGovernor`, one per shard, on the driver): a batch whose tasks
 got 429/503 answers halves the shard's rate for the next batch (down to `FLOOR` of its share);
 every second without them gives back `RECOVER_PER_S` of the share, so the full share returns
-within 1 / RECOVER_PER_S seconds of the last throttled batch (10 s).
+within 1 / RECOVER_PER_S seconds of the last throttled batch (10 s). The next batch's tasks
+*start* at the shard's rate and recover within the batch as above (`TaskPace`): a batch planned
+during a slow-down gets back to the whole share within 10 s of its last throttled answer, however
+long it runs. (Its tasks' ceiling was the rate the batch started at before: a batch of 3,000
+records planned right after the 429s sent a quarter of the limit for its remaining 100 s.)
+
+The bound: every task's rate is at most its ceiling at every moment, and the ceilings of a shard's
+tasks running at once add up to at most its share, so over any window of W seconds a shard sends
+at most W x share plus one request's messages for each task that ran in the window.
 
 The library runtime (`varadhi.library`) has no shards and no micro-batches: a member holding k
 of the subscription's S slots (a slot is shard s's partitions: the unit of work,
@@ -32,6 +42,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 #: The least a slow-down leaves of the share (of where a task started): never a stop.
 FLOOR = 0.05
@@ -54,15 +65,31 @@ def slot_share(max_rate: float, held: int, slots: int) -> float:
     return max_rate * held / slots
 
 
-class Pacer:
-    """One delivery task's pace: at most `rate` messages a second (module docstring)."""
+@dataclass(frozen=True)
+class TaskPace:
+    """A delivery task's pace for one micro-batch: `rate`, its ceiling (its part of the shard's
+    share), and `start`, the rate it starts at (the shard's rate, slowed down by throttled
+    batches, divided the same way)."""
 
-    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic):
+    rate: float
+    start: float
+
+    def pacer(self, clock: Callable[[], float] = time.monotonic) -> Pacer:
+        return Pacer(self.rate, clock, self.start)
+
+
+class Pacer:
+    """One delivery task's pace: at most `rate` messages a second, starting at `start` (default:
+    `rate`; at least `FLOOR` of it) and recovering towards `rate` (module docstring)."""
+
+    def __init__(
+        self, rate: float, clock: Callable[[], float] = time.monotonic, start: float | None = None
+    ):
         if rate <= 0:
             raise ValueError(f"rate must be positive, got {rate}")
         self._clock = clock
         self._base = rate
-        self.rate = rate
+        self.rate = rate if start is None else min(rate, max(rate * FLOOR, start))
         self._next = clock()  # when the next message may go
         self._adjusted = self._next  # when `rate` was last brought up to date
 
@@ -78,7 +105,7 @@ class Pacer:
 
     def slow_down(self) -> None:
         """The endpoint answered 429 or 503: half the rate from now on (not below `FLOOR` of
-        where the task started); it recovers `RECOVER_PER_S` of that a second afterwards."""
+        the ceiling); it recovers `RECOVER_PER_S` of the ceiling a second afterwards."""
         now = self._clock()
         self._recover(now)
         self.rate = max(self._base * FLOOR, self.rate / 2)
@@ -122,10 +149,10 @@ class RateGovernor:
             self.rate = min(self.share, self.rate + recovered)
         self._at = now
 
-    def task_rate(self, tasks: int) -> float:
-        """The rate of each of `tasks` delivery tasks of the next micro-batch, as of now."""
+    def task_pace(self, tasks: int) -> TaskPace:
+        """The pace of each of `tasks` delivery tasks of the next micro-batch, as of now."""
         self.observe(0)  # the time since the last batch counts towards recovery
-        return self.rate / max(1, tasks)
+        return TaskPace(self.share / max(1, tasks), self.rate / max(1, tasks))
 
 
 def throttled(http_counts: dict[str, int]) -> int:

@@ -62,7 +62,7 @@ from varadhi.core import messages as m
 from varadhi.core.delivery import LATENCY_BOUNDS_MS, DeliveryStats, HttpDeliverer
 from varadhi.core.group_state import Entry, GroupRun, RunCounts, merge
 from varadhi.core.policies import SubscriptionSpec
-from varadhi.core.rate_limit import Pacer
+from varadhi.core.rate_limit import TaskPace
 from varadhi.core.retry import linger_ms
 from varadhi.core.state_rows import (
     RESULT_COLUMNS,
@@ -112,8 +112,8 @@ class BatchContext:
     journal: JournalTarget | None = None
     # A replayed batch: origins a crashed run of it already delivered (sent no more).
     replayed: Accepted | None = None
-    # Messages a second each delivery task may send (`varadhi.core.rate_limit`); None: no limit.
-    rate_per_task: float | None = None
+    # How fast each delivery task may send (`varadhi.core.rate_limit`); None: no limit.
+    pace: TaskPace | None = None
     # Where the tasks write the delivery trace (`varadhi.kafka.trace`); None: not traced.
     trace: TraceTarget | None = None
 
@@ -591,7 +591,7 @@ def _deliver(
                     linger_s=0.0 if hand_over else linger_ms(ctx.spec.retry) / 1000,
                     # Kafka away or slow: no delivery the journal could not record
                     hold=journal.behind if journal is not None else None,
-                    pacer=Pacer(ctx.rate_per_task) if ctx.rate_per_task else None,
+                    pacer=ctx.pace.pacer() if ctx.pace is not None else None,
                 )
         for _, run in runs:  # a blocked group over its limit spills now, traced with the rest
             if not run.handed_over:

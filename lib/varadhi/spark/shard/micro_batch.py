@@ -27,7 +27,7 @@ from pyspark.sql import DataFrame, Observation
 
 from varadhi.core import filters
 from varadhi.core.circuit import probe_retry
-from varadhi.core.rate_limit import RateGovernor, throttled
+from varadhi.core.rate_limit import RateGovernor, TaskPace, throttled
 from varadhi.core.state_rows import RESULT_SCHEMA, STATE_SCHEMA, StateRow, delivered_ids
 from varadhi.kafka import dlq as dlq_ops
 from varadhi.kafka import subscriptions, topics
@@ -167,7 +167,7 @@ class MicroBatch:
                 parts.journal.replayed(sub, app_id, batch_id),
                 parts.journal.handed_over(q.checkpoint, HadoopFS(self.df.sparkSession)),
             ),
-            rate_per_task=rate_per_task(parts.rates.governor(sub), spec.consumption.concurrency),
+            pace=task_pace(parts.rates.governor(sub), spec.consumption.concurrency),
             trace=trace,
         )
         executors = SparkExecutors(records, spec.consumption.concurrency, q.partitions_read)
@@ -233,9 +233,9 @@ def _commit(parts: ShardParts, inputs: QueryInputs, df: DataFrame, batch_id: int
     _finished(parts, inputs, batch_id, outcome, time.monotonic() - started)
 
 
-def rate_per_task(governor: RateGovernor | None, tasks: int) -> float | None:
-    """Each delivery task's rate for the next batch (`varadhi.core.rate_limit`), or None."""
-    return None if governor is None else governor.task_rate(tasks)
+def task_pace(governor: RateGovernor | None, tasks: int) -> TaskPace | None:
+    """Each delivery task's pace for the next batch (`varadhi.core.rate_limit`), or None."""
+    return None if governor is None else governor.task_pace(tasks)
 
 
 def _finished(
