@@ -135,7 +135,9 @@ def test_the_projection_is_generated_code_holding_each_id_once(
 def test_the_delivery_tasks_get_the_delivery_columns_in_concurrency_partitions(
     kafka_records, dedup, key_header
 ):
-    """Only a subscription with `endpoint.key_header` hands its tasks the key's text form."""
+    """Only a subscription with `endpoint.key_header` hands its tasks the key's text form. A paced
+    subscription's (`endpoint.max_rate`) records are spread by group key even when there are as
+    many Kafka partitions as tasks: each task may send only an equal part of the shard's share."""
     frame, _ = kafka_records
     sub = sub_of(dedup=dedup, key_header=key_header)
     mq = SimpleNamespace(storage_topics=[SimpleNamespace(name=MQ)])
@@ -148,3 +150,10 @@ def test_the_delivery_tasks_get_the_delivery_columns_in_concurrency_partitions(
     assert spread.columns == columns
     assert spread.rdd.getNumPartitions() == 3
     assert spread.count() == len(CORPUS)
+
+    def shuffled(frame) -> bool:
+        return "hashpartitioning(group_key" in frame._jdf.queryExecution().executedPlan().toString()
+
+    paced = delivery_records(records, 2, partitions_read=2, paced=True)
+    assert paced.columns == columns and paced.rdd.getNumPartitions() == 2
+    assert shuffled(paced) and shuffled(spread) and not shuffled(coalesced)

@@ -109,17 +109,24 @@ DELIVERY_COLUMNS = (
 PLAN_ONLY_COLUMNS = ("key", "dedup_id")
 
 
-def delivery_records(records: DataFrame, concurrency: int, partitions_read: int) -> DataFrame:
+def delivery_records(
+    records: DataFrame, concurrency: int, partitions_read: int, paced: bool = False
+) -> DataFrame:
     """A micro-batch's records (`batch_records`, filtered, de-duplicated) as the delivery tasks
     read them: only `DELIVERY_COLUMNS`, in `concurrency` partitions. The Kafka partitions read
     (`partitions_read`) are coalesced when there are at least as many: a group's records stay in
-    one task, in order, with no shuffle. Fewer are spread by group key.
+    one task, in order, with no shuffle. Fewer are spread by group key, and so are the records of
+    a `paced` subscription (`endpoint.max_rate`) always: each of its tasks may send an equal part
+    of the shard's share (`varadhi.core.rate_limit`), so a task holding most of the records holds
+    the shard below its share. Coalesced, the main topic's partitions could all go to one task and
+    the RQ's to the other: `bench/rate_limit.py` saw a shard send half its share for a whole
+    batch. At the rates a limit allows, the shuffle's cost does not matter.
 
     The plan-only columns are dropped rather than the delivery columns selected. Each batch
     builds this through Py4J, and a drop of two names costs about 5 round trips where a select
     of nine cost about 40 (`bench/batch_plan.py`)."""
     records = records.drop(*PLAN_ONLY_COLUMNS)  # a name the frame lacks is ignored
-    if concurrency > partitions_read:
+    if paced or concurrency > partitions_read:
         return records.repartition(concurrency, "group_key")
     return records.coalesce(concurrency)
 

@@ -72,11 +72,13 @@ class QueryInputs:
 
 class SparkExecutors:
     """`varadhi.spark.batch.Executors` on Spark: phase 1 a `mapInArrow` over the batch's records
-    (`delivery_records`: in `concurrency` partitions), phase 2 a `mapInPandas` over the rows the
-    driver sends, repartitioned by group key."""
+    (`delivery_records`: in `concurrency` partitions; `paced`: under a rate limit), phase 2 a
+    `mapInPandas` over the rows the driver sends, repartitioned by group key."""
 
-    def __init__(self, records: DataFrame, concurrency: int, partitions_read: int):
-        self.records = delivery_records(records, concurrency, partitions_read)
+    def __init__(
+        self, records: DataFrame, concurrency: int, partitions_read: int, paced: bool = False
+    ):
+        self.records = delivery_records(records, concurrency, partitions_read, paced)
         self.concurrency = concurrency
 
     def first(
@@ -170,7 +172,9 @@ class MicroBatch:
             pace=task_pace(parts.rates.governor(sub), spec.consumption.concurrency),
             trace=trace,
         )
-        executors = SparkExecutors(records, spec.consumption.concurrency, q.partitions_read)
+        executors = SparkExecutors(
+            records, spec.consumption.concurrency, q.partitions_read, ctx.pace is not None
+        )
         return deliver_batch(ctx, self.store, pending, due_groups, executors)
 
     def after_delivery(self, result: pd.DataFrame) -> list[dict[str, int]]:
