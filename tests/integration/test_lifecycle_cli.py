@@ -84,6 +84,14 @@ def publish(settings, sub: str, shard: int, state: str) -> None:
         pub.close()
 
 
+def publish_member(settings, sub: str, member: str, state: str) -> None:
+    pub = progress.ProgressPublisher(settings, sub, None, member=member)
+    try:
+        pub.publish({"state": state, "member": member}, force=True, flush=True)
+    finally:
+        pub.close()
+
+
 def kafka_topics(admin, prefix: str) -> list[str]:
     return sorted(t for t in admin.list_topics() if t.startswith(prefix + "."))
 
@@ -108,11 +116,16 @@ def test_delete_refused_then_dry_run_then_delete_then_recreate(
     # a shard reports running: refused
     publish(settings, sub, 0, "running")
     code, out, err = varadhi_cli("subscription", "delete", sub)
-    assert code == 2 and err.count("\n") == 1 and "shards may be running: 0 (running)" in err
+    assert code == 2 and err.count("\n") == 1 and "may be running: 0 (running)" in err
     assert sub_keys(snapshot, sub) == before and os.path.isdir(folder)
     # paused and reported paused counts as stopped
     assert varadhi_cli("subscription", "pause", sub)[0] == 0
     publish(settings, sub, 0, "paused")
+    # a library member reporting running is refused too, named; paused, it counts as stopped
+    publish_member(settings, sub, "m1", "running")
+    code, out, err = varadhi_cli("subscription", "delete", sub)
+    assert code == 2 and "may be running: member m1 (running)" in err
+    publish_member(settings, sub, "m1", "paused")
 
     # dry run: prints the plan, changes nothing
     code, out, err = varadhi_cli("subscription", "delete", sub, "--dry-run", "--output", "json")
@@ -122,7 +135,7 @@ def test_delete_refused_then_dry_run_then_delete_then_recreate(
     assert plan["kafka_topics"] == [f"{sub}.rq.0", f"{sub}.dlq.0"]
     assert plan["warehouse"] == {"path": folder}
     assert set(plan["catalog_records"]) == set(before)
-    assert plan["progress_documents"] == [f"{sub}/0"]
+    assert plan["progress_documents"] == [f"{sub}/0", f"{sub}/member/m1"]
     code, out, _ = varadhi_cli("subscription", "delete", sub, "--dry-run")
     assert code == 0 and out.startswith(f"would delete subscription {sub}:")
     assert sub_keys(snapshot, sub) == before and os.path.isdir(folder)
@@ -136,6 +149,7 @@ def test_delete_refused_then_dry_run_then_delete_then_recreate(
     assert kafka_topics(admin, sub) == []
     assert not os.path.exists(folder)
     assert progress.latest_progress(settings, sub) == {}
+    assert progress.progress_documents(settings, sub) == {}  # the member's too
     code, _, err = varadhi_cli("subscription", "delete", sub)
     assert code == 2 and "does not exist" in err
 

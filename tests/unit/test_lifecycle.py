@@ -149,22 +149,25 @@ def test_finished_operations_and_the_delete_itself_do_not_hold_it_back():
     assert "finishing an earlier delete" in lc.text_subscription_plan(plan)[0]
 
 
-def test_refused_while_shards_may_run():
+def test_refused_while_shards_or_library_members_may_run():
     from varadhi.kafka.subscriptions import Subscription as S
     from varadhi.ops.status import SILENT_MS
 
     now = 10_000_000
     fresh = now - 1_000
     sub = S.from_dict(sub_doc())
-    lc.check_stopped(sub, {0: {"state": "stopped", "updated_ms": fresh}}, {}, now)
-    lc.check_stopped(sub, {0: {"state": "running", "updated_ms": now - SILENT_MS}}, {}, now)
-    with pytest.raises(InvalidArgument, match=r"shards may be running: 1 \(running\)"):
-        lc.check_stopped(sub, {1: {"state": "running", "updated_ms": fresh}}, {}, now)
+    lc.check_stopped(sub, {0: {"state": "stopped", "updated_ms": fresh}}, {}, now, {})
+    lc.check_stopped(sub, {0: {"state": "running", "updated_ms": now - SILENT_MS}}, {}, now, {})
+    with pytest.raises(InvalidArgument, match=r"may be running: 1 \(running\)"):
+        lc.check_stopped(sub, {1: {"state": "running", "updated_ms": fresh}}, {}, now, {})
     # paused counts as stopped only while the subscription is paused
     with pytest.raises(InvalidArgument):
-        lc.check_stopped(sub, {0: {"state": "paused", "updated_ms": fresh}}, {}, now)
+        lc.check_stopped(sub, {0: {"state": "paused", "updated_ms": fresh}}, {}, now, {})
     paused = S.from_dict(sub_doc(paused=True))
-    lc.check_stopped(paused, {0: {"state": "paused", "updated_ms": fresh}}, {}, now)
+    lc.check_stopped(paused, {0: {"state": "paused", "updated_ms": fresh}}, {}, now, {})
+    # a library member (`status.running_members`) counts as a shard does
+    with pytest.raises(InvalidArgument, match=r"may be running: member h-1-a \(running\)"):
+        lc.check_stopped(sub, {}, {}, now, {"h-1-a": "running"})
 
 
 def test_topic_delete_refused_while_subscriptions_use_it():

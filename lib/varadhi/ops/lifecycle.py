@@ -215,16 +215,21 @@ def check_stopped(
     progress: Mapping[int, Mapping[str, Any]],
     leases: Mapping[int, dict[str, Any] | None],
     now_ms: int,
+    members: Mapping[str, str],
 ) -> None:
     """Refuse while any shard of `sub` may be running (`status.running_shards`; a shard that
-    reported paused while the subscription is paused counts as stopped) (pure)."""
-    running = status.running_shards(sub, progress, leases, now_ms)
+    reported paused while the subscription is paused counts as stopped), or any of its library
+    members (`members`: `status.running_members`, the same rule) (pure)."""
+    running = [
+        f"{s} ({state})"
+        for s, state in sorted(status.running_shards(sub, progress, leases, now_ms).items())
+    ]
+    running += [f"member {m} ({state})" for m, state in sorted(members.items())]
     if running:
-        listed = ", ".join(f"{s} ({state})" for s, state in sorted(running.items()))
         raise InvalidArgument(
-            f"cannot delete subscription {sub.name} while its shards may be running: {listed}; "
-            f"stop them (SIGTERM), or `varadhi subscription pause {sub.name}` and wait until "
-            "they report paused",
+            f"cannot delete subscription {sub.name} while its shards or members may be running:"
+            f" {', '.join(running)}; stop them (SIGTERM), or `varadhi subscription pause"
+            f" {sub.name}` and wait until they report paused",
             field="subscription",
         )
 
@@ -454,8 +459,9 @@ class SubscriptionDeleter:
         if plan.exists:
             sub = subscriptions.from_snapshot(snap, name)
             now = int(time.time() * 1000)
+            members = status.running_members(sub, status.members_of(found, now))
             check_stopped(
-                sub, progress.shard_documents(found), status.leases_of(snap, sub, now), now
+                sub, progress.shard_documents(found), status.leases_of(snap, sub, now), now, members
             )
         return plan
 
