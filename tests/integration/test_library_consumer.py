@@ -524,3 +524,56 @@ def test_members_follow_pause_and_resume_show_in_status_and_stop_on_a_runtime_ch
                 late.stop()
         with pytest.raises(WrongRuntime):
             Consumer(spec.name, settings).start()
+
+
+def test_dead_letters_are_redriven_once(settings, catalog, make_topic, unique_name):
+    """`dlq unsideline` of a `runtime: library` subscription: the member holding each slot puts
+    the selected dead letters back through the RQ, attempts reset, marked with the re-drive;
+    each is delivered once more, with `X-Varadhi-Redriven`, and `dlq list` shows it `redriven`;
+    the same selector again re-drives nothing; a rate is refused."""
+    from varadhi.core.errors import InvalidArgument
+
+    with TestEndpoint(record_headers=True) as endpoint, Client(settings) as client:
+        spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook")
+        dead = {"g1-1", "g3-2"}
+        for msg_id in dead:
+            endpoint.set_script(msg_id, [400])  # dead-lettered at once; 200 when re-driven
+        first = produce(settings, spec.topic, groups=4, per_group=3)
+        consumer = Consumer(spec.name, settings).start()
+        try:
+            wait_for(
+                lambda: (
+                    consumer.counters()["dead_lettered"] == 2
+                    and consumer.counters()["delivered"] == len(first) - 2
+                ),
+                "delivery and two dead letters",
+                consumer,
+            )
+            with pytest.raises(InvalidArgument, match="without a rate"):
+                client.redrive(spec.name, group_ids=["g1"], rate=10)
+            op_id = client.redrive(spec.name, group_ids=["g1", "g3"])
+            client.wait_for_redrive(spec.name, op_id, DEADLINE_S)
+
+            def redelivered() -> list:
+                return [r for r in endpoint.records() if r.message_id in dead and r.status == 200]
+
+            wait_for(lambda: len(redelivered()) == 2, "the re-driven deliveries", consumer)
+            for r in redelivered():
+                headers = {k.lower(): v for k, v in (r.headers or {}).items()}
+                assert headers["x-varadhi-redriven"] == op_id
+                assert r.attempt == 1  # attempts reset
+            states = {r["msg_id"]: r["state"] for r in client.dlq_messages(spec.name)}
+            assert states == dict.fromkeys(dead, "redriven")
+            rq = read_queue(settings, f"{spec.rq_topic}.0")
+            assert sorted(r["headers"][m.H_MSG_ID] for r in rq) == sorted(dead)
+            assert {r["headers"][m.H_REDRIVEN] for r in rq} == {op_id}
+            assert {r["headers"][m.H_ATTEMPTS] for r in rq} == {"0"}
+
+            again = client.redrive(spec.name, group_ids=["g1", "g3"])
+            client.wait_for_redrive(spec.name, again, DEADLINE_S)
+            assert len(read_queue(settings, f"{spec.rq_topic}.0")) == 2  # nothing put back
+            wait_for(lambda: consumer.counters()["pending"] == 0, "nothing pending", consumer)
+            assert len(redelivered()) == 2
+            assert consumer.counters()["dead_lettered"] == 2
+        finally:
+            consumer.stop()

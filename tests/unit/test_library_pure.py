@@ -186,6 +186,42 @@ def test_copies_of_one_origin_keep_the_one_with_more_attempts():
     assert s.take(0) is newer
 
 
+def test_an_older_copy_queues_behind_a_head_in_flight_and_the_key_goes_on():
+    # a re-driven dead letter (skip mode) read back while its key's newer message is in flight
+    s = Scheduler()
+    newer, later = work(5, "a"), work(7, "a")
+    s.add(newer)
+    s.add(later)
+    assert s.take(0) is newer
+    redriven = work(2, "a")
+    assert s.add(redriven) == []
+    assert s.add(work(2, "a")) != []  # a second copy of it is one message
+    assert s.take(0) is None  # the key's head is still in flight
+    s.done(newer)
+    assert s.take(0) is redriven  # then the oldest origin first
+    s.done(redriven)
+    assert s.take(0) is later
+    s.done(later)
+    assert s.pending == 0 and s.take(0) is None
+
+
+def test_an_older_copy_queues_behind_a_head_waiting_for_its_rq_copy():
+    s = Scheduler()
+    head = work(5, "a")
+    s.add(head)
+    assert s.take(0) is head
+    head.entry.attempts = 1
+    s.to_rq(head)
+    redriven = work(2, "a")
+    assert s.add(redriven) == []
+    assert s.take(0) is None  # behind the placeholder
+    copy = work(5, "a", attempts=1)
+    assert s.add(copy) == []  # the copy takes the placeholder's place
+    assert s.take(0) is copy
+    s.done(copy)
+    assert s.take(0) is redriven
+
+
 def test_revoked_slots_hand_out_nothing_and_are_dropped():
     s = Scheduler()
     s.add(work(0, "a", slot=0))

@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     un = dsub.add_parser(
         "unsideline",
         help="re-drive parked messages in their original group order, attempts reset",
-        description="Record a re-drive; each running shard applies it at its next micro-batch. "
+        description="Record a re-drive; each running shard applies it at its next micro-batch "
+        "(runtime: library: the member holding each slot, within 5 s, through the RQ; no --rate). "
         "A group blocked on its DLQ unblocks once its re-driven messages are delivered. Every "
         "request of a re-driven message carries X-Varadhi-Redriven: <re-drive id>.",
     )
@@ -91,11 +92,14 @@ def _unsideline(args: argparse.Namespace) -> int:
             args.failed_until,
             rate=rate,
         )
-        when = "at their next micro-batch"
-        if rate is not None:
-            when = f"from their next micro-batch, at most {rate:g} messages a second in all"
-        print(f"re-drive {op_id} recorded; running shards apply it {when}")
+        if client.subscription(args.name).spec.runtime == "library":
+            who, when, each = "running library members", "within 5 s", "slot"
+        else:
+            who, when, each = "running shards", "at their next micro-batch", "shard"
+            if rate is not None:
+                when = f"from their next micro-batch, at most {rate:g} messages a second in all"
+        print(f"re-drive {op_id} recorded; {who} apply it {when}")
         if args.wait:
             client.wait_for_redrive(args.name, op_id, args.wait)
-            print(f"re-drive {op_id} applied by every shard")
+            print(f"re-drive {op_id} applied for every {each}")
     return 0

@@ -12,7 +12,9 @@ stops polling while `max_pending` messages are held (`_full`), and commits (`off
 unfinished offset and, in the metadata, what finished above it). Delivery runs on another
 thread (the engine's loop, `max_in_flight` requests at a time) or on `max_in_flight` handler
 threads. The RQ and DLQ are written by an idempotent producer; a message's offset counts as
-finished only once its outcome is final: delivered, or its RQ/DLQ copy acknowledged.
+finished only once its outcome is final: delivered, or its RQ/DLQ copy acknowledged. A fourth
+thread applies `dlq unsideline` re-drives to the slots the member holds (`_redrive`,
+`varadhi.library.redrive`): it puts dead letters back on the RQ, where they are read as retries.
 
 Order. Within a slot, a key's messages are handed out one at a time in origin order
 (`scheduler`); a failed one goes to the RQ (every retry does: the shards' wait in the task is
@@ -94,7 +96,7 @@ from kafka.structs import OffsetAndMetadata
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request, Wait
-from varadhi.core.errors import InvalidArgument, VaradhiError
+from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from varadhi.core.group_state import (
     Entry,
     out_bytes,
@@ -115,6 +117,7 @@ from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.library import handler as handlers
+from varadhi.library import redrive
 from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
@@ -253,6 +256,7 @@ class Consumer:
         self._spec = sub.spec
         self._main = main.storage_topics[0]
         self._rq, self._dlq = rq.produce_topic, dlq.produce_topic
+        self._dlq_queue = dlq
         self._limits = {t: min(n, MAX_REQUEST_BYTES) for t, n in limits.items()}
         self._max_in_flight = self.options.max_in_flight or sub.spec.consumption.max_in_flight
         if self.handler is None:  # validates the endpoint before anything starts
@@ -294,6 +298,7 @@ class Consumer:
         self._consumer.subscribe(topics=names, listener=_Listener(self))
         self._state = "running"
         self._spawn(self._consume, "kafka")
+        self._spawn(self._redrive, "redrive")
         if self.handler is None:
             self._spawn(self._deliver_http, "http")
         else:
@@ -414,6 +419,36 @@ class Consumer:
                 except BaseException as e:  # noqa: BLE001 - its last word only
                     log.info("%s: last progress document not sent (%s)", self.name, e)
                 self._progress.close()
+
+    # -- re-drives ----------------------------------------------------------------------------
+    def _redrive(self) -> None:
+        """(Its own thread, so that reading the DLQ never holds up polling) Every
+        `CATALOG_CHECK_S` while not paused, apply the re-drives pending for the slots this member
+        holds (`varadhi.library.redrive`: at least once). A Kafka error or a timeout (a read, a
+        look, a write to the RQ) is logged and the re-drive tried again at the next look; any
+        other error stops the member."""
+        try:
+            while not self._stopping.wait(CATALOG_CHECK_S):
+                with self._lock:
+                    if self._paused:
+                        continue
+                    slots = self._slots_of(self._ledgers)
+                try:
+                    redrive.apply_pending(
+                        self.settings,
+                        self._catalog,
+                        self._sub,
+                        self._rq,
+                        self._dlq_queue,
+                        slots,
+                        self._producer,
+                        self._limits[self._rq.name],
+                        _now_ms(),
+                    )
+                except (TimeoutError, KafkaError, KafkaUnavailable) as e:
+                    log.warning("%s: re-drives not applied now (%s); trying again", self.name, e)
+        except BaseException as e:  # noqa: BLE001 - reported through health() and the CLI
+            self._fail(e)
 
     def _ingest(self, tp: TopicPartition, records) -> None:
         ledger = self._ledgers.get(tp)

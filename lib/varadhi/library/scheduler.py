@@ -13,7 +13,9 @@ messages wait behind it (DESIGN hazard 1). The copy joins the key its message le
 its origin (its record key is the group id, which need not be the ordering key). A copy read back before its due time waits in the
 queue until then, never written again (hazard 2). Two copies of one origin (a main-topic record
 read again after a restart, an RQ copy of an earlier attempt) are one message: the copy with
-more attempts stays and the other is finished unsent (`add` returns it).
+more attempts stays and the other is finished unsent (`add` returns it). A copy of an older
+origin than a head in flight or waiting for its RQ copy (a re-driven dead letter, in skip mode)
+queues right behind that head: a head is never displaced.
 
 Unordered messages (no key) get a queue of their own each.
 """
@@ -82,7 +84,13 @@ class Scheduler:
         if work.entry.attempts > 0 and awaited in self._awaited:
             work.key = self._awaited.pop(awaited)
         q = self._queues.setdefault(work.queue, [])
-        i = bisect.bisect_left(q, origin, key=lambda w: w.entry.origin)
+        # A head in flight or waiting for its RQ copy stays first, even when a copy of an older
+        # origin arrives (a re-drive's): that copy goes right behind it.
+        fixed = bool(q) and (work.queue in self._busy or _placeholder(q[0]))
+        if fixed and q[0].entry.origin == origin:
+            i = 0
+        else:
+            i = bisect.bisect_left(q, origin, lo=1 if fixed else 0, key=lambda w: w.entry.origin)
         if i < len(q) and q[i].entry.origin == origin:
             known = q[i]
             keep_new = (
