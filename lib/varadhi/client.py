@@ -267,7 +267,9 @@ class Client:
         negative to rewind) or `to-storage-topic` (`value`: its index; main queue only). The RQ
         and DLQ only fast-forward. A dry run changes nothing; `execute` needs the shards stopped
         or paused, starts a new checkpoint generation, and re-running it after a crash finishes
-        the same plan."""
+        the same plan. A `runtime: library` subscription's consumer group is moved instead
+        (`varadhi.ops.library_offsets`: its members must be stopped or paused, and leave the
+        group for it)."""
         if mode == "to-datetime" and isinstance(value, str):
             value = dlq.parse_time_ms(value, "to_datetime")
         if mode == "to-storage-topic" and queue != "main":
@@ -276,6 +278,13 @@ class Client:
             )
         if mode in ("shift-by", "to-storage-topic") and isinstance(value, str):
             value = _integer(value, mode.replace("-", "_"))
+        if self.subscription(name).spec.runtime == "library":
+            from varadhi.ops import library_offsets
+
+            plan, outcome = library_offsets.prepare(self.catalog, name, queue, mode, value)
+            if execute:
+                plan, outcome = library_offsets.execute(self.catalog, name, plan)
+            return OffsetResetResult(plan, outcome, execute)
         reset = OffsetReset(self.catalog)
         plan, outcome = reset.prepare(name, queue, mode, value)
         if execute:

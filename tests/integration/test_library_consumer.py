@@ -526,12 +526,17 @@ def test_members_follow_pause_and_resume_show_in_status_and_stop_on_a_runtime_ch
             Consumer(spec.name, settings).start()
 
 
-def test_dead_letters_are_redriven_once(settings, catalog, make_topic, unique_name):
+def test_dead_letters_are_redriven_once_and_an_offset_reset_delivers_again(
+    settings, catalog, make_topic, unique_name
+):
     """`dlq unsideline` of a `runtime: library` subscription: the member holding each slot puts
     the selected dead letters back through the RQ, attempts reset, marked with the re-drive;
     each is delivered once more, with `X-Varadhi-Redriven`, and `dlq list` shows it `redriven`;
-    the same selector again re-drives nothing; a rate is refused."""
+    the same selector again re-drives nothing; a rate is refused. Then `offsets reset` of its
+    consumer group: refused while the member runs; once it is paused and reported paused, the
+    reset to earliest stops it, and a member started afterwards delivers everything again."""
     from varadhi.core.errors import InvalidArgument
+    from varadhi.ops import status
 
     with TestEndpoint(record_headers=True) as endpoint, Client(settings) as client:
         spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook")
@@ -575,5 +580,38 @@ def test_dead_letters_are_redriven_once(settings, catalog, make_topic, unique_na
             wait_for(lambda: consumer.counters()["pending"] == 0, "nothing pending", consumer)
             assert len(redelivered()) == 2
             assert consumer.counters()["dead_lettered"] == 2
+
+            with pytest.raises(InvalidArgument, match="may still deliver"):
+                client.reset_offsets(spec.name, "main", "to-earliest", execute=True)
+            client.pause(spec.name)
+            member = consumer.health()["member"]
+
+            def reported_paused() -> bool:
+                members = status.collect(catalog, spec.name)["library"]["members"]
+                return {m["member"]: m["state"] for m in members}.get(member) == "paused"
+
+            wait_for(reported_paused, "status: the member paused", consumer)
+            dry = client.reset_offsets(spec.name, "main", "to-earliest")
+            assert (dry.summary["replayed"], dry.executed) == (len(first), False)
+            with pytest.raises(InvalidArgument, match="can only be fast-forwarded"):
+                client.reset_offsets(spec.name, "rq", "to-earliest", execute=True)
+            reset = client.reset_offsets(spec.name, "main", "to-earliest", execute=True)
+            assert (reset.outcome, reset.summary["replayed"]) == ("new", len(first))
+            health = consumer.health()  # it left the group for the reset
+            assert health["state"] == "failed" and "offset reset" in health["error"]
+            again = client.reset_offsets(spec.name, "main", "to-earliest", execute=True)
+            assert again.outcome == "done"  # nothing consumed since: nothing changes
         finally:
             consumer.stop()
+        seen = len(endpoint.records())
+        client.resume(spec.name)
+        restarted = Consumer(spec.name, settings).start()
+        try:
+
+            def all_again() -> bool:
+                since = endpoint.records(since=seen)
+                return {r.message_id for r in since if r.status == 200} == set(first)
+
+            wait_for(all_again, "everything delivered again", restarted)
+        finally:
+            restarted.stop()

@@ -1,13 +1,31 @@
 """Operations on a `runtime: library` subscription, their pure parts: the RQ record a re-drive
-writes for a dead letter, and where."""
+writes for a dead letter, and where; an offset reset's plan of the consumer group, its
+refusals, its outcome on a re-run, and the members' stop while it is under way."""
 
 from __future__ import annotations
 
+import pytest
+from kafka import TopicPartition
+
 from varadhi.core import messages as m
 from varadhi.core import routing
+from varadhi.core.catalog_kinds import DocKind
+from varadhi.core.errors import InvalidArgument
+from varadhi.core.policies import Endpoint, SubscriptionSpec
 from varadhi.core.state_rows import retry_state
 from varadhi.kafka.dlq import Parked, parked_from_record
+from varadhi.kafka.subscriptions import Subscription
+from varadhi.kafka.topics import add_storage, new_topic
+from varadhi.library.position import reset_key, reset_under_way
 from varadhi.library.redrive import redrivable_once, redrive_record, rq_partition
+from varadhi.ops.library_offsets import (
+    decide,
+    plan_dlq,
+    plan_main,
+    plan_rq,
+    positions_now,
+)
+from varadhi.ops.offsets import Offsets
 
 
 def parked(offset: int, origin: str = "0:3:17", **headers: str) -> Parked:
@@ -51,3 +69,109 @@ def test_one_copy_per_origin_and_nothing_that_cannot_go_back():
     no_origin = ("op", parked(5, origin="junk"))
     kept = redrivable_once([*twice, truncated, no_origin])
     assert [p.offset for p in kept] == [1, 3]
+
+
+# -- offset reset of the consumer group ---------------------------------------------------------
+
+
+def lib_sub(shards: int = 2) -> Subscription:
+    spec = SubscriptionSpec(
+        name="s",
+        topic="t",
+        endpoint=Endpoint("http://127.0.0.1:9/"),
+        shards=shards,
+        runtime="library",
+    )
+    return Subscription(spec, shard_count=shards, created_ms=0)
+
+
+def kafka_of(topic, begin=0, end=100, at=None) -> Offsets:
+    return Offsets(
+        {st.name: [begin] * st.partitions for st in topic.storage_topics},
+        {st.name: [end] * st.partitions for st in topic.storage_topics},
+        {st.name: [at] * st.partitions for st in topic.storage_topics},
+    )
+
+
+def test_the_main_topic_moves_each_partition_by_its_commit_a_partition_without_one_from_its_start():
+    mq = new_topic("t", 4)
+    committed = {TopicPartition("t.0", 0): 50, TopicPartition("t.0", 3): 95}
+    kafka = kafka_of(mq, begin=10)
+    shifted = plan_main(lib_sub(), mq, committed, kafka, "shift-by", 10)
+    assert [(mv.shard, mv.partition, mv.current, mv.new) for mv in shifted.moves] == [
+        (0, 0, 50, 60),
+        (0, 1, None, 20),
+        (1, 2, None, 20),
+        (1, 3, 95, 100),  # clamped to the log
+    ]
+    back = plan_main(lib_sub(), mq, committed, kafka, "shift-by", -60)
+    assert [mv.new for mv in back.moves] == [10, 10, 10, 35]
+    assert [
+        mv.new for mv in plan_main(lib_sub(), mq, committed, kafka, "to-earliest", None).moves
+    ] == [10] * 4
+    assert [
+        mv.new for mv in plan_main(lib_sub(), mq, committed, kafka, "to-latest", None).moves
+    ] == [100] * 4
+    kafka.at_time["t.0"][:] = [12, None, 30, 99]
+    dated = plan_main(lib_sub(), mq, committed, kafka, "to-datetime", 1)
+    assert [mv.new for mv in dated.moves] == [12, 100, 30, 99]
+    assert (dated.summary()["skipped"], dated.summary()["replayed"]) == (100 + 30 + 4, 50 - 12)
+
+
+def test_what_does_not_map_to_the_library_is_refused():
+    mq = new_topic("t", 4)
+    with pytest.raises(InvalidArgument, match="--to-storage-topic does not apply"):
+        plan_main(lib_sub(), mq, {}, kafka_of(mq), "to-storage-topic", 0)
+    grown, _ = add_storage(mq, 4)
+    with pytest.raises(InvalidArgument, match="2 storage topics"):
+        plan_main(lib_sub(), grown, {}, kafka_of(grown), "to-earliest", None)
+    rq = new_topic("s.rq", 4, internal=True)
+    with pytest.raises(InvalidArgument, match="can only be fast-forwarded"):
+        plan_rq(lib_sub(), rq, {}, kafka_of(rq), "to-earliest", None)
+
+
+def test_the_rq_only_fast_forwards_from_the_groups_commits_and_the_dlq_moves_its_start():
+    rq = new_topic("s.rq", 4, internal=True)
+    committed = {TopicPartition("s.rq.0", 0): 10, TopicPartition("s.rq.0", 2): 50}
+    plan = plan_rq(lib_sub(), rq, committed, kafka_of(rq, end=40), "shift-by", 20)
+    assert [(mv.shard, mv.partition, mv.current, mv.new) for mv in plan.moves] == [
+        (0, 0, 10, 30),
+        (0, 1, 0, 20),
+        (1, 2, 50, 50),  # never backwards
+        (1, 3, 0, 20),
+    ]
+    dlq = new_topic("s.dlq", 2, internal=True)
+    plan = plan_dlq(lib_sub(), dlq, {"s.dlq.0": {"0": 5}}, kafka_of(dlq, end=9), "to-latest", None)
+    assert plan.dlq_start == {"s.dlq.0": {"0": 9, "1": 9}}
+
+
+def test_a_reset_is_new_resumed_or_done_and_another_is_refused_while_one_is_under_way():
+    mq = new_topic("t", 2)
+    plan = plan_main(lib_sub(), mq, {}, kafka_of(mq), "to-earliest", None)
+    request = plan.request()
+    op = {"step": "waiting-for-members", "plan": plan.to_dict(), "id": "x"}
+    assert decide(None, request, {}) == "new"
+    assert decide(op, request, {}) == "resume"
+    with pytest.raises(InvalidArgument, match="--queue main --to-earliest"):
+        decide(op, {"queue": "main", "mode": "to-latest", "value": None}, {})
+    done = dict(op, step="done")
+    there = positions_now(plan, {TopicPartition("t.0", 0): 0, TopicPartition("t.0", 1): 0}, {})
+    assert decide(done, request, there) == "done"
+    moved_on = positions_now(plan, {TopicPartition("t.0", 0): 7, TopicPartition("t.0", 1): 0}, {})
+    assert decide(done, request, moved_on) == "new"  # a member consumed since
+    assert decide(done, {"queue": "main", "mode": "to-latest", "value": None}, there) == "new"
+
+
+def test_members_stop_while_a_reset_is_under_way():
+    class Snap:
+        def __init__(self, doc):
+            self.doc = doc
+
+        def get(self, kind, name):
+            return self.doc if (kind, name) == (DocKind.OPERATION, reset_key("s")) else None
+
+    plan = {"queue": "rq", "mode": "shift-by", "value": 5}
+    assert reset_under_way(Snap(None), "s") is None
+    assert reset_under_way(Snap({"step": "done", "plan": plan}), "s") is None
+    why = reset_under_way(Snap({"step": "waiting-for-members", "plan": plan}), "s")
+    assert why is not None and "(--queue rq --shift-by 5) is under way" in why

@@ -12,12 +12,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     osub = p.add_subparsers(dest="offsets_command", metavar="ACTION", required=True)
     r = osub.add_parser(
         "reset",
-        help="move the shards of a stopped subscription to other offsets",
+        help="move the shards (or library members) of a stopped subscription to other offsets",
         description="Rewind or fast-forward the main queue; fast-forward the RQ or DLQ. The "
         "subscription's shards must be stopped or paused. Starts a new checkpoint generation. "
         "The plan is recorded before anything changes: after a crash, run the same command again "
         "to finish it with the same target positions; once done, running it again changes nothing "
-        "until a shard has consumed.",
+        "until a shard has consumed. A runtime: library subscription's consumer group is moved "
+        "instead: its members must be stopped or paused (they then stop and leave the group; "
+        "start them again afterwards); --to-storage-topic does not apply.",
     )
     r.add_argument("name", help="subscription name")
     r.add_argument("--queue", choices=["main", "rq", "dlq"], required=True)
@@ -69,7 +71,7 @@ def _reset(args: argparse.Namespace) -> int:
     counts = f"{summary['skipped']} messages skipped, {summary['replayed']} replayed"
     if outcome == "done":
         print(
-            "this reset was done already and no shard has consumed since: nothing changed "
+            "this reset was done already and nothing has been consumed since: nothing changed "
             f"(it {counts})"
         )
         return 0

@@ -65,6 +65,10 @@ is not used for `max_pending` (`_full`) because kafka-python 3.0.12 stopped fetc
 partitions paused and resumed many times under load; a subscription's pause is one pause and
 one resume, which the tests cover, but not under load.
 
+Offset reset. A member stops (and one being started refuses) while an offset reset of the
+subscription is under way (`position`): the reset commits the group's new offsets once no member
+is left in it.
+
 Runtimes. Only a subscription of `runtime: library` is run (`subscriptions.check_runtime`, at
 start and with each look at the catalog: a member still running when the runtime was changed
 to `spark` stops, with an error, before the shards are resumed). Any other edit of the
@@ -117,7 +121,7 @@ from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.library import handler as handlers
-from varadhi.library import redrive
+from varadhi.library import position, redrive
 from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
@@ -234,6 +238,9 @@ class Consumer:
             snap = catalog.snapshot()
             sub = subscriptions.from_snapshot(snap, self.name)
             subscriptions.check_runtime(sub, "library", PROCESS)
+            under_way = position.reset_under_way(snap, self.name)
+            if under_way is not None:
+                raise InvalidArgument(under_way, field="subscription")
             main = topics.from_snapshot(snap, sub.spec.topic)
             rq = topics.from_snapshot(snap, sub.spec.rq_topic)
             dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
@@ -622,9 +629,14 @@ class Consumer:
     def _check_catalog(self) -> None:
         """Follow the subscription's pause and resume; stop (raise) when its runtime is no
         longer `library` (first: a runtime changed while paused ends the member before it
-        would deliver on the resume), or on any other edit (not followed yet)."""
-        sub = subscriptions.from_snapshot(self._catalog.snapshot(), self.name)
+        would deliver on the resume), when an offset reset is under way (`position`), or on
+        any other edit (not followed yet)."""
+        snap = self._catalog.snapshot()
+        sub = subscriptions.from_snapshot(snap, self.name)
         subscriptions.check_runtime(sub, "library", PROCESS)
+        under_way = position.reset_under_way(snap, self.name)
+        if under_way is not None:  # the reset commits once every member left the group
+            raise VaradhiError(under_way)
         if replace(sub, paused=self._sub.paused) != self._sub:
             raise VaradhiError(
                 f"subscription {self.name} was changed while this consumer ran; the library"

@@ -1,0 +1,350 @@
+"""Offset reset of a `runtime: library` subscription: move its consumer group's offsets.
+
+The position of such a subscription is the consumer group `varadhi-library.<subscription>`'s
+committed offsets on the main topic's storage topic and the RQ, each with the library's commit
+metadata (`varadhi.library.offsets`: which records above the offset finished already). A reset
+commits new offsets with empty metadata, so everything from the new offset is read and delivered
+again. What maps from the shards' reset (`varadhi.ops.offsets`), with the same plan and output
+(`Plan`, `Move`; a move's `shard` is the slot):
+
+- main: `--to-earliest`, `--to-latest`, `--to-datetime`, `--shift-by` on the main topic's one
+  storage topic (the members read one); `--to-storage-topic` is refused;
+- rq: fast-forward only (`--to-latest`, `--to-datetime`, a positive `--shift-by`), as for
+  shards: the retries skipped are dropped (a key never waits for them: no GroupState);
+- dlq: fast-forward of where `dlq list` and `unsideline` start (`state.dlq_start`), as for shards;
+  the group is not involved.
+
+Executing is refused, before any side effect, while a member may deliver (`status.running_members`:
+each must be stopped, or paused and reported paused while the subscription is paused). Then:
+1. the plan, with absolute offsets, is recorded (`varadhi.library.position`, step
+   `waiting-for-members`): members see it within 5 s and stop (paused ones too: a paused member
+   stays in the group, and Kafka takes offsets committed from outside a group only while it has
+   no member), and members being started refuse to;
+2. once the group has no member (waited for up to `EMPTY_WAIT_S`; else it fails and the plan
+   stays recorded), the offsets are committed from outside the group (refused by Kafka if a
+   member joined meanwhile);
+3. the operation is marked `done`: start the members, then resume the subscription.
+A DLQ reset is steps 1 and 3 with the new start, no waiting. After a crash, the same command
+resumes the recorded plan (a `--shift-by` or `--to-latest` is not evaluated again); once done,
+it changes nothing while the offsets are where it left them (`decide`). Hazard: a member that
+hung (`silent` in status, so not refused) and comes back after the reset while its session
+lasted may commit its old positions; kill hung members first.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from kafka import TopicPartition
+from kafka.errors import NoError
+from kafka.structs import OffsetAndMetadata
+
+from varadhi.core.catalog_kinds import DocKind, OpKind
+from varadhi.core.errors import InvalidArgument, VaradhiError
+from varadhi.kafka import clients as kafka_clients
+from varadhi.kafka import dlq as dlq_ops
+from varadhi.kafka import subscriptions, topics
+from varadhi.kafka.catalog import Catalog, Snapshot, key
+from varadhi.kafka.progress import progress_documents
+from varadhi.library.assign import slot_of
+from varadhi.library.position import describe, reset_key
+from varadhi.library.runtime import group_id
+from varadhi.ops import status
+from varadhi.ops.offsets import Mode, Move, Offsets, Plan, Queue, kafka_offsets, plan_internal
+
+OPERATION = DocKind.OPERATION
+#: How long an execution waits for the members to leave the consumer group.
+EMPTY_WAIT_S = 60.0
+Committed = Mapping[TopicPartition, int]
+
+
+def plan_main(
+    sub: subscriptions.Subscription,
+    main: topics.CompositeTopic,
+    committed: Committed,
+    kafka: Offsets,
+    mode: Mode,
+    value: Any,
+) -> Plan:
+    """Where the group reads the main topic after the reset (pure). A partition without a
+    commit is read from its start, as a new group reads it."""
+    if mode == "to-storage-topic":
+        raise InvalidArgument(
+            f"--to-storage-topic does not apply to {sub.name} (runtime: library): its members "
+            "read one storage topic; use --to-earliest",
+            field="queue",
+        )
+    st = one_storage_topic(main)
+    moves = []
+    for p in range(st.partitions):
+        begin, end = kafka.beginning[st.name][p], kafka.end[st.name][p]
+        current = committed.get(TopicPartition(st.name, p))
+        if mode == "to-earliest":
+            new = begin
+        elif mode == "to-latest":
+            new = end
+        elif mode == "to-datetime":
+            at = kafka.at_time[st.name][p]
+            new = end if at is None else at
+        else:
+            new = min(max((begin if current is None else current) + int(value), begin), end)
+        moves.append(Move(slot_of(p, st.partitions, sub.shard_count), st.name, p, current, new))
+    return Plan("main", mode, value, tuple(moves), {}, {})
+
+
+def plan_rq(
+    sub: subscriptions.Subscription,
+    rq: topics.CompositeTopic,
+    committed: Committed,
+    kafka: Offsets,
+    mode: Mode,
+    value: Any,
+) -> Plan:
+    """Where the group reads the RQ after a fast-forward (pure; `plan_internal`'s refusals)."""
+    st = one_storage_topic(rq)
+    consumed = {
+        st.name: {str(tp.partition): o for tp, o in committed.items() if tp.topic == st.name}
+    }
+    current = dict.fromkeys(range(sub.shard_count), consumed)
+    moves, _ = plan_internal("rq", sub, rq, current, kafka, mode, value)
+    return Plan("rq", mode, value, tuple(moves), {}, {})
+
+
+def plan_dlq(
+    sub: subscriptions.Subscription,
+    dlq: topics.CompositeTopic,
+    start: Mapping[str, Mapping[str, int]],
+    kafka: Offsets,
+    mode: Mode,
+    value: Any,
+) -> Plan:
+    """The DLQ's new start after a fast-forward (pure; as for shards)."""
+    current = dict.fromkeys(range(sub.shard_count), dict(start))
+    moves, new_positions = plan_internal("dlq", sub, dlq, current, kafka, mode, value)
+    new_start: dict[str, dict[str, int]] = {}
+    for per_slot in new_positions.values():
+        new_start = dlq_ops.merged_scanned(new_start, per_slot)
+    return Plan("dlq", mode, value, tuple(moves), {}, new_start)
+
+
+def one_storage_topic(topic: topics.CompositeTopic) -> topics.StorageTopic:
+    """The storage topic library members read of `topic`; refuses one with more (pure)."""
+    if len(topic.storage_topics) != 1:
+        raise InvalidArgument(
+            f"{topic.name} has {len(topic.storage_topics)} storage topics, which the library "
+            "runtime does not read (docs/library.md)",
+            field="queue",
+        )
+    return topic.storage_topics[0]
+
+
+def positions_now(
+    plan: Plan, committed: Committed, dlq_start: Mapping[str, Mapping[str, int]]
+) -> dict[str, int | None]:
+    """Where the partitions `plan` moves are now, `topic/partition` -> offset (None: no commit)
+    (pure): the group's commits (main, RQ) or the DLQ's start."""
+    out: dict[str, int | None] = {}
+    for mv in plan.moves:
+        if plan.queue == "dlq":
+            raw = dlq_start.get(mv.topic, {}).get(str(mv.partition))
+            out[f"{mv.topic}/{mv.partition}"] = None if raw is None else int(raw)
+        else:
+            out[f"{mv.topic}/{mv.partition}"] = committed.get(
+                TopicPartition(mv.topic, mv.partition)
+            )
+    return out
+
+
+def decide(
+    op: Mapping[str, Any] | None, request: Mapping[str, Any], now: Mapping[str, int | None]
+) -> str:
+    """What executing `request` does given the recorded reset `op` (pure): `new` (plan now),
+    `resume` (finish the recorded plan of the same request), or `done` (the same reset is done
+    and the partitions it moved are still where it left them: `now`, `positions_now` of the
+    recorded plan). Raises InvalidArgument while a different reset is under way."""
+    if not op:
+        return "new"
+    recorded = {k: op["plan"].get(k) for k in ("queue", "mode", "value")}
+    same = recorded == dict(request)
+    if op.get("step") != "done":
+        if not same:
+            raise InvalidArgument(
+                f"an offset reset ({describe(recorded)}) is under way; run that command again "
+                "to finish it first",
+                field="queue",
+            )
+        return "resume"
+    moved = {f"{mv['topic']}/{mv['partition']}": int(mv["new"]) for mv in op["plan"]["moves"]}
+    if same and all(now.get(k) == v for k, v in moved.items()):
+        return "done"
+    return "new"
+
+
+# -- I/O ----------------------------------------------------------------------------------
+
+
+def prepare(
+    catalog: Catalog, name: str, queue: Queue, mode: Mode, value: Any = None
+) -> tuple[Plan, str]:
+    """The plan executing this request would carry out, and `decide`'s outcome."""
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    committed = status.group_committed(catalog, group_id(name))
+    op = snap.get(OPERATION, reset_key(name))
+    outcome = _decide(snap, name, op, {"queue": queue, "mode": mode, "value": value}, committed)
+    if outcome != "new":
+        assert op is not None
+        return Plan.from_dict(op["plan"]), outcome
+    at_ms = int(value) if mode == "to-datetime" else None
+    topic = {"main": sub.spec.topic, "rq": sub.spec.rq_topic, "dlq": sub.spec.dlq_topic}[queue]
+    composite = topics.from_snapshot(snap, topic)
+    kafka = kafka_offsets(catalog, list(composite.storage_topics), at_ms)
+    if queue == "main":
+        return plan_main(sub, composite, committed, kafka, mode, value), outcome
+    if queue == "rq":
+        return plan_rq(sub, composite, committed, kafka, mode, value), outcome
+    return plan_dlq(sub, composite, dlq_ops.dlq_start(snap, name), kafka, mode, value), outcome
+
+
+def execute(catalog: Catalog, name: str, plan: Plan) -> tuple[Plan, str]:
+    """Carry out `plan`, or the recorded plan of the same request (the module docstring);
+    returns the plan carried out and the outcome (`new`, `resume`, or `done`: nothing to do)."""
+    snap = catalog.snapshot()
+    sub = subscriptions.from_snapshot(snap, name)
+    ensure_members_idle(catalog, sub)
+    group = group_id(name)
+    op = snap.get(OPERATION, reset_key(name))
+    committed = status.group_committed(catalog, group)
+    outcome = _decide(snap, name, op, plan.request(), committed)
+    if outcome == "done":
+        assert op is not None
+        return Plan.from_dict(op["plan"]), outcome
+    if outcome == "resume":
+        assert op is not None
+        plan, op_id = Plan.from_dict(op["plan"]), op["id"]
+    else:
+        op_id = _record(catalog, name, plan)
+    if plan.queue != "dlq":
+        wait_until_empty(catalog.settings, group, EMPTY_WAIT_S)
+        commit(catalog.settings, group, plan.moves)
+    _finish(catalog, name, plan, op_id)
+    return plan, outcome
+
+
+def _decide(snap: Snapshot, name: str, op, request: Mapping[str, Any], committed: Committed) -> str:
+    now = {}
+    if op and "plan" in op:
+        now = positions_now(Plan.from_dict(op["plan"]), committed, dlq_ops.dlq_start(snap, name))
+    return decide(op, request, now)
+
+
+def ensure_members_idle(catalog: Catalog, sub: subscriptions.Subscription) -> None:
+    """Refuse while a library member of `sub` may still deliver (`status.running_members`)."""
+    now = int(time.time() * 1000)
+    since = max(sub.created_ms, now - status.MEMBER_WINDOW_MS)
+    found = progress_documents(catalog.settings, sub.name, None, since)
+    running = status.running_members(sub, status.members_of(found, now))
+    if running:
+        busy = ", ".join(f"{m} ({state})" for m, state in sorted(running.items()))
+        raise InvalidArgument(
+            f"library members of {sub.name} may still deliver: {busy}; `varadhi subscription "
+            f"pause {sub.name}` and wait until `varadhi status` shows them paused, or stop them",
+            field="subscription",
+        )
+
+
+def wait_until_empty(settings, group: str, timeout_s: float) -> None:
+    """Wait until consumer group `group` has no member; VaradhiError after `timeout_s`."""
+    admin = kafka_clients.admin(settings, client_id="varadhi-offset-reset")
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            members = admin.describe_groups([group]).get(group, {}).get("members") or []
+            if not members:
+                return
+            if time.monotonic() > deadline:
+                who = ", ".join(sorted(f"{m['client_id']}@{m['client_host']}" for m in members))
+                raise VaradhiError(
+                    f"consumer group {group} still has members after {timeout_s:g} s ({who}): "
+                    "stop them, then run the same command again to finish the reset"
+                )
+            time.sleep(0.5)
+    finally:
+        admin.close()
+
+
+def commit(settings, group: str, moves: tuple[Move, ...]) -> None:
+    """Commit each move's new offset for `group`, with no metadata (nothing finished above it).
+    Kafka refuses it while the group has a member."""
+    offsets = {
+        TopicPartition(mv.topic, mv.partition): OffsetAndMetadata(mv.new, "", -1) for mv in moves
+    }
+    if not offsets:
+        return
+    admin = kafka_clients.admin(settings, client_id="varadhi-offset-reset")
+    try:
+        answers = admin.alter_group_offsets(group, offsets)
+    finally:
+        admin.close()
+    refused = sorted(
+        f"{tp.topic}/{tp.partition}: {e.__name__}" for tp, e in answers.items() if e is not NoError
+    )
+    if refused:
+        raise VaradhiError(
+            f"Kafka refused the new offsets of {group} ({'; '.join(refused[:3])}): a member may "
+            "have joined; stop it, then run the same command again to finish the reset"
+        )
+
+
+def _record(catalog: Catalog, name: str, plan: Plan) -> str:
+    """Step 1: record the plan, with absolute offsets, before anything changes."""
+    op_id = uuid.uuid4().hex
+    doc = {
+        "kind": OpKind.OFFSET_RESET,
+        "runtime": "library",
+        "step": "waiting-for-members",
+        **plan.summary(),
+        "id": op_id,
+        "started_ms": int(time.time() * 1000),
+        "plan": plan.to_dict(),
+    }
+
+    def change(snap: Snapshot):
+        current = snap.get(OPERATION, reset_key(name))
+        if current and current.get("step") != "done":
+            raise InvalidArgument(
+                f"another offset reset of {name} started meanwhile; run the command again",
+                field="subscription",
+            )
+        return {key(OPERATION, reset_key(name)): doc}
+
+    catalog.mutate(change)
+    return op_id
+
+
+def _finish(catalog: Catalog, name: str, plan: Plan, op_id: str) -> None:
+    """Step 3, one catalog write: the DLQ's new start (a DLQ reset); the reset is done."""
+
+    def change(snap: Snapshot):
+        op = snap.get(OPERATION, reset_key(name)) or {}
+        if op.get("id") != op_id:
+            raise VaradhiError(f"the offset reset of {name} was replaced during the reset")
+        if op.get("step") == "done":
+            return {}
+        out: dict[str, Any] = {
+            key(OPERATION, reset_key(name)): dict(
+                op, step="done", finished_ms=int(time.time() * 1000)
+            )
+        }
+        if plan.dlq_start:
+            doc = snap.get(subscriptions.KIND, name)
+            if doc is None:
+                raise VaradhiError(f"subscription {name} disappeared during the reset")
+            state = dict(doc["state"], dlq_start=plan.dlq_start)
+            out[key(subscriptions.KIND, name)] = dict(doc, state=state)
+        return out
+
+    catalog.mutate(change)
