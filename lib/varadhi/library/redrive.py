@@ -110,11 +110,14 @@ def apply_pending(
     """Apply every re-drive pending for each of `slots` (in the order re-drives apply in),
     writing with `producer`; returns how many messages were put back. Raises the producer's
     KafkaError when a write is refused, TimeoutError when the DLQ cannot be read."""
+    slots = sorted(slots)
+    if not slots:
+        return 0
     name = sub.name
     snap = catalog.snapshot()
     start = dlq.dlq_start(snap, name)
     back = 0
-    for slot in sorted(slots):
+    for slot in slots:
         partitions = dlq.dlq_partitions(sub, dlq_topic, slot)
         ahead: list[dlq.Applied] = []
         for op_id, op in dlq.pending_for(snap, name, slot).items():
