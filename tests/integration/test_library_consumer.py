@@ -532,7 +532,8 @@ def test_dead_letters_are_redriven_once_and_an_offset_reset_delivers_again(
     """`dlq unsideline` of a `runtime: library` subscription: the member holding each slot puts
     the selected dead letters back through the RQ, attempts reset, marked with the re-drive;
     each is delivered once more, with `X-Varadhi-Redriven`, and `dlq list` shows it `redriven`;
-    the same selector again re-drives nothing; a rate is refused. Then `offsets reset` of its
+    the same selector again re-drives nothing; one with a rate puts them back in portions, a
+    key's in their order. Then `offsets reset` of its
     consumer group: refused while the member runs; once it is paused and reported paused, the
     reset to earliest stops it, and a member started afterwards delivers everything again."""
     from varadhi.core.errors import InvalidArgument
@@ -540,22 +541,20 @@ def test_dead_letters_are_redriven_once_and_an_offset_reset_delivers_again(
 
     with TestEndpoint(record_headers=True) as endpoint, Client(settings) as client:
         spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook")
-        dead = {"g1-1", "g3-2"}
-        for msg_id in dead:
+        dead, paced = {"g1-1", "g3-2"}, {"g0-0", "g0-2", "g2-1"}
+        for msg_id in dead | paced:
             endpoint.set_script(msg_id, [400])  # dead-lettered at once; 200 when re-driven
         first = produce(settings, spec.topic, groups=4, per_group=3)
         consumer = Consumer(spec.name, settings).start()
         try:
             wait_for(
                 lambda: (
-                    consumer.counters()["dead_lettered"] == 2
-                    and consumer.counters()["delivered"] == len(first) - 2
+                    consumer.counters()["dead_lettered"] == 5
+                    and consumer.counters()["delivered"] == len(first) - 5
                 ),
-                "delivery and two dead letters",
+                "delivery and five dead letters",
                 consumer,
             )
-            with pytest.raises(InvalidArgument, match="without a rate"):
-                client.redrive(spec.name, group_ids=["g1"], rate=10)
             op_id = client.redrive(spec.name, group_ids=["g1", "g3"])
             client.wait_for_redrive(spec.name, op_id, DEADLINE_S)
 
@@ -568,18 +567,33 @@ def test_dead_letters_are_redriven_once_and_an_offset_reset_delivers_again(
                 assert headers["x-varadhi-redriven"] == op_id
                 assert r.attempt == 1  # attempts reset
             states = {r["msg_id"]: r["state"] for r in client.dlq_messages(spec.name)}
-            assert states == dict.fromkeys(dead, "redriven")
+            assert states == dict.fromkeys(dead, "redriven") | dict.fromkeys(paced, "parked")
             rq = read_queue(settings, f"{spec.rq_topic}.0")
             assert sorted(r["headers"][m.H_MSG_ID] for r in rq) == sorted(dead)
             assert {r["headers"][m.H_REDRIVEN] for r in rq} == {op_id}
             assert {r["headers"][m.H_ATTEMPTS] for r in rq} == {"0"}
 
+            # 1 a second in all: each of the 2 slots puts one back every 2 s
+            paced_op = client.redrive(spec.name, message_ids=sorted(paced), rate=1)
+            client.wait_for_redrive(spec.name, paced_op, DEADLINE_S)
+
+            def paced_back() -> list:
+                return [r for r in endpoint.records() if r.message_id in paced and r.status == 200]
+
+            wait_for(lambda: len(paced_back()) == 3, "the rate-capped re-drive", consumer)
+            for r in paced_back():
+                headers = {k.lower(): v for k, v in (r.headers or {}).items()}
+                assert headers["x-varadhi-redriven"] == paced_op
+            assert [r.message_id for r in paced_back() if r.group_id == "g0"] == ["g0-0", "g0-2"]
+            states = {r["msg_id"]: r["state"] for r in client.dlq_messages(spec.name)}
+            assert states == dict.fromkeys(dead | paced, "redriven")
+
             again = client.redrive(spec.name, group_ids=["g1", "g3"])
             client.wait_for_redrive(spec.name, again, DEADLINE_S)
-            assert len(read_queue(settings, f"{spec.rq_topic}.0")) == 2  # nothing put back
+            assert len(read_queue(settings, f"{spec.rq_topic}.0")) == 5  # nothing more put back
             wait_for(lambda: consumer.counters()["pending"] == 0, "nothing pending", consumer)
             assert len(redelivered()) == 2
-            assert consumer.counters()["dead_lettered"] == 2
+            assert consumer.counters()["dead_lettered"] == 5
 
             with pytest.raises(InvalidArgument, match="may still deliver"):
                 client.reset_offsets(spec.name, "main", "to-earliest", execute=True)

@@ -31,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "unsideline",
         help="re-drive parked messages in their original group order, attempts reset",
         description="Record a re-drive; each running shard applies it at its next micro-batch "
-        "(runtime: library: the member holding each slot, within 5 s, through the RQ; no --rate). "
+        "(runtime: library: the member holding each slot, within 5 s, through the RQ). "
         "A group blocked on its DLQ unblocks once its re-driven messages are delivered. Every "
         "request of a re-driven message carries X-Varadhi-Redriven: <re-drive id>.",
     )
@@ -45,7 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="N/s",
         help="put the messages back at no more than N a second for the whole subscription "
         "(`50/s` or `50`; split among its shards): each shard takes its share in portions, one "
-        "a micro-batch, each group in order and ahead of its newer traffic (default: all at once)",
+        "a micro-batch, each group in order and ahead of its newer traffic; a library member "
+        "its slot's share, one portion a second (default: all at once)",
     )
     un.add_argument(
         "--wait",
@@ -96,8 +97,8 @@ def _unsideline(args: argparse.Namespace) -> int:
             who, when, each = "running library members", "within 5 s", "slot"
         else:
             who, when, each = "running shards", "at their next micro-batch", "shard"
-            if rate is not None:
-                when = f"from their next micro-batch, at most {rate:g} messages a second in all"
+        if rate is not None:
+            when += f", at most {rate:g} messages a second in all"
         print(f"re-drive {op_id} recorded; {who} apply it {when}")
         if args.wait:
             client.wait_for_redrive(args.name, op_id, args.wait)

@@ -669,8 +669,8 @@ def request_unsideline(
 ) -> str:
     """Record a re-drive for every shard (or, `runtime: library`, the member holding each slot:
     `varadhi.library.redrive`) to apply; returns its operation id. With `rate` (messages a
-    second, > 0), the shards put the messages back at that rate in all, each its share of it
-    (the shard count now); refused for a `runtime: library` subscription."""
+    second, > 0), the shards (or slots) put the messages back at that rate in all, each its
+    share of it (the shard count now)."""
     selector.validate()
     if rate is not None and not (0 < rate < float("inf")):
         raise InvalidArgument(f"--rate must be a positive number, got {rate!r}", field="rate")
@@ -678,12 +678,6 @@ def request_unsideline(
 
     def change(snap: Snapshot):
         sub = subscriptions.from_snapshot(snap, name)  # must exist
-        if rate is not None and sub.spec.runtime == "library":
-            raise InvalidArgument(
-                f"{name} is delivered by library members (runtime: library), which re-drive "
-                "without a rate: leave out --rate",
-                field="rate",
-            )
         doc = {
             "kind": OpKind.UNSIDELINE,
             "selector": selector.to_dict(),

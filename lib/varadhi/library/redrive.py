@@ -24,21 +24,36 @@ one per origin); a copy read after the first was delivered is delivered again. M
 exactly once would need the RQ writes and the done mark in one Kafka transaction, which the
 catalog's own transactional writer does not share.
 
-A re-drive recorded with `--rate` (under the Spark runtime: the library refuses new ones,
-`dlq.request_unsideline`) is applied here all at once, without the pace; the records of
-messages that cannot go back (no origin, no body, a truncated copy: `dlq.redrivable`) stay
-parked, logged, as on a shard. A member applies nothing while the subscription is paused.
+Rate. A re-drive with `rate` (messages a second for the whole subscription, split evenly among
+the `shards` it was recorded for: one slot's share each) is put back in portions, one a second,
+with the shards' arithmetic (`varadhi.core.redrive_pace`: `portion_size`, `pick_order`,
+`plan_portion`): over any T seconds a slot puts back at most `share x (T + 1)` messages. The
+member reads the slot's selection once (bodies included: memory is bounded by the selection)
+and keeps it between portions (`Redriver`); after each portion it adds its progress to the
+operation document (`dlq.report_progress`: `dlq list` shows what is back `redriven`, the rest
+`redrive requested`), and marks the slot done after the last. A member that gets the slot
+later goes on from the reported progress; the portion written but not reported before a crash
+is written again (at least once). No barriers are needed (the shards' keep a group's newer
+traffic behind its re-driven messages, which skip mode does not ask for): a key's re-driven
+messages still go back in their DLQ order, on one RQ partition.
+
+The records of messages that cannot go back (no origin, no body, a truncated copy:
+`dlq.redrivable`) stay parked, logged, as on a shard. A member applies nothing while the
+subscription is paused.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from varadhi.core import messages as m
 from varadhi.core import routing
 from varadhi.core.queue_records import OutRecord, out_record
-from varadhi.core.state_rows import OutRow
+from varadhi.core.redrive_pace import Pick, pick_order, plan_portion, portion_size
+from varadhi.core.state_rows import OutRow, Scanned
 from varadhi.kafka import dlq
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.subscriptions import Subscription
@@ -96,60 +111,200 @@ def redrivable_once(picked: Iterable[tuple[str, dlq.Parked]]) -> list[dlq.Parked
     return out
 
 
-def apply_pending(
-    settings,
-    catalog: Catalog,
-    sub: Subscription,
-    rq: StorageTopic,
-    dlq_topic: CompositeTopic,
-    slots: Iterable[int],
-    producer,
-    limit: int,
-    now_ms: int,
-) -> int:
-    """Apply every re-drive pending for each of `slots` (in the order re-drives apply in),
-    writing with `producer`; returns how many messages were put back. Raises the producer's
-    KafkaError when a write is refused, TimeoutError when the DLQ cannot be read."""
-    slots = sorted(slots)
-    if not slots:
-        return 0
-    name = sub.name
-    snap = catalog.snapshot()
-    start = dlq.dlq_start(snap, name)
-    back = 0
-    for slot in slots:
-        partitions = dlq.dlq_partitions(sub, dlq_topic, slot)
-        ahead: list[dlq.Applied] = []
-        for op_id, op in dlq.pending_for(snap, name, slot).items():
-            covered = dlq.applied_redrives(snap, name, (op.created_ms, op_id)) + ahead
-            scanned = dlq.end_offsets(settings, partitions)
-            picked: list[tuple[str, dlq.Parked]] = []
-            for chunk in dlq.iter_parked(settings, partitions, start, ends=scanned):
-                picked.extend(dlq.select_redrive(chunk, {op_id: op.selector}, covered))
-            messages = redrivable_once(picked)
-            futures = []
-            for p in messages:
-                record = redrive_record(p, op_id, sub.spec.grouped, now_ms, limit)
-                group_key = dlq.group_key_of(p, sub.spec.grouped)
-                futures.append(
-                    producer.send(
-                        rq.name,
-                        key=record.key,
-                        value=record.value,
-                        partition=rq_partition(group_key, slot, sub.shard_count, rq.partitions),
-                        headers=record.headers,
-                    )
+def slot_part(offsets: Scanned, partitions: Mapping[str, Sequence[int]]) -> Scanned:
+    """Of per-partition offsets (`topic -> partition -> offset`, of every slot), those of the
+    slot's `partitions` (pure)."""
+    out: dict[str, dict[str, int]] = {}
+    for t, parts in partitions.items():
+        for p in parts:
+            o = offsets.get(t, {}).get(str(p))
+            if o is not None:
+                out.setdefault(t, {})[str(p)] = int(o)
+    return out
+
+
+def covers(offsets: Scanned, partitions: Mapping[str, Sequence[int]]) -> bool:
+    """Whether `offsets` has an offset for every one of `partitions` (pure)."""
+    return all(str(p) in offsets.get(t, {}) for t, parts in partitions.items() for p in parts)
+
+
+def later(a: Scanned, b: Scanned) -> Scanned:
+    """Per partition, the later of two offsets (pure)."""
+    out = {t: dict(parts) for t, parts in a.items()}
+    for t, parts in b.items():
+        for p, o in parts.items():
+            out.setdefault(t, {})[p] = max(int(o), int(out[t].get(p, 0)))
+    return out
+
+
+@dataclass
+class _Paced:
+    """A rate-capped re-drive under way on one slot: the end offsets it started with, how far
+    it has put messages back (`taken`, as `redrive_pace.plan_portion` keeps it), when its last
+    portion went and the fraction of a message it left, and the messages still to put back, in
+    `pick_order`."""
+
+    ends: Scanned
+    taken: Scanned
+    last_ms: int | None
+    carry: float
+    left: list[tuple[Pick, dlq.Parked]]
+
+
+class Redriver:
+    """A member's re-drives (the module docstring): `apply_pending` at each look. Rate-capped
+    ones keep their progress here between looks; `pacing` says one is under way (then look
+    every second). Not thread-safe: one thread calls it."""
+
+    def __init__(self) -> None:
+        self._paced: dict[tuple[str, int], _Paced] = {}
+
+    @property
+    def pacing(self) -> bool:
+        return bool(self._paced)
+
+    def apply_pending(
+        self,
+        settings,
+        catalog: Catalog,
+        sub: Subscription,
+        rq: StorageTopic,
+        dlq_topic: CompositeTopic,
+        slots: Iterable[int],
+        producer,
+        limit: int,
+        now_ms: int,
+    ) -> int:
+        """Apply the re-drives pending for each of `slots` (in the order re-drives apply in):
+        one without a rate completely, one with a rate its next portion, writing with
+        `producer`; returns how many messages were put back. Raises the producer's KafkaError
+        when a write is refused, TimeoutError when the DLQ cannot be read."""
+        held = sorted(slots)
+        under_way: set[tuple[str, int]] = set()
+        back = 0
+        if held:
+            name = sub.name
+            snap = catalog.snapshot()
+            start = dlq.dlq_start(snap, name)
+            docs = dlq.redrives(snap, name)
+            for slot in held:
+                partitions = dlq.dlq_partitions(sub, dlq_topic, slot)
+                ahead: list[dlq.Applied] = []
+                for op_id, op in dlq.pending_for(snap, name, slot).items():
+                    covered = dlq.applied_redrives(snap, name, (op.created_ms, op_id)) + ahead
+                    at = _Slot(settings, catalog, sub, rq, slot, partitions, producer, limit)
+                    if op.rate is None:
+                        ends = dlq.end_offsets(settings, partitions)
+                        picked = at.select(start, ends, op_id, op, covered)
+                        back += at.put_back(op_id, picked, now_ms)
+                        dlq.mark_done(catalog, name, [op_id], slot, scanned={op_id: ends})
+                    else:
+                        paced = self._paced.get((op_id, slot))
+                        if paced is None:
+                            paced = at.resume(docs[op_id], start, op_id, op, covered)
+                        ends = paced.ends
+                        n, done = at.portion(op_id, op, paced, now_ms)
+                        back += n
+                        if not done:
+                            self._paced[(op_id, slot)] = paced
+                            under_way.add((op_id, slot))
+                    ahead.append(dlq.Applied(op.selector, ends))
+        for gone in set(self._paced) - under_way:  # done, or its slot is no longer held
+            del self._paced[gone]
+        return back
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """The I/O of applying re-drives to one slot."""
+
+    settings: Any
+    catalog: Catalog
+    sub: Subscription
+    rq: StorageTopic
+    slot: int
+    partitions: dict[str, list[int]]
+    producer: Any
+    limit: int
+
+    def select(
+        self, start: Scanned, ends: Scanned, op_id: str, op: dlq.Redrive, covered
+    ) -> list[dlq.Parked]:
+        """What `op` puts back of the slot's DLQ records from `start` to `ends`."""
+        picked: list[tuple[str, dlq.Parked]] = []
+        for chunk in dlq.iter_parked(self.settings, self.partitions, start, ends=ends):
+            picked.extend(dlq.select_redrive(chunk, {op_id: op.selector}, covered))
+        return redrivable_once(picked)
+
+    def put_back(self, op_id: str, messages: Sequence[dlq.Parked], now_ms: int) -> int:
+        """Write `messages` to the slot's RQ and wait for the acknowledgements."""
+        grouped = self.sub.spec.grouped
+        futures = []
+        for p in messages:
+            record = redrive_record(p, op_id, grouped, now_ms, self.limit)
+            partition = rq_partition(
+                dlq.group_key_of(p, grouped), self.slot, self.sub.shard_count, self.rq.partitions
+            )
+            futures.append(
+                self.producer.send(
+                    self.rq.name,
+                    key=record.key,
+                    value=record.value,
+                    partition=partition,
+                    headers=record.headers,
                 )
-            for future in futures:
-                future.get(timeout=ACK_TIMEOUT_S)
-            dlq.mark_done(catalog, name, [op_id], slot, scanned={op_id: scanned})
-            ahead.append(dlq.Applied(op.selector, scanned))
-            back += len(messages)
+            )
+        for future in futures:
+            future.get(timeout=ACK_TIMEOUT_S)
+        if messages:
             log.info(
                 "%s: re-drive %s: %d parked messages of slot %d back",
-                name,
+                self.sub.name,
                 op_id,
                 len(messages),
-                slot,
+                self.slot,
             )
-    return back
+        return len(messages)
+
+    def resume(
+        self, doc: Mapping[str, Any], start: Scanned, op_id: str, op: dlq.Redrive, covered
+    ) -> _Paced:
+        """A rate-capped re-drive on this slot from what its document says (the end offsets
+        and progress the slot's earlier holder reported) or afresh; its messages read from the
+        progress to the end offsets (one DLQ scan)."""
+        known = slot_part(doc.get("ends", {}), self.partitions)
+        ends = (
+            known
+            if covers(known, self.partitions)
+            else dlq.end_offsets(self.settings, self.partitions)
+        )
+        taken = slot_part(doc.get("scanned", {}), self.partitions)
+        kept = self.select(later(start, taken), ends, op_id, op, covered)
+        by_place = {(p.topic, p.partition, p.offset): p for p in kept}
+        order = [(t, p) for t, parts in self.partitions.items() for p in parts]
+        picks = pick_order([dlq.pick_of(p, self.sub.spec.grouped) for p in kept], order)
+        left = [(pk, by_place[(pk.topic, pk.partition, pk.offset)]) for pk in picks]
+        return _Paced(ends, taken, None, 0.0, left)
+
+    def portion(self, op_id: str, op: dlq.Redrive, paced: _Paced, now_ms: int) -> tuple[int, bool]:
+        """Put back the next portion of a rate-capped re-drive (`redrive_pace.portion_size`
+        of this slot's share of the rate) and report its progress, or mark the slot done
+        after the last; (messages put back, done)."""
+        rate = op.shard_rate
+        assert rate is not None
+        budget, carry = portion_size(rate, paced.last_ms, paced.carry, now_ms)
+        if budget == 0 and paced.left:
+            paced.last_ms = paced.last_ms if paced.last_ms is not None else now_ms
+            paced.carry = carry
+            return 0, False
+        order = [(t, p) for t, parts in self.partitions.items() for p in parts]
+        portion = plan_portion([pk for pk, _ in paced.left], budget, paced.taken, paced.ends, order)
+        n = self.put_back(op_id, [p for _, p in paced.left[: len(portion.take)]], now_ms)
+        name = self.sub.name
+        if portion.complete:
+            dlq.mark_done(self.catalog, name, [op_id], self.slot, scanned={op_id: paced.ends})
+            return n, True
+        dlq.report_progress(self.catalog, name, {op_id: (paced.ends, portion.taken)})
+        paced.taken, paced.last_ms, paced.carry = portion.taken, now_ms, carry
+        paced.left = paced.left[len(portion.take) :]
+        return n, False

@@ -430,18 +430,20 @@ class Consumer:
     # -- re-drives ----------------------------------------------------------------------------
     def _redrive(self) -> None:
         """(Its own thread, so that reading the DLQ never holds up polling) Every
-        `CATALOG_CHECK_S` while not paused, apply the re-drives pending for the slots this member
-        holds (`varadhi.library.redrive`: at least once). A Kafka error or a timeout (a read, a
+        `CATALOG_CHECK_S` (every second while a rate-capped one is under way) while not paused,
+        apply the re-drives pending for the slots this member holds (`varadhi.library.redrive`:
+        at least once). A Kafka error or a timeout (a read, a
         look, a write to the RQ) is logged and the re-drive tried again at the next look; any
         other error stops the member."""
+        redriver = redrive.Redriver()
         try:
-            while not self._stopping.wait(CATALOG_CHECK_S):
+            while not self._stopping.wait(1.0 if redriver.pacing else CATALOG_CHECK_S):
                 with self._lock:
                     if self._paused:
                         continue
                     slots = self._slots_of(self._ledgers)
                 try:
-                    redrive.apply_pending(
+                    redriver.apply_pending(
                         self.settings,
                         self._catalog,
                         self._sub,
