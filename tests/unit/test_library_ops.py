@@ -17,7 +17,14 @@ from varadhi.kafka.dlq import Parked, parked_from_record
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.kafka.topics import add_storage, new_topic
 from varadhi.library.position import reset_key, reset_under_way
-from varadhi.library.redrive import redrivable_once, redrive_record, rq_partition
+from varadhi.library.redrive import (
+    covers,
+    later,
+    redrivable_once,
+    redrive_record,
+    rq_partition,
+    slot_part,
+)
 from varadhi.ops.library_offsets import (
     decide,
     plan_dlq,
@@ -69,6 +76,17 @@ def test_one_copy_per_origin_and_nothing_that_cannot_go_back():
     no_origin = ("op", parked(5, origin="junk"))
     kept = redrivable_once([*twice, truncated, no_origin])
     assert [p.offset for p in kept] == [1, 3]
+
+
+def test_a_slot_takes_its_part_of_a_rate_capped_redrives_recorded_offsets():
+    # a later holder of the slot goes on from what the operation document says of its partitions
+    recorded = {"s.dlq.0": {"0": 5, "1": 7, "2": 9}}
+    mine = {"s.dlq.0": [2, 3]}
+    assert slot_part(recorded, mine) == {"s.dlq.0": {"2": 9}}
+    assert not covers(slot_part(recorded, mine), mine)  # partition 3 not reported: scan anew
+    assert covers(recorded, {"s.dlq.0": [0, 1]})
+    start = {"s.dlq.0": {"2": 12}}
+    assert later(start, {"s.dlq.0": {"2": 9, "3": 4}}) == {"s.dlq.0": {"2": 12, "3": 4}}
 
 
 # -- offset reset of the consumer group ---------------------------------------------------------
