@@ -20,6 +20,7 @@ from varadhi.kafka.clients import topic_configs
 from varadhi.ops import lifecycle
 from varadhi.ops.lifecycle import SubscriptionDeleter
 from varadhi.spark import journal
+from varadhi.testing.harness import wait_for
 
 pytestmark = pytest.mark.kafka
 
@@ -193,8 +194,14 @@ def test_delete_removes_the_delivery_journals_and_traces_topics_too(
     traces = trace.topic_name(sub)
     assert kafka_trace.ensure_topic(settings, traces, 3_600_000) == kafka_trace.PARTITIONS
     assert kafka_trace.ensure_topic(settings, traces, 7_200_000) == kafka_trace.PARTITIONS
-    found = topic_configs(admin, settings, [traces], ["retention.ms", "message.timestamp.type"])
-    assert found[traces] == {"retention.ms": "7200000", "message.timestamp.type": "LogAppendTime"}
+    wanted = {"retention.ms": "7200000", "message.timestamp.type": "LogAppendTime"}
+    # The broker applies a config change after acknowledging it: a describe right after the
+    # alter may still answer the old value (it did in a CI run), so wait for the new one.
+    wait_for(
+        lambda: topic_configs(admin, settings, [traces], list(wanted))[traces] == wanted,
+        60,
+        "the trace topic's new retention",
+    )
     assert kafka_topics(admin, sub) == [
         f"{sub}.dlq.0", f"{sub}.journal", f"{sub}.rq.0", f"{sub}.trace",
     ]  # fmt: skip
