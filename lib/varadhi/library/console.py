@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="concurrent requests (default: the spec's consumption.max_in_flight)",
     )
+    p.add_argument(
+        "--session-timeout-ms",
+        type=int,
+        metavar="MS",
+        help="how long the group waits for a silent member (killed or hung) before its slots"
+        " move to the others (default: kafka-python's 45000)",
+    )
     p.add_argument("--bootstrap", help="Kafka bootstrap servers (default $VARADHI_BOOTSTRAP)")
     p.add_argument(
         "--command-config",
@@ -73,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.verbose:
         logging.getLogger("kafka").setLevel(logging.CRITICAL)
     try:
+        if args.session_timeout_ms is not None and args.session_timeout_ms < 1:
+            raise InvalidArgument(
+                f"must be >= 1, got {args.session_timeout_ms}", field="--session-timeout-ms"
+            )
         if args.max_in_flight is not None and args.max_in_flight < 1:
             raise InvalidArgument(
                 f"must be >= 1, got {args.max_in_flight}", field="--max-in-flight"
@@ -81,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             ordering_key=OrderingKey.parse(args.ordering_key),
             max_pending=args.max_pending,
             max_in_flight=args.max_in_flight,
+            session_timeout_ms=args.session_timeout_ms,
         )
         settings = Settings.from_env(command_config=args.command_config, bootstrap=args.bootstrap)
         consumer = Consumer(args.subscription, settings, options=options).start()
@@ -110,3 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"varadhi-consumer: stopped; {consumer.counters()}", file=sys.stderr)
     return 0
+
+
+if __name__ == "__main__":  # `python -m varadhi.library.console`, as the tests run it
+    sys.exit(main())

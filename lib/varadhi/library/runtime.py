@@ -158,12 +158,16 @@ class Options:
     """`ordering_key`: see `keys`. `max_pending`: messages read and not finished per process
     (delivering, waiting behind their key, waiting for an RQ copy): polling stops at it.
     `max_in_flight`: concurrent deliveries (default: the spec's `consumption.max_in_flight`).
-    `commit_interval_s`: how often finished offsets are committed."""
+    `commit_interval_s`: how often finished offsets are committed. `session_timeout_ms`: how
+    long the group waits for a silent member (killed, or hung) before its slots move to the
+    others (None: kafka-python's 45 s; the broker bounds it, 6 s to 30 min by default); its
+    heartbeat goes every third of it, at most every 3 s."""
 
     ordering_key: OrderingKey = field(default_factory=OrderingKey)
     max_pending: int = 10_000
     max_in_flight: int | None = None
     commit_interval_s: float = 1.0
+    session_timeout_ms: int | None = None
 
 
 class Consumer:
@@ -294,6 +298,7 @@ class Consumer:
             isolation_level="read_committed",
             partition_assignment_strategy=[SlotAssignor(sub.shard_count)],
             max_poll_records=1000,
+            **_session_kwargs(self.options.session_timeout_ms),
         )
         names = [self._main.name, self._rq.name]
         for name in names:
@@ -1048,6 +1053,17 @@ def _ids(tp: TopicPartition, r) -> tuple[str, str | None]:
     """A record's message id and group id, as the shards read them (`varadhi.core.record_ids`)."""
     msg_id = text_id(header_value(r.headers, m.H_MSG_ID)) or f"{tp.topic}-{tp.partition}-{r.offset}"
     return msg_id, text_id(header_value(r.headers, m.H_GROUP_ID)) or text_id(r.key)
+
+
+def _session_kwargs(session_timeout_ms: int | None) -> dict[str, int]:
+    """kafka-python's session timeout and a heartbeat interval below a third of it (none: its
+    defaults)."""
+    if session_timeout_ms is None:
+        return {}
+    return {
+        "session_timeout_ms": session_timeout_ms,
+        "heartbeat_interval_ms": max(1, min(3_000, session_timeout_ms // 3)),
+    }
 
 
 def _now_ms() -> int:
