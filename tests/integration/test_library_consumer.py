@@ -629,3 +629,37 @@ def test_dead_letters_are_redriven_once_and_an_offset_reset_delivers_again(
             wait_for(all_again, "everything delivered again", restarted)
         finally:
             restarted.stop()
+
+
+def test_a_revoke_of_an_assignment_not_yet_set_up_leaves_nothing_handed_out(
+    settings, catalog, make_topic, unique_name
+):
+    """kafka-python calls the rebalance listener on its own thread, whenever the group
+    rebalances: an assignment can be revoked before the member's Kafka thread set it up (a
+    rebalance right after another, as when members start together). Here a member holding
+    both slots gets, as one step for its Kafka thread, the revoke of both, their assignment
+    and its revoke (the listener's calls in that order, the member's lock held so that its
+    Kafka thread sees them together): it must hold no slot after, with nothing pending. (It
+    once set the revoked assignment up and delivered those slots next to their new owner.)"""
+    from varadhi.library.runtime import _Listener
+
+    spec = subscription(catalog, make_topic, unique_name, "http://127.0.0.1:9/unused")
+    ids = produce(settings, spec.topic, groups=10, per_group=3)
+    consumer = Consumer(spec.name, settings, handler=lambda _m: Success()).start()
+    try:
+        wait_for(lambda: consumer.counters()["delivered"] == len(ids), "delivery", consumer)
+        assert consumer.health()["slots"] == [0, 1]
+        held = set(consumer._consumer.assignment())
+        rebalances = consumer.counters()["rebalances"]
+        listener = _Listener(consumer)
+        with consumer._lock:
+            listener.on_partitions_revoked(held)
+            listener.on_partitions_assigned(held)
+            listener.on_partitions_revoked(held)
+        wait_for(
+            lambda: consumer.counters()["rebalances"] > rebalances, "the member's set-up", consumer
+        )
+        assert consumer.health()["slots"] == []
+        assert consumer.counters()["pending"] == 0
+    finally:
+        consumer.stop()

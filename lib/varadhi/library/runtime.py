@@ -597,6 +597,7 @@ class Consumer:
                 done.add(slot)
         if done:
             with self._lock:
+                done -= self._slots_of(self._revoked)  # revoked since: `_rebalanced` drops it
                 for slot in done:
                     del self._catch_up[slot]
                 self._sched.reopen(done)
@@ -607,7 +608,11 @@ class Consumer:
         asynchronously (kafka-python 3.0.12's join was seen to stall when the member's own
         blocking calls met a rebalance); the last one, at stop, waits."""
         offsets = {}
+        with self._lock:
+            revoked = set(self._revoked)  # not its own any more: their next owner commits
         for tp, ledger in self._ledgers.items():
+            if tp in revoked:
+                continue
             position = ledger.position()
             if position != self._committed.get(tp) and ledger.upto > ledger.start:
                 offsets[tp] = OffsetAndMetadata(position[0], position[1], -1)
@@ -698,11 +703,19 @@ class Consumer:
     # The listener runs on kafka-python's I/O thread, which must not block: it only closes the
     # revoked slots and notes the assignment; `_rebalanced` (the Kafka thread, after the poll)
     # does the rest.
+    # Hazard: the listener runs whenever the group rebalances, also between an assignment and
+    # `_rebalanced` (which sets it up after the poll), and while `_rebalanced` makes the new
+    # partitions' ledgers (outside the lock). So a revoke notes and closes every revoked
+    # partition, with a ledger yet or not, takes it out of an assignment not set up yet, and
+    # `_rebalanced` opens nothing revoked meanwhile. (A partition revoked before its ledger was
+    # in place was once kept: its slot handed out by two members at once, for good.)
     def _revoke(self, revoked) -> None:
         with self._lock:
-            tps = set(revoked) & set(self._ledgers)
+            tps = set(revoked)
             self._sched.close(self._slots_of(tps))
             self._revoked |= tps
+            if self._assigned is not None:  # taken back before `_rebalanced` set it up
+                self._assigned -= tps
 
     def _assign(self, assigned) -> None:
         with self._lock:
@@ -744,6 +757,9 @@ class Consumer:
                 offset, metadata = committed.offset, committed.metadata or ""
                 ledgers[tp] = (Ledger(offset, decode(offset, metadata)), (offset, metadata))
         with self._lock:
+            # revoked while this ran: installed all the same (the next call forgets them as
+            # gone), but never opened
+            revoked_since = self._slots_of(self._revoked)
             for tp, (ledger, position) in ledgers.items():
                 self._ledgers[tp] = ledger
                 if position is not None:
@@ -757,8 +773,9 @@ class Consumer:
                 self._rate = slot_share(limit, held, self._sub.shard_count)
                 self._reshare = self._rate or None  # no slot: nothing to pace
             # a slot hands out nothing before its RQ was read to the end (`_caught_up`)
-            self._sched.close(set(self._catch_up))
-            self._sched.reopen(self._slots_of(assigned - set(new)) - set(self._catch_up))
+            self._sched.close(set(self._catch_up) | revoked_since)
+            given_back = self._slots_of(assigned - set(new))
+            self._sched.reopen(given_back - set(self._catch_up) - revoked_since)
             self._counts["rebalances"] += 1
 
     def _slot(self, tp: TopicPartition) -> int:
