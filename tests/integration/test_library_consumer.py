@@ -663,3 +663,49 @@ def test_a_revoke_of_an_assignment_not_yet_set_up_leaves_nothing_handed_out(
         assert consumer.counters()["pending"] == 0
     finally:
         consumer.stop()
+
+
+def test_a_member_put_out_of_the_group_forgets_what_it_held_even_if_given_it_again(
+    settings, catalog, make_topic, unique_name
+):
+    """A member that hung past its session was put out of the group; others held its slots
+    meanwhile. kafka-python tells it with `on_partitions_lost` when it goes on, then gives it
+    slots again, maybe the same ones. What it held of them is stale (here g1 waits for an RQ
+    copy that, in the real case, another member may have delivered and committed past): it
+    must forget it and read the slots again from the commit, not go on where it was. (It once
+    went on, and a key waited for good behind a copy it would never read again.) The
+    listener's calls are made as kafka-python makes them, the member's lock held so that its
+    Kafka thread sees them together."""
+    from varadhi.library.runtime import _Listener
+
+    spec = subscription(catalog, make_topic, unique_name, "http://127.0.0.1:9/unused")
+    ids = produce(settings, spec.topic, groups=10, per_group=3)
+
+    def handle(message):  # g1-0 waits for its retry, due in 10 minutes; g1-1, g1-2 behind it
+        if message.msg_id == "g1-0":
+            return HandlerRetry(after_ms=600_000, reason="later")
+        return Success()
+
+    consumer = Consumer(spec.name, settings, handler=handle).start()
+    try:
+        wait_for(
+            lambda: (
+                consumer.counters()["delivered"] == len(ids) - 3
+                and consumer.counters()["pending"] == 3  # g1-0's copy, read back; g1-1, g1-2
+            ),
+            "g1 waiting behind its retry",
+            consumer,
+        )
+        held = set(consumer._consumer.assignment())
+        rebalances = consumer.counters()["rebalances"]
+        listener = _Listener(consumer)
+        with consumer._lock:
+            listener.on_partitions_lost(held)
+            listener.on_partitions_assigned(held)
+        wait_for(
+            lambda: consumer.counters()["rebalances"] > rebalances, "the member's set-up", consumer
+        )
+        assert consumer.counters()["pending"] == 0  # forgotten, to be read from the commit
+        assert consumer.health()["slots"] == [0, 1]
+    finally:
+        consumer.stop()

@@ -200,6 +200,7 @@ class Consumer:
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
         self._catch_up: dict[int, dict[TopicPartition, int]] = {}  # slot -> RQ end offsets
         self._revoked: set[TopicPartition] = set()  # by the listener, for `_rebalanced`
+        self._lost: set[TopicPartition] = set()  # revoked after the member left the group
         self._assigned: set[TopicPartition] | None = None  # the last assignment, unprocessed
         self._stopping = threading.Event()
         self._paused = False  # the subscription is paused: hand out nothing, read nothing
@@ -717,6 +718,16 @@ class Consumer:
             if self._assigned is not None:  # taken back before `_rebalanced` set it up
                 self._assigned -= tps
 
+    def _lose(self, lost) -> None:
+        """The member was put out of the group (it missed its session: it hung, or polled for
+        none of `max.poll.interval.ms`): other members held these partitions meanwhile, so
+        what this member holds of them is stale (a key waiting for an RQ copy that another
+        member delivered, a ledger behind their commit). They are revoked, and forgotten even
+        if the member gets them again: it reads them from the commit as a new owner would."""
+        with self._lock:
+            self._lost |= set(lost)
+        self._revoke(lost)
+
     def _assign(self, assigned) -> None:
         with self._lock:
             self._assigned = set(assigned)
@@ -729,7 +740,9 @@ class Consumer:
         its RQ to the end before its main-topic partitions."""
         with self._lock:
             assigned, self._assigned = self._assigned or set(), None
-            gone, self._revoked = self._revoked - assigned, set()
+            # lost partitions are forgotten even when assigned again: others held them since
+            gone = (self._revoked - assigned) | self._lost
+            self._revoked, self._lost = set(), set()
         if gone:
             slots = self._slots_of(gone)
             deadline = time.monotonic() + self._spec.endpoint.request_timeout_ms / 1000 + 10
@@ -1061,6 +1074,9 @@ class _Listener(ConsumerRebalanceListener):
 
     def on_partitions_revoked(self, revoked):
         self.consumer._revoke(revoked)
+
+    def on_partitions_lost(self, lost):
+        self.consumer._lose(lost)
 
     def on_partitions_assigned(self, assigned):
         self.consumer._assign(assigned)
