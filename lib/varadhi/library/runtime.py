@@ -388,7 +388,7 @@ class Consumer:
                 else:  # paused, it polls on (paused partitions give nothing): it stays a member
                     batches = consumer.poll(timeout_ms=POLL_MS)
                 if self._assigned is not None:
-                    self._rebalanced()
+                    self._transient_ok(self._rebalanced, "the new assignment is not set up")
                 if self._paused:  # partitions a rebalance gave it since
                     self._pause_reading()
                 self._apply_finished()
@@ -400,7 +400,7 @@ class Consumer:
                     self._commit()
                     next_commit = now + self.options.commit_interval_s
                 if now >= next_check:
-                    self._check_catalog()
+                    self._transient_ok(self._check_catalog, "the catalog is not read")
                     next_check = now + CATALOG_CHECK_S
                 self._publish()
         except BaseException as e:  # noqa: BLE001 - reported through health() and the CLI
@@ -464,6 +464,17 @@ class Consumer:
                     log.warning("%s: re-drives not applied now (%s); trying again", self.name, e)
         except BaseException as e:  # noqa: BLE001 - reported through health() and the CLI
             self._fail(e)
+
+    def _transient_ok(self, step: Callable[[], None], what: str) -> None:
+        """Run a step of the Kafka thread; a Kafka error that may pass by itself (a broker
+        away or restarting: `kafka_clients.transient`) is logged and the step is tried again
+        at its next turn, so the member rides out an outage; any other error stops it."""
+        try:
+            step()
+        except Exception as e:
+            if not kafka_clients.transient(e):
+                raise
+            log.warning("%s: %s now (%s); trying again", self.name, what, e)
 
     def _ingest(self, tp: TopicPartition, records) -> None:
         ledger = self._ledgers.get(tp)
@@ -760,15 +771,21 @@ class Consumer:
         # The member's own consumer is not asked: its blocking calls made between a revoke and
         # the next assignment were seen to stall kafka-python 3.0.12's join for good.
         offsets = self._offsets
-        ends = offsets.end_offsets(rq_tps) if rq_tps else {}
         ledgers = {}
-        for tp in new:
-            committed = offsets.committed(tp, metadata=True)
-            if committed is None or committed.offset < 0:
-                ledgers[tp] = (Ledger(0), None)  # reading starts at the log's start
-            else:
-                offset, metadata = committed.offset, committed.metadata or ""
-                ledgers[tp] = (Ledger(offset, decode(offset, metadata)), (offset, metadata))
+        try:
+            ends = offsets.end_offsets(rq_tps) if rq_tps else {}
+            for tp in new:
+                committed = offsets.committed(tp, metadata=True)
+                if committed is None or committed.offset < 0:
+                    ledgers[tp] = (Ledger(0), None)  # reading starts at the log's start
+                else:
+                    offset, metadata = committed.offset, committed.metadata or ""
+                    ledgers[tp] = (Ledger(offset, decode(offset, metadata)), (offset, metadata))
+        except BaseException:
+            with self._lock:  # set it up at the next turn, unless a newer one came meanwhile
+                if self._assigned is None:
+                    self._assigned = assigned
+            raise
         with self._lock:
             # revoked while this ran: installed all the same (the next call forgets them as
             # gone), but never opened
