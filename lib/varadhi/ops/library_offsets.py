@@ -53,7 +53,16 @@ from varadhi.library.assign import slot_of
 from varadhi.library.position import describe, reset_key
 from varadhi.library.runtime import group_id
 from varadhi.ops import status
-from varadhi.ops.offsets import Mode, Move, Offsets, Plan, Queue, kafka_offsets, plan_internal
+from varadhi.ops.offsets import (
+    Mode,
+    Move,
+    Offsets,
+    Plan,
+    Queue,
+    kafka_offsets,
+    plan_internal,
+    target_offset,
+)
 
 OPERATION = DocKind.OPERATION
 #: How long an execution waits for the members to leave the consumer group.
@@ -82,15 +91,8 @@ def plan_main(
     for p in range(st.partitions):
         begin, end = kafka.beginning[st.name][p], kafka.end[st.name][p]
         current = committed.get(TopicPartition(st.name, p))
-        if mode == "to-earliest":
-            new = begin
-        elif mode == "to-latest":
-            new = end
-        elif mode == "to-datetime":
-            at = kafka.at_time[st.name][p]
-            new = end if at is None else at
-        else:
-            new = min(max((begin if current is None else current) + int(value), begin), end)
+        at = kafka.at_time[st.name][p] if mode == "to-datetime" else None
+        new = target_offset(mode, value, begin, end, at, current)
         moves.append(Move(slot_of(p, st.partitions, sub.shard_count), st.name, p, current, new))
     return Plan("main", mode, value, tuple(moves), {}, {})
 

@@ -135,6 +135,22 @@ def largest_even_shard_count(partition_counts: list[int]) -> int:
     return math.gcd(*partition_counts) if partition_counts else 1
 
 
+def target_offset(
+    mode: str, value: str | None, begin: int, end: int, at: int | None, current: int | None
+) -> int:
+    """Where a reset moves one partition (pure): its beginning (`to-earliest`, and
+    `to-storage-topic` for the new storage topic), its end (`to-latest`), the first offset at
+    the time asked (`to-datetime`: `at`, the end when none is that late), or `current` (the
+    beginning when none) shifted by `value` and kept within [begin, end] (`shift-by`)."""
+    if mode in ("to-earliest", "to-storage-topic"):
+        return begin
+    if mode == "to-latest":
+        return end
+    if mode == "to-datetime":
+        return end if at is None else at
+    return min(max((begin if current is None else current) + int(value), begin), end)
+
+
 def plan_main(
     sub: subscriptions.Subscription,
     mq: topics.CompositeTopic,
@@ -192,15 +208,8 @@ def plan_main(
             begin, end = kafka.beginning[st.name][p], kafka.end[st.name][p]
             raw = consumed.get(st.name, {}).get(str(p)) if target == layout.mq_index else None
             current = None if raw is None or int(raw) < 0 else int(raw)
-            if mode == "to-earliest" or mode == "to-storage-topic":
-                new = begin
-            elif mode == "to-latest":
-                new = end
-            elif mode == "to-datetime":
-                at = kafka.at_time[st.name][p]
-                new = end if at is None else at
-            else:
-                new = min(max((current if current is not None else begin) + int(value), begin), end)
+            at = kafka.at_time[st.name][p] if mode == "to-datetime" else None
+            new = target_offset(mode, value, begin, end, at, current)
             new_offsets[str(p)] = new
             moves.append(Move(shard, st.name, p, current, new))
         starting[st.name] = new_offsets
