@@ -121,7 +121,7 @@ from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.library import handler as handlers
-from varadhi.library import position, redrive
+from varadhi.library import join_guard, position, redrive
 from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
@@ -301,11 +301,21 @@ class Consumer:
             max_poll_records=1000,
             **_session_kwargs(self.options.session_timeout_ms),
         )
+        # kafka-python 3.0.12 could lose a join redone for new metadata: the member then held
+        # nothing, for good (`join_guard`)
+        try:
+            join_guard.guard(self._consumer)
+        except VaradhiError:
+            self._state = "failed"
+            for client in (self._consumer, self._offsets):
+                client.close(autocommit=False)
+            self._producer.close(timeout=10)
+            self._catalog.close()
+            raise
         names = [self._main.name, self._rq.name]
         for name in names:
             # Metadata first: a group joined before it knows its topics' partitions assigns
-            # nothing, then rebalances again at once, and kafka-python 3.0.12 was seen to hang
-            # in that second join's assignment now and then.
+            # nothing and joins again at once (a wasted rebalance)
             self._consumer.partitions_for_topic(name)
             self._offsets.partitions_for_topic(name)  # else its offset look-ups miss some
         self._consumer.subscribe(topics=names, listener=_Listener(self))
