@@ -276,6 +276,52 @@ def test_filter_shaped_requests_trace_and_rate_share(settings, catalog, make_top
         assert malformed[0]["reason"].startswith("malformed: ")
 
 
+def test_a_slot_a_rebalance_moves_is_committed_at_the_revoke_and_not_delivered_again(
+    settings, catalog, make_topic, unique_name
+):
+    """A member commits what finished of the slots a rebalance takes from it, so that their
+    next owner delivers none of it again (only what was in flight would come twice). The first
+    member here never commits on its own (a commit interval of an hour): it delivers everything,
+    then a second member joins and takes a slot; the second delivers the messages produced after
+    that, and none of the first ones."""
+    spec = subscription(catalog, make_topic, unique_name, "http://127.0.0.1:9/unused")
+    lock = threading.Lock()
+    handled: list[tuple[str, str]] = []  # (member, message id)
+
+    def handler_of(member: str):
+        def handle(message):
+            with lock:
+                handled.append((member, message.msg_id))
+            return Success()
+
+        return handle
+
+    def ids_of(member: str) -> set[str]:
+        with lock:
+            return {i for who, i in handled if who == member}
+
+    ids = produce(settings, spec.topic, groups=30, per_group=5)
+    never = Options(commit_interval_s=3600)
+    a = Consumer(spec.name, settings, handler=handler_of("a"), options=never).start()
+    b = None
+    try:
+        wait_for(lambda: ids_of("a") >= set(ids), "the first member's deliveries", a)
+        b = Consumer(spec.name, settings, handler=handler_of("b")).start()
+        wait_for(
+            lambda: b.health()["slots"] != [] and a.health()["slots"] != [], "a slot each", a, b
+        )
+        more = produce(settings, spec.topic, groups=30, per_group=5, start=5)
+        # the second member's later messages, behind the earlier ones of each of its keys
+        wait_for(lambda: ids_of("a") | ids_of("b") >= set(more), "the later messages", a, b)
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()
+    assert ids_of("b"), "the second member delivered nothing: the slot did not move"
+    again = ids_of("b") & set(ids)
+    assert not again, f"delivered again after the rebalance: {sorted(again)[:10]}"
+
+
 def test_two_members_share_the_work_through_a_rebalance(settings, catalog, make_topic, unique_name):
     """Handlers instead of HTTP: a second member joins while the first delivers; every message
     is handled, each key in order, and both members hold slots at the end."""

@@ -23,12 +23,14 @@ assigned, nothing of it is handed out before its RQ partitions were read to the 
 then (`_caught_up`), so a key with a retry pending from before a restart or rebalance is
 blocked behind its copy before any of its later messages is delivered.
 
-Rebalance. When slots are revoked the member hands out nothing more of them; slots the
-rebalance gives back go on where they were (what is read again is skipped), slots gone wait for
-their deliveries in flight to end (up to the endpoint's request timeout) and are forgotten,
-uncommitted: kafka-python's rebalance listener runs on its I/O thread, which must not block,
-so no commit is made at a revoke, and the next owner delivers again what finished since the
-last commit (`commit_interval_s`), as well as what was in flight: at least once.
+Rebalance. When slots are revoked the member hands out nothing more of them and commits what
+finished of them (`_revoke`: asynchronously, as kafka-python's rebalance listener runs on its
+I/O thread, which must not block; the commit reaches the broker before the member's JoinGroup);
+slots the rebalance gives back go on where they were (what is read again is skipped), slots
+gone wait for their deliveries in flight to end (up to the endpoint's request timeout) and are
+forgotten, those ends uncommitted: the next owner delivers again what was in flight at the
+revoke, and, when the revoke's commit was refused, what finished since the last commit
+(`commit_interval_s`) too: at least once.
 
 Filter, shaping, trace. A main-topic record the subscription's filter does not match
 (`filters.matches`, the Python twin of the shards' Spark column) is dropped as it is read, before
@@ -212,6 +214,10 @@ class Consumer:
         self._rng = random.Random()
         self._trace: trace_topic.TraceWriter | None = None
         self._trace_lock = threading.Lock()  # `TraceWriter.add` takes one thread at a time
+        # The ledgers' offsets: the Kafka thread reads and finishes them, the rebalance listener
+        # (kafka-python's I/O thread) commits what finished of revoked partitions. Taken alone,
+        # or inside `_lock`, never the other way round.
+        self._ledger_lock = threading.Lock()
         self._tracers: list[Tracer] | None = None  # per slot, with a trace
         self._pacer: Pacer | None = None  # with `endpoint.max_rate` and HTTP
         self._rate: float | None = None  # this member's share of `max_rate` now
@@ -497,17 +503,19 @@ class Consumer:
         # Only main-topic records are filtered: what reached the RQ passed the filter already.
         keep = None if tp.topic == self._rq.name else self._spec.filter
         for r in records:
-            if not ledger.read(r.offset):
+            with self._ledger_lock:
+                unread = ledger.read(r.offset)
+            if not unread:
                 self._counts["skipped_finished"] += 1
                 continue
             if keep is not None and not filters.matches(keep, r.key, r.headers):
-                ledger.finish(r.offset)
+                self._finish(ledger, r.offset)
                 dropped += 1
                 self._trace_filtered(tp, r)
                 continue
             work = self._work(tp, r)
             if work is None:
-                ledger.finish(r.offset)
+                self._finish(ledger, r.offset)
                 continue
             works.append(work)
         with self._lock:
@@ -518,7 +526,7 @@ class Consumer:
                     self._counts["duplicates"] += 1
                     ledger_of = self._ledgers.get(TopicPartition(dup.topic, dup.partition))
                     if ledger_of is not None:
-                        ledger_of.finish(dup.offset)
+                        self._finish(ledger_of, dup.offset)
             self._lock.notify_all()
 
     def _work(self, tp: TopicPartition, r) -> Work | None:
@@ -592,7 +600,25 @@ class Consumer:
                 return
             ledger = self._ledgers.get(tp)
             if ledger is not None:
-                ledger.finish(offset)
+                self._finish(ledger, offset)
+
+    def _finish(self, ledger: Ledger, offset: int) -> None:
+        with self._ledger_lock:
+            ledger.finish(offset)
+
+    def _positions(self, tps) -> dict[TopicPartition, OffsetAndMetadata]:
+        """The commit of each of `tps` that has a ledger and read something, where it moved
+        since its last commit."""
+        out = {}
+        with self._ledger_lock:
+            for tp in tps:
+                ledger = self._ledgers.get(tp)
+                if ledger is None or ledger.upto <= ledger.start:
+                    continue
+                position = ledger.position()
+                if position != self._committed.get(tp):
+                    out[tp] = OffsetAndMetadata(position[0], position[1], -1)
+        return out
 
     def _full(self) -> bool:
         """Whether reading waits: `max_pending` messages are held and no slot is still reading
@@ -629,15 +655,10 @@ class Consumer:
         """Commit each partition's position (`Ledger.position`) where it moved. While running,
         asynchronously (kafka-python 3.0.12's join was seen to stall when the member's own
         blocking calls met a rebalance); the last one, at stop, waits."""
-        offsets = {}
         with self._lock:
-            revoked = set(self._revoked)  # not its own any more: their next owner commits
-        for tp, ledger in self._ledgers.items():
-            if tp in revoked:
-                continue
-            position = ledger.position()
-            if position != self._committed.get(tp) and ledger.upto > ledger.start:
-                offsets[tp] = OffsetAndMetadata(position[0], position[1], -1)
+            # revoked ones are not its own any more: `_revoke` committed them
+            held = set(self._ledgers) - self._revoked
+        offsets = self._positions(held)
         if not offsets:
             return
         if final:
@@ -657,7 +678,8 @@ class Consumer:
             return
         with self._lock:
             for tp, om in offsets.items():
-                self._committed[tp] = (om.offset, om.metadata)
+                if tp in self._ledgers:  # not forgotten (a revoke's commit) meanwhile
+                    self._committed[tp] = (om.offset, om.metadata)
             self._counts["commits"] += 1
 
     def _check_catalog(self) -> None:
@@ -732,8 +754,22 @@ class Consumer:
     # `_rebalanced` opens nothing revoked meanwhile. (A partition revoked before its ledger was
     # in place was once kept: its slot handed out by two members at once, for good.)
     def _revoke(self, revoked) -> None:
+        """Close the revoked partitions, then commit what finished of them, so that their next
+        owner delivers again only what was in flight (not all that finished since the last
+        commit). The commit is asynchronous (this thread must not block); its request goes out
+        before the member's JoinGroup, on the same connection to the coordinator, so the broker
+        applies it before the new generation exists, and the next owner, which reads its commit
+        after it is assigned, sees it. A commit refused (the group moved on without this member)
+        leaves the old behaviour: the next owner starts from the last commit."""
+        tps = set(revoked)
+        self._close(tps)
+        self._apply_finished()
+        offsets = self._positions(tps)
+        if offsets:
+            self._consumer.commit_async(offsets, callback=self._committed_done)
+
+    def _close(self, tps: set[TopicPartition]) -> None:
         with self._lock:
-            tps = set(revoked)
             self._sched.close(self._slots_of(tps))
             self._revoked |= tps
             if self._assigned is not None:  # taken back before `_rebalanced` set it up
@@ -747,7 +783,7 @@ class Consumer:
         if the member gets them again: it reads them from the commit as a new owner would."""
         with self._lock:
             self._lost |= set(lost)
-        self._revoke(lost)
+        self._close(set(lost))  # no commit: the group gave them to others meanwhile
 
     def _assign(self, assigned) -> None:
         with self._lock:
