@@ -43,6 +43,9 @@ from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import produce, wait_for
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
+# Each wait of the source run: one generous deadline (120 s were not enough for the retry to be
+# read back and held in a CI run on a machine loaded far beyond its 2 cores).
+WAIT_S = 300
 
 PARTITIONS, FROM, TO = 4, 2, 4
 
@@ -123,7 +126,7 @@ def source(settings, spark, catalog):
         for t in threads:
             t.start()
         seen = lambda *ids: {r.message_id for r in endpoint.records()} >= set(ids)  # noqa: E731
-        wait_for(lambda: seen("r-0", *(f"{g}-0" for g in healthy)), 120, "first deliveries")
+        wait_for(lambda: seen("r-0", *(f"{g}-0" for g in healthy)), WAIT_S, "first deliveries")
 
         def located(shard: int, msg_id: str, location: str) -> bool:  # in the shard's state
             path = layouts.state_path(settings.warehouse, name, FROM, shard)
@@ -132,21 +135,23 @@ def source(settings, spark, catalog):
 
         # The retry comes back from the RQ and is held for an hour (a fixed 3 s was not always
         # enough on a loaded machine; then a later batch of shard 0 read it back instead).
-        wait_for(lambda: located(0, "r-0", "held"), 120, "the retry read back from the RQ and held")
+        wait_for(
+            lambda: located(0, "r-0", "held"), WAIT_S, "the retry read back from the RQ and held"
+        )
         # Dead letters last: each old table's last batch has a record to re-send.
         produce(settings, topic, [(dead0, "d0-0"), (dead1, "d1-0")])
-        wait_for(lambda: seen("d0-0", "d1-0"), 120, "dead letters")
+        wait_for(lambda: seen("d0-0", "d1-0"), WAIT_S, "dead letters")
         # Their batches committed (not a fixed 3 s): the slow batch below is a batch of its own.
         wait_for(
             lambda: located(0, "d0-0", "dlq") and located(1, "d1-0", "dlq"),
-            120,
+            WAIT_S,
             "the dead letters committed in their shards' state",
         )
         # Shard 0 takes a slow batch (0.7 s a message, in order) and is fenced in it, as
         # change-shards' fence step would: it delivers the batch and commits nothing.
         endpoint.latency_ms = 700
         produce(settings, topic, [(healthy[0], f"s-{n}") for n in range(4)])
-        wait_for(lambda: seen("s-0"), 120, "the slow batch")
+        wait_for(lambda: seen("s-0"), WAIT_S, "the slow batch")
         fence = Lease(catalog, layouts.owner(name, FROM, 0))
         fence.acquire()
         fence.close()

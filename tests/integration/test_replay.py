@@ -226,6 +226,14 @@ def test_the_job_entry_point_replays_up_to_now(history, catalog, settings, spark
 # log4j2 exists), and the job's exit line (`varadhi: ...`, printed, not logged: the one-line error
 # every job ends with, its contract with scripts).
 NOT_LOGGED = re.compile(r"WARNING: Using incubator modules: .*|varadhi: .*")
+# PySpark's worker daemon (an executor's process, not the driver's: in local mode its stderr is
+# the driver's too) prints a plain traceback when a cancel closes a worker's socket before the
+# worker's last flush (seen under load in a CI run); only that exact block is not JSON.
+DAEMON_BROKEN_PIPE = re.compile(
+    r"Traceback \(most recent call last\):\n"
+    r"(?:  File \"[^\"]*/pyspark/daemon\.py\", line \d+, in \w+\n)+"
+    r"BrokenPipeError: \[Errno 32\] Broken pipe\n"
+)
 
 
 def test_ctrl_c_cancels_the_replay_job_and_records_it(history, catalog, tmp_path):
@@ -290,7 +298,7 @@ def test_ctrl_c_cancels_the_replay_job_and_records_it(history, catalog, tmp_path
     assert scraped[("varadhi_replay_range_records", ids)] == sum(ranges) > 0
     assert scraped[("varadhi_replay_done", ids)] == 0
     loggers = set()
-    for line in text.splitlines():
+    for line in DAEMON_BROKEN_PIPE.sub("", text).splitlines():
         if not NOT_LOGGED.fullmatch(line):
             doc = json.loads(line)  # raises for a line that is not JSON
             assert {"ts", "level", "logger", "message"} <= set(doc), line
