@@ -20,6 +20,7 @@ from varadhi.kafka import config as kc
 SCRAM = "org.apache.kafka.common.security.scram.ScramLoginModule"
 MANAGER = logging.getLogger("kafka.net.manager")
 DISCONNECTED = KafkaConnectionError("socket disconnected")
+SASL_TIMED_OUT = KafkaTimeoutError("SASL Authentication timed out")
 REFUSED = SaslAuthenticationFailedError(
     "SaslAuthenticationFailedError: Authentication failed during authentication due to invalid "
     "credentials with SASL mechanism SCRAM-SHA-512"
@@ -79,6 +80,24 @@ def test_two_closes_in_a_row_are_tried_again(sasl):
         kafka_clients._build(client, sasl, {})
     assert client.made == 3
     assert "authentication failed" in str(refused.value), refused.value
+
+
+def test_a_sasl_exchange_that_outlasted_the_bootstrap_is_tried_again(sasl):
+    """A CI run on an overloaded machine: TLS and SCRAM took longer than the bootstrap's time,
+    and a wrong password was reported as "SASL Authentication timed out"."""
+    client = client_failing_with(SASL_TIMED_OUT, REFUSED)
+    with pytest.raises(KafkaUnavailable) as refused:
+        kafka_clients._build(client, sasl, {})
+    assert client.made == 2
+    assert "authentication failed" in str(refused.value), refused.value
+
+
+def test_a_sasl_timeout_that_repeats_is_reported_as_such(sasl):
+    client = client_failing_with(SASL_TIMED_OUT)
+    with pytest.raises(KafkaUnavailable) as refused:
+        kafka_clients._build(client, sasl, {})
+    assert client.made == kafka_clients.SASL_CLOSE_TRIES
+    assert "SASL Authentication timed out" in str(refused.value), refused.value
 
 
 def test_a_close_that_repeats_is_reported_after_the_last_try(sasl):
