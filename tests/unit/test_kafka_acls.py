@@ -26,12 +26,12 @@ def test_every_component_has_rows_and_every_row_a_known_component():
         acls.grants("consumer", NAMES)
 
 
-def test_rows_name_only_topics_and_transactional_ids_with_known_operations():
-    """No consumer-group or cluster ACL: no consumer commits offsets, no producer needs
-    IdempotentWrite."""
+def test_rows_name_topics_transactional_ids_and_the_library_group_with_known_operations():
+    """No cluster ACL (no producer needs IdempotentWrite), and one consumer group only: the
+    operator's on a library subscription's (no other consumer commits offsets)."""
     known = {"Create", "Delete", "Describe", "DescribeConfigs", "AlterConfigs", "Read", "Write"}
     for g in acls.TABLE:
-        assert g.resource in (acls.TOPIC, acls.TRANSACTIONAL_ID), g
+        assert g.resource in (acls.TOPIC, acls.TRANSACTIONAL_ID, acls.GROUP), g
         assert g.pattern in (acls.LITERAL, acls.PREFIXED), g
         assert g.operations and set(g.operations) <= known, g
         if g.resource == acls.TRANSACTIONAL_ID:
@@ -60,6 +60,25 @@ def test_producers_only_read_the_catalog(component):
     assert [g.operations for g in catalog] == [("Describe", "DescribeConfigs", "Read")]
     assert not any(g.name.startswith("varadhi-catalog-writer") for g in acls.TABLE
                    if g.component == component)  # fmt: skip
+
+
+def test_the_operator_may_read_and_move_the_library_group_and_nothing_else_of_groups():
+    """`varadhi status` of a `runtime: library` subscription reads its consumer group's commits
+    (OffsetFetch: Describe), `offsets reset` waits for the group to be empty (DescribeGroups:
+    Describe) and commits its new offsets (OffsetCommit: Read). The row names the group the
+    members join (`runtime.group_id`)."""
+    from varadhi.library.runtime import group_id
+
+    groups = [g for g in acls.TABLE if g.resource == acls.GROUP]
+    assert [(g.component, g.pattern, g.operations) for g in groups] == [
+        ("operator", acls.LITERAL, ("Describe", "Read"))
+    ]
+    assert [g.name for g in acls.grants("operator", NAMES) if g.resource == acls.GROUP] == [
+        group_id("orders-http")
+    ]
+    assert 'acl --group "varadhi-library.${SUB}" --operation Describe --operation Read\n' in (
+        acls.commands("operator")
+    )
 
 
 def test_the_commands_use_the_shell_variables():

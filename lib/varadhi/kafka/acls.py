@@ -4,15 +4,16 @@ component, holding exactly `grants(component, names)`), so the two cannot disagr
 
 A grant names its resource by a template over `Names`: `{catalog}` the catalog topic,
 `{topic}` a composite topic (its storage topics are `<topic>.0`, `<topic>.1`, ...), `{sub}` a
-subscription (its Kafka topics `<sub>.rq.<n>`, `<sub>.dlq.<n>`, `<sub>.journal`, `<sub>.trace`),
-`{outbox}` a
-Delta outbox. User-facing names cannot contain a dot, so a prefix `<sub>.` matches only that
-subscription's own topics (and those of a topic named exactly `<sub>`, if there is one).
+subscription (its Kafka topics `<sub>.rq.<n>`, `<sub>.dlq.<n>`, `<sub>.journal`, `<sub>.trace`;
+its library runtime's consumer group `varadhi-library.<sub>`, `varadhi.library.runtime.group_id`),
+`{outbox}` a Delta outbox. User-facing names cannot contain a dot, so a prefix `<sub>.` matches
+only that subscription's own topics (and those of a topic named exactly `<sub>`, if there is one).
 
-No consumer-group and no cluster ACL appears: every consumer of these components assigns
-partitions itself and commits no offsets to Kafka, and since Kafka 3.0 `Write` on a topic covers
-an idempotent producer (no `IdempotentWrite` on the cluster). The library runtime
-(`varadhi.library`, a consumer-group member) has no rows yet.
+The only consumer-group ACL is the operator's on a `runtime: library` subscription's group
+(`status` reads its commits, `offsets reset` moves them): every other consumer of these
+components assigns partitions itself and commits no offsets to Kafka. No cluster ACL appears:
+since Kafka 3.0 `Write` on a topic covers an idempotent producer (no `IdempotentWrite`). The
+library runtime's members (`varadhi.library`, consumer-group members) have no rows yet.
 
 Hazard: the table was measured, not derived: a change to what a component reads, writes,
 creates or describes must change its rows here, and the least-privilege test
@@ -23,8 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TOPIC, TRANSACTIONAL_ID = "Topic", "TransactionalId"
+TOPIC, TRANSACTIONAL_ID, GROUP = "Topic", "TransactionalId", "Group"
 LITERAL, PREFIXED = "literal", "prefixed"
+# kafka-acls.sh's option naming a resource of each kind
+_TOOL_OPTION = {TOPIC: "--topic", TRANSACTIONAL_ID: "--transactional-id", GROUP: "--group"}
 
 # component -> who runs as it (the table's first column)
 COMPONENTS: dict[str, str] = {
@@ -49,8 +52,8 @@ class Names:
 
 @dataclass(frozen=True)
 class Grant:
-    """One ACL of one component: ALLOW `operations` on `resource` (`TOPIC` or
-    `TRANSACTIONAL_ID`) named by `name`, a template over `Names`, matched as `pattern`
+    """One ACL of one component: ALLOW `operations` on `resource` (`TOPIC`,
+    `TRANSACTIONAL_ID` or `GROUP`, a consumer group) named by `name`, a template over `Names`, matched as `pattern`
     (`LITERAL` or `PREFIXED`). `optional`: the component works without it (the test grants
     none of those)."""
 
@@ -76,6 +79,7 @@ class Grant:
 
 
 _CATALOG_TXN = "varadhi-catalog-writer.{catalog}"
+_LIBRARY_GROUP = "varadhi-library.{sub}"  # varadhi.library.runtime.group_id (a unit test checks)
 
 TABLE: tuple[Grant, ...] = (
     # -- operator --------------------------------------------------------------------------
@@ -102,6 +106,10 @@ TABLE: tuple[Grant, ...] = (
     Grant("operator", TRANSACTIONAL_ID, LITERAL, "varadhi.{sub}.change-shards",
           ("Describe", "Write"),
           "`change-shards` sends the last batch's records in one transaction"),
+    Grant("operator", GROUP, LITERAL, _LIBRARY_GROUP, ("Describe", "Read"),
+          "a `runtime: library` subscription's consumer group: `status` reads its commits "
+          "(Describe); `offsets reset` waits for it to be empty (Describe) and commits its new "
+          "offsets (Read)"),
     # -- producer --------------------------------------------------------------------------
     Grant("producer", TOPIC, LITERAL, "{catalog}", ("Describe", "DescribeConfigs", "Read"),
           "reads a topic's produce pointer (no Write: it never changes the catalog)"),
@@ -186,7 +194,7 @@ def commands(component: str) -> str:
     shell = Names("${CATALOG}", "${TOPIC}", "${SUB}", "${OUTBOX}")
     lines = []
     for g in grants(component, shell):
-        kind = "--topic" if g.resource == TOPIC else "--transactional-id"
+        kind = _TOOL_OPTION[g.resource]
         pattern = "--resource-pattern-type prefixed " if g.pattern == PREFIXED else ""
         ops = " ".join(f"--operation {op}" for op in g.operations)
         lines.append(f'acl {pattern}{kind} "{g.name}" {ops}')

@@ -143,6 +143,7 @@ class SecuredBroker:
         kinds = {
             acls.TOPIC: ResourceType.TOPIC,
             acls.TRANSACTIONAL_ID: ResourceType.TRANSACTIONAL_ID,
+            acls.GROUP: ResourceType.GROUP,
         }
         patterns = {
             acls.LITERAL: ACLResourcePatternType.LITERAL,
