@@ -800,3 +800,53 @@ def test_a_member_whose_join_is_redone_for_new_metadata_still_gets_its_assignmen
             assert member.health()["slots"] == [0, 1]
         finally:
             member.stop()
+
+
+def test_delete_removes_the_consumer_group_and_is_refused_while_a_member_is_in_it(
+    settings, catalog, make_topic, unique_name, varadhi_cli
+):
+    """`subscription delete` of a `runtime: library` subscription deletes its consumer group
+    too, so a subscription created again with the name starts without the old commits. A
+    member paused and reported paused counts as stopped for the delivery check, but it is still
+    in the group (Kafka deletes only an empty group): the delete is refused, exit 2, naming it,
+    and nothing is changed; once it stopped, the delete removes the group with the rest."""
+    from varadhi.library.runtime import group_id
+    from varadhi.ops import lifecycle, status
+
+    with TestEndpoint() as endpoint, Client(settings) as client:
+        spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook")
+        group, queues = group_id(spec.name), [f"{spec.rq_topic}.0", f"{spec.dlq_topic}.0"]
+        first = produce(settings, spec.topic, groups=4, per_group=2)
+        consumer = Consumer(spec.name, settings).start()
+        try:
+            wait_for(lambda: consumer.counters()["delivered"] == len(first), "delivery", consumer)
+            member = consumer.health()["member"]
+            client.pause(spec.name)
+
+            def reported_paused() -> bool:
+                members = status.collect(catalog, spec.name)["library"]["members"]
+                return {m["member"]: m["state"] for m in members}.get(member) == "paused"
+
+            wait_for(reported_paused, "status: the member paused", consumer)
+            assert status.group_committed(catalog, group)  # the member's commits
+            (in_group,) = status.group_members(settings, group)
+            assert in_group.startswith(f"{member}@")  # Kafka knows the member by its name
+            code, _, err = varadhi_cli("subscription", "delete", spec.name)
+            assert code == 2, err
+            assert f"consumer group {group} has members: {in_group}; stop them" in err
+            # nothing changed: no delete recorded, the queues, the group and its member are there
+            assert f"{spec.name}/delete" not in catalog.snapshot().items("operation")
+            assert lifecycle.existing_topics(settings, queues) == queues
+            assert status.group_members(settings, group) == [in_group]
+            assert consumer.health()["state"] == "paused"
+        finally:
+            consumer.stop()
+
+        wait_for(lambda: status.group_members(settings, group) == [], "the member's leave")
+        assert client.delete_subscription(spec.name, dry_run=True).consumer_group == group
+        code, out, err = varadhi_cli("subscription", "delete", spec.name)
+        assert code == 0, err
+        assert f"consumer group: {group}" in out
+        assert status.group_members(settings, group) is None
+        assert status.group_committed(catalog, group) == {}
+        assert lifecycle.existing_topics(settings, queues) == []

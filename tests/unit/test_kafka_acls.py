@@ -62,23 +62,23 @@ def test_producers_only_read_the_catalog(component):
                    if g.component == component)  # fmt: skip
 
 
-def test_the_operator_may_read_and_move_the_library_group_and_nothing_else_of_groups():
+def test_the_operator_may_read_move_and_delete_the_library_group_and_no_other_group():
     """`varadhi status` of a `runtime: library` subscription reads its consumer group's commits
     (OffsetFetch: Describe), `offsets reset` waits for the group to be empty (DescribeGroups:
-    Describe) and commits its new offsets (OffsetCommit: Read). The row names the group the
-    members join (`runtime.group_id`)."""
+    Describe) and commits its new offsets (OffsetCommit: Read), `subscription delete` checks
+    that it is empty and deletes it (DeleteGroups: Delete). The row names the group the members
+    join (`runtime.group_id`)."""
     from varadhi.library.runtime import group_id
 
     groups = [g for g in acls.TABLE if g.resource == acls.GROUP]
     assert [(g.component, g.pattern, g.operations) for g in groups] == [
-        ("operator", acls.LITERAL, ("Describe", "Read"))
+        ("operator", acls.LITERAL, ("Delete", "Describe", "Read"))
     ]
     assert [g.name for g in acls.grants("operator", NAMES) if g.resource == acls.GROUP] == [
         group_id("orders-http")
     ]
-    assert 'acl --group "varadhi-library.${SUB}" --operation Describe --operation Read\n' in (
-        acls.commands("operator")
-    )
+    line = 'acl --group "varadhi-library.${SUB}" --operation Delete --operation Describe'
+    assert f"{line} --operation Read\n" in acls.commands("operator")
 
 
 def test_the_commands_use_the_shell_variables():

@@ -170,6 +170,30 @@ def test_refused_while_shards_or_library_members_may_run():
         lc.check_stopped(sub, {}, {}, now, {"h-1-a": "running"})
 
 
+def test_the_library_consumer_group_is_deleted_unless_the_data_is_kept():
+    """The group `varadhi-library.<sub>` (the members' commits) goes with the subscription when
+    Kafka has it, whatever the runtime is now; `--keep-data` keeps it and says so."""
+    plan = lc.plan_subscription_delete(Snapshot(catalog()), "s", WH, group_exists=True)
+    assert plan.consumer_group == "varadhi-library.s"
+    assert plan.to_dict()["consumer_group"] == "varadhi-library.s"
+    assert "consumer group: varadhi-library.s" in "\n".join(lc.text_subscription_plan(plan))
+    assert lc.plan_subscription_delete(Snapshot(catalog()), "s", WH).consumer_group is None
+    kept = lc.plan_subscription_delete(Snapshot(catalog()), "s", WH, True, group_exists=True)
+    assert kept.consumer_group is None and kept.kept["consumer_group"] == "varadhi-library.s"
+    assert "consumer group varadhi-library.s" in "\n".join(lc.text_subscription_plan(kept))
+
+
+def test_refused_while_the_library_consumer_group_has_members():
+    """Kafka deletes only an empty group: a member in it (paused ones stay in it) is named, with
+    how to stop it, before anything is deleted."""
+    lc.check_group_empty("s", None)
+    lc.check_group_empty("s", [])
+    refused = r"consumer group varadhi-library\.s has members: h-1-a@/10\.0\.0\.1; stop them"
+    with pytest.raises(InvalidArgument, match=refused) as e:
+        lc.check_group_empty("s", ["h-1-a@/10.0.0.1"])
+    assert e.value.exit_code == 2 and "--keep-data" in str(e.value)
+
+
 def test_topic_delete_refused_while_subscriptions_use_it():
     snap = Snapshot(catalog())
     with pytest.raises(InvalidArgument, match="subscription\\(s\\) s, s-x use it") as e:

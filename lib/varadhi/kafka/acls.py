@@ -10,7 +10,7 @@ its library runtime's consumer group `varadhi-library.<sub>`, `varadhi.library.r
 only that subscription's own topics (and those of a topic named exactly `<sub>`, if there is one).
 
 The only consumer-group ACL is the operator's on a `runtime: library` subscription's group
-(`status` reads its commits, `offsets reset` moves them): every other consumer of these
+(`status` reads its commits, `offsets reset` moves them, `subscription delete` deletes it): every other consumer of these
 components assigns partitions itself and commits no offsets to Kafka. No cluster ACL appears:
 since Kafka 3.0 `Write` on a topic covers an idempotent producer (no `IdempotentWrite`). The
 library runtime's members (`varadhi.library`, consumer-group members) have no rows yet.
@@ -106,10 +106,11 @@ TABLE: tuple[Grant, ...] = (
     Grant("operator", TRANSACTIONAL_ID, LITERAL, "varadhi.{sub}.change-shards",
           ("Describe", "Write"),
           "`change-shards` sends the last batch's records in one transaction"),
-    Grant("operator", GROUP, LITERAL, _LIBRARY_GROUP, ("Describe", "Read"),
+    Grant("operator", GROUP, LITERAL, _LIBRARY_GROUP, ("Delete", "Describe", "Read"),
           "a `runtime: library` subscription's consumer group: `status` reads its commits "
           "(Describe); `offsets reset` waits for it to be empty (Describe) and commits its new "
-          "offsets (Read)"),
+          "offsets (Read); `subscription delete` checks that it is empty (Describe) and "
+          "deletes it"),
     # -- producer --------------------------------------------------------------------------
     Grant("producer", TOPIC, LITERAL, "{catalog}", ("Describe", "DescribeConfigs", "Read"),
           "reads a topic's produce pointer (no Write: it never changes the catalog)"),

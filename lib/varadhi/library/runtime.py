@@ -299,6 +299,7 @@ class Consumer:
         )
         self._consumer = kafka_clients.consumer(
             self.settings,
+            client_id=self.member,  # what Kafka's view of the group names (`status.group_members`)
             group_id=group_id(self.name),
             enable_auto_commit=False,
             auto_offset_reset="earliest",

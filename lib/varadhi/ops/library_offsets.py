@@ -260,22 +260,18 @@ def ensure_members_idle(catalog: Catalog, sub: subscriptions.Subscription) -> No
 
 def wait_until_empty(settings, group: str, timeout_s: float) -> None:
     """Wait until consumer group `group` has no member; VaradhiError after `timeout_s`."""
-    admin = kafka_clients.admin(settings, client_id="varadhi-offset-reset")
-    try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            members = admin.describe_groups([group]).get(group, {}).get("members") or []
-            if not members:
-                return
-            if time.monotonic() > deadline:
-                who = ", ".join(sorted(f"{m['client_id']}@{m['client_host']}" for m in members))
-                raise VaradhiError(
-                    f"consumer group {group} still has members after {timeout_s:g} s ({who}): "
-                    "stop them, then run the same command again to finish the reset"
-                )
-            time.sleep(0.5)
-    finally:
-        admin.close()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        members = status.group_members(settings, group)
+        if not members:
+            return
+        if time.monotonic() > deadline:
+            raise VaradhiError(
+                f"consumer group {group} still has members after {timeout_s:g} s "
+                f"({', '.join(members)}): stop them, then run the same command again to finish "
+                "the reset"
+            )
+        time.sleep(0.5)
 
 
 def commit(settings, group: str, moves: tuple[Move, ...]) -> None:

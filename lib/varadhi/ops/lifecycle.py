@@ -9,18 +9,22 @@ topics `topic/<sub>.rq` and `topic/<sub>.dlq`, and every key whose name is `<sub
 with `<sub>/` in any other kind (leases and reader layouts `<sub>/s<S>/<i>`, operations
 `<sub>/...`); outside it, the RQ/DLQ Kafka storage topics, its delivery journal's topic
 `<sub>.journal` and its delivery trace's `<sub>.trace` (when a shard created them), its warehouse folder
-`<warehouse>/<sub>` (GroupState, checkpoints, dedup tables) and its progress documents
-(`<catalog>_progress`, keys `<sub>/...`).
+`<warehouse>/<sub>` (GroupState, checkpoints, dedup tables), its library runtime's consumer group
+`varadhi-library.<sub>` (the members' commits: `runtime.group_id`, whatever the runtime is now: a
+subscription moved to Spark keeps it) and its progress documents (`<catalog>_progress`, keys
+`<sub>/...`).
 
 `SubscriptionDeleter.execute` runs in three steps, each safe to repeat, so running the same
 command again after a crash part way finishes the job:
 
 1. mark: one catalog transaction pauses the subscription and records `operation/<sub>/delete`
    (status shows it; a shard started meanwhile does not consume);
-2. data: unless `--keep-data`, delete the RQ/DLQ storage topics, the journal's and the trace's topics (and
-   wait until Kafka has
-   removed them, so a subscription created again with the name gets new, empty ones) and the
-   warehouse folder; tombstone the progress documents;
+2. data: unless `--keep-data`, delete the consumer group (Kafka deletes only a group without
+   members: `check_group_empty` refused one with members before step 1, and a member that
+   joined since makes this step fail, to be run again once it is stopped), the RQ/DLQ storage
+   topics, the journal's and the trace's topics (and wait until Kafka has removed them, so a
+   subscription created again with the name gets new, empty ones) and the warehouse folder;
+   tombstone the progress documents;
 3. forget: one catalog transaction tombstones every catalog record of the subscription, the
    mark included.
 
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -44,6 +48,7 @@ from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotFound, Var
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import progress, subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
+from varadhi.library.runtime import group_id
 from varadhi.ops import status
 from varadhi.spark import journal, warehouse_fs
 from varadhi.spark.warehouse_fs import WarehouseFS
@@ -133,6 +138,7 @@ class SubscriptionDeletePlan:
     progress_keys: tuple[str, ...] = ()
     keep_data: bool = False
     kept: dict[str, Any] = field(default_factory=dict)
+    consumer_group: str | None = None  # the library's, when Kafka has it (None: keep_data)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -143,6 +149,7 @@ class SubscriptionDeletePlan:
             "kafka_topics": list(self.kafka_topics),
             "warehouse": self.warehouse.to_dict() if self.warehouse else None,
             "progress_documents": list(self.progress_keys),
+            "consumer_group": self.consumer_group,
             "keep_data": self.keep_data,
             "kept": self.kept,
         }
@@ -166,9 +173,11 @@ def plan_subscription_delete(
     keep_data: bool = False,
     progress_keys: Iterable[str] = (),
     other_topics: Iterable[str] = (),
+    group_exists: bool = False,
 ) -> SubscriptionDeletePlan:
     """Plan deleting subscription `name` (pure). `other_topics`: the subscription's Kafka topics
-    that the catalog does not record and that exist (its delivery journal: `own_topics`).
+    that the catalog does not record and that exist (its delivery journal: `own_topics`);
+    `group_exists`: whether Kafka has its library consumer group (`group_id`).
     `NotFound` when the catalog holds nothing of it; `InvalidArgument` while one of its
     operations is in progress. Whether shards run is `check_stopped`'s (it needs their progress
     documents)."""
@@ -190,6 +199,10 @@ def plan_subscription_delete(
     storage = queue_storage_topics(snapshot, name) + sorted(set(other_topics))
     folder = warehouse_folder(warehouse, name)
     progress = tuple(sorted(progress_keys))
+    group = group_id(name) if group_exists else None
+    kept: dict[str, Any] = {"kafka_topics": storage, "warehouse": folder.to_dict()}
+    if group is not None:
+        kept["consumer_group"] = group
     return SubscriptionDeletePlan(
         name=name,
         exists=doc is not None,
@@ -199,7 +212,8 @@ def plan_subscription_delete(
         warehouse=None if keep_data else folder,
         progress_keys=progress,
         keep_data=keep_data,
-        kept={"kafka_topics": storage, "warehouse": folder.to_dict()} if keep_data else {},
+        kept=kept if keep_data else {},
+        consumer_group=None if keep_data else group,
     )
 
 
@@ -230,6 +244,22 @@ def check_stopped(
             f"cannot delete subscription {sub.name} while its shards or members may be running:"
             f" {', '.join(running)}; stop them (SIGTERM), or `varadhi subscription pause"
             f" {sub.name}` and wait until they report paused",
+            field="subscription",
+        )
+
+
+def check_group_empty(name: str, members: Sequence[str] | None) -> None:
+    """Refuse to delete subscription `name` while its library consumer group has members
+    (`status.group_members`; None: no group) (pure): Kafka deletes only an empty group, and a
+    member, paused ones included (a paused member stays in the group), would go on without its
+    subscription. Its refusal comes before any side effect."""
+    if members:
+        raise InvalidArgument(
+            f"cannot delete subscription {name} while its consumer group {group_id(name)} has "
+            f"members: {', '.join(members)}; stop them (SIGTERM to `varadhi-consumer`, "
+            "`Consumer.stop()`: a paused member stays in the group until it stops; a killed one "
+            "leaves it after its session timeout, 45 s by default), or pass --keep-data to keep "
+            "the group",
             field="subscription",
         )
 
@@ -308,13 +338,16 @@ def text_subscription_plan(plan: SubscriptionDeletePlan, done: bool = False) -> 
         lines.append(
             f"  warehouse folder: {plan.warehouse.path}{extra} (GroupState, checkpoints, dedup)"
         )
+    if plan.consumer_group:
+        lines.append(f"  consumer group: {plan.consumer_group} (the library members' commits)")
     if plan.progress_keys:
         lines.append(f"  progress documents: {', '.join(plan.progress_keys)}")
     if plan.keep_data:
         kept = plan.kept
+        group = f"; consumer group {kept['consumer_group']}" if "consumer_group" in kept else ""
         lines.append(
             f"  kept (--keep-data): Kafka topics {', '.join(kept['kafka_topics']) or '-'}; "
-            f"warehouse folder {kept['warehouse']['path']}"
+            f"warehouse folder {kept['warehouse']['path']}{group}"
         )
     return lines
 
@@ -414,6 +447,27 @@ def delete_kafka_topics(
         admin.close()
 
 
+def delete_group(settings: kafka_clients.HasKafka, group: str) -> None:
+    """Delete consumer group `group` (one already gone is fine). VaradhiError when Kafka refuses,
+    e.g. a member joined it since the delete was planned (Kafka deletes only an empty group)."""
+    admin = _admin(settings)
+    try:
+        answer = admin.delete_groups([group]).get(group, "OK")
+    finally:
+        admin.close()
+    if answer in ("OK", "GroupIdNotFoundError"):
+        return
+    why = (
+        "it has members again: stop them"
+        if answer == "NonEmptyGroupError"
+        else "see the broker log"
+    )
+    raise VaradhiError(
+        f"Kafka refused to delete consumer group {group} ({answer}): {why}, then run the same "
+        "command again"
+    )
+
+
 def tombstone_progress(settings: Any, keys: Iterable[str]) -> None:
     """Write a tombstone (no value) for each progress key: `progress.progress_documents` then
     forgets the key, so a subscription created again with the name starts without them. Every
@@ -453,8 +507,15 @@ class SubscriptionDeleter:
         found = progress.progress_documents(self.catalog.settings, name, since_ms=since)
         progress_keys = [f"{name}/{k}" for k in found]
         existing = existing_topics(self.catalog.settings, own_topics(name))
+        in_group = status.group_members(self.catalog.settings, group_id(name))
         plan = plan_subscription_delete(
-            snap, name, self.catalog.settings.warehouse, keep_data, progress_keys, existing
+            snap,
+            name,
+            self.catalog.settings.warehouse,
+            keep_data,
+            progress_keys,
+            existing,
+            group_exists=in_group is not None,
         )
         if plan.exists:
             sub = subscriptions.from_snapshot(snap, name)
@@ -463,6 +524,8 @@ class SubscriptionDeleter:
             check_stopped(
                 sub, progress.shard_documents(found), status.leases_of(snap, sub, now), now, members
             )
+        if plan.consumer_group:
+            check_group_empty(name, in_group)
         return plan
 
     def execute(
@@ -480,6 +543,9 @@ class SubscriptionDeleter:
                 ) from None
         if plan.exists:
             self._mark(name)
+        if plan.consumer_group:
+            self.log(f"deleting consumer group {plan.consumer_group}")
+            delete_group(self.catalog.settings, plan.consumer_group)
         if plan.kafka_topics:
             self.log(f"deleting Kafka topics {', '.join(plan.kafka_topics)}")
             delete_kafka_topics(self.catalog.settings, plan.kafka_topics)

@@ -20,7 +20,7 @@ from typing import Any
 from kafka import TopicPartition
 
 from varadhi.core.catalog_kinds import DocKind
-from varadhi.core.errors import InvalidArgument
+from varadhi.core.errors import InvalidArgument, NotAuthorized, VaradhiError
 from varadhi.core.policies import SubscriptionSpec
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
@@ -303,6 +303,26 @@ def group_committed(catalog: Catalog, group: str) -> dict[TopicPartition, int]:
     finally:
         admin.close()
     return {tp: om.offset for tp, om in found.items() if om.offset >= 0}
+
+
+def group_members(settings: kafka_clients.HasKafka, group: str) -> list[str] | None:
+    """The members consumer group `group` has now, each as `client id@host` (a library member's
+    client id is its name, as `varadhi status` shows it), or None when Kafka has no such group
+    (no member and no commit). One DescribeGroups request; `NotAuthorized` without Describe on
+    the group, `VaradhiError` for another error Kafka answers (never taken for "no group")."""
+    admin = kafka_clients.admin(settings, client_id="varadhi-admin")
+    try:
+        found = admin.describe_groups([group]).get(group) or {}
+    finally:
+        admin.close()
+    error = found.get("error") or ""
+    if "GroupAuthorizationFailed" in error:
+        raise NotAuthorized("Describe", "Group", group, kafka_clients.principal(settings))
+    if "GroupIdNotFound" in error or (not error and found.get("group_state") == "Dead"):
+        return None
+    if error or not found:
+        raise VaradhiError(f"cannot describe consumer group {group}: {error or 'no answer'}")
+    return sorted(f"{m['client_id']}@{m['client_host']}" for m in found.get("members") or [])
 
 
 def library_status(
