@@ -40,6 +40,7 @@ from varadhi.ops.offsets import Mode, OffsetReset, Plan, Queue
 if TYPE_CHECKING:
     from varadhi.ops.change_shards_plan import FeederMode
     from varadhi.ops.change_shards_plan import Plan as ChangeShardsPlan
+    from varadhi.ops.library_shards import Plan as LibraryShardsPlan
     from varadhi.ops.lifecycle import SubscriptionDeletePlan, TopicDeletePlan
     from varadhi.ops.replay import ReplayPlan, ReplayResult
 
@@ -200,9 +201,10 @@ class Client:
 
     def plan_change_shards(
         self, name: str, to: int, allow_uneven: bool = False
-    ) -> ChangeShardsPlan:
+    ) -> ChangeShardsPlan | LibraryShardsPlan:
         """The plan a shard-count change would follow (the dry run); refuses what `change_shards`
-        would refuse. Changes nothing and needs no Spark."""
+        would refuse. Changes nothing and needs no Spark. A `runtime: library` subscription's
+        change is in place (`varadhi.ops.library_shards`)."""
         return self._change_shards().plan(name, to, allow_uneven)
 
     def change_shards(

@@ -850,3 +850,135 @@ def test_delete_removes_the_consumer_group_and_is_refused_while_a_member_is_in_i
         assert status.group_members(settings, group) is None
         assert status.group_committed(catalog, group) == {}
         assert lifecycle.existing_topics(settings, queues) == []
+
+
+def paused_in_status(catalog, name: str, member: str):
+    """A condition: `varadhi status` shows library member `member` of `name` paused."""
+    from varadhi.ops import status
+
+    def shown() -> bool:
+        members = status.collect(catalog, name)["library"]["members"]
+        return {m["member"]: m["state"] for m in members}.get(member) == "paused"
+
+    return shown
+
+
+def test_change_shards_is_in_place_and_refused_while_a_member_may_run_or_is_in_the_group(
+    settings, catalog, make_topic, unique_name, varadhi_cli, monkeypatch
+):
+    """`subscription change-shards` of a `runtime: library` subscription: refused (exit 2,
+    nothing changed) while a member runs, and while a paused one is still in the consumer group
+    (each reads the count when it starts), naming it; with the members stopped, a merge from 2
+    to 1 is one catalog write: the same RQ and DLQ (the members refuse a second storage topic),
+    no Spark; a count that does not divide the DLQ's partitions is refused; the same command
+    again does nothing; a member started afterwards holds the one slot and delivers in order."""
+    from varadhi.kafka import topics
+    from varadhi.library.runtime import group_id
+    from varadhi.ops import status
+    from varadhi.spark import session
+
+    def no_spark(*_args, **_kwargs):
+        raise AssertionError("change-shards of a library subscription started Spark")
+
+    monkeypatch.setattr(session, "get_spark", no_spark)
+    change = ("subscription", "change-shards")
+    with TestEndpoint() as endpoint, Client(settings) as client:
+        spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook")
+        group = group_id(spec.name)
+
+        def unchanged() -> None:
+            snap = catalog.snapshot()
+            assert client.subscription(spec.name).shard_count == 2
+            assert f"{spec.name}/change-shards" not in snap.items("operation")
+            for queue in (spec.rq_topic, spec.dlq_topic):
+                assert len(topics.from_snapshot(snap, queue).storage_topics) == 1
+
+        first = produce(settings, spec.topic, groups=6, per_group=2)
+        consumer = Consumer(spec.name, settings).start()
+        try:
+            wait_for(lambda: consumer.counters()["delivered"] == len(first), "delivery", consumer)
+            member = consumer.health()["member"]
+            code, _, err = varadhi_cli(*change, spec.name, "--to", "1")
+            assert code == 2 and "must be paused" in err, err
+            unchanged()
+            client.pause(spec.name)
+            wait_for(paused_in_status(catalog, spec.name, member), "the member paused", consumer)
+            for dry_run in ([], ["--dry-run"]):
+                code, _, err = varadhi_cli(*change, spec.name, "--to", "1", *dry_run)
+                assert code == 2, err
+                assert f"consumer group {group} has members: {member}@" in err
+            unchanged()
+            assert consumer.health()["state"] == "paused"
+        finally:
+            consumer.stop()
+        wait_for(lambda: status.group_members(settings, group) == [], "the member's leave")
+        code, _, err = varadhi_cli(*change, spec.name, "--to", "4")
+        assert code == 2 and "4 does not divide" in err and f"{spec.dlq_topic}.0" in err, err
+        code, out, err = varadhi_cli(*change, spec.name, "--to", "1", "--dry-run")
+        assert code == 0 and "2 -> 1 slots, a merge" in out, err
+        unchanged()
+        code, out, err = varadhi_cli(*change, spec.name, "--to", "1")
+        assert code == 0 and "now has 1 slots" in out, err
+        changed = client.subscription(spec.name)
+        assert (changed.shard_count, changed.spec.shards, changed.paused) == (1, 1, True)
+        snap = catalog.snapshot()
+        for queue in (spec.rq_topic, spec.dlq_topic):
+            assert [st.name for st in topics.from_snapshot(snap, queue).storage_topics] == [
+                f"{queue}.0"
+            ]
+        op = snap.get("operation", f"{spec.name}/change-shards")
+        assert (op["runtime"], op["from"], op["to"], op["step"]) == ("library", 2, 1, "done")
+        code, out, _ = varadhi_cli(*change, spec.name, "--to", "1")
+        assert code == 0 and "nothing to do" in out
+
+        client.resume(spec.name)
+        seen = len(endpoint.records())
+        second = produce(settings, spec.topic, groups=6, per_group=2, start=2)
+        restarted = Consumer(spec.name, settings).start()
+        try:
+
+            def delivered() -> list:
+                return [
+                    (r.group_id, r.message_id)
+                    for r in endpoint.records(since=seen)
+                    if r.status == 200
+                ]
+
+            wait_for(lambda: {i for _, i in delivered()} == set(second), "delivery", restarted)
+            assert restarted.health()["slots"] == [0]
+            assert_in_order(list(dict.fromkeys(delivered())))
+        finally:
+            restarted.stop()
+
+
+def test_replay_is_refused_while_a_library_member_may_deliver(
+    settings, catalog, make_topic, unique_name, varadhi_cli, monkeypatch
+):
+    """`varadhi replay` of a `runtime: library` subscription is refused (exit 2, before Spark)
+    while a member may deliver: the replay orders by group id, a member perhaps by another key.
+    Once the member is paused and reported paused, the replay is planned as for shards."""
+    from varadhi.spark import session
+
+    def no_spark(*_args, **_kwargs):
+        raise AssertionError("the refused replay started Spark")
+
+    monkeypatch.setattr(session, "get_spark", no_spark)
+    with TestEndpoint() as endpoint, Client(settings) as client:
+        spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook")
+        since = str(int(time.time() * 1000) - 60_000)
+        first = produce(settings, spec.topic, groups=4, per_group=2)
+        consumer = Consumer(spec.name, settings).start()
+        try:
+            wait_for(lambda: consumer.counters()["delivered"] == len(first), "delivery", consumer)
+            member = consumer.health()["member"]
+            code, _, err = varadhi_cli("replay", spec.name, "--from", since)
+            assert code == 2, err
+            assert f"cannot replay {spec.name}: its library members may still deliver" in err
+            assert f"{member} (running)" in err
+            assert len(endpoint.records()) == len(first)  # nothing replayed
+            client.pause(spec.name)
+            wait_for(paused_in_status(catalog, spec.name, member), "the member paused", consumer)
+            plan = client.plan_replay(spec.name, since)
+            assert plan.max_messages == len(first)
+        finally:
+            consumer.stop()

@@ -111,7 +111,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "paused): new RQ/DLQ storage topics, GroupState resharded, new shards' positions carried "
         "over, then feeders copy the old RQ/DLQ into the new ones. Each step is recorded in the "
         "catalog; after a crash, run the same command again to resume. Start the new shards "
-        "once it has finished (they may run while external feeders still copy).",
+        "once it has finished (they may run while external feeders still copy). A `runtime: "
+        "library` subscription is changed in place instead (paused, members stopped; the same "
+        "queues): docs/library.md.",
     )
     cs.add_argument("name", help="subscription name")
     cs.add_argument("--to", type=int, required=True, metavar="S", help="the new shard count")
@@ -311,16 +313,19 @@ def _set_paused(args: argparse.Namespace) -> int:
 
 
 def _change_shards(args: argparse.Namespace) -> int:
+    from varadhi.ops import library_shards
     from varadhi.ops.change_shards_plan import text_plan
 
     text = args.output == "text"
     with common.client(args) as client:
         if args.dry_run:
             plan = client.plan_change_shards(args.name, args.to, args.allow_uneven)
-            if text:
-                print(text_plan(plan))
-            else:
+            if not text:
                 common.emit_json(plan.to_dict())
+            elif isinstance(plan, library_shards.Plan):
+                print(library_shards.text_plan(plan))
+            else:
+                print(text_plan(plan))
             return 0
         op = client.change_shards(
             args.name,
@@ -332,6 +337,11 @@ def _change_shards(args: argparse.Namespace) -> int:
         paused = client.subscription(args.name).paused
     if not text:
         common.emit_json(op)
+    elif op.get("runtime") == "library":
+        print(
+            f"subscription {args.name} now has {op['to']} slots; start its members "
+            f"(`varadhi-consumer {args.name}`): they read the new count"
+        )
     elif op["step"] == "done":
         print(f"subscription {args.name} now has {op['to']} shards; start shards 0..{op['to'] - 1}")
     else:
@@ -345,8 +355,9 @@ def _change_shards(args: argparse.Namespace) -> int:
                     f"  ./spark-submit.sh --job feeder --subscription {args.name} --source {f['source']}"
                 )
     if text and paused:
+        who = "members" if op.get("runtime") == "library" else "new shards"
         print(
-            f"subscription {args.name} is paused: its new shards wait until "
+            f"subscription {args.name} is paused: its {who} wait until "
             f"`varadhi subscription resume {args.name}`"
         )
     return 0

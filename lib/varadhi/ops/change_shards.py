@@ -45,6 +45,9 @@ A crash after any step, then the same command again, ends where one clean run do
 subscription, operation, reader-layout and hand-over documents, the new GroupState tables and the
 records of the new RQ/DLQ storage topics: `tests/integration/test_change_shards_crash.py`).
 
+A `runtime: library` subscription is changed in place instead (`varadhi.ops.library_shards`:
+its members cannot read a second RQ/DLQ storage topic): none of the steps above is taken.
+
 `ChangeShards` refuses before anything when the warehouse is not writable (the state step moves
 Delta tables), and starts Spark only for the steps that need it (the state step and in-process
 feeders), so a dry run (`ChangeShards.plan`) needs none. `journaled_plan` reads what an old
@@ -72,7 +75,7 @@ from varadhi.kafka.leases import Lease
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.kafka.topics import StorageTopic
-from varadhi.ops import status
+from varadhi.ops import library_shards, status
 from varadhi.ops.change_shards_plan import (
     OPERATION,
     STEPS,
@@ -196,9 +199,12 @@ class ChangeShards:
     def operation(self, name: str) -> dict[str, Any] | None:
         return self.catalog.get(OPERATION, operation_name(name))
 
-    def plan(self, name: str, to: int, allow_uneven: bool = False) -> Plan:
-        """The plan a fresh change would follow (refusing what it would refuse); no effects."""
+    def plan(self, name: str, to: int, allow_uneven: bool = False) -> Plan | library_shards.Plan:
+        """The plan a fresh change would follow (refusing what it would refuse); no effects. A
+        `runtime: library` subscription's is `library_shards`' (in place; no Spark)."""
         snap = self.catalog.snapshot()
+        if subscriptions.from_snapshot(snap, name).spec.runtime == "library":
+            return library_shards.plan(self.catalog, name, to, allow_uneven)
         sub, mq, rq, dlq = _load(snap, name)
         op = snap.get(OPERATION, operation_name(name))
         wh = self.catalog.settings.warehouse
@@ -229,8 +235,11 @@ class ChangeShards:
     def execute(
         self, name: str, to: int, allow_uneven: bool = False, feeders: FeederMode = "in-process"
     ) -> dict[str, Any]:
-        """Run (or resume) the change; returns the final operation document."""
+        """Run (or resume) the change; returns the final operation document. A `runtime:
+        library` subscription's is `library_shards`' (in place, one catalog write)."""
         snap = self.catalog.snapshot()
+        if subscriptions.from_snapshot(snap, name).spec.runtime == "library":
+            return library_shards.execute(self.catalog, name, to, allow_uneven, self.log)
         op = snap.get(OPERATION, operation_name(name))
         if finished(op, subscriptions.from_snapshot(snap, name), to):
             assert op is not None

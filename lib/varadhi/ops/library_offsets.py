@@ -14,7 +14,7 @@ again. What maps from the shards' reset (`varadhi.ops.offsets`), with the same p
 - dlq: fast-forward of where `dlq list` and `unsideline` start (`state.dlq_start`), as for shards;
   the group is not involved.
 
-Executing is refused, before any side effect, while a member may deliver (`status.running_members`:
+Executing is refused, before any side effect, while a member may deliver (`status.ensure_members_idle`:
 each must be stopped, or paused and reported paused while the subscription is paused). Then:
 1. the plan, with absolute offsets, is recorded (`varadhi.library.position`, step
    `waiting-for-members`): members see it within 5 s and stop (paused ones too: a paused member
@@ -48,7 +48,6 @@ from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import dlq as dlq_ops
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
-from varadhi.kafka.progress import progress_documents
 from varadhi.library.assign import slot_of
 from varadhi.library.position import describe, reset_key
 from varadhi.library.runtime import group_id
@@ -216,7 +215,7 @@ def execute(catalog: Catalog, name: str, plan: Plan) -> tuple[Plan, str]:
     returns the plan carried out and the outcome (`new`, `resume`, or `done`: nothing to do)."""
     snap = catalog.snapshot()
     sub = subscriptions.from_snapshot(snap, name)
-    ensure_members_idle(catalog, sub)
+    status.ensure_members_idle(catalog, sub, "reset the offsets of")
     group = group_id(name)
     op = snap.get(OPERATION, reset_key(name))
     committed = status.group_committed(catalog, group)
@@ -241,21 +240,6 @@ def _decide(snap: Snapshot, name: str, op, request: Mapping[str, Any], committed
     if op and "plan" in op:
         now = positions_now(Plan.from_dict(op["plan"]), committed, dlq_ops.dlq_start(snap, name))
     return decide(op, request, now)
-
-
-def ensure_members_idle(catalog: Catalog, sub: subscriptions.Subscription) -> None:
-    """Refuse while a library member of `sub` may still deliver (`status.running_members`)."""
-    now = int(time.time() * 1000)
-    since = max(sub.created_ms, now - status.MEMBER_WINDOW_MS)
-    found = progress_documents(catalog.settings, sub.name, None, since)
-    running = status.running_members(sub, status.members_of(found, now))
-    if running:
-        busy = ", ".join(f"{m} ({state})" for m, state in sorted(running.items()))
-        raise InvalidArgument(
-            f"library members of {sub.name} may still deliver: {busy}; `varadhi subscription "
-            f"pause {sub.name}` and wait until `varadhi status` shows them paused, or stop them",
-            field="subscription",
-        )
 
 
 def wait_until_empty(settings, group: str, timeout_s: float) -> None:

@@ -39,7 +39,13 @@ Semantics (the contract; docs/replay.md explains it for users):
   `X-Varadhi-Replay: <replay id>`, so endpoints can tell replays from live traffic.
 - **Refusals** (before any side effect, exit 2): unknown subscription, unparsable time, `--to`
   not after `--from`, `--from` in the future, an endpoint configured with a static
-  `X-Varadhi-Replay` header, and a range holding no message (`NothingToReplay`).
+  `X-Varadhi-Replay` header, a range holding no message (`NothingToReplay`), and, for a
+  `runtime: library` subscription, a library member that may still deliver
+  (`status.ensure_members_idle`: the subscription must be paused and its members reported
+  paused, or stopped). A replay orders by group id, whereas a member may order by another key
+  (`--ordering-key`, a process option the catalog does not know): a replay next to running
+  members could deliver a key's replayed and live messages at once, so the members must hand
+  out nothing meanwhile.
 - **Result.** The replay id, range, per-storage-topic offset ranges, counts and failed messages
   (with reasons) are returned, printed by the CLI, and recorded in the catalog under
   `operation/<subscription>/replay-<id>`.
@@ -622,6 +628,10 @@ def prepare(
         raise InvalidArgument(f"must be at least 1, got {parallelism}", field="parallelism")
     snapshot = catalog.snapshot()
     sub = subscriptions.from_snapshot(snapshot, name)
+    if sub.spec.runtime == "library":
+        from varadhi.ops import status  # the driver's check; executors import this module too
+
+        status.ensure_members_idle(catalog, sub, "replay")
     check_endpoint(sub.spec)
     HttpDeliverer(sub.spec.endpoint, 1).close()  # validates the endpoint and its auth_env here
     topic = topics.from_snapshot(snapshot, sub.spec.topic)

@@ -280,6 +280,24 @@ def running_members(
     }
 
 
+def ensure_members_idle(catalog: Catalog, sub: subscriptions.Subscription, action: str) -> None:
+    """Refuse (`InvalidArgument`, exit 2) to `action` `sub` while a library member of it may
+    still deliver (`running_members` of the members that reported within `MEMBER_WINDOW_MS`):
+    each must be stopped, or paused and reported paused while the subscription is paused."""
+    now = int(time.time() * 1000)
+    since = max(sub.created_ms, now - MEMBER_WINDOW_MS)
+    found = progress_documents(catalog.settings, sub.name, None, since)
+    running = running_members(sub, members_of(found, now))
+    if running:
+        busy = ", ".join(f"{m} ({state})" for m, state in sorted(running.items()))
+        raise InvalidArgument(
+            f"cannot {action} {sub.name}: its library members may still deliver: {busy}; "
+            f"`varadhi subscription pause {sub.name}` and wait until `varadhi status` shows "
+            "them paused, or stop them",
+            field="subscription",
+        )
+
+
 def group_lag(
     committed: Mapping[TopicPartition, int],
     ends: Mapping[str, list[int]],
