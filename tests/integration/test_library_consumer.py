@@ -982,3 +982,55 @@ def test_replay_is_refused_while_a_library_member_may_deliver(
             assert plan.max_messages == len(first)
         finally:
             consumer.stop()
+
+
+def test_a_split_of_the_slots_waits_for_pending_retries_and_redrivable_dead_letters(
+    settings, catalog, make_topic, unique_name, varadhi_cli
+):
+    """A split (2 -> 4 slots) may read a key's RQ copy or dead letter in another slot than its
+    later messages: `change-shards` refuses it (exit 2) while the RQ holds a retry past the
+    group's commits or the DLQ a dead letter past its start, each named with how to finish or
+    drop it; once the RQ and the DLQ are fast-forwarded, the split is made."""
+    from varadhi.library.runtime import group_id
+    from varadhi.ops import status
+
+    change = ("subscription", "change-shards")
+    with TestEndpoint(retry_after_s=600) as endpoint, Client(settings) as client:
+        spec = subscription(
+            catalog, make_topic, unique_name, endpoint.url + "/hook", rq_partitions=4,
+            dlq_partitions=4,
+        )  # fmt: skip
+        endpoint.set_script("g0-1", [503])  # a retry due in 10 minutes: pending in the RQ
+        endpoint.set_script("g1-1", [400])  # a dead letter
+        first = produce(settings, spec.topic, groups=4, per_group=3)
+        consumer = Consumer(spec.name, settings).start()
+        try:
+            wait_for(
+                lambda: (
+                    consumer.counters()["delivered"] == len(first) - 3  # g0-2 waits for g0-1
+                    and consumer.counters()["dead_lettered"] == 1
+                    and consumer.counters()["retried"] == 1
+                ),
+                "delivery, a retry and a dead letter",
+                consumer,
+            )
+            client.pause(spec.name)
+        finally:
+            consumer.stop()
+        group = group_id(spec.name)
+        wait_for(lambda: status.group_members(settings, group) == [], "the member's leave")
+
+        code, _, err = varadhi_cli(*change, spec.name, "--to", "4")
+        assert code == 2, err
+        assert "cannot split" in err and "1 records in the RQ" in err and "1 dead letters" in err
+        code, _, err = varadhi_cli("offsets", "reset", spec.name, "--queue", "rq", "--to-latest",
+                                   "--execute")  # fmt: skip
+        assert code == 0, err
+        code, _, err = varadhi_cli(*change, spec.name, "--to", "4")
+        assert code == 2 and "records in the RQ" not in err and "1 dead letters" in err, err
+        code, _, err = varadhi_cli("offsets", "reset", spec.name, "--queue", "dlq", "--to-latest",
+                                   "--execute")  # fmt: skip
+        assert code == 0, err
+        code, out, err = varadhi_cli(*change, spec.name, "--to", "4")
+        assert code == 0 and "now has 4 slots" in out, err
+        assert client.subscription(spec.name).shard_count == 4

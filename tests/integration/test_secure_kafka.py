@@ -250,7 +250,11 @@ def denied(broker):
         ResourceType,
     )
 
-    kinds = {"Topic": ResourceType.TOPIC, "TransactionalId": ResourceType.TRANSACTIONAL_ID}
+    kinds = {
+        "Topic": ResourceType.TOPIC,
+        "TransactionalId": ResourceType.TRANSACTIONAL_ID,
+        "Group": ResourceType.GROUP,
+    }
 
     with broker.admin() as admin:
 
@@ -490,6 +494,68 @@ def test_each_component_with_least_privilege_runs_the_whole_flow(
     with broker.admin() as admin:
         left = [t for t in admin.list_topics() if t.startswith((f"{name}.", f"{topic}."))]
     assert left == []
+
+
+def test_the_operator_with_least_privilege_runs_a_library_subscriptions_operations(
+    as_user, broker, acl_catalog, settings_of, denied, tmp_path
+):
+    """The operator's group row (`varadhi-library.<sub>`: Describe, Read, Delete) is what its
+    commands need of a `runtime: library` subscription's consumer group: `status` reads the
+    group's commits, `offsets reset` waits for it to be empty and commits, `subscription delete`
+    checks that it is empty and deletes it. Without Describe on the group, the delete ends in
+    one line naming it (exit 4) before anything changes. The member runs as alice (the library
+    runtime's own rows are not in the table yet)."""
+    from varadhi.library import Consumer
+    from varadhi.library.runtime import group_id
+    from varadhi.ops import status
+
+    names = deployment(broker, acl_catalog, uuid.uuid4().hex[:6])
+    topic, name, group = names.topic, names.sub, group_id(names.sub)
+    assert as_user("operator", "topic", "create", topic, "--partitions", "2")[0] == 0
+    with TestEndpoint() as endpoint:
+        spec = dict(_spec(name, topic, endpoint.url), runtime="library", on_dead_letter="skip")
+        (tmp_path / "sub.yaml").write_text(json.dumps(spec))
+        code, _, err = as_user(
+            "operator", "subscription", "apply", "-f", str(tmp_path / "sub.yaml")
+        )
+        assert code == 0, err
+        lines = tmp_path / "messages.jsonl"
+        lines.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
+        assert as_user("producer", "produce", topic, "--file", str(lines))[0] == 0
+        member = Consumer(name, settings_of("verify")).start()
+        try:
+            deadline = time.monotonic() + 120
+            while member.counters()["delivered"] < len(_messages()):
+                assert time.monotonic() < deadline, (member.health(), member.counters())
+                time.sleep(0.1)
+        finally:
+            member.stop()
+        verify = settings_of("verify")
+        deadline = time.monotonic() + 120  # a stopped member leaves the group at once
+        while status.group_members(verify, group):
+            assert time.monotonic() < deadline, status.group_members(verify, group)
+            time.sleep(0.2)
+
+        code, out, err = as_user("operator", "status", name, "--output", "json")
+        assert code == 0, err
+        assert json.loads(out)["library"]["main_lag"] == 0  # the group's commits, read
+        code, out, err = as_user("operator", "offsets", "reset", name, "--queue", "main",
+                                 "--to-earliest", "--execute", "--output", "json")  # fmt: skip
+        assert code == 0, err
+        code, out, err = as_user("operator", "status", name, "--output", "json")
+        assert code == 0 and json.loads(out)["library"]["main_lag"] == len(_messages()), err
+
+        with denied("operator", "Describe", "Group", group):
+            code, _, err = as_user("operator", "subscription", "delete", name)
+        assert code == 4, err
+        assert err.strip().endswith(
+            f"not authorized: User:acl-operator lacks Describe on Group {group} (kafka-acls.sh "
+            f"--add --allow-principal User:acl-operator --operation Describe --group {group})"
+        ), err
+        assert as_user("operator", "subscription", "describe", name)[0] == 0  # still there
+        code, out, err = as_user("operator", "subscription", "delete", name)
+        assert code == 0 and f"consumer group: {group}" in out, err
+        assert status.group_members(verify, group) is None
 
 
 def _spec(name: str, topic: str, url: str, shards: int = 1) -> dict:

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kafka import TopicPartition
+from kafka.errors import GroupAuthorizationFailedError
 
 from varadhi.core.catalog_kinds import DocKind
 from varadhi.core.errors import InvalidArgument, NotAuthorized, VaradhiError
@@ -328,14 +329,17 @@ def group_members(settings: kafka_clients.HasKafka, group: str) -> list[str] | N
     client id is its name, as `varadhi status` shows it), or None when Kafka has no such group
     (no member and no commit). One DescribeGroups request; `NotAuthorized` without Describe on
     the group, `VaradhiError` for another error Kafka answers (never taken for "no group")."""
+    refused = NotAuthorized("Describe", "Group", group, kafka_clients.principal(settings))
     admin = kafka_clients.admin(settings, client_id="varadhi-admin")
     try:
         found = admin.describe_groups([group]).get(group) or {}
+    except GroupAuthorizationFailedError:  # met finding the group's coordinator
+        raise refused from None
     finally:
         admin.close()
     error = found.get("error") or ""
     if "GroupAuthorizationFailed" in error:
-        raise NotAuthorized("Describe", "Group", group, kafka_clients.principal(settings))
+        raise refused
     if "GroupIdNotFound" in error or (not error and found.get("group_state") == "Dead"):
         return None
     if error or not found:
