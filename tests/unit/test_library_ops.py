@@ -193,3 +193,45 @@ def test_members_stop_while_a_reset_is_under_way():
     assert reset_under_way(Snap({"step": "done", "plan": plan}), "s") is None
     why = reset_under_way(Snap({"step": "waiting-for-members", "plan": plan}), "s")
     assert why is not None and "(--queue rq --shift-by 5) is under way" in why
+
+
+def test_a_group_request_waits_out_a_coordinator_not_available_yet(monkeypatch):
+    """A cluster's first consumer-group lookup makes its offsets topic: until then Kafka answers
+    that the coordinator is not available (seen on a fresh broker whose only clients had been
+    Spark shards). Such an answer is tried again; a missing ACL is named; a coordinator still
+    unavailable after the wait is `KafkaUnavailable`."""
+    from kafka.errors import CoordinatorNotAvailableError, GroupAuthorizationFailedError
+
+    from varadhi.core.errors import KafkaUnavailable, NotAuthorized
+    from varadhi.kafka import clients
+    from varadhi.kafka.settings import Settings
+    from varadhi.ops import status
+
+    class Admin:
+        def close(self):
+            pass
+
+    monkeypatch.setattr(clients, "admin", lambda *_a, **_k: Admin())
+    monkeypatch.setattr(status.time, "sleep", lambda _s: None)
+    answers = [CoordinatorNotAvailableError(), CoordinatorNotAvailableError(), "found"]
+
+    def call(_admin):
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    settings = Settings(bootstrap="127.0.0.1:9")
+    assert status.group_request(settings, "g", "Describe", call) == "found"
+
+    def refused(_admin):
+        raise GroupAuthorizationFailedError()
+
+    with pytest.raises(NotAuthorized, match="lacks Delete on Group g"):
+        status.group_request(settings, "g", "Delete", refused)
+
+    def unavailable(_admin):
+        raise CoordinatorNotAvailableError()
+
+    with pytest.raises(KafkaUnavailable, match="coordinator of consumer group g is not available"):
+        status.group_request(settings, "g", "Describe", unavailable, wait_s=-1)

@@ -44,7 +44,13 @@ from kafka.errors import KafkaError, TopicAuthorizationFailedError
 
 from varadhi.core import names, trace
 from varadhi.core.catalog_kinds import DocKind, OpKind
-from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotFound, VaradhiError
+from varadhi.core.errors import (
+    InvalidArgument,
+    KafkaUnavailable,
+    NotAuthorized,
+    NotFound,
+    VaradhiError,
+)
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import progress, subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
@@ -448,15 +454,17 @@ def delete_kafka_topics(
 
 
 def delete_group(settings: kafka_clients.HasKafka, group: str) -> None:
-    """Delete consumer group `group` (one already gone is fine). VaradhiError when Kafka refuses,
-    e.g. a member joined it since the delete was planned (Kafka deletes only an empty group)."""
-    admin = _admin(settings)
-    try:
-        answer = admin.delete_groups([group]).get(group, "OK")
-    finally:
-        admin.close()
+    """Delete consumer group `group` (one already gone is fine; `status.group_request`).
+    VaradhiError when Kafka refuses, e.g. a member joined it since the delete was planned (Kafka
+    deletes only an empty group)."""
+    answers = status.group_request(
+        settings, group, "Delete", lambda admin: admin.delete_groups([group])
+    )
+    answer = answers.get(group, "OK")
     if answer in ("OK", "GroupIdNotFoundError"):
         return
+    if answer == "GroupAuthorizationFailedError":
+        raise NotAuthorized("Delete", "Group", group, kafka_clients.principal(settings))
     why = (
         "it has members again: stop them"
         if answer == "NonEmptyGroupError"

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kafka import TopicPartition
-from kafka.errors import GroupAuthorizationFailedError
+from kafka.errors import GroupAuthorizationFailedError, KafkaError
 
 from varadhi.core.catalog_kinds import DocKind
-from varadhi.core.errors import InvalidArgument, NotAuthorized, VaradhiError
+from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotAuthorized, VaradhiError
 from varadhi.core.policies import SubscriptionSpec
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
@@ -314,32 +314,71 @@ def group_lag(
     return lag(consumed, dict(ends), {n: list(range(len(ends[n]))) for n in topic_names})
 
 
-def group_committed(catalog: Catalog, group: str) -> dict[TopicPartition, int]:
-    """The committed offsets of consumer group `group` (one request; none: empty)."""
-    admin = kafka_clients.admin(catalog.settings, client_id="varadhi-status")
+#: How long a consumer-group request waits out a coordinator that is not available yet: a
+#: cluster's first group lookup makes its offsets topic (`__consumer_offsets`; a cluster used by
+#: Spark shards only may have none), a coordinator loads after a restart.
+COORDINATOR_WAIT_S = 30.0
+
+
+def group_request(
+    settings: kafka_clients.HasKafka,
+    group: str,
+    operation: str,
+    call: Callable[[Any], Any],
+    wait_s: float = COORDINATOR_WAIT_S,
+) -> Any:
+    """`call(admin)` on a new admin client, about consumer group `group`, tried again while
+    Kafka's answer is retriable (the group's coordinator not available yet) for up to `wait_s`.
+    `NotAuthorized` naming `operation` on the group when its ACL is missing; `KafkaUnavailable`
+    when the coordinator is still unavailable after the wait."""
+    admin = kafka_clients.admin(settings, client_id="varadhi-admin")
+    deadline = time.monotonic() + wait_s
     try:
-        found = admin.list_group_offsets({group: None}).get(group, {})
+        while True:
+            try:
+                return call(admin)
+            except GroupAuthorizationFailedError:
+                raise NotAuthorized(
+                    operation, "Group", group, kafka_clients.principal(settings)
+                ) from None
+            except KafkaError as e:
+                if not getattr(e, "retriable", False):
+                    raise
+                if time.monotonic() > deadline:
+                    raise KafkaUnavailable(
+                        f"Kafka's coordinator of consumer group {group} is not available after "
+                        f"{wait_s:g} s ({type(e).__name__}): see the brokers' logs (the offsets "
+                        "topic __consumer_offsets needs offsets.topic.replication.factor brokers)"
+                    ) from e
+                time.sleep(0.5)
     finally:
         admin.close()
+
+
+def group_committed(catalog: Catalog, group: str) -> dict[TopicPartition, int]:
+    """The committed offsets of consumer group `group` (none: empty; `group_request`)."""
+    found = group_request(
+        catalog.settings,
+        group,
+        "Describe",
+        lambda admin: admin.list_group_offsets({group: None}).get(group, {}),
+    )
     return {tp: om.offset for tp, om in found.items() if om.offset >= 0}
 
 
 def group_members(settings: kafka_clients.HasKafka, group: str) -> list[str] | None:
     """The members consumer group `group` has now, each as `client id@host` (a library member's
     client id is its name, as `varadhi status` shows it), or None when Kafka has no such group
-    (no member and no commit). One DescribeGroups request; `NotAuthorized` without Describe on
-    the group, `VaradhiError` for another error Kafka answers (never taken for "no group")."""
-    refused = NotAuthorized("Describe", "Group", group, kafka_clients.principal(settings))
-    admin = kafka_clients.admin(settings, client_id="varadhi-admin")
-    try:
-        found = admin.describe_groups([group]).get(group) or {}
-    except GroupAuthorizationFailedError:  # met finding the group's coordinator
-        raise refused from None
-    finally:
-        admin.close()
+    (no member and no commit). A DescribeGroups request (`group_request`); `NotAuthorized`
+    without Describe on the group, `VaradhiError` for another error Kafka answers (never taken
+    for "no group")."""
+    found = group_request(
+        settings, group, "Describe", lambda admin: admin.describe_groups([group]).get(group)
+    )
+    found = found or {}
     error = found.get("error") or ""
     if "GroupAuthorizationFailed" in error:
-        raise refused
+        raise NotAuthorized("Describe", "Group", group, kafka_clients.principal(settings))
     if "GroupIdNotFound" in error or (not error and found.get("group_state") == "Dead"):
         return None
     if error or not found:
