@@ -32,9 +32,8 @@ export PYSPARK_PYTHON="$ROOT/.venv/bin/python"
 export PYSPARK_DRIVER_PYTHON="$ROOT/.venv/bin/python"
 export SPARK_LOCAL_IP="${SPARK_LOCAL_IP:-127.0.0.1}"
 export VARADHI_SPARK_MASTER="${VARADHI_SPARK_MASTER:-local[2]}"
-{ read -r SPARK_HOME; read -r SPARK_VERSION; read -r LOG4J2_JSON; } < <("$ROOT/.venv/bin/python" -c \
-  'import os, pyspark; print(os.path.dirname(pyspark.__file__)); print(pyspark.__version__)
-from varadhi.spark import telemetry; print(telemetry.log4j2_java_option(telemetry.log4j2_json_file()))')
+{ read -r SPARK_HOME; read -r SPARK_VERSION; } < <("$ROOT/.venv/bin/python" -c \
+  'import os, pyspark; print(os.path.dirname(pyspark.__file__)); print(pyspark.__version__)')
 [[ -n "${SPARK_VERSION:-}" ]] || { echo "spark-submit.sh: pyspark does not import in .venv" >&2; exit 2; }
 JARS="$(ls "$ROOT"/.jars/spark/*.jar | paste -sd, -)"
 S3A=()  # hadoop-aws for an s3a:// warehouse: on the JVM class path (docs/object-storage.md)
@@ -61,9 +60,13 @@ if [[ -f "$CDS" && "${SPARK_SUBMIT_OPTS:-}" != *Archive* ]]; then
   export SPARK_SUBMIT_OPTS="${SPARK_SUBMIT_OPTS:-} -XX:SharedArchiveFile=$CDS -Xlog:disable -Xlog:all=warning:stderr"
 fi
 # JSON logs: the driver JVM's log4j2 writes JSON lines from its start (varadhi.spark.telemetry).
+# Asked of Python only then: importing varadhi costs a launch about a CPU-second (pandas and
+# pyarrow with it; 4-8 s on a loaded machine) where pyspark alone costs a quarter of one.
 JSON_LOGS=()
 if [[ "${VARADHI_LOG_FORMAT:-}" == json || " ${ARGS[*]} " == *" --log-format json "* \
       || " ${ARGS[*]} " == *" --log-format=json "* ]]; then
+  LOG4J2_JSON="$("$ROOT/.venv/bin/python" -c \
+    'from varadhi.spark import telemetry; print(telemetry.log4j2_java_option(telemetry.log4j2_json_file()))')" || true
   JSON_LOGS=(--driver-java-options "$LOG4J2_JSON")
 fi
 # Python workers on Unix domain sockets (Spark 4.1+; older lines ignore it): over loopback TCP the
