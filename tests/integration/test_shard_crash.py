@@ -56,6 +56,11 @@ pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240
+# The quiet period of a run that is to go to its end (`--stop-when-idle`). The end itself is an
+# event, the shard's idle check: everything read up to the end offsets (the RQ's included), no
+# parked retry waiting for a tick, no batch running. The quiet period only has to outlast a
+# trigger interval (100 ms here): each second more was a second of waiting per run.
+END_IDLE_S = 1.0
 CRASHED = 137  # os._exit(137) at a crash point, passed on by spark-submit
 FENCED = 3
 
@@ -142,7 +147,7 @@ class Scenario:
 
     # -- shard processes
     def start(
-        self, crash_at: str | None = None, idle_s: float = 5, master: str | None = None
+        self, crash_at: str | None = None, idle_s: float = END_IDLE_S, master: str | None = None
     ) -> Run:
         env = {
             **os.environ,
@@ -362,7 +367,7 @@ def test_crash_between_effects_then_restart(scenario, spark):
         code = sc.wait(run)
         assert code == CRASHED, f"{point}: exit {code}\n{run.tail()}"
         assert f"crashing at {point.split('@')[0]}" in run.log.read_text(errors="replace")
-    final = sc.start(idle_s=3)
+    final = sc.start(idle_s=END_IDLE_S)
     assert sc.wait(final) == 0, final.tail()
     assert "was committed; re-sending its records" in "".join(
         r.log.read_text(errors="replace") for r in sc.runs
@@ -382,7 +387,7 @@ def test_ungrouped_crash_between_effects_then_restart(scenario, spark):
         run = sc.start(crash_at=point)
         code = sc.wait(run)
         assert code == CRASHED, f"{point}: exit {code}\n{run.tail()}"
-    final = sc.start(idle_s=3)
+    final = sc.start(idle_s=END_IDLE_S)
     assert sc.wait(final) == 0, final.tail()
     logs = "".join(r.log.read_text(errors="replace") for r in sc.runs)
     assert "was committed; re-sending its records" in logs, (
@@ -413,7 +418,7 @@ def test_sigkill_at_random_moments_then_restart(scenario, spark):
         time.sleep(delay)
         assert run.proc.poll() is None, f"the shard ended before it was killed\n{run.tail()}"
         sc.kill(run)
-    final = sc.start(idle_s=3)
+    final = sc.start(idle_s=END_IDLE_S)
     assert sc.wait(final) == 0, f"kill delays {delays}\n{final.tail()}"
     assert_contract(sc, spark)
 
@@ -469,7 +474,7 @@ def test_sigint_or_sigterm_to_the_process_group_stops_between_batches(scenario, 
         for bad in ("Fatal Python error", "KeyboardInterrupt", "RecursionError", 'thread "SIG'):
             assert bad not in text, f"{sig.name}: {bad}\n{run.tail()}"
         assert len(sc.endpoint.records()) > at_signal, f"{sig.name}: the batch was abandoned"
-    final = sc.start(idle_s=3)
+    final = sc.start(idle_s=END_IDLE_S)
     assert sc.wait(final) == 0, final.tail()
     assert_contract(sc, spark)  # a second success only after a crashed run: none here
 
@@ -508,7 +513,7 @@ def test_a_second_instance_fences_the_first(scenario, spark):
     for msg_id in second[:10:3]:
         sc.endpoint.set_script(msg_id, [503])
     sc.wait_for("A to deliver the second chunk", lambda: len(sc.endpoint.records()) > seen)
-    b = sc.start(idle_s=3)
+    b = sc.start(idle_s=END_IDLE_S)
     sc.wait_for("B to take the lease", lambda: sc.catalog.get("lease", owner)["epoch"] == 2)
     fence = sc.catalog.get("lease", owner)
     assert fence["instance"] != lease_a["instance"]
@@ -606,7 +611,7 @@ def test_a_crash_in_a_large_batch_re_delivers_only_what_its_journal_lacks(scenar
     log = killed.log.read_text(errors="replace")
     assert "batch 0 re-runs a batch an earlier run started; 200 of its messages" in log, log[-3000:]
 
-    final = sc.start(idle_s=3)
+    final = sc.start(idle_s=END_IDLE_S)
     assert sc.wait(final) == 0, final.tail()
     assert "re-runs a batch an earlier run started" in final.log.read_text(errors="replace")
 
@@ -665,7 +670,7 @@ def test_a_task_retried_after_its_python_worker_died_re_delivers_only_what_its_j
     batch = set(produced)
     for msg_id in produced[5:400:97]:  # retries pending at the kill
         sc.endpoint.set_script(msg_id, [503, 503])
-    run = sc.start(idle_s=5, master="local[2,2]")
+    run = sc.start(master="local[2,2]")
 
     def accepted() -> int:
         return len({r.message_id for r in sc.endpoint.records() if ok(r)})
