@@ -61,7 +61,7 @@ if [[ -f "$CDS" && "${SPARK_SUBMIT_OPTS:-}" != *Archive* ]]; then
 fi
 # JSON logs: the driver JVM's log4j2 writes JSON lines from its start (varadhi.spark.telemetry).
 # Asked of Python only then: importing varadhi costs a launch about a CPU-second (pandas and
-# pyarrow with it; 4-8 s on a loaded machine) where pyspark alone costs a quarter of one.
+# pyarrow with it; 3-10 s on a loaded machine) where pyspark alone costs a quarter of one.
 JSON_LOGS=()
 if [[ "${VARADHI_LOG_FORMAT:-}" == json || " ${ARGS[*]} " == *" --log-format json "* \
       || " ${ARGS[*]} " == *" --log-format=json "* ]]; then
