@@ -249,6 +249,19 @@ def check_stopped(
         raise ShardsRunning(sub.name, running)
 
 
+def check_count(sub: Subscription, to: Any) -> None:
+    """Refuse (`InvalidArgument`, field `to`) a new shard count that is not a positive integer,
+    is above `names.MAX_PARTITIONS`, or is `sub`'s current one (both runtimes' change)."""
+    if not isinstance(to, int) or isinstance(to, bool) or to < 1:
+        raise InvalidArgument(f"must be a positive integer, got {to!r}", field="to")
+    if to > names.MAX_PARTITIONS:
+        raise InvalidArgument(f"must be at most {names.MAX_PARTITIONS}, got {to}", field="to")
+    if to == sub.shard_count:
+        raise InvalidArgument(
+            f"subscription {sub.name} already has {sub.shard_count} shards", field="to"
+        )
+
+
 def check_target(
     mq: CompositeTopic, mq_index: int, to: int, allow_uneven: bool, grouped: bool = True
 ) -> list[str]:
@@ -371,13 +384,8 @@ def plan_change(
     them. A fresh plan puts the new queues after the current storage topics; a resumed one
     passes the recorded indexes, `mq_index` and `route_by`.
     """
-    if not isinstance(to, int) or isinstance(to, bool) or to < 1:
-        raise InvalidArgument(f"must be a positive integer, got {to!r}", field="to")
-    if to > names.MAX_PARTITIONS:
-        raise InvalidArgument(f"must be at most {names.MAX_PARTITIONS}, got {to}", field="to")
+    check_count(sub, to)
     old = sub.shard_count
-    if to == old:
-        raise InvalidArgument(f"subscription {sub.name} already has {old} shards", field="to")
     if mq_index is None:
         mq_index = min((lay.mq_index for lay, _ in positions.values()), default=0)
     warnings = check_target(mq, mq_index, to, allow_uneven, sub.spec.grouped)

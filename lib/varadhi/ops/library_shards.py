@@ -45,7 +45,7 @@ from typing import Any
 
 from kafka import TopicPartition
 
-from varadhi.core import names, routing
+from varadhi.core import routing
 from varadhi.core.catalog_kinds import OpKind
 from varadhi.core.errors import InvalidArgument
 from varadhi.kafka import dlq as dlq_ops
@@ -55,8 +55,14 @@ from varadhi.kafka.subscriptions import Subscription
 from varadhi.kafka.topics import CompositeTopic, StorageTopic
 from varadhi.library.runtime import group_id
 from varadhi.ops import status
-from varadhi.ops.change_shards_plan import OPERATION, check_target, finished, operation_name
-from varadhi.ops.lifecycle import operations_in_progress
+from varadhi.ops.change_shards_plan import (
+    OPERATION,
+    check_count,
+    check_target,
+    finished,
+    operation_name,
+)
+from varadhi.ops.lifecycle import busy_refusal, operations_in_progress
 from varadhi.ops.offsets import kafka_offsets
 
 
@@ -111,13 +117,8 @@ def decide(
     module docstring). `members`: the consumer group's (`status.group_members`); `busy`: the
     operations in progress (`lifecycle.operations_in_progress`); `pending_rq`, `redrivable_dlq`:
     `pending_records` of the RQ and the DLQ."""
-    if not isinstance(to, int) or isinstance(to, bool) or to < 1:
-        raise InvalidArgument(f"must be a positive integer, got {to!r}", field="to")
-    if to > names.MAX_PARTITIONS:
-        raise InvalidArgument(f"must be at most {names.MAX_PARTITIONS}, got {to}", field="to")
+    check_count(sub, to)
     old = sub.shard_count
-    if to == old:
-        raise InvalidArgument(f"subscription {sub.name} already has {old} shards", field="to")
     if not sub.paused:
         raise InvalidArgument(
             f"subscription {sub.name} (runtime: library) must be paused to change its shard "
@@ -135,12 +136,7 @@ def decide(
             field="subscription",
         )
     if busy:
-        raise InvalidArgument(
-            f"cannot change the shard count of {sub.name} while an operation is in progress: "
-            + "; ".join(f"{k} ({v})" for k, v in sorted(busy.items()))
-            + "; finish it (run its command again) first",
-            field="subscription",
-        )
+        raise busy_refusal(f"change the shard count of {sub.name}", busy)
     for topic in (main, rq, dlq):
         if len(topic.storage_topics) != 1:
             raise InvalidArgument(

@@ -90,6 +90,17 @@ def subscription_keys(snapshot: Snapshot, name: str) -> list[str]:
     return out
 
 
+def busy_refusal(doing: str, busy: Mapping[str, str]) -> InvalidArgument:
+    """The refusal of `doing` ("delete subscription X") while `busy`'s operations
+    (`operations_in_progress`) are under way."""
+    return InvalidArgument(
+        f"cannot {doing} while an operation is in progress: "
+        + "; ".join(f"{k} ({v})" for k, v in sorted(busy.items()))
+        + "; finish it (run its command again) first",
+        field="subscription",
+    )
+
+
 def operations_in_progress(snapshot: Snapshot, name: str, shard_count: int) -> dict[str, str]:
     """Operations of subscription `name` not finished (pure): key -> what it is.
 
@@ -196,12 +207,7 @@ def plan_subscription_delete(
         sub = subscriptions.from_snapshot(snapshot, name)
         busy = operations_in_progress(snapshot, name, sub.shard_count)
         if busy:
-            raise InvalidArgument(
-                f"cannot delete subscription {name} while an operation is in progress: "
-                + "; ".join(f"{k} ({v})" for k, v in sorted(busy.items()))
-                + "; finish it (run its command again) first",
-                field="subscription",
-            )
+            raise busy_refusal(f"delete subscription {name}", busy)
     storage = queue_storage_topics(snapshot, name) + sorted(set(other_topics))
     folder = warehouse_folder(warehouse, name)
     progress = tuple(sorted(progress_keys))
