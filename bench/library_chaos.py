@@ -31,7 +31,7 @@ from pathlib import Path
 
 from common import machine, write_results
 from varadhi.core import messages as m
-from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.core.policies import Endpoint
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
@@ -107,15 +107,8 @@ def run(settings: Settings, catalog: Catalog, workdir: Path, keys_n: int, per_ke
         return ids if state == "Stable" and len(ids) == size and ids != other_than else None
 
     with endpoint:
-        spec = SubscriptionSpec(
-            f"chaos-{uuid.uuid4().hex[:8]}",
-            topic,
-            Endpoint(endpoint.url + "hook"),
-            shards=3,
-            on_dead_letter="skip",
-            circuit_breaker=CircuitPolicy(enabled=False),
-            retry=RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0),
-            runtime="library",
+        spec = lib.subscription_spec(
+            f"chaos-{uuid.uuid4().hex[:8]}", topic, Endpoint(endpoint.url + "hook"), shards=3
         )
         SubscriptionService(catalog).create(spec)
         produce(settings, spec.topic, produced)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.core.policies import Endpoint
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.testing import library as lib
@@ -50,15 +50,8 @@ def test_a_member_rides_out_a_broker_restart(tmp_path, unique_name):
             try:
                 topic = unique_name("t")
                 TopicService(catalog).create(topic, 4)
-                spec = SubscriptionSpec(
-                    unique_name("outage"),
-                    topic,
-                    Endpoint(endpoint.url + "hook"),
-                    shards=2,
-                    on_dead_letter="skip",
-                    circuit_breaker=CircuitPolicy(enabled=False),
-                    retry=RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0),
-                    runtime="library",
+                spec = lib.subscription_spec(
+                    unique_name("outage"), topic, Endpoint(endpoint.url + "hook")
                 )
                 SubscriptionService(catalog).create(spec)
             finally:

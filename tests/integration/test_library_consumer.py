@@ -24,10 +24,8 @@ from varadhi import Client
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
 from varadhi.core.policies import (
-    CircuitPolicy,
     Endpoint,
     RequestShaping,
-    RetryPolicy,
     SubscriptionSpec,
     TracePolicy,
 )
@@ -38,11 +36,11 @@ from varadhi.library import Consumer, Options, Success, Unsupported
 from varadhi.library import Retry as HandlerRetry
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
+from varadhi.testing.library import subscription_spec as library_spec
 
 pytestmark = pytest.mark.kafka
 
 DEADLINE_S = 60
-FAST_RETRY = RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0)
 
 
 def wait_for(condition, what: str, *consumers: Consumer) -> None:
@@ -59,17 +57,7 @@ def subscription(
     catalog, make_topic, unique_name, url: str, endpoint: Endpoint | None = None, **fields
 ) -> SubscriptionSpec:
     topic = make_topic(4)
-    spec = SubscriptionSpec(
-        unique_name("lib"),
-        topic,
-        endpoint or Endpoint(url),
-        shards=2,
-        on_dead_letter="skip",
-        circuit_breaker=CircuitPolicy(enabled=False),
-        retry=FAST_RETRY,
-        runtime="library",
-        **fields,
-    )
+    spec = library_spec(unique_name("lib"), topic, endpoint or Endpoint(url), **fields)
     SubscriptionService(catalog).create(spec)
     return spec
 

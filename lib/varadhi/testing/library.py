@@ -33,11 +33,33 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from varadhi.core import messages as m
+from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
 from varadhi.kafka.settings import Settings
 from varadhi.testing.endpoint import Record
 
 #: This package's source folder: the process runs this checkout's code, whatever is installed.
 LIB = str(Path(__file__).resolve().parents[2])
+#: Retries due within a second: the tests and benches wait for them.
+FAST_RETRY = RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0)
+
+
+def subscription_spec(
+    name: str, topic: str, endpoint: Endpoint, shards: int = 2, **fields
+) -> SubscriptionSpec:
+    """A `runtime: library` subscription as the tests and benches run one: dead letters skipped
+    (`block` needs the global GroupState this runtime lacks yet), the circuit off, retries due
+    within a second (`FAST_RETRY`); `fields` sets any other field of the spec."""
+    return SubscriptionSpec(
+        name,
+        topic,
+        endpoint,
+        shards=shards,
+        on_dead_letter="skip",
+        circuit_breaker=CircuitPolicy(enabled=False),
+        retry=FAST_RETRY,
+        runtime="library",
+        **fields,
+    )
 
 
 class ConsumerProcess:
