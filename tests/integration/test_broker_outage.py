@@ -87,11 +87,19 @@ def test_shards_ride_out_a_broker_away_for_twice_the_lease_ttl(tmp_path):
             "\n".join(log.read_text(errors="replace").splitlines()[-30:]) for _, log in procs
         )
 
+    def why(log: Path) -> str:
+        """The last warnings and errors of a shard's log, before its batch lines (a CI log
+        shows the start of a failure's message)."""
+        lines = log.read_text(errors="replace").splitlines()
+        marks = ("WARNING varadhi", "ERROR varadhi", "Error", "Exception", "failed", "exit")
+        return "\n".join([line for line in lines if any(m in line for m in marks)][-25:])
+
     def wait_for(what: str, check, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not check():
-            for proc, _ in procs:
-                assert proc.poll() is None, f"a shard exited {proc.returncode}:\n{tails()}"
+            for shard, (proc, log) in enumerate(procs):
+                if proc.poll() is not None:
+                    pytest.fail(f"shard {shard} exited {proc.returncode}:\n{why(log)}\n{tails()}")
             if time.monotonic() > deadline:
                 pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}:\n{tails()}")
             time.sleep(0.2)

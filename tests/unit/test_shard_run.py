@@ -238,6 +238,46 @@ def test_a_kafka_error_after_the_look_stopped_the_query_fails_the_shard(run, mon
         run._watch(query, None, None)
 
 
+class EndedQuery:
+    isActive = False
+
+
+def ended_with(run, monkeypatch) -> list[bool]:
+    """What `_ended` is told of the query's batches (`replayed`), in turn."""
+    seen: list[bool] = []
+
+    def ended(_query, _inputs, replayed):
+        seen.append(replayed)
+        return QueryEnd.RESTART
+
+    monkeypatch.setattr(run, "_ended", ended)
+    return seen
+
+
+def test_a_batch_that_ended_before_the_watch_began_counts_as_completed(run, monkeypatch):
+    """CI, after a broker outage: a query's re-run batch completed while its start was still
+    being reported, then the query ended with SPARK-55271 (`ends.judge` restarts it only after
+    a completed batch). The watch, begun later, counted no batch and the shard exited 1."""
+    gate = run.parts.gate
+    gate.open("checkpoint")
+    gate.started()
+    gate.run(7, lambda: False, lambda: None)  # before `_watch` begins
+    seen = ended_with(run, monkeypatch)
+    assert run._watch(EndedQuery(), None, None) is QueryEnd.RESTART
+    assert seen == [True]
+
+
+def test_a_query_that_ended_before_any_batch_of_its_own_counts_none(run, monkeypatch):
+    gate = run.parts.gate
+    gate.open("checkpoint")
+    gate.run(6, lambda: False, lambda: None)  # the previous query's
+    gate.open("checkpoint")
+    gate.started()
+    seen = ended_with(run, monkeypatch)
+    run._watch(EndedQuery(), None, None)
+    assert seen == [False]
+
+
 def test_an_outage_longer_than_the_limit_fails_the_shard(run, monkeypatch):
     monkeypatch.setattr(query_run, "ControlOutage", lambda: ControlOutage(limit_s=0))
     clock = iter(range(100))

@@ -39,6 +39,7 @@ class BatchGate:
         self._started_ms = 0  # the running query's start, wall clock (as Spark's batchTimestampMs)
         self._refused: tuple[str, int, int] | None = None  # (checkpoint, batch, query start ms)
         self.completed: tuple[str, int] = ("", -1)  # (checkpoint, batch) last completed here
+        self.passed = 0  # batches completed since the running query's `open`
         self.last_end = time.monotonic()  # when the last batch ended (or the query started)
 
     def open(self, checkpoint: str) -> tuple[int, int] | None:
@@ -46,6 +47,7 @@ class BatchGate:
         refused unstarted, as (batch id, that query's start in ms), or None; forgotten here."""
         refused, self._refused = self._refused, None
         self._checkpoint, self._started_ms = checkpoint, int(time.time() * 1000)
+        self.passed = 0
         if refused is None or refused[0] != checkpoint:
             return None
         return refused[1], refused[2]
@@ -64,6 +66,7 @@ class BatchGate:
             try:
                 body()
                 self.completed = (self._checkpoint, batch_id)
+                self.passed += 1
             finally:
                 self.last_end = time.monotonic()
 

@@ -136,11 +136,13 @@ class QueryRun:
         """Watch a running query between batches until it ends (`_ended`) or something ends
         it (`_look`)."""
         gate = self.parts.gate
-        gate.last_end = query_started = time.monotonic()
+        gate.last_end = time.monotonic()
         outage = ControlOutage()
         while True:
             if not query.isActive:
-                return self._ended(query, inputs, gate.last_end > query_started)
+                # Counted by the gate from before the query started: its first batch may end
+                # before this watch begins (a slow progress write after a broker outage).
+                return self._ended(query, inputs, gate.passed > 0)
             try:
                 reason = self._look(query, inputs, assign)
                 outage.ok()
