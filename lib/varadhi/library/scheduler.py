@@ -17,6 +17,15 @@ more attempts stays and the other is finished unsent (`add` returns it). A copy 
 origin than a head in flight or waiting for its RQ copy (a re-driven dead letter, in skip mode)
 queues right behind that head: a head is never displaced.
 
+A key blocked behind a dead letter (`on_dead_letter: block`, `varadhi.library.blocking`) has a
+*block*: a placeholder with location `dlq` at the dead letter's origin (`to_dlq`, `park`). It
+holds up its key as an RQ placeholder does, but only a copy from the RQ (a re-drive's, or a retry
+of one) replaces it: a main-topic record of its origin is a duplicate (`live`). The runtime asks
+`blocked_before` whether a main-topic message it reads lies behind a block (it is then sidelined
+to the DLQ, never queued), and takes back what was held behind a new block (`to_dlq`,
+`spill_blocked`). `await_copy` places an RQ placeholder where a re-drive puts a message back, so
+the key waits for every re-driven copy in origin order.
+
 Unordered messages (no key) get a queue of their own each.
 """
 
@@ -28,6 +37,7 @@ import itertools
 from collections import deque
 from dataclasses import dataclass, replace
 
+from varadhi.core import messages as m
 from varadhi.core.group_state import Entry
 
 QueueKey = tuple[int, str]
@@ -57,7 +67,16 @@ class Work:
 
 
 def _placeholder(work: Work) -> bool:
-    return work.entry.location == "rq"
+    return work.entry.location in ("rq", "dlq")
+
+
+def _block(work: Work) -> bool:
+    return work.entry.location == "dlq"
+
+
+def live(work: Work) -> bool:
+    """Whether `work` is a main-topic copy (never attempted, not re-driven), not an RQ one."""
+    return work.entry.attempts == 0 and m.H_REDRIVEN not in work.entry.headers
 
 
 class Scheduler:
@@ -81,7 +100,7 @@ class Scheduler:
         the same origin stays (see the module docstring)."""
         origin = work.entry.origin
         awaited = (work.slot, origin)
-        if work.entry.attempts > 0 and awaited in self._awaited:
+        if not live(work) and awaited in self._awaited:
             work.key = self._awaited.pop(awaited)
         q = self._queues.setdefault(work.queue, [])
         # A head in flight or waiting for its RQ copy stays first, even when a copy of an older
@@ -93,6 +112,8 @@ class Scheduler:
             i = bisect.bisect_left(q, origin, lo=1 if fixed else 0, key=lambda w: w.entry.origin)
         if i < len(q) and q[i].entry.origin == origin:
             known = q[i]
+            if _block(known) and live(work):  # only an RQ copy (a re-drive's) lifts a block
+                return [work]
             keep_new = (
                 not (i == 0 and work.queue in self._busy)
                 and work.entry.attempts >= known.entry.attempts
@@ -151,6 +172,72 @@ class Scheduler:
             q[0] = replace(work, entry=replace(work.entry, location="rq", value=None))
             self._awaited[(work.slot, work.entry.origin)] = work.key
             self.pending -= 1
+
+    def to_dlq(self, work: Work) -> list[Work] | None:
+        """`work` (a head handed out, with a key) was dead-lettered in block mode: it stays as
+        its key's block. Returns the main-topic messages held behind it, taken out of the
+        queue in order: the caller sidelines them (`live`; RQ copies and placeholders stay).
+        None: `work` is no longer its key's head (its slot was dropped meanwhile)."""
+        q = self._end(work)
+        if q is None:
+            return None
+        q[0] = replace(work, entry=replace(work.entry, location="dlq", value=None))
+        self._awaited[(work.slot, work.entry.origin)] = work.key
+        self.pending -= 1
+        return self._spill(work.queue, q)
+
+    def park(self, work: Work) -> None:
+        """Place a block (a bodiless `work`, location `dlq`) read from the GroupState topic at
+        its origin; nothing if its key holds that origin already."""
+        q = self._queues.setdefault(work.queue, [])
+        i = bisect.bisect_left(q, work.entry.origin, key=lambda w: w.entry.origin)
+        if i < len(q) and q[i].entry.origin == work.entry.origin:
+            return
+        q.insert(i, work)
+        self._awaited[(work.slot, work.entry.origin)] = work.key
+
+    def await_copy(self, work: Work) -> None:
+        """A re-drive puts `work`'s message (bodiless, location `rq`) back through the RQ: its
+        key waits at its origin for the copy. A block there becomes that wait; a message held
+        there already stays."""
+        q = self._queues.setdefault(work.queue, [])
+        i = bisect.bisect_left(q, work.entry.origin, key=lambda w: w.entry.origin)
+        if i < len(q) and q[i].entry.origin == work.entry.origin:
+            if _block(q[i]):
+                q[i] = work
+            return
+        if i == 0 and q and work.queue in self._busy:
+            i = 1  # a head in flight stays first
+        q.insert(i, work)
+        self._awaited[(work.slot, work.entry.origin)] = work.key
+
+    def blocked_before(self, queue: QueueKey, origin: m.Origin) -> bool:
+        """Whether a block of `queue` lies before `origin`."""
+        for w in self._queues.get(queue, ()):
+            if w.entry.origin >= origin:
+                return False
+            if _block(w):
+                return True
+        return False
+
+    def spill_blocked(self, slot: int) -> list[Work]:
+        """The main-topic messages of `slot` held behind a block, taken out of their queues in
+        order (after a re-drive held them: the caller sidelines them)."""
+        out: list[Work] = []
+        for k, q in list(self._queues.items()):
+            if k[0] == slot:
+                out.extend(self._spill(k, q))
+        return out
+
+    def _spill(self, k: QueueKey, q: list[Work]) -> list[Work]:
+        first = next((i for i, w in enumerate(q) if _block(w)), None)
+        if first is None:
+            return []
+        out = [w for w in q[first + 1 :] if live(w)]
+        if out:
+            q[first + 1 :] = [w for w in q[first + 1 :] if not live(w)]
+            self.pending -= len(out)
+        return out
 
     def release(self, work: Work) -> None:
         """`work` (a head handed out) was not delivered (the runtime stops): it stays first."""
