@@ -111,6 +111,7 @@ def test_blocks_from_the_group_state_and_waits_for_redriven_copies_keep_origin_o
     s.park(bodiless(2, "dlq"))  # a restart: the key's dead letter
     s.park(bodiless(3, "dlq"))  # and its mark
     assert s.blocked_before((0, "a"), o(9))
+    assert s.spill_blocked(0) == []  # a block is never sidelined
     assert s.take(0) is None
     # a re-drive puts back 2, 3 and the sidelined 4: the key waits for each copy
     for n in (2, 3, 4):

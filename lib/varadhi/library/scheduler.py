@@ -233,9 +233,9 @@ class Scheduler:
         first = next((i for i, w in enumerate(q) if _block(w)), None)
         if first is None:
             return []
-        out = [w for w in q[first + 1 :] if live(w)]
+        out = [w for w in q[first + 1 :] if live(w) and not _placeholder(w)]
         if out:
-            q[first + 1 :] = [w for w in q[first + 1 :] if not live(w)]
+            q[first + 1 :] = [w for w in q[first + 1 :] if not live(w) or _placeholder(w)]
             self.pending -= len(out)
         return out
 
@@ -253,6 +253,10 @@ class Scheduler:
         """Hand out `slots` again (given back by the rebalance that revoked them)."""
         self._closed -= slots
         self._ready.extend(k for k in self._queues if k[0] in slots)
+
+    def is_closed(self, slot: int) -> bool:
+        """Whether `slot` hands out nothing now (revoked, or reading its RQ first)."""
+        return slot in self._closed
 
     def busy(self, slots: set[int]) -> int:
         return sum(self.in_flight.get(s, 0) for s in slots)
