@@ -37,6 +37,13 @@ is written again (at least once). No barriers are needed (the shards' keep a gro
 traffic behind its re-driven messages, which skip mode does not ask for): a key's re-driven
 messages still go back in their DLQ order, on one RQ partition.
 
+Block mode (`on_dead_letter: block`). A member's `Hold` (`varadhi.library.blocking.RedriveHold`)
+is told around each slot's re-drives (`frozen`: the slot's blocked keys hold their new messages
+instead of sidelining them to the DLQ while it is read) and before each write of copies
+(`awaiting`: each key waits for its copies in origin order; a rate-capped portion's *barriers*,
+the first message of each key that a later portion puts back, block their keys until then, as a
+shard's `waiting for re-drive`).
+
 The records of messages that cannot go back (no origin, no body, a truncated copy:
 `dlq.redrivable`) stay parked, logged, as on a shard. A member applies nothing while the
 subscription is paused.
@@ -44,10 +51,11 @@ subscription is paused.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from varadhi.core import messages as m
 from varadhi.core import routing
@@ -63,6 +71,19 @@ log = logging.getLogger(__name__)
 
 #: How long a member waits for the broker to acknowledge a re-drive's RQ records.
 ACK_TIMEOUT_S = 60.0
+
+
+class Hold(Protocol):
+    """What a member in block mode is told of a re-drive (the module docstring)."""
+
+    def frozen(self, slot: int) -> contextlib.AbstractContextManager[None]: ...
+
+    def awaiting(
+        self,
+        slot: int,
+        copies: Sequence[tuple[dlq.Parked, OutRecord]],
+        barriers: Sequence[tuple[dlq.Parked, OutRecord]],
+    ) -> None: ...
 
 
 def redrive_record(p: dlq.Parked, op_id: str, grouped: bool, now_ms: int, limit: int) -> OutRecord:
@@ -174,11 +195,13 @@ class Redriver:
         producer,
         limit: int,
         now_ms: int,
+        hold: Hold | None = None,
     ) -> int:
         """Apply the re-drives pending for each of `slots` (in the order re-drives apply in):
         one without a rate completely, one with a rate its next portion, writing with
-        `producer`; returns how many messages were put back. Raises the producer's KafkaError
-        when a write is refused, TimeoutError when the DLQ cannot be read."""
+        `producer` (in block mode, telling `hold`); returns how many messages were put back.
+        Raises the producer's KafkaError when a write is refused, TimeoutError when the DLQ
+        cannot be read."""
         held = sorted(slots)
         under_way: set[tuple[str, int]] = set()
         back = 0
@@ -188,27 +211,31 @@ class Redriver:
             start = dlq.dlq_start(snap, name)
             docs = dlq.redrives(snap, name)
             for slot in held:
+                pending = dlq.pending_for(snap, name, slot)
+                if not pending:
+                    continue
                 partitions = dlq.dlq_partitions(sub, dlq_topic, slot)
+                at = _Slot(settings, catalog, sub, rq, slot, partitions, producer, limit, hold)
                 ahead: list[dlq.Applied] = []
-                for op_id, op in dlq.pending_for(snap, name, slot).items():
-                    covered = dlq.applied_redrives(snap, name, (op.created_ms, op_id)) + ahead
-                    at = _Slot(settings, catalog, sub, rq, slot, partitions, producer, limit)
-                    if op.rate is None:
-                        ends = dlq.end_offsets(settings, partitions)
-                        picked = at.select(start, ends, op_id, op, covered)
-                        back += at.put_back(op_id, picked, now_ms)
-                        dlq.mark_done(catalog, name, [op_id], slot, scanned={op_id: ends})
-                    else:
-                        paced = self._paced.get((op_id, slot))
-                        if paced is None:
-                            paced = at.resume(docs[op_id], start, op_id, op, covered)
-                        ends = paced.ends
-                        n, done = at.portion(op_id, op, paced, now_ms)
-                        back += n
-                        if not done:
-                            self._paced[(op_id, slot)] = paced
-                            under_way.add((op_id, slot))
-                    ahead.append(dlq.Applied(op.selector, ends))
+                with contextlib.nullcontext() if hold is None else hold.frozen(slot):
+                    for op_id, op in pending.items():
+                        covered = dlq.applied_redrives(snap, name, (op.created_ms, op_id)) + ahead
+                        if op.rate is None:
+                            ends = dlq.end_offsets(settings, partitions)
+                            picked = at.select(start, ends, op_id, op, covered)
+                            back += at.put_back(op_id, picked, now_ms)
+                            dlq.mark_done(catalog, name, [op_id], slot, scanned={op_id: ends})
+                        else:
+                            paced = self._paced.get((op_id, slot))
+                            if paced is None:
+                                paced = at.resume(docs[op_id], start, op_id, op, covered)
+                            ends = paced.ends
+                            n, done = at.portion(op_id, op, paced, now_ms)
+                            back += n
+                            if not done:
+                                self._paced[(op_id, slot)] = paced
+                                under_way.add((op_id, slot))
+                        ahead.append(dlq.Applied(op.selector, ends))
         for gone in set(self._paced) - under_way:  # done, or its slot is no longer held
             del self._paced[gone]
         return back
@@ -226,6 +253,7 @@ class _Slot:
     partitions: dict[str, list[int]]
     producer: Any
     limit: int
+    hold: Hold | None
 
     def select(
         self, start: Scanned, ends: Scanned, op_id: str, op: dlq.Redrive, covered
@@ -236,12 +264,22 @@ class _Slot:
             picked.extend(dlq.select_redrive(chunk, {op_id: op.selector}, covered))
         return redrivable_once(picked)
 
-    def put_back(self, op_id: str, messages: Sequence[dlq.Parked], now_ms: int) -> int:
-        """Write `messages` to the slot's RQ and wait for the acknowledgements."""
+    def put_back(
+        self,
+        op_id: str,
+        messages: Sequence[dlq.Parked],
+        now_ms: int,
+        barriers: Sequence[dlq.Parked] = (),
+    ) -> int:
+        """Write `messages` to the slot's RQ (`hold` told first, with the `barriers` of a
+        rate-capped portion) and wait for the acknowledgements."""
         grouped = self.sub.spec.grouped
+        records = [(p, redrive_record(p, op_id, grouped, now_ms, self.limit)) for p in messages]
+        if self.hold is not None:
+            held = [(p, redrive_record(p, op_id, grouped, now_ms, self.limit)) for p in barriers]
+            self.hold.awaiting(self.slot, records, held)
         futures = []
-        for p in messages:
-            record = redrive_record(p, op_id, grouped, now_ms, self.limit)
+        for p, record in records:
             partition = rq_partition(
                 dlq.group_key_of(p, grouped), self.slot, self.sub.shard_count, self.rq.partitions
             )
@@ -299,7 +337,13 @@ class _Slot:
             return 0, False
         order = [(t, p) for t, parts in self.partitions.items() for p in parts]
         portion = plan_portion([pk for pk, _ in paced.left], budget, paced.taken, paced.ends, order)
-        n = self.put_back(op_id, [p for _, p in paced.left[: len(portion.take)]], now_ms)
+        barriers = {(b.topic, b.partition, b.offset) for b in portion.barriers}
+        n = self.put_back(
+            op_id,
+            [p for _, p in paced.left[: len(portion.take)]],
+            now_ms,
+            [p for pk, p in paced.left if (pk.topic, pk.partition, pk.offset) in barriers],
+        )
         name = self.sub.name
         if portion.complete:
             dlq.mark_done(self.catalog, name, [op_id], self.slot, scanned={op_id: paced.ends})

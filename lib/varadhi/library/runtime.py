@@ -23,6 +23,13 @@ assigned, nothing of it is handed out before its RQ partitions were read to the 
 then (`_caught_up`), so a key with a retry pending from before a restart or rebalance is
 blocked behind its copy before any of its later messages is delivered.
 
+Block mode (`on_dead_letter: block`, `varadhi.library.blocking`). A dead letter blocks its key:
+its later main-topic messages are sidelined to the DLQ behind it, and the key's blocks live in the
+compacted GroupState topic (`group_state_topic`), read for each new slot before any of it is
+handed out, so a restarted member or a slot's new owner holds the key blocked; the re-driven
+copy's delivery lifts the block. Each offset of such a message finishes only once its DLQ record
+and the key's GroupState record are acknowledged (`_send`'s `also`, `_after_acks`).
+
 Rebalance. When slots are revoked the member hands out nothing more of them and commits what
 finished of them (`_revoke`: asynchronously, as kafka-python's rebalance listener runs on its
 I/O thread, which must not block; the commit reaches the broker before the member's JoinGroup);
@@ -92,6 +99,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from queue import Empty, SimpleQueue
 from typing import Any
 
@@ -104,6 +112,7 @@ from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request, Wait
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from varadhi.core.group_state import (
+    OVER_LIMIT,
     Entry,
     out_bytes,
     request_of,
@@ -122,9 +131,10 @@ from varadhi.kafka import trace as trace_topic
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
+from varadhi.library import group_state_topic, join_guard, position, redrive
 from varadhi.library import handler as handlers
-from varadhi.library import join_guard, position, redrive
 from varadhi.library.assign import SlotAssignor, slot_of
+from varadhi.library.blocking import Blocking, RedriveHold
 from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.scheduler import Scheduler, Work
@@ -222,6 +232,7 @@ class Consumer:
         self._pacer: Pacer | None = None  # with `endpoint.max_rate` and HTTP
         self._rate: float | None = None  # this member's share of `max_rate` now
         self._reshare: float | None = None  # a new share, for the engine thread (`_take`)
+        self._blocking: Blocking | None = None  # on_dead_letter: block
         self._counts = dict.fromkeys(
             (
                 "read",
@@ -232,6 +243,7 @@ class Consumer:
                 "retried",
                 "dead_lettered",
                 "duplicates",
+                "sidelined",
                 "skipped_finished",
                 "commits",
                 "rebalances",
@@ -262,6 +274,8 @@ class Consumer:
                 catalog, [rq.produce_topic.name, dlq.produce_topic.name]
             )
             traced = self._trace_target(sub)
+            if sub.spec.on_dead_letter == "block":
+                group_state_topic.ensure_topic(self.settings, self.name, dlq)
             self._progress = ProgressPublisher(
                 self.settings, self.name, None, PROGRESS_S, member=self.member
             )
@@ -289,6 +303,16 @@ class Consumer:
         self._producer = kafka_clients.producer(
             self.settings, acks="all", linger_ms=1, max_request_size=MAX_REQUEST_BYTES
         )
+        if sub.spec.on_dead_letter == "block":
+            self._blocking = Blocking(
+                self._sched,
+                self._producer,
+                group_state_topic.topic_name(self.name),
+                self._dlq.partitions,
+                sub.shard_count,
+                partial(self._send, "dlq"),
+                self._sideline,
+            )
         # Committed offsets and their metadata, end offsets: read with a consumer of the group
         # that never joins it (`_rebalanced`).
         self._offsets = kafka_clients.consumer(
@@ -375,14 +399,15 @@ class Consumer:
     def counters(self) -> dict[str, int]:
         """Totals since start: records `read`, main-topic messages the filter dropped
         (`filtered`), messages `delivered`, `attempts` and
-        `failures`, `retried` (written to the RQ), `dead_lettered`, `duplicates` (copies
-        finished unsent), `skipped_finished` (finished before a restart, per the commit),
-        `commits`, `rebalances`; and now: `pending` (held), `in_flight`, `paused` (1 while the
-        subscription is paused)."""
+        `failures`, `retried` (written to the RQ), `dead_lettered` (`sidelined` among them: read
+        behind a dead letter of their key, block mode), `duplicates` (copies finished unsent), `skipped_finished` (finished before a restart, per the commit),
+        `commits`, `rebalances`; and now: `pending` (held), `in_flight`, `blocked` (keys blocked
+        behind a dead letter), `paused` (1 while the subscription is paused)."""
         with self._lock:
             out = dict(self._counts)
             out["pending"] = self._sched.pending
             out["in_flight"] = sum(self._sched.in_flight.values())
+            out["blocked"] = 0 if self._blocking is None else self._blocking.count()
             out["paused"] = int(self._paused)
             return out
 
@@ -459,6 +484,9 @@ class Consumer:
         look, a write to the RQ) is logged and the re-drive tried again at the next look; any
         other error stops the member."""
         redriver = redrive.Redriver()
+        hold = None
+        if self._blocking is not None:
+            hold = RedriveHold(self._blocking, self._lock, self._rq.name, self._key_of)
         try:
             while not self._stopping.wait(1.0 if redriver.pacing else CATALOG_CHECK_S):
                 with self._lock:
@@ -476,6 +504,7 @@ class Consumer:
                         self._producer,
                         self._limits[self._rq.name],
                         _now_ms(),
+                        hold,
                     )
                 except (TimeoutError, KafkaError, KafkaUnavailable) as e:
                     log.warning("%s: re-drives not applied now (%s); trying again", self.name, e)
@@ -523,6 +552,8 @@ class Consumer:
             self._counts["read"] += len(records)
             self._counts["filtered"] += dropped
             for work in works:
+                if self._blocking is not None and not self._blocking.admit(work):
+                    continue  # behind a dead letter: sidelined
                 for dup in self._sched.add(work):
                     self._counts["duplicates"] += 1
                     ledger_of = self._ledgers.get(TopicPartition(dup.topic, dup.partition))
@@ -576,10 +607,15 @@ class Consumer:
             slot = slot_of(tp.partition, self._rq.partitions, self._sub.shard_count)
         else:
             slot = slot_of(tp.partition, self._main.partitions, self._sub.shard_count)
-        key = None
-        if self._spec.grouped:
-            key = ordering_key(self.options.ordering_key, r.key, headers, value)
-        return Work(entry, tp.topic, tp.partition, r.offset, slot, key)
+        return Work(
+            entry, tp.topic, tp.partition, r.offset, slot, self._key_of(r.key, headers, value)
+        )
+
+    def _key_of(self, raw_key: bytes | None, headers: dict[str, str], value: bytes | None):
+        """A record's ordering key (None: unordered)."""
+        if not self._spec.grouped:
+            return None
+        return ordering_key(self.options.ordering_key, raw_key, headers, value)
 
     def _trace_filtered(self, tp: TopicPartition, r) -> None:
         tracer = self._tracer(slot_of(tp.partition, self._main.partitions, self._sub.shard_count))
@@ -649,7 +685,7 @@ class Consumer:
                 done -= self._slots_of(self._revoked)  # revoked since: `_rebalanced` drops it
                 for slot in done:
                     del self._catch_up[slot]
-                self._sched.reopen(done)
+                self._reopen(done)
                 self._lock.notify_all()
 
     def _commit(self, final: bool = False) -> None:
@@ -808,6 +844,8 @@ class Consumer:
                 while self._sched.busy(slots) and time.monotonic() < deadline:
                     self._lock.wait(0.05)
                 self._sched.drop(slots)
+                if self._blocking is not None:
+                    self._blocking.drop(slots)
                 for tp in gone:
                     self._ledgers.pop(tp, None)
                     self._committed.pop(tp, None)
@@ -820,6 +858,7 @@ class Consumer:
         offsets = self._offsets
         ledgers = {}
         try:
+            blocked = self._read_blocked(self._slots_of(new))
             ends = offsets.end_offsets(rq_tps) if rq_tps else {}
             for tp in new:
                 committed = offsets.committed(tp, metadata=True)
@@ -843,6 +882,9 @@ class Consumer:
                     self._committed[tp] = position
             for tp in rq_tps:
                 self._catch_up.setdefault(self._slot(tp), {})[tp] = ends.get(tp, 0)
+            for slot, found in blocked.items():  # before any of the slot is handed out
+                assert self._blocking is not None
+                self._blocking.load(slot, found)
             if self._pacer is not None:  # set before any of the new slots is handed out
                 limit = self._spec.endpoint.max_rate
                 assert limit is not None
@@ -852,8 +894,26 @@ class Consumer:
             # a slot hands out nothing before its RQ was read to the end (`_caught_up`)
             self._sched.close(set(self._catch_up) | revoked_since)
             given_back = self._slots_of(assigned - set(new))
-            self._sched.reopen(given_back - set(self._catch_up) - revoked_since)
+            self._reopen(given_back - set(self._catch_up) - revoked_since)
             self._counts["rebalances"] += 1
+
+    def _reopen(self, slots: set[int]) -> None:
+        """(Under the lock) Hand out `slots` again."""
+        self._sched.reopen(slots)
+        if self._blocking is not None:
+            self._blocking.reopened(slots)
+
+    def _read_blocked(self, slots: set[int]) -> dict[int, dict]:
+        """In block mode, the GroupState records of new `slots` (`group_state_topic`)."""
+        if self._blocking is None or not slots:
+            return {}
+        topic, parts = group_state_topic.topic_name(self.name), self._dlq.partitions
+        return {
+            s: group_state_topic.read_slots(
+                self.settings, topic, routing.shard_partitions(s, self._sub.shard_count, parts)
+            )
+            for s in slots
+        }
 
     def _slot(self, tp: TopicPartition) -> int:
         topic = self._rq if tp.topic == self._rq.name else self._main
@@ -935,10 +995,6 @@ class Consumer:
         e.first_failure_ms = e.first_failure_ms or now
         e.last_failure_ms = now
         e.reason = e.invalid
-        with self._lock:
-            self._counts["dead_lettered"] += 1
-            self._sched.done(work)
-            self._lock.notify_all()
         tracer = self._tracer(work.slot)
         if tracer is not None:
             tracer.routed(
@@ -949,7 +1005,33 @@ class Consumer:
                 redriven=e.headers.get(m.H_REDRIVEN),
                 source=e.source,
             )
+        with self._lock:
+            parked = self._dead_letter(work)  # (it counts what it sidelines: not inline)
+            self._counts["dead_lettered"] += parked
+            self._lock.notify_all()
+
+    def _dead_letter(self, work: Work) -> bool:
+        """(Under the lock) `work`, a head handed out, goes to the DLQ: its key goes on (skip
+        mode) or is blocked behind it (`Blocking`; False: not recorded, its slot revoked)."""
+        if self._blocking is not None:
+            return self._blocking.dead_letter(work)
+        self._sched.done(work)
         self._send("dlq", work)
+        return True
+
+    def _sideline(self, work: Work, also: list) -> None:
+        """(Under the lock, `Blocking`) `work`, read behind a dead letter of its key, goes to
+        the DLQ unsent, as a shard dead-letters a blocked group's messages over its limit."""
+        e = work.entry
+        now = _now_ms()
+        e.reason = f"{e.invalid}; {OVER_LIMIT}" if e.invalid else OVER_LIMIT
+        e.first_failure_ms = e.last_failure_ms = now
+        self._counts["dead_lettered"] += 1
+        self._counts["sidelined"] += 1
+        tracer = self._tracer(work.slot)
+        if tracer is not None:
+            tracer.routed(e.msg_id, e.group_id, "dlq", e.reason, source=e.source)
+        self._send("dlq", work, also)
 
     def _settle(self, work: Work, decision: Decision, outcome: Outcome) -> None:
         """Act on an attempt's decision: finish, write to the RQ (the key waits for it) or to
@@ -962,9 +1044,11 @@ class Consumer:
             self._counts["attempts"] += 1
             if decision.action == "success":
                 self._counts["delivered"] += 1
+                lifted = [] if self._blocking is None else self._blocking.delivered(work)
                 self._sched.done(work)
                 self._lock.notify_all()
-                self._finished.put((TopicPartition(work.topic, work.partition), work.offset))
+                where = (TopicPartition(work.topic, work.partition), work.offset)
+                _after_acks(lifted, partial(self._finished.put, where), self._fail)
         if decision.action == "success":
             self._trace_attempt(work, outcome, "delivered")
             return
@@ -991,11 +1075,12 @@ class Consumer:
                 self._counts["retried"] += 1
                 self._sched.to_rq(work)
             else:
-                self._counts["dead_lettered"] += 1
-                self._sched.done(work)
+                parked = self._dead_letter(work)  # (it counts what it sidelines: not inline)
+                self._counts["dead_lettered"] += parked
             self._lock.notify_all()
         self._trace_attempt(work, outcome, target)
-        self._send(target, work)
+        if target == "rq":
+            self._send(target, work)
 
     # -- the delivery trace -------------------------------------------------------------------
     def _trace_target(self, sub: subscriptions.Subscription) -> trace_topic.TraceTarget | None:
@@ -1035,9 +1120,10 @@ class Consumer:
         if tracer is not None:
             trace_attempt(tracer, work.entry, outcome, next_step)
 
-    def _send(self, target: str, work: Work) -> None:
+    def _send(self, target: str, work: Work, also: list = ()) -> None:
         """Write `work`'s RQ or DLQ record, on its slot's partition of the queue, as a shard
-        writes it; its offset finishes once the broker acknowledged it."""
+        writes it; its offset finishes once the broker acknowledged it (and the writes `also`,
+        its key's GroupState record)."""
         e = work.entry
         queue = self._rq if target == "rq" else self._dlq
         row = OutRow(
@@ -1066,8 +1152,7 @@ class Consumer:
             partition=partition,
             headers=record.headers,
         )
-        future.add_callback(lambda _meta: self._finished.put(where))
-        future.add_errback(self._fail)
+        _after_acks([future, *also], partial(self._finished.put, where), self._fail)
 
     def _fail(self, error: BaseException) -> None:
         if isinstance(error, KafkaError):
@@ -1161,6 +1246,27 @@ def _session_kwargs(session_timeout_ms: int | None) -> dict[str, int]:
         "session_timeout_ms": session_timeout_ms,
         "heartbeat_interval_ms": max(1, min(3_000, session_timeout_ms // 3)),
     }
+
+
+def _after_acks(futures: list, then: Callable[[], None], fail: Callable[[BaseException], None]):
+    """Call `then` once every one of `futures` (producer sends) succeeded, at once when there is
+    none; `fail` with the first error."""
+    if not futures:
+        then()
+        return
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_meta) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    for future in futures:
+        future.add_callback(one)
+        future.add_errback(fail)
 
 
 def _now_ms() -> int:

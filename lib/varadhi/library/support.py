@@ -31,11 +31,6 @@ def unsupported(
     what to change; empty when it can run it."""
     spec = sub.spec
     out = []
-    if spec.on_dead_letter == "block":
-        out.append(
-            "on_dead_letter: block (a key blocked behind a dead letter must stay blocked across"
-            " restarts and members: the global GroupState; set on_dead_letter: skip)"
-        )
     if spec.circuit_breaker.enabled:
         out.append("circuit_breaker (set circuit_breaker.enabled: false)")
     if spec.circuit_breaker.suspend_after_ms is not None:

@@ -54,6 +54,7 @@ from varadhi.core.errors import (
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import progress, subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
+from varadhi.library import group_state_topic
 from varadhi.library.runtime import group_id
 from varadhi.ops import status
 from varadhi.spark import journal, warehouse_fs
@@ -232,8 +233,9 @@ def plan_subscription_delete(
 def own_topics(name: str) -> tuple[str, ...]:
     """The Kafka topics of subscription `name` that the catalog does not record: the delivery
     journal's and the delivery trace's, which a shard creates when the journal (trace) is on
-    (`varadhi.spark.journal`, `varadhi.kafka.trace`)."""
-    return (journal.topic_name(name), trace.topic_name(name))
+    (`varadhi.spark.journal`, `varadhi.kafka.trace`), and the library runtime's GroupState
+    topic, which its members create in block mode (`varadhi.library.group_state_topic`)."""
+    return (journal.topic_name(name), trace.topic_name(name), group_state_topic.topic_name(name))
 
 
 def check_stopped(

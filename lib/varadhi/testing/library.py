@@ -46,19 +46,17 @@ FAST_RETRY = RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0)
 def subscription_spec(
     name: str, topic: str, endpoint: Endpoint, shards: int = 2, **fields
 ) -> SubscriptionSpec:
-    """A `runtime: library` subscription as the tests and benches run one: dead letters skipped
-    (`block` needs the global GroupState this runtime lacks yet), the circuit off, retries due
-    within a second (`FAST_RETRY`); `fields` sets any other field of the spec."""
+    """A `runtime: library` subscription as the tests and benches run one unless `fields` say
+    otherwise: dead letters skipped (a key goes on), the circuit off (the library does not
+    support it yet), retries due within a second (`FAST_RETRY`); `fields` sets any field of the
+    spec."""
+    defaults = {
+        "on_dead_letter": "skip",
+        "circuit_breaker": CircuitPolicy(enabled=False),
+        "retry": FAST_RETRY,
+    }
     return SubscriptionSpec(
-        name,
-        topic,
-        endpoint,
-        shards=shards,
-        on_dead_letter="skip",
-        circuit_breaker=CircuitPolicy(enabled=False),
-        retry=FAST_RETRY,
-        runtime="library",
-        **fields,
+        name, topic, endpoint, shards=shards, runtime="library", **(defaults | fields)
     )
 
 

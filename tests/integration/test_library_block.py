@@ -1,0 +1,231 @@
+"""`on_dead_letter: block` on the library runtime against the real broker and a real HTTP
+endpoint: a key whose message is dead-lettered delivers none of its later messages (sidelined to
+the DLQ behind it) while other keys go on; a restarted member, and a member that gets the key's
+slot in a rebalance, still hold it blocked (the GroupState topic); `dlq unsideline` unblocks it
+and its messages are delivered in order, then its new ones."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from varadhi import Client
+from varadhi.core import messages as m
+from varadhi.core.group_state import OVER_LIMIT
+from varadhi.core.policies import Endpoint
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService
+from varadhi.library import Consumer
+from varadhi.library.blocked_keys import decode
+from varadhi.library.group_state_topic import topic_name
+from varadhi.ops import lifecycle
+from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.harness import read_queue
+from varadhi.testing.library import FAST_RETRY, subscription_spec
+
+pytestmark = pytest.mark.kafka
+
+DEADLINE_S = 60
+
+
+def wait_for(condition, what: str, *consumers: Consumer) -> None:
+    """Wait for `condition` (one generous deadline); a timeout shows the consumers' state."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            states = [(c.health(), c.counters()) for c in consumers]
+            raise AssertionError(f"timed out waiting for {what}: {states}")
+        time.sleep(0.05)
+
+
+def produce(settings, topic: str, groups: int, start: int, stop: int) -> list[str]:
+    """Messages `g<i>-<n>` of groups `g<i>`, n from `start` to `stop`, round by round."""
+    ids = []
+    with Producer(topic, settings) as producer:
+        for n in range(start, stop):
+            for g in range(groups):
+                msg_id = f"g{g}-{n}"
+                producer.send(msg_id.encode(), group_id=f"g{g}", message_id=msg_id)
+                ids.append(msg_id)
+        producer.flush()
+    return ids
+
+
+def delivered(endpoint: TestEndpoint) -> list[str]:
+    """Message ids of the endpoint's 2xx answers, in the order it answered them."""
+    return [r.message_id for r in endpoint.records() if r.status == 200]
+
+
+def dlq_ids(settings, spec) -> list[tuple[str, str]]:
+    return [
+        (r["headers"][m.H_MSG_ID], r["headers"][m.H_REASON])
+        for r in read_queue(settings, f"{spec.dlq_topic}.0")
+    ]
+
+
+def test_a_blocked_key_stays_blocked_across_restart_and_rebalance_until_unsidelined(
+    settings, catalog, make_topic, unique_name
+):
+    with TestEndpoint() as endpoint, Client(settings) as client:
+        topic = make_topic(4)
+        spec = subscription_spec(
+            unique_name("lib"), topic, Endpoint(endpoint.url + "/hook"), on_dead_letter="block"
+        )
+        SubscriptionService(catalog).create(spec)
+        endpoint.set_script("g1-2", [400])  # dead-lettered; 200 when re-driven
+        first = produce(settings, topic, groups=6, start=0, stop=6)
+        blocked = {f"g1-{n}" for n in range(2, 6)}
+        a = Consumer(spec.name, settings).start()
+        try:
+            wait_for(
+                lambda: (
+                    set(delivered(endpoint)) == set(first) - blocked
+                    and a.counters()["dead_lettered"] == 4
+                ),
+                "the other keys delivered, g1 blocked",
+                a,
+            )
+            assert (a.counters()["sidelined"], a.counters()["blocked"]) == (3, 1)
+        finally:
+            a.stop()
+        # the dead letter first, then g1's later messages in order behind it
+        assert dlq_ids(settings, spec) == [("g1-2", "fatal response 400")] + [
+            (f"g1-{n}", OVER_LIMIT) for n in range(3, 6)
+        ]
+
+        # A restart reads the block from the GroupState topic.
+        second = produce(settings, topic, groups=6, start=6, stop=8)
+        b = Consumer(spec.name, settings).start()
+        c = None
+        try:
+            wait_for(
+                lambda: (
+                    set(delivered(endpoint)) >= {i for i in second if not i.startswith("g1-")}
+                    and b.counters()["sidelined"] == 2
+                ),
+                "the restarted member's deliveries",
+                b,
+            )
+            assert b.counters()["blocked"] == 1
+            # A second member joins, then the first leaves: the key's slot moves to a member
+            # that never saw the dead letter.
+            c = Consumer(spec.name, settings).start()
+            wait_for(lambda: len(c.health()["slots"]) == 1, "the second member's slot", b, c)
+            b.stop()
+            wait_for(lambda: c.health()["slots"] == [0, 1], "every slot on the second", c)
+            third = produce(settings, topic, groups=6, start=8, stop=10)
+            wait_for(
+                lambda: (
+                    set(delivered(endpoint)) >= {i for i in third if not i.startswith("g1-")}
+                    and c.counters()["blocked"] == 1
+                    and any(i == "g1-9" for i, _ in dlq_ids(settings, spec))
+                ),
+                "the new owner's deliveries, g1 still blocked",
+                c,
+            )
+            assert [i for i in delivered(endpoint) if i.startswith("g1-")] == ["g1-0", "g1-1"]
+
+            # `dlq unsideline` re-drives the key: everything in order, then its new messages.
+            op_id = client.redrive(spec.name, group_ids=["g1"])
+            client.wait_for_redrive(spec.name, op_id, DEADLINE_S)
+            g1 = [f"g1-{n}" for n in range(10)]
+            wait_for(
+                lambda: [i for i in delivered(endpoint) if i.startswith("g1-")] == g1,
+                "g1 delivered in order",
+                c,
+            )
+            wait_for(lambda: c.counters()["blocked"] == 0, "g1 unblocked", c)
+            produce(settings, topic, groups=6, start=10, stop=11)
+            wait_for(
+                lambda: [i for i in delivered(endpoint) if i.startswith("g1-")] == [*g1, "g1-10"],
+                "g1's new message",
+                c,
+            )
+        finally:
+            b.stop()
+            if c is not None:
+                c.stop()
+        records = read_queue(settings, topic_name(spec.name))
+        last = {r["key"]: r["value"] for r in records}
+        assert decode(last[b"g1"]) == ()  # the key's record is a tombstone now
+        # `subscription delete` deletes the GroupState topic with the queues
+        client.delete_subscription(spec.name)
+        assert lifecycle.existing_topics(settings, [topic_name(spec.name)]) == []
+
+
+def test_a_redrive_of_the_dead_letter_alone_leaves_the_key_blocked_at_its_mark_and_a_paced_one_holds_it(
+    settings, catalog, make_topic, unique_name
+):
+    """A key blocked after its retries ran out had its later messages held behind the retry:
+    they are sidelined behind the dead letter, in order. Re-driving only a dead letter
+    delivers it and leaves the key blocked at its mark (the first sidelined message), as on a
+    shard; re-driving the key then delivers the rest in order. A rate-capped re-drive of a key
+    holds it at its next message a later portion puts back: a message produced meanwhile is
+    not delivered before them (it is sidelined, and blocks the key once they are back)."""
+    with TestEndpoint() as endpoint, Client(settings) as client:
+        topic = make_topic(4)
+        spec = subscription_spec(
+            unique_name("lib"),
+            topic,
+            Endpoint(endpoint.url + "/hook"),
+            on_dead_letter="block",
+            retry=replace(FAST_RETRY, max_attempts=2),
+        )
+        SubscriptionService(catalog).create(spec)
+        endpoint.set_script("g1-1", [400])
+        endpoint.set_script("g2-1", [500, 500])  # retried once, then dead-lettered
+        first = produce(settings, topic, groups=4, start=0, stop=5)
+        g1, g2 = [f"g1-{n}" for n in range(5)], [f"g2-{n}" for n in range(5)]
+        consumer = Consumer(spec.name, settings).start()
+
+        def got(prefix: str) -> list[str]:
+            return [i for i in delivered(endpoint) if i.startswith(prefix)]
+
+        try:
+            wait_for(
+                lambda: (
+                    set(delivered(endpoint)) == set(first) - set(g1[1:]) - set(g2[1:])
+                    and consumer.counters()["dead_lettered"] == 8
+                ),
+                "the other keys delivered, g1 and g2 blocked",
+                consumer,
+            )
+            dlq = dlq_ids(settings, spec)
+            for key in ("g1", "g2"):
+                mine = [(i, reason) for i, reason in dlq if i.startswith(key)]
+                assert [i for i, _ in mine] == [f"{key}-{n}" for n in range(1, 5)]
+                assert {reason for _, reason in mine[1:]} == {OVER_LIMIT}
+            assert consumer.counters()["blocked"] == 2
+
+            # only the dead letter: g1 blocked again at its mark g1-2
+            op = client.redrive(spec.name, message_ids=["g1-1"])
+            client.wait_for_redrive(spec.name, op, DEADLINE_S)
+            wait_for(lambda: got("g1-") == g1[:2], "g1-1 re-driven", consumer)
+            produce(settings, topic, groups=4, start=5, stop=6)
+            wait_for(
+                lambda: (
+                    consumer.counters()["dead_lettered"] == 10 and "g0-5" in delivered(endpoint)
+                ),
+                "g1-5 and g2-5 sidelined",
+                consumer,
+            )
+            assert got("g1-") == g1[:2] and consumer.counters()["blocked"] == 2
+            op = client.redrive(spec.name, group_ids=["g1"])
+            client.wait_for_redrive(spec.name, op, DEADLINE_S)
+            wait_for(lambda: got("g1-") == [*g1, "g1-5"], "g1 in order", consumer)
+
+            # g2 at 1 message a second (each slot one every 2 s): g2-6, produced once its dead
+            # letter and mark are back (only the re-drive's barrier holds it), waits behind the rest
+            op = client.redrive(spec.name, group_ids=["g2"], rate=1)
+            wait_for(lambda: got("g2-") == g2[:3], "the first portions", consumer)
+            produce(settings, topic, groups=4, start=6, stop=7)
+            client.wait_for_redrive(spec.name, op, DEADLINE_S)
+            wait_for(lambda: got("g2-") == [*g2, "g2-5"], "g2's re-driven messages", consumer)
+            wait_for(lambda: "g1-6" in delivered(endpoint), "g1's newer message", consumer)
+            assert got("g2-") == [*g2, "g2-5"]  # g2-6 sidelined behind them
+            assert ("g2-6", OVER_LIMIT) in dlq_ids(settings, spec)
+            assert consumer.counters()["blocked"] == 1
+        finally:
+            consumer.stop()
