@@ -4,7 +4,8 @@ component, holding exactly `grants(component, names)`), so the two cannot disagr
 
 A grant names its resource by a template over `Names`: `{catalog}` the catalog topic,
 `{topic}` a composite topic (its storage topics are `<topic>.0`, `<topic>.1`, ...), `{sub}` a
-subscription (its Kafka topics `<sub>.rq.<n>`, `<sub>.dlq.<n>`, `<sub>.journal`, `<sub>.trace`;
+subscription (its Kafka topics `<sub>.rq.<n>`, `<sub>.dlq.<n>`, `<sub>.journal`, `<sub>.trace`,
+`<sub>.state` (a library subscription's GroupState, `varadhi.library.group_state_topic`);
 its library runtime's consumer group `varadhi-library.<sub>`, `varadhi.library.runtime.group_id`),
 `{outbox}` a Delta outbox. User-facing names cannot contain a dot, so a prefix `<sub>.` matches
 only that subscription's own topics (and those of a topic named exactly `<sub>`, if there is one).
@@ -102,7 +103,7 @@ TABLE: tuple[Grant, ...] = (
           "`subscription apply` and `change-shards` make the RQ/DLQ, `change-shards` writes "
           "the last batch's records to the new ones; DLQ list, re-drive, offsets and status "
           "read them, `trace` reads the delivery trace; `subscription delete` deletes them, the "
-          "journal and the trace"),
+          "journal, the trace and a library subscription's GroupState topic"),
     Grant("operator", TRANSACTIONAL_ID, LITERAL, "varadhi.{sub}.change-shards",
           ("Describe", "Write"),
           "`change-shards` sends the last batch's records in one transaction"),
