@@ -13,6 +13,7 @@ import pytest
 
 from varadhi import Client
 from varadhi.core import messages as m
+from varadhi.core.errors import InvalidArgument
 from varadhi.core.group_state import OVER_LIMIT
 from varadhi.core.policies import Endpoint
 from varadhi.kafka.producer import Producer
@@ -94,6 +95,9 @@ def test_a_blocked_key_stays_blocked_across_restart_and_rebalance_until_unsideli
         assert dlq_ids(settings, spec) == [("g1-2", "fatal response 400")] + [
             (f"g1-{n}", OVER_LIMIT) for n in range(3, 6)
         ]
+        # a DLQ reset would skip the dead letter of a blocked key: refused
+        with pytest.raises(InvalidArgument, match="1 keys .* blocked behind dead letters"):
+            client.reset_offsets(spec.name, "dlq", "to-latest", execute=True)
 
         # A restart reads the block from the GroupState topic.
         second = produce(settings, topic, groups=6, start=6, stop=8)

@@ -100,3 +100,17 @@ def read_slots(settings, name: str, partitions: Iterable[int]) -> dict[int, dict
     finally:
         consumer.close(autocommit=False)
     return {p: {k: b for k, b in keys.items() if b} for p, keys in out.items()}
+
+
+def blocked_count(settings, subscription: str) -> int:
+    """How many keys (per slot) the subscription's GroupState topic holds blocked now (0: it
+    has no such topic)."""
+    name = topic_name(subscription)
+    admin = kafka_clients.admin(settings, client_id="varadhi-group-state-admin")
+    try:
+        if name not in admin.list_topics():
+            return 0
+        partitions = len(admin.describe_topics([name])[0]["partitions"])
+    finally:
+        admin.close()
+    return sum(len(keys) for keys in read_slots(settings, name, range(partitions)).values())

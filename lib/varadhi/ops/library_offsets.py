@@ -12,7 +12,9 @@ again. What maps from the shards' reset (`varadhi.ops.offsets`), with the same p
 - rq: fast-forward only (`--to-latest`, `--to-datetime`, a positive `--shift-by`), as for
   shards: the retries skipped are dropped (a key never waits for them: no GroupState);
 - dlq: fast-forward of where `dlq list` and `unsideline` start (`state.dlq_start`), as for shards;
-  the group is not involved.
+  the group is not involved. Refused in block mode while a key is blocked (the GroupState topic,
+  `varadhi.library.group_state_topic`): the members do not release a key whose dead letter a
+  reset skips yet, so it would stay blocked with nothing left to re-drive.
 
 Executing is refused, before any side effect, while a member may deliver (`status.ensure_members_idle`:
 each must be stopped, or paused and reported paused while the subscription is paused). Then:
@@ -48,6 +50,7 @@ from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import dlq as dlq_ops
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
+from varadhi.library import group_state_topic
 from varadhi.library.assign import slot_of
 from varadhi.library.position import describe, reset_key
 from varadhi.library.runtime import group_id
@@ -227,6 +230,15 @@ def execute(catalog: Catalog, name: str, plan: Plan) -> tuple[Plan, str]:
         assert op is not None
         plan, op_id = Plan.from_dict(op["plan"]), op["id"]
     else:
+        if plan.queue == "dlq" and sub.spec.on_dead_letter == "block":
+            held = group_state_topic.blocked_count(catalog.settings, name)
+            if held:
+                raise InvalidArgument(
+                    f"{held} keys of {name} are blocked behind dead letters, and the library"
+                    " runtime does not release a key whose dead letter a DLQ reset skips yet:"
+                    " re-drive them first (varadhi dlq unsideline --group-ids ...)",
+                    field="queue",
+                )
         op_id = _record(catalog, name, plan)
     if plan.queue != "dlq":
         wait_until_empty(catalog.settings, group, EMPTY_WAIT_S)
