@@ -1,8 +1,9 @@
 """Which member of a subscription's consumer group reads which partitions.
 
 A message that fails goes to the retry queue (RQ) on a partition chosen from its ordering key,
-and its key's later messages wait until that copy is delivered. Without a global GroupState
-(not in this runtime yet) the member that waits must be the member that reads the copy back.
+and its key's later messages wait until that copy is delivered. Retries are not in the
+GroupState topic (only blocked keys are: `group_state_topic`), so the member that waits must be
+the member that reads the copy back.
 So members are given whole *slots*: slot s is every partition the subscription's shard s owns
 (`routing.shard_partitions` over the subscription's shard count: its ranges of the main topic's
 storage topic, the RQ and the DLQ), and a failed message goes to an RQ partition of its own

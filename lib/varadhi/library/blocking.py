@@ -145,10 +145,14 @@ class Blocking:
         """`work` was delivered: the futures of its key's record, rewritten when `work` lifted
         one of its blocks (its offset finishes once they are acknowledged)."""
         qk, origin = work.queue, work.entry.origin
+        waiting = self._redriving.get(qk)
+        if waiting is not None:
+            waiting.discard(origin)
+            if not waiting:
+                del self._redriving[qk]
         blocks = self._keys.get(qk, ())
         if not any(b.origin == origin for b in blocks):
             return []
-        self._redriving.get(qk, set()).discard(origin)
         return self._write(qk, blocked_keys.delivered(blocks, origin))
 
     @contextlib.contextmanager
