@@ -31,6 +31,7 @@ it itself (and flushes the producer outside it).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Mapping
 
 from varadhi.core import messages as m
@@ -254,3 +255,24 @@ class RedriveHold:
         return Work(
             entry, self._rq_topic, -1, -1, slot, self._key_of(record.key, headers, record.value)
         )
+
+
+def after_acks(futures: list, then: Callable[[], None], fail: Callable[[BaseException], None]):
+    """Call `then` once every one of `futures` (producer sends) succeeded, at once when there is
+    none; `fail` with the first error."""
+    if not futures:
+        then()
+        return
+    left = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_meta) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            then()
+
+    for future in futures:
+        future.add_callback(one)
+        future.add_errback(fail)

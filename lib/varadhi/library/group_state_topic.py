@@ -102,6 +102,18 @@ def read_slots(settings, name: str, partitions: Iterable[int]) -> dict[int, dict
     return {p: {k: b for k, b in keys.items() if b} for p, keys in out.items()}
 
 
+def read_slots_of(
+    settings, subscription: str, slots: Iterable[int], slot_count: int, dlq: topics.StorageTopic
+) -> dict[int, dict[int, dict[str, Blocks]]]:
+    """`read_slots` of each of `slots` (slot -> its partitions' records) of a subscription of
+    `slot_count` slots whose DLQ storage topic is `dlq`."""
+    name = topic_name(subscription)
+    return {
+        s: read_slots(settings, name, routing.shard_partitions(s, slot_count, dlq.partitions))
+        for s in slots
+    }
+
+
 def blocked_count(settings, subscription: str) -> int:
     """How many keys (per slot) the subscription's GroupState topic holds blocked now (0: it
     has no such topic)."""

@@ -28,7 +28,7 @@ its later main-topic messages are sidelined to the DLQ behind it, and the key's 
 compacted GroupState topic (`group_state_topic`), read for each new slot before any of it is
 handed out, so a restarted member or a slot's new owner holds the key blocked; the re-driven
 copy's delivery lifts the block. Each offset of such a message finishes only once its DLQ record
-and the key's GroupState record are acknowledged (`_send`'s `also`, `_after_acks`).
+and the key's GroupState record are acknowledged (`_send`'s `also`, `blocking.after_acks`).
 
 Rebalance. When slots are revoked the member hands out nothing more of them and commits what
 finished of them (`_revoke`: asynchronously, as kafka-python's rebalance listener runs on its
@@ -134,7 +134,7 @@ from varadhi.kafka.settings import Settings
 from varadhi.library import group_state_topic, join_guard, position, redrive
 from varadhi.library import handler as handlers
 from varadhi.library.assign import SlotAssignor, slot_of
-from varadhi.library.blocking import Blocking, RedriveHold
+from varadhi.library.blocking import Blocking, RedriveHold, after_acks
 from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.scheduler import Scheduler, Work
@@ -858,7 +858,11 @@ class Consumer:
         offsets = self._offsets
         ledgers = {}
         try:
-            blocked = self._read_blocked(self._slots_of(new))
+            blocked = {}  # in block mode, the new slots' GroupState records
+            if self._blocking is not None:
+                blocked = group_state_topic.read_slots_of(
+                    self.settings, self.name, self._slots_of(new), self._sub.shard_count, self._dlq
+                )
             ends = offsets.end_offsets(rq_tps) if rq_tps else {}
             for tp in new:
                 committed = offsets.committed(tp, metadata=True)
@@ -902,18 +906,6 @@ class Consumer:
         self._sched.reopen(slots)
         if self._blocking is not None:
             self._blocking.reopened(slots)
-
-    def _read_blocked(self, slots: set[int]) -> dict[int, dict]:
-        """In block mode, the GroupState records of new `slots` (`group_state_topic`)."""
-        if self._blocking is None or not slots:
-            return {}
-        topic, parts = group_state_topic.topic_name(self.name), self._dlq.partitions
-        return {
-            s: group_state_topic.read_slots(
-                self.settings, topic, routing.shard_partitions(s, self._sub.shard_count, parts)
-            )
-            for s in slots
-        }
 
     def _slot(self, tp: TopicPartition) -> int:
         topic = self._rq if tp.topic == self._rq.name else self._main
@@ -1009,14 +1001,17 @@ class Consumer:
             parked = self._dead_letter(work)  # (it counts what it sidelines: not inline)
             self._counts["dead_lettered"] += parked
             self._lock.notify_all()
+        if self._blocking is None:
+            self._send("dlq", work)
 
     def _dead_letter(self, work: Work) -> bool:
         """(Under the lock) `work`, a head handed out, goes to the DLQ: its key goes on (skip
-        mode) or is blocked behind it (`Blocking`; False: not recorded, its slot revoked)."""
+        mode: the caller writes its DLQ record after the lock) or is blocked behind it
+        (`Blocking`, which writes it, in order with what it sidelines; False: not recorded,
+        its slot was revoked)."""
         if self._blocking is not None:
             return self._blocking.dead_letter(work)
         self._sched.done(work)
-        self._send("dlq", work)
         return True
 
     def _sideline(self, work: Work, also: list) -> None:
@@ -1048,7 +1043,7 @@ class Consumer:
                 self._sched.done(work)
                 self._lock.notify_all()
                 where = (TopicPartition(work.topic, work.partition), work.offset)
-                _after_acks(lifted, partial(self._finished.put, where), self._fail)
+                after_acks(lifted, partial(self._finished.put, where), self._fail)
         if decision.action == "success":
             self._trace_attempt(work, outcome, "delivered")
             return
@@ -1079,7 +1074,7 @@ class Consumer:
                 self._counts["dead_lettered"] += parked
             self._lock.notify_all()
         self._trace_attempt(work, outcome, target)
-        if target == "rq":
+        if target == "rq" or self._blocking is None:
             self._send(target, work)
 
     # -- the delivery trace -------------------------------------------------------------------
@@ -1152,7 +1147,7 @@ class Consumer:
             partition=partition,
             headers=record.headers,
         )
-        _after_acks([future, *also], partial(self._finished.put, where), self._fail)
+        after_acks([future, *also], partial(self._finished.put, where), self._fail)
 
     def _fail(self, error: BaseException) -> None:
         if isinstance(error, KafkaError):
@@ -1246,27 +1241,6 @@ def _session_kwargs(session_timeout_ms: int | None) -> dict[str, int]:
         "session_timeout_ms": session_timeout_ms,
         "heartbeat_interval_ms": max(1, min(3_000, session_timeout_ms // 3)),
     }
-
-
-def _after_acks(futures: list, then: Callable[[], None], fail: Callable[[BaseException], None]):
-    """Call `then` once every one of `futures` (producer sends) succeeded, at once when there is
-    none; `fail` with the first error."""
-    if not futures:
-        then()
-        return
-    left = [len(futures)]
-    lock = threading.Lock()
-
-    def one(_meta) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            then()
-
-    for future in futures:
-        future.add_callback(one)
-        future.add_errback(fail)
 
 
 def _now_ms() -> int:
