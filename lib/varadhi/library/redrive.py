@@ -33,9 +33,9 @@ and keeps it between portions (`Redriver`); after each portion it adds its progr
 operation document (`dlq.report_progress`: `dlq list` shows what is back `redriven`, the rest
 `redrive requested`), and marks the slot done after the last. A member that gets the slot
 later goes on from the reported progress; the portion written but not reported before a crash
-is written again (at least once). No barriers are needed (the shards' keep a group's newer
-traffic behind its re-driven messages, which skip mode does not ask for): a key's re-driven
-messages still go back in their DLQ order, on one RQ partition.
+is written again (at least once). In skip mode no barriers are needed (the shards' keep a
+group's newer traffic behind its re-driven messages, which skip mode does not ask for): a key's
+re-driven messages still go back in their DLQ order, on one RQ partition; block mode's are below.
 
 Block mode (`on_dead_letter: block`). A member's `Hold` (`varadhi.library.blocking.RedriveHold`)
 is told around each slot's re-drives (`frozen`: the slot's blocked keys hold their new messages
