@@ -1,8 +1,10 @@
 """`on_dead_letter: block` on the library runtime against the real broker and a real HTTP
 endpoint: a key whose message is dead-lettered delivers none of its later messages (sidelined to
-the DLQ behind it) while other keys go on; a restarted member, and a member that gets the key's
-slot in a rebalance, still hold it blocked (the GroupState topic); `dlq unsideline` unblocks it
-and its messages are delivered in order, then its new ones."""
+the DLQ behind it) while other keys go on; a restarted member, a member that gets the key's
+slot in a rebalance, and the member after one killed, still hold it blocked (the GroupState
+topic); `dlq unsideline` unblocks it and its messages are delivered in order, then its new ones;
+re-driving only the dead letter leaves it blocked at its mark; a rate-capped re-drive holds it
+at its next re-driven message; a DLQ offset reset is refused while it is blocked."""
 
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from varadhi.library.group_state_topic import topic_name
 from varadhi.ops import lifecycle
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.testing.library import FAST_RETRY, subscription_spec
+from varadhi.testing.library import FAST_RETRY, ConsumerProcess, subscription_spec
 
 pytestmark = pytest.mark.kafka
 
@@ -233,3 +235,55 @@ def test_a_redrive_of_the_dead_letter_alone_leaves_the_key_blocked_at_its_mark_a
             assert consumer.counters()["blocked"] == 1
         finally:
             consumer.stop()
+
+
+def test_a_member_killed_after_a_dead_letter_leaves_the_key_blocked(
+    settings, catalog, make_topic, unique_name, tmp_path
+):
+    """The console script, SIGKILLed once a key is blocked, its later messages sidelined and
+    all of it committed (so only the GroupState topic can say the key is blocked): the next
+    member holds the key blocked (nothing of it delivered, its new messages sidelined) while
+    the others go on."""
+    from varadhi.library.runtime import group_id
+    from varadhi.ops import status
+
+    with TestEndpoint() as endpoint:
+        topic = make_topic(4)
+        spec = subscription_spec(
+            unique_name("lib"), topic, Endpoint(endpoint.url + "/hook"), on_dead_letter="block"
+        )
+        SubscriptionService(catalog).create(spec)
+        endpoint.set_script("g1-1", [400])
+        first = produce(settings, topic, groups=3, start=0, stop=4)
+        args = ("--session-timeout-ms", "6000")  # the killed member's slots move within 6 s
+
+        def committed() -> int:
+            found = status.group_committed(catalog, group_id(spec.name))
+            return sum(offset for tp, offset in found.items() if tp.topic == f"{topic}.0")
+
+        member = ConsumerProcess(settings, spec.name, tmp_path / "first.log", *args)
+        try:
+            wait_for(
+                lambda: (
+                    [i for i, _ in dlq_ids(settings, spec)] == ["g1-1", "g1-2", "g1-3"]
+                    and committed() == len(first)
+                ),
+                "g1 blocked, everything committed",
+            )
+        finally:
+            member.kill()
+        assert delivered(endpoint) and "g1-2" not in delivered(endpoint)
+        second = produce(settings, topic, groups=3, start=4, stop=6)
+        again = ConsumerProcess(settings, spec.name, tmp_path / "second.log", *args)
+        try:
+            wait_for(
+                lambda: (
+                    set(delivered(endpoint)) >= {i for i in second if not i.startswith("g1-")}
+                    and {"g1-4", "g1-5"} <= {i for i, _ in dlq_ids(settings, spec)}
+                ),
+                "the next member's deliveries",
+            )
+            assert again.alive(), again.log()
+        finally:
+            assert again.stop() == 0, again.log()
+        assert [i for i in delivered(endpoint) if i.startswith("g1-")] == ["g1-0"]
