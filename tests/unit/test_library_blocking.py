@@ -147,3 +147,18 @@ def test_live_is_a_main_topic_copy():
     assert live(work(1))
     assert not live(copy(1))
     assert not live(work(1, attempts=1))
+
+
+def test_a_copy_redriven_behind_a_block_that_stays_waits_behind_it():
+    s = Scheduler()
+    s.park(bodiless(2, "dlq"))  # the dead letter, not re-driven
+    s.await_copy(bodiless(5, "rq"))  # a later message re-driven alone
+    assert s.add(copy(5)) == []
+    assert s.take(0) is None  # held behind the block
+    assert s.spill_blocked(0) == []  # a re-driven copy is never sidelined
+    assert s.add(copy(2)) == []  # the dead letter's copy, re-driven later
+    got = []
+    while (w := s.take(0)) is not None:
+        got.append(w.entry.origin.offset)
+        s.done(w)
+    assert got == [2, 5]
