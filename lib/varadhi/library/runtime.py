@@ -96,13 +96,18 @@ from queue import Empty, SimpleQueue
 from typing import Any
 
 from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka.errors import CommitFailedError, KafkaError
+from kafka.errors import (
+    AuthorizationError,
+    CommitFailedError,
+    GroupAuthorizationFailedError,
+    KafkaError,
+)
 from kafka.structs import OffsetAndMetadata
 
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request, Wait
-from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
+from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotAuthorized, VaradhiError
 from varadhi.core.group_state import (
     Entry,
     out_bytes,
@@ -210,6 +215,7 @@ class Consumer:
         self.member = member_id()
         self._state = "new"
         self._error: str | None = None
+        self._failure: BaseException | None = None  # what ended it (`failure`)
         self._threads: list[threading.Thread] = []
         self._rng = random.Random()
         self._trace: trace_topic.TraceWriter | None = None
@@ -371,6 +377,13 @@ class Consumer:
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
                 "rate_limit": self._rate,
             }
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that ended a `failed` consumer (a `VaradhiError` carries its exit code:
+        `NotAuthorized` 4 for a missing ACL), else None."""
+        with self._lock:
+            return self._failure
 
     def counters(self) -> dict[str, int]:
         """Totals since start: records `read`, main-topic messages the filter dropped
@@ -1067,15 +1080,24 @@ class Consumer:
             headers=record.headers,
         )
         future.add_callback(lambda _meta: self._finished.put(where))
-        future.add_errback(self._fail)
+        future.add_errback(lambda error: self._fail(error, "Write"))
 
-    def _fail(self, error: BaseException) -> None:
-        if isinstance(error, KafkaError):
+    def _fail(self, error: BaseException, operation: str = "Describe or Read") -> None:
+        """Stop, failed with `error` (the first one is kept: `failure`, health's `error`). A
+        missing ACL becomes the `NotAuthorized` naming it (exit 4): Read on the group, or
+        `operation` on a topic (a produce's is Write)."""
+        if isinstance(error, GroupAuthorizationFailedError):
+            principal = kafka_clients.principal(self.settings)
+            error = NotAuthorized("Read", "Group", group_id(self.name), principal)
+        elif isinstance(error, AuthorizationError):
+            error = kafka_clients.refused(self.settings, error, operation)
+        elif isinstance(error, KafkaError):
             error = VaradhiError(f"Kafka: {kafka_clients.explain(self.settings, error)}")
         log.error("%s: consumer stops: %s", self.name, error, exc_info=error)
         with self._lock:
             if self._error is None:
                 self._error = str(error) or type(error).__name__
+                self._failure = error
             self._state = "failed"
             self._stopping.set()
             self._lock.notify_all()
