@@ -115,6 +115,7 @@ from varadhi.core.group_state import (
     trace_attempt,
     with_response,
 )
+from varadhi.core.policies import CircuitPolicy
 from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
 from varadhi.core.rate_limit import Pacer, slot_share
 from varadhi.core.record_ids import header_value, text_id
@@ -133,6 +134,7 @@ from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.scheduler import Scheduler, Work
+from varadhi.library.shared_circuit import CircuitLink, SharedCircuit
 from varadhi.library.support import Unsupported, unsupported
 
 log = logging.getLogger(__name__)
@@ -228,6 +230,9 @@ class Consumer:
         self._pacer: Pacer | None = None  # with `endpoint.max_rate` and HTTP
         self._rate: float | None = None  # this member's share of `max_rate` now
         self._reshare: float | None = None  # a new share, for the engine thread (`_take`)
+        # the spec's circuit from `start` (`shared_circuit`: on the subscription's error rate)
+        self._circuit = SharedCircuit(CircuitPolicy(enabled=False))
+        self._circuit_link: CircuitLink | None = None
         self._counts = dict.fromkeys(
             (
                 "read",
@@ -276,6 +281,7 @@ class Consumer:
             catalog.close()
             raise
         self._catalog, self._sub = catalog, sub
+        self._circuit = SharedCircuit(sub.spec.circuit_breaker)
         self._paused = sub.paused
         self._spec = sub.spec
         self._main = main.storage_topics[0]
@@ -325,6 +331,18 @@ class Consumer:
             self._producer.close(timeout=10)
             self._catalog.close()
             raise
+        if sub.spec.circuit_breaker.enabled:
+            try:
+                self._circuit_link = CircuitLink(
+                    self.settings, self.name, self.member, self._circuit
+                )
+            except BaseException:
+                self._state = "failed"
+                for client in (self._consumer, self._offsets):
+                    client.close(autocommit=False)
+                self._producer.close(timeout=10)
+                self._catalog.close()
+                raise
         names = [self._main.name, self._rq.name]
         for name in names:
             # Metadata first: a group joined before it knows its topics' partitions assigns
@@ -335,6 +353,8 @@ class Consumer:
         self._state = "running"
         self._spawn(self._consume, "kafka")
         self._spawn(self._redrive, "redrive")
+        if self._circuit_link is not None:
+            self._spawn(self._share_circuit, "circuit")
         if self.handler is None:
             self._spawn(self._deliver_http, "http")
         else:
@@ -376,6 +396,7 @@ class Consumer:
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
                 "rate_limit": self._rate,
+                "circuit": self._circuit.status(),
             }
 
     @property
@@ -749,6 +770,7 @@ class Consumer:
                 "error": self._error,
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "partitions": sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers),
+                "circuit": self._circuit.status(),
                 "committed": {
                     f"{tp.topic}/{tp.partition}": offset
                     for tp, (offset, _) in sorted(self._committed.items())
@@ -886,7 +908,22 @@ class Consumer:
                 assert self._pacer is not None
                 self._pacer.reshare(self._reshare)
                 self._reshare = None
-            return self._sched.take(_now_ms())
+            return self._circuit.admit(lambda: self._sched.take(_now_ms()))
+
+    def _share_circuit(self) -> None:
+        """(Its own thread) The circuit's ticks and the members' shared counts
+        (`shared_circuit.CircuitLink`); a transition is published at once."""
+        assert self._circuit_link is not None
+        try:
+            self._circuit_link.run(self._stopping, self._circuit_moved)
+        except BaseException as e:  # noqa: BLE001 - reported through health() and the CLI
+            self._fail(e)
+
+    def _circuit_moved(self, before: str, after: str) -> None:
+        log.warning("%s: circuit %s -> %s", self.name, before, after)
+        with self._lock:
+            self._lock.notify_all()  # handler threads waiting for work look again
+        self._publish(force=True)
 
     def _deliver_http(self) -> None:
         try:
@@ -903,7 +940,11 @@ class Consumer:
                 with self._lock:
                     work = None
                     while not self._stopping.is_set():
-                        work = None if self._paused else self._sched.take(_now_ms())
+                        work = (
+                            None
+                            if self._paused
+                            else self._circuit.admit(lambda: self._sched.take(_now_ms()))
+                        )
                         if work is not None:
                             break
                         due = self._sched.next_due_ms()
@@ -952,6 +993,7 @@ class Consumer:
             self._counts["dead_lettered"] += 1
             self._sched.done(work)
             self._lock.notify_all()
+        self._circuit.ended(work, None)
         tracer = self._tracer(work.slot)
         if tracer is not None:
             tracer.routed(
@@ -971,6 +1013,7 @@ class Consumer:
         e = work.entry
         now = _now_ms()
         e.attempts += 1
+        self._circuit.ended(work, decision.action != "success")
         with self._lock:
             self._counts["attempts"] += 1
             if decision.action == "success":

@@ -36,8 +36,6 @@ def unsupported(
             "on_dead_letter: block (a key blocked behind a dead letter must stay blocked across"
             " restarts and members: the global GroupState; set on_dead_letter: skip)"
         )
-    if spec.circuit_breaker.enabled:
-        out.append("circuit_breaker (set circuit_breaker.enabled: false)")
     if spec.circuit_breaker.suspend_after_ms is not None:
         out.append("circuit_breaker.suspend_after (endpoint health: set it to null)")
     if spec.dedup_window_ms:
