@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from varadhi.core import messages as m
 from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
@@ -47,18 +48,16 @@ def subscription_spec(
     name: str, topic: str, endpoint: Endpoint, shards: int = 2, **fields
 ) -> SubscriptionSpec:
     """A `runtime: library` subscription as the tests and benches run one: dead letters skipped
-    (`block` needs the global GroupState this runtime lacks yet), the circuit off, retries due
-    within a second (`FAST_RETRY`); `fields` sets any other field of the spec."""
+    (`block` needs the global GroupState this runtime lacks yet), the circuit off (a test of
+    failures then sees every attempt), retries due within a second (`FAST_RETRY`); `fields`
+    sets any other field of the spec, or one of those (the circuit's tests turn it on)."""
+    defaults: dict[str, Any] = {
+        "on_dead_letter": "skip",
+        "circuit_breaker": CircuitPolicy(enabled=False),
+        "retry": FAST_RETRY,
+    }
     return SubscriptionSpec(
-        name,
-        topic,
-        endpoint,
-        shards=shards,
-        on_dead_letter="skip",
-        circuit_breaker=CircuitPolicy(enabled=False),
-        retry=FAST_RETRY,
-        runtime="library",
-        **fields,
+        name, topic, endpoint, shards=shards, runtime="library", **{**defaults, **fields}
     )
 
 
