@@ -58,6 +58,11 @@ without knowing it (it stopped polling for `max.poll.interval.ms`, `_full`) goes
 what it holds at its old share until its next poll, next to the slots' new owners: the sum may
 then exceed the limit, as duplicates may come (at least once).
 
+Circuit. Messages are handed out through the member's circuit breaker (`_take`,
+`shared_circuit.SharedCircuit.admit`: none while open, `probes` while half-open), every attempt
+is counted at its settling, and a thread of its own (`_share_circuit`) ticks the circuit and
+shares the counts with the other members, so it acts on the subscription's error rate.
+
 Pause. The member reads the subscription from the catalog every `CATALOG_CHECK_S`. While it
 is paused the member hands out nothing more (deliveries in flight end, their outcomes are
 written and committed), pauses every partition it is assigned (kafka-python's `pause`; it goes
