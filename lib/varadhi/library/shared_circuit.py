@@ -248,7 +248,10 @@ class CircuitLink:
         self._reader = kafka_clients.consumer(settings, enable_auto_commit=False)
         self._producer: KafkaProducer | None = None
         try:
-            self._producer = kafka_clients.producer(settings, linger_ms=0)
+            # a send waits at most a tick for metadata (a broker away): the ticks go on
+            self._producer = kafka_clients.producer(
+                settings, linger_ms=0, max_block_ms=int(TICK_S * 1000)
+            )
             tp = TopicPartition(self.topic, 0)
             self._reader.assign([tp])
             since = now_ms() - circuit.breaker.policy.window_ms
@@ -293,11 +296,22 @@ class CircuitLink:
                 report = self.circuit.report(self.member, now, due)
                 if due:
                     next_report = time.monotonic() + REPORT_S
-                if report is not None and self._producer is not None:
-                    key = report_key(self.subscription, self.member)
-                    self._producer.send(self.topic, key=key, value=encode(report), partition=0)
+                if report is not None:
+                    self._send(report)
         finally:
             self._close()
+
+    def _send(self, report: Report) -> None:
+        """Hand `report` to the producer; a Kafka error that may pass by itself (the broker
+        away: metadata not there in time) loses it, logged: evidence missed, not a failure."""
+        assert self._producer is not None
+        key = report_key(self.subscription, self.member)
+        try:
+            self._producer.send(self.topic, key=key, value=encode(report), partition=0)
+        except Exception as e:
+            if not kafka_clients.transient(e):
+                raise
+            log.warning("%s: circuit report not sent (%s)", self.subscription, e)
 
     def _close(self) -> None:
         self._reader.close(autocommit=False)
