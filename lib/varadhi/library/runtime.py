@@ -329,25 +329,17 @@ class Consumer:
         # nothing, for good (`join_guard`)
         try:
             join_guard.guard(self._consumer)
-        except VaradhiError:
+            if sub.spec.circuit_breaker.enabled:  # reads and writes the members' reports
+                self._circuit_link = CircuitLink(
+                    self.settings, self.name, self.member, self._circuit
+                )
+        except BaseException:
             self._state = "failed"
             for client in (self._consumer, self._offsets):
                 client.close(autocommit=False)
             self._producer.close(timeout=10)
             self._catalog.close()
             raise
-        if sub.spec.circuit_breaker.enabled:
-            try:
-                self._circuit_link = CircuitLink(
-                    self.settings, self.name, self.member, self._circuit
-                )
-            except BaseException:
-                self._state = "failed"
-                for client in (self._consumer, self._offsets):
-                    client.close(autocommit=False)
-                self._producer.close(timeout=10)
-                self._catalog.close()
-                raise
         names = [self._main.name, self._rq.name]
         for name in names:
             # Metadata first: a group joined before it knows its topics' partitions assigns
@@ -913,7 +905,11 @@ class Consumer:
                 assert self._pacer is not None
                 self._pacer.reshare(self._reshare)
                 self._reshare = None
-            return self._circuit.admit(lambda: self._sched.take(_now_ms()))
+            return self._next_work()
+
+    def _next_work(self) -> Work | None:
+        """(Under the lock; not paused) The next message, if the circuit lets one go."""
+        return self._circuit.admit(lambda: self._sched.take(_now_ms()))
 
     def _share_circuit(self) -> None:
         """(Its own thread) The circuit's ticks and the members' shared counts
@@ -945,11 +941,7 @@ class Consumer:
                 with self._lock:
                     work = None
                     while not self._stopping.is_set():
-                        work = (
-                            None
-                            if self._paused
-                            else self._circuit.admit(lambda: self._sched.take(_now_ms()))
-                        )
+                        work = None if self._paused else self._next_work()
                         if work is not None:
                             break
                         due = self._sched.next_due_ms()
