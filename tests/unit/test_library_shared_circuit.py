@@ -64,11 +64,11 @@ def test_the_others_failures_open_a_member_that_saw_too_few_itself():
     clock = Clock()
     circuit = SharedCircuit(POLICY, clock)
     attempts(circuit, 4, failed=True)  # 4 of its own: below min_requests (10)
-    assert circuit.tick(NONE) == ("closed", "closed")
+    assert circuit.tick(NONE) == ("closed", False)
     clock.ms += 500
     attempts(circuit, 1, failed=False)
     # another member's 6 failures arrive: 11 attempts in the window, 10 failed
-    assert circuit.tick(PeerEvidence(6, 6)) == ("closed", "open")
+    assert circuit.tick(PeerEvidence(6, 6)) == ("open", True)
     assert circuit.admit(object) is None  # open: nothing is handed out
 
 
@@ -76,7 +76,7 @@ def test_the_others_successes_keep_the_subscriptions_rate_below_the_threshold():
     clock = Clock()
     circuit = SharedCircuit(POLICY, clock)
     attempts(circuit, 10, failed=True)  # alone, 100% of 10 would open it
-    assert circuit.tick(PeerEvidence(30, 0)) == ("closed", "closed")  # 10 of 40 failed
+    assert circuit.tick(PeerEvidence(30, 0)) == ("closed", False)  # 10 of 40 failed
 
 
 def test_counts_leave_the_window_as_a_shards_batches_do():
@@ -85,12 +85,12 @@ def test_counts_leave_the_window_as_a_shards_batches_do():
     circuit.tick(PeerEvidence(9, 9))
     clock.ms += 2_001
     attempts(circuit, 2, failed=True)
-    assert circuit.tick(NONE) == ("closed", "closed")  # the 9 left the window
+    assert circuit.tick(NONE) == ("closed", False)  # the 9 left the window
 
 
 def opened(clock: Clock) -> SharedCircuit:
     circuit = SharedCircuit(POLICY, clock)
-    assert circuit.tick(PeerEvidence(10, 10))[1] == "open"
+    assert circuit.tick(PeerEvidence(10, 10)) == ("open", True)
     return circuit
 
 
@@ -101,11 +101,12 @@ def test_half_open_hands_out_probes_and_decides_once_they_all_ended():
     probes = [circuit.admit(object) for _ in range(4)]
     assert probes[3] is None  # at most `probes` (3)
     circuit.ended(probes[0], False)
-    assert circuit.tick(PeerEvidence(50, 50)) == ("half_open", "half_open")  # peers: no verdict
+    # the admits moved it to half-open since the last tick; the peers' counts are no verdict
+    assert circuit.tick(PeerEvidence(50, 50)) == ("half_open", True)
     circuit.ended(probes[1], False)
-    assert circuit.tick(NONE) == ("half_open", "half_open")  # one probe still in flight
+    assert circuit.tick(NONE) == ("half_open", False)  # one probe still in flight
     circuit.ended(probes[2], True)
-    assert circuit.tick(NONE) == ("half_open", "closed")  # 1 of 3 failed < 50%
+    assert circuit.tick(NONE) == ("closed", True)  # 1 of 3 failed < 50%
     assert circuit.status()["healed_ms"] == clock.ms
     assert circuit.admit(object) is not None
 
@@ -117,7 +118,7 @@ def test_a_failed_probe_batch_opens_it_again_for_twice_as_long():
     probes = [circuit.admit(object) for _ in range(3)]
     for p in probes:
         circuit.ended(p, True)
-    assert circuit.tick(NONE) == ("half_open", "open")
+    assert circuit.tick(NONE) == ("open", True)  # open again: a move
     assert circuit.status()["open_until_ms"] == clock.ms + 2_000
     clock.ms += 2_000
     assert circuit.admit(object) is not None  # a new half-open spell: its own probes
@@ -130,7 +131,7 @@ def test_probes_dead_lettered_unsent_decide_nothing_and_the_next_go():
     for _ in range(3):
         circuit.ended(circuit.admit(object), None)
     assert circuit.admit(object) is None  # the spell's probes are out until the tick
-    assert circuit.tick(NONE) == ("half_open", "half_open")
+    assert circuit.tick(NONE) == ("half_open", True)
     assert circuit.admit(object) is not None
 
 
@@ -139,11 +140,11 @@ def test_a_heal_elsewhere_closes_an_open_member_but_not_with_a_heal_older_than_i
     circuit = opened(clock)
     opened_at = clock.ms
     clock.ms += 300
-    assert circuit.tick(PeerEvidence(healed_ms=opened_at - 1)) == ("open", "open")
-    assert circuit.tick(PeerEvidence(5, 5, healed_ms=opened_at + 200)) == ("open", "closed")
+    assert circuit.tick(PeerEvidence(healed_ms=opened_at - 1)) == ("open", False)
+    assert circuit.tick(PeerEvidence(5, 5, healed_ms=opened_at + 200)) == ("closed", True)
     assert circuit.status()["healed_ms"] == opened_at + 200
     # the heal's tick made no verdict of the counts; the window starts afresh
-    assert circuit.tick(PeerEvidence(9, 9)) == ("closed", "closed")
+    assert circuit.tick(PeerEvidence(9, 9)) == ("closed", False)
 
 
 def test_a_report_carries_the_counts_since_the_last_one_and_a_new_heal_at_once():

@@ -920,8 +920,8 @@ class Consumer:
         except BaseException as e:  # noqa: BLE001 - reported through health() and the CLI
             self._fail(e)
 
-    def _circuit_moved(self, before: str, after: str) -> None:
-        log.warning("%s: circuit %s -> %s", self.name, before, after)
+    def _circuit_moved(self, state: str) -> None:
+        log.warning("%s: circuit %s", self.name, state)
         with self._lock:
             self._lock.notify_all()  # handler threads waiting for work look again
         self._publish(force=True)

@@ -148,6 +148,7 @@ class SharedCircuit:
         self._unreported = (0, 0)  # own (attempts, failures) since the last report
         self._reported_heal: int | None = None
         self._epoch: tuple[State, int] = (self.breaker.state, self.breaker.since_ms)
+        self._ticked = self._epoch  # the breaker's state and since when, at the last tick
         self._probes: set[object] = set()  # handed out while half-open, not ended yet
         self._probes_taken = 0
         self._verdict = (0, 0)  # the probes' (attempts, failures)
@@ -180,21 +181,22 @@ class SharedCircuit:
                 if failed is not None:
                     self._verdict = _plus(self._verdict, failed)
 
-    def tick(self, peers: PeerEvidence) -> tuple[State, State]:
+    def tick(self, peers: PeerEvidence) -> tuple[State, bool]:
         """Feed the breaker what ended since the last tick, with the other members' evidence;
-        returns the state before and after. Closed: own and peers' counts are one batch. Open
+        returns its state and whether it moved since the last tick (here, or in an `admit`
+        that found an open circuit's time up; open again after a failed probe is a move too).
+        Closed: own and peers' counts are one batch. Open
         or half-open: a peer's heal after this circuit's last open closes it; else half-open
         decides once every probe handed out ended (its own probes' attempts only)."""
         with self._lock:
             breaker = self.breaker
-            before = breaker.state
             state = breaker.poll()
             self._sync()
             (own_attempts, own_failures), self._tick = self._tick, (0, 0)
             if state != "closed" and peers.healed_ms is not None:
                 breaker.heal(peers.healed_ms)  # closed now, or it goes on as below
                 state = breaker.state
-            if state == "closed" and before == "closed":
+            if state == "closed" and self._ticked[0] == "closed":
                 attempts = own_attempts + peers.attempts
                 if attempts:
                     breaker.record(attempts, own_failures + peers.failures)
@@ -205,7 +207,8 @@ class SharedCircuit:
                 else:  # nothing was attempted: no verdict, the next probes go
                     self._probes_taken = 0
             self._sync()
-            return before, breaker.state
+            moved, self._ticked = self._epoch != self._ticked, self._epoch
+            return breaker.state, moved
 
     def report(self, member: str, now: int, due: bool) -> Report | None:
         """This member's report now, or None: one goes out when a heal is new, or when `due`
@@ -264,9 +267,9 @@ class CircuitLink:
             self._close()
             raise
 
-    def run(self, stopping: threading.Event, moved: Callable[[State, State], None]) -> None:
+    def run(self, stopping: threading.Event, moved: Callable[[State], None]) -> None:
         """Until `stopping`: every `TICK_S`, read the reports that arrived, tick the circuit
-        (`moved(before, after)` on a change), publish this member's report when one is due. A
+        (`moved(state)` when it moved since the last tick), publish this member's report when one is due. A
         Kafka error that may pass by itself (`kafka_clients.transient`) is logged and the next
         tick tries again; any other error ends the thread (raised)."""
         policy = self.circuit.breaker.policy
@@ -287,11 +290,11 @@ class CircuitLink:
                     if (report := parse(r.key, r.value, self.subscription)) is not None
                 ]
                 now = now_ms()
-                before, after = self.circuit.tick(
+                state, changed = self.circuit.tick(
                     peer_evidence(reports, self.member, now, policy.window_ms)
                 )
-                if before != after:
-                    moved(before, after)
+                if changed:
+                    moved(state)
                 due = time.monotonic() >= next_report
                 report = self.circuit.report(self.member, now, due)
                 if due:
