@@ -562,8 +562,9 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
 ):
     """A library member as the member's user, holding exactly its grants of the table: it joins
     the group and commits, reads the main topic and its RQ, writes a retry, a dead letter and
-    its delivery trace (made on first use), publishes its progress, and applies the operator's
-    re-drive (reading the DLQ, marking its slot done in the catalog). Lacking Read on the group,
+    its delivery trace (made on first use), publishes its progress and circuit reports and reads
+    the others' (its circuit on), and applies the operator's re-drive (reading the DLQ, marking
+    its slot done in the catalog). Lacking Read on the group,
     `varadhi-consumer` ends in one line naming it, exit 4."""
     import sys
 
@@ -576,7 +577,7 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
     with TestEndpoint(script={"g1-1": [503], "g2-1": [404]}) as endpoint:
         spec = dict(
             _spec(name, topic, endpoint.url), runtime="library", on_dead_letter="skip",
-            trace={"retention": "1h"},
+            trace={"retention": "1h"}, circuit_breaker={"enabled": True},
         )  # fmt: skip
         (tmp_path / "sub.yaml").write_text(json.dumps(spec))
         code, _, err = as_user(
@@ -608,6 +609,7 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
             assert code == 0, err
             [shown] = json.loads(out)["library"]["members"]
             assert shown["member"] == member.health()["member"], shown  # its progress
+            assert shown["circuit"]["enabled"] and shown["circuit"]["state"] == "closed", shown
         finally:
             member.stop()
         assert member.health()["state"] == "stopped", member.health()

@@ -170,7 +170,8 @@ TABLE: tuple[Grant, ...] = (
     Grant("member", TRANSACTIONAL_ID, PREFIXED, _CATALOG_TXN, ("Describe", "Write"),
           "the catalog writer's transactions"),
     Grant("member", TOPIC, LITERAL, "{catalog}_progress", ("Create", "Describe", "Read", "Write"),
-          "publishes the member's progress (made on first use)"),
+          "publishes the member's progress and its circuit reports, reads the other members' "
+          "(the circuit on the subscription's error rate; made on first use)"),
     Grant("member", TOPIC, PREFIXED, "{topic}.", ("Describe", "Read"),
           "reads the main topic's storage topic"),
     Grant("member", TOPIC, PREFIXED, "{sub}.", ("Describe", "DescribeConfigs", "Read", "Write"),
