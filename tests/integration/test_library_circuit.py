@@ -2,10 +2,12 @@
 and a real HTTP endpoint: a failing endpoint opens a member's circuit and it stops sending
 (only probes go out), healed it closes and delivers everything, each key in order; two members
 share the subscription's error rate (neither alone has enough attempts to open, together they
-open both) and one member's successful probe closes the other."""
+open both) and one member's successful probe closes the other; a handler's failures open it
+too."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 
@@ -15,7 +17,8 @@ from varadhi import Client
 from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
-from varadhi.library import Consumer, Options
+from varadhi.library import Consumer, Options, Success
+from varadhi.library import Retry as HandlerRetry
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
 from varadhi.testing.library import FAST_RETRY, lost, order_violations
@@ -168,3 +171,70 @@ def test_members_open_on_the_subscriptions_error_rate_and_one_members_probe_clos
             a.stop()
             if b is not None:
                 b.stop()
+
+
+def test_a_handlers_failures_open_the_circuit_of_its_member_too(
+    settings, catalog, make_topic, unique_name
+):
+    """A Python handler instead of HTTP: its `Retry` answers are the failures; open, the member's
+    handler threads are given nothing but the probes; once it succeeds again, all is handled,
+    each key in order."""
+    policy = CircuitPolicy(
+        min_requests=5, window_ms=10_000, open_for_ms=500, max_open_for_ms=1_000, probes=1
+    )
+    retry = RetryPolicy(min_backoff_ms=100, max_backoff_ms=200, jitter=0.0, max_attempts=1_000)
+    spec = library_spec(
+        unique_name("lib"),
+        make_topic(4),
+        Endpoint("http://127.0.0.1:9/unused"),
+        circuit_breaker=policy,
+        retry=retry,
+    )
+    SubscriptionService(catalog).create(spec)
+    lock = threading.Lock()
+    calls: list[str] = []
+    handled: list[tuple[str, str]] = []
+    failing = threading.Event()
+    failing.set()
+
+    def handle(message):
+        with lock:
+            calls.append(message.msg_id)
+            if failing.is_set():
+                return HandlerRetry(reason="down")
+            handled.append((message.group_id, message.msg_id))
+        return Success()
+
+    keys = produce(settings, spec.topic, [f"g{i}" for i in range(10)], per_group=10)
+    max_in_flight = 4
+    consumer = Consumer(
+        spec.name, settings, handler=handle, options=Options(max_in_flight=max_in_flight)
+    ).start()
+    try:
+        wait_for(lambda: circuit(consumer)["state"] == "open", "the circuit open", consumer)
+        called, opens = len(calls), circuit(consumer)["consecutive_opens"]
+
+        def reopened_twice() -> bool:
+            c = circuit(consumer)
+            return c["state"] == "open" and c["consecutive_opens"] >= opens + 2
+
+        wait_for(reopened_twice, "two failed probe spells", consumer)
+        later = len(calls)
+        spells = circuit(consumer)["consecutive_opens"] - opens
+        # as over HTTP: the calls in progress when it opened, then one probe per spell (the
+        # handler retried about every 100-200 ms without the circuit: hundreds meanwhile)
+        assert later - called <= max_in_flight + policy.probes * spells, (called, later, spells)
+        failing.clear()
+
+        def all_handled() -> bool:
+            with lock:
+                return {i for _, i in handled} == {i for ids in keys.values() for i in ids}
+
+        wait_for(all_handled, "every message handled", consumer)
+        assert circuit(consumer)["state"] == "closed"
+    finally:
+        consumer.stop()
+    by_key: dict[str, list[str]] = defaultdict(list)
+    for group, msg_id in handled:
+        by_key[group].append(msg_id)
+    assert dict(by_key) == dict(keys)  # once each, in produce order
