@@ -185,9 +185,9 @@ class SharedCircuit:
         """Feed the breaker what ended since the last tick, with the other members' evidence;
         returns its state and whether it moved since the last tick (here, or in an `admit`
         that found an open circuit's time up; open again after a failed probe is a move too).
-        Closed: own and peers' counts are one batch. Open
-        or half-open: a peer's heal after this circuit's last open closes it; else half-open
-        decides once every probe handed out ended (its own probes' attempts only)."""
+        Closed: own and peers' counts are one batch. Open or half-open: a peer's heal after
+        this circuit's last open closes it; else half-open decides once every probe handed out
+        ended (its own probes' attempts only). The tick that closed it counts nothing."""
         with self._lock:
             breaker = self.breaker
             state = breaker.poll()
