@@ -22,10 +22,15 @@ What runs, in this order (`--only` picks some):
 | `peer`       | what users pick instead: Confluent Parallel Consumer with its Vert.x client    |
 |              | (bench/peers/parallel-consumer), key order, 64 in flight, retry after 1 s, 0%  |
 |              | and 10% failures, stopping once drained (as `--stop-when-idle`)                |
+| `library`    | the library runtime (`varadhi-consumer SUB`, docs/library.md): 1 and 2 member  |
+|              | processes (`--library-members`) of a fresh `runtime: library` subscription,     |
+|              | `--max-in-flight` per process, 0% and 10% failures, each stopped (SIGTERM) once  |
+|              | its consumer group committed everything of the main topic and the RQ            |
 | `shard`      | `./spark-submit.sh SUB i --stop-when-idle` for 1 and 2 shards (two processes),  |
 |              | grouped (10,000 groups) and ungrouped, 0% and 10% failures, draining a backlog  |
 | `latency`    | 1 shard, trigger 100 ms, concurrency 1, warmed up, then a producer pacing       |
 |              | 1,000 msg/s for 10 s (not measured) + 60 s (measured)                           |
+| `library-latency` | one library member process, warmed up, then the latency run's paced load  |
 | `crash`      | 1 shard, grouped, drains the backlog while SIGKILLed `--kills` times at random  |
 |              | moments (one run per `--crash-seeds` value) and restarted: duplicate deliveries |
 
@@ -104,10 +109,12 @@ from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService, end_offsets
+from varadhi.library.runtime import group_id
+from varadhi.ops import status
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results" / "delivery.json"
-RUNS = ("ceiling", "baseline", "peer", "shard", "latency", "crash")
+RUNS = ("ceiling", "baseline", "peer", "library", "shard", "latency", "library-latency", "crash")
 PEER_DIR = ROOT / "bench" / "peers" / "parallel-consumer"
 DEFAULT_IN_PLACE_MS = RetryPolicy().in_place_window_ms
 DEFAULT_LINGER_MS = RetryPolicy().in_place_linger_ms
@@ -978,6 +985,178 @@ def cpu_figures(seconds: dict[str, float], delivered: int, consumer: str) -> dic
     }
 
 
+# -- the library runtime ----------------------------------------------------------------------------
+
+
+class LibraryMembers:
+    """`count` processes of `varadhi-consumer SUB --max-in-flight N` (a `runtime: library`
+    subscription), each in its own process group, its output in `logdir`; `drained` asks the
+    consumer group's commits, `stop` sends SIGTERM (deliveries in flight end, offsets are
+    committed) and returns the exit codes."""
+
+    def __init__(self, env: Env, name: str, storages: list, count: int, args, logdir: Path):
+        self.env, self.name, self.storages = env, name, storages
+        self.logs = [logdir / f"{name}-{i}.log" for i in range(count)]
+        self.procs: list[subprocess.Popen] = []
+        command = [sys.executable, "-m", "varadhi.library.console", name]
+        for log in self.logs:
+            with open(log, "w") as out:
+                self.procs.append(
+                    subprocess.Popen(
+                        [*command, "--max-in-flight", str(args.max_in_flight)],
+                        env=env.spark_env(),
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )  # fmt: skip
+                )
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def exited(self) -> int | None:
+        """The exit code of a member that ended by itself, if one did."""
+        return next((p.returncode for p in self.procs if p.poll() is not None), None)
+
+    def drained(self) -> bool:
+        """Whether the group committed every record of the main topic and the RQ: the commits
+        are read first, the log ends second, so a retry written in between is not drained."""
+        committed = status.group_committed(self.env.catalog, group_id(self.name))
+        ends = end_offsets(self.env.catalog, self.storages)
+        return status.group_lag(committed, ends, [st.name for st in self.storages]) == 0
+
+    def wait_drained(self, timeout_s: float) -> bool:
+        """Wait until drained (True), a member exits or `timeout_s` passes (False)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and self.exited() is None:
+            if self.drained():
+                return True
+            time.sleep(1)
+        return False
+
+    def stop(self) -> list[int]:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        try:
+            return [p.wait(120) for p in self.procs]
+        finally:
+            for p in self.procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+
+    def tail(self) -> str:
+        return "\n".join(log.read_text(errors="replace")[-3000:] for log in self.logs)
+
+
+def library_subscription(env: Env, name: str, topic: str, url: str, args) -> list:
+    """A fresh `runtime: library` subscription of `topic` (slots: the topic's partitions; skip
+    on a dead letter and no circuit, as the shard runs); returns its main and RQ storage topics."""
+    create_subscription(
+        env, name, topic, url, args, runtime="library", on_dead_letter="skip",
+        circuit_breaker={"enabled": False}, shards=args.partitions,
+    )  # fmt: skip
+    sub = SubscriptionService(env.catalog).get(name)
+    service = TopicService(env.catalog)
+    return [service.get(topic).produce_topic, service.get(sub.spec.rq_topic).produce_topic]
+
+
+def run_library(
+    env: Env,
+    nginx_bin: str,
+    topic: str,
+    messages: int,
+    count: int,
+    fail_rate: float,
+    args,
+    logdir: Path,
+) -> dict:
+    """`count` member processes (`LibraryMembers`) drain `topic` from the start on a fresh
+    subscription; measured from nginx's log like every other run, stopped once the group
+    committed everything; CPU from /proc (the member processes)."""
+    name = f"bench-{env.tag}-lib-m{count}-f{round(fail_rate * 100)}"
+    with nginx(nginx_bin, fail_rate) as endpoint:
+        storages = library_subscription(env, name, topic, endpoint.url, args)
+        load = os.getloadavg()[0]
+        started = time.time() * 1000
+        members = LibraryMembers(env, name, storages, count, args, logdir)
+        roots = {
+            "library": members.pids(),
+            "nginx": [endpoint.proc.pid],
+            "kafka": [pid for pid in [broker_pid()] if pid],
+        }
+        try:
+            with CpuSampler(roots) as cpu:
+                members.wait_drained(args.run_timeout_s)
+                pressure = cpu_pressure()
+        finally:
+            codes = members.stop()
+        hits = endpoint.hits(logdir if args.keep or args.keep_logs else None, name)
+    summary = summarise(hits, messages, started)
+    summary.pop("first_pass_msg_s", None)  # key order: no first pass, as the peer
+    summary.pop("retry_tail_s", None)
+    result = {
+        "run": f"library: {count} member{'s' if count > 1 else ''}, key order, "
+        f"{fail_rate:.0%} fail",
+        "library_members": count,
+        "fail_rate": fail_rate,
+        "max_in_flight": args.max_in_flight,
+        "slots": args.partitions,
+        "exit_codes": codes,
+        **summary,
+        **cpu_figures(cpu.seconds(), summary["delivered_unique"], "library"),
+        **steady_cpu(cpu, "library", summary),
+        "load_1m_at_start": round(load, 2),
+        "cpu_pressure_at_end": pressure,
+    }
+    if codes != [0] * count or not result["complete"]:
+        print(f"{result['run']}: exit codes {codes}, complete={result['complete']}\n"
+              f"{members.tail()}", file=sys.stderr)  # fmt: skip
+    return result
+
+
+def run_library_latency(env: Env, nginx_bin: str, args, logdir: Path) -> dict:
+    """One member process, warmed up by a burst it drains, then the paced load of the shard's
+    latency run: `--warmup-s` seconds not measured and `--latency-s` measured ones."""
+    topic = f"bench-{env.tag}-lib-latency"
+    TopicService(env.catalog).create(topic, args.partitions)
+    name = f"bench-{env.tag}-lib-latency-sub"
+    with nginx(nginx_bin) as endpoint:
+        storages = library_subscription(env, name, topic, endpoint.url, args)
+        load = os.getloadavg()[0]
+        members = LibraryMembers(env, name, storages, 1, args, logdir)
+        try:
+            with Producer(topic, env.settings, catalog=env.catalog) as producer:
+                warm = pace(producer, args.rate * 10, 0.5, args.groups, threading.Event())
+                if not members.wait_drained(300):
+                    raise RuntimeError(f"the warm-up burst was not delivered:\n{members.tail()}")
+                started = time.time() * 1000
+                sent = pace(
+                    producer, args.rate, args.warmup_s + args.latency_s, args.groups,
+                    threading.Event(),
+                )  # fmt: skip
+                pressure = cpu_pressure()
+            members.wait_drained(args.run_timeout_s)
+        finally:
+            codes = members.stop()
+        hits = endpoint.hits(logdir if args.keep or args.keep_logs else None, name)
+    return {
+        "run": f"library latency: 1 member, {args.rate:,} msg/s",
+        "offered_msg_s": args.rate,
+        "warmup_messages": warm,
+        "sent": sent,
+        "warmup_s": args.warmup_s,
+        "measured_s": args.latency_s,
+        "exit_codes": codes,
+        "complete": len({h.msg_id for h in hits if 200 <= h.status < 300}) == warm + sent,
+        "latency": latencies(hits, started + args.warmup_s * 1000),
+        "latency_including_warmup": latencies(hits, started),
+        "load_1m_at_start": round(load, 2),
+        "cpu_pressure_at_end": pressure,
+    }
+
+
 # -- the peer: Confluent Parallel Consumer --------------------------------------------------------
 
 
@@ -1204,7 +1383,7 @@ def print_table(doc: dict) -> None:
 
 
 def targets(rows: list[dict]) -> dict:
-    """The three targets, judged on this run's rows."""
+    """The shard targets and the library's (`library_targets`), judged on this run's rows."""
     out = {}
     base = [r for r in rows if r["run"].startswith("baseline") and r.get("steady_msg_s")]
     shard1 = next(
@@ -1265,6 +1444,53 @@ def targets(rows: list[dict]) -> dict:
             + ", ".join(f"{n} {y:.2f}" for n, _, y in ratios)
             + ("; not judged (policy not the default): " + ", ".join(others) if others else ""),
         }
+    out.update(library_targets(rows))
+    return out
+
+
+def library_targets(rows: list[dict]) -> dict:
+    """Issue 28's targets for the library runtime, judged on this run's rows: one member
+    without failures >= 1.3x the peer's steady rate at <= 40 µs of CPU a message, >= 0.8x of
+    its own healthy rate with 10% failing, p99 < 50 ms at the latency run's load, and the
+    first delivery < 2 s after the process started."""
+    out = {}
+    lib = {
+        r["fail_rate"]: r for r in rows if r.get("library_members") == 1 and r.get("steady_msg_s")
+    }
+    healthy, failing = lib.get(0.0), next((r for f, r in lib.items() if f), None)
+    peer = next(
+        (r for r in rows if r.get("peer") and not r["fail_rate"] and r.get("steady_msg_s")), None
+    )
+    if healthy and peer:
+        ratio = healthy["steady_msg_s"] / peer["steady_msg_s"]
+        cpu = healthy.get("steady_cpu_ms_per_1k")
+        met = ratio >= 1.3 and cpu is not None and cpu <= 40
+        out["library >= 1.3x peer, <= 40 µs/msg"] = {
+            "verdict": "met" if met else "NOT met",
+            "detail": f"1 member, steady: {healthy['steady_msg_s']:,} msg/s vs the peer's "
+            f"{peer['steady_msg_s']:,} = {ratio:.2f}x, {cpu} µs of the member's CPU a message",
+        }
+    if healthy and failing:
+        ratio = failing["steady_msg_s"] / healthy["steady_msg_s"]
+        first_to_last = failing["delivering_msg_s"] / healthy["delivering_msg_s"]
+        out["library 10% failures >= 0.8x"] = {
+            "verdict": "met" if ratio >= 0.8 else "NOT met",
+            "detail": f"steady {ratio:.2f}, first-to-last {first_to_last:.2f}; every retry goes "
+            "through the RQ after the policy's backoff (1 s, exponential, 20% jitter)",
+        }
+    lat = next((r for r in rows if r["run"].startswith("library latency")), None)
+    if lat and lat.get("latency"):
+        p99 = lat["latency"]["p99_ms"]
+        out[f"library p99 < 50 ms at {lat['offered_msg_s']:,} msg/s"] = {
+            "verdict": "met" if p99 < 50 else "NOT met",
+            "detail": f"p50 {lat['latency']['p50_ms']} ms, p99 {p99} ms",
+        }
+    if healthy and "first_delivery_s" in healthy:
+        first = healthy["first_delivery_s"]
+        out["library first delivery < 2 s"] = {
+            "verdict": "met" if first < 2 else "NOT met",
+            "detail": f"{first} s from the process's start (Python imports, catalog, join)",
+        }
     return out
 
 
@@ -1273,6 +1499,8 @@ def _consumer(row: dict) -> tuple | None:
     failure rate, nor the retry policy); None for rows that have no twin."""
     if row.get("peer"):
         return ("peer", row["peer"])
+    if "library_members" in row:
+        return ("library", row["library_members"])
     if "shards" in row:
         return ("shard", row["shards"], row["grouped"], row.get("journal_interval_ms"))
     return None
@@ -1354,6 +1582,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--partitions", type=int, default=4, help="main topic partitions")
     parser.add_argument("--only", nargs="+", choices=RUNS, default=list(RUNS))
     parser.add_argument("--shards", nargs="+", type=int, default=[1, 2])
+    parser.add_argument(
+        "--library-members",
+        nargs="+",
+        type=int,
+        default=[1, 2],
+        help="member processes of the library runs, one set of runs per value",
+    )
     parser.add_argument(
         "--modes", nargs="+", choices=["grouped", "ungrouped"], default=["grouped", "ungrouped"]
     )
@@ -1501,7 +1736,7 @@ def main(argv: list[str] | None = None) -> int:
             jar = peer[0].relative_to(ROOT) if peer[0].is_relative_to(ROOT) else peer[0]
             doc["peer"] = {"jar": str(jar), "parallel_consumer": peer[1]}
     try:
-        needs_backlog = {"baseline", "peer", "shard", "crash"} & set(args.only)
+        needs_backlog = {"baseline", "peer", "library", "shard", "crash"} & set(args.only)
         if needs_backlog:
             topic = f"bench-{env.tag}-backlog"
             TopicService(env.catalog).create(topic, args.partitions)
@@ -1551,6 +1786,17 @@ def main(argv: list[str] | None = None) -> int:
                 row = run_peer(env, nginx_bin, peer, f"{source}.0", size, fail_rate, args, logdir)
                 rows.append(row)
                 print(f"{row['run']}: steady {row.get('steady_msg_s')} msg/s", flush=True)
+        if "library" in args.only:
+            for fail_rate, members in itertools.product(args.fail_rates, args.library_members):
+                source, size = backlog_for(fail_rate)
+                row = run_library(env, nginx_bin, source, size, members, fail_rate, args, logdir)
+                rows.append(row)
+                print(
+                    f"{row['run']}: steady {row.get('steady_msg_s')} msg/s, first delivery "
+                    f"{row.get('first_delivery_s')} s, {row.get('steady_cpu_ms_per_1k')} CPU "
+                    "ms/1k",
+                    flush=True,
+                )
         if "shard" in args.only:
             for fail_rate in args.fail_rates:
                 source, size = backlog_for(fail_rate)
@@ -1599,6 +1845,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if "latency" in args.only:
             row = run_latency(env, nginx_bin, args, logdir)
+            rows.append(row)
+            print(f"{row['run']}: {row['latency']}", flush=True)
+        if "library-latency" in args.only:
+            row = run_library_latency(env, nginx_bin, args, logdir)
             rows.append(row)
             print(f"{row['run']}: {row['latency']}", flush=True)
     finally:

@@ -1,11 +1,12 @@
 """The library runtime (`varadhi.library.Consumer`, docs/library.md) draining a backlog into nginx.
 
     scripts/kafka start
-    .venv/bin/python bench/library.py [--messages 50000] [--groups 5000] [--fail 0 0.1]
+    .venv/bin/python bench/library.py [--messages 50000] [--groups 5000] [--fail 0 0.1] [--circuit]
 
 One process, in this one: a topic of 12 partitions gets `--messages` 1 KiB messages over
 `--groups` group ids (the varadhi producer), then, per `--fail` rate, a fresh 2-shard
-subscription (skip mode, no circuit: what the runtime supports) is delivered by one `Consumer`
+subscription (skip mode; no circuit, or with `--circuit` the default one, the members' shared
+circuit: its cost on the healthy path) is delivered by one `Consumer`
 to nginx answering 204 (500/503 for that fraction of attempts: bench/delivery.py's `nginx`, so
 its figures compare) until every message is delivered or dead-lettered. Reported per run: the
 rate from `start()` to the last message (start-up included), the time to the first delivery,
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--messages", type=int, default=50_000)
     p.add_argument("--groups", type=int, default=5_000)
     p.add_argument("--fail", type=float, nargs="+", default=[0.0, 0.1])
+    p.add_argument("--circuit", action="store_true", help="the spec's default circuit breaker")
     args = p.parse_args(argv)
     binary = nginx_binary()
     if binary is None:
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 Endpoint(endpoint.url),
                 shards=2,
                 on_dead_letter="skip",
-                circuit_breaker=CircuitPolicy(enabled=False),
+                circuit_breaker=CircuitPolicy(enabled=args.circuit),
                 runtime="library",
             )
             SubscriptionService(catalog).create(spec)

@@ -373,11 +373,15 @@ def test_a_subscription_using_unsupported_features_is_refused(
 ):
     topic = make_topic(2)
     spec = SubscriptionSpec(
-        unique_name("lib"), topic, Endpoint("http://127.0.0.1:9/"), runtime="library"
+        unique_name("lib"),
+        topic,
+        Endpoint("http://127.0.0.1:9/"),
+        runtime="library",
+        dedup_window_ms=60_000,
     )
-    SubscriptionService(catalog).create(spec)  # the circuit: a default
+    SubscriptionService(catalog).create(spec)  # block mode and the circuit: supported defaults
     consumer = Consumer(spec.name, settings)
-    with pytest.raises(Unsupported, match="circuit_breaker") as refused:
+    with pytest.raises(Unsupported, match="dedup_window_ms") as refused:
         consumer.start()
     assert refused.value.exit_code == 2
     assert consumer.health()["state"] == "failed"

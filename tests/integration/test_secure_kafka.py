@@ -503,8 +503,7 @@ def test_the_operator_with_least_privilege_runs_a_library_subscriptions_operatio
     commands need of a `runtime: library` subscription's consumer group: `status` reads the
     group's commits, `offsets reset` waits for it to be empty and commits, `subscription delete`
     checks that it is empty and deletes it. Without Describe on the group, the delete ends in
-    one line naming it (exit 4) before anything changes. The member runs as alice (the library
-    runtime's own rows are not in the table yet)."""
+    one line naming it (exit 4) before anything changes. The member runs as the member's user."""
     from varadhi.library import Consumer
     from varadhi.library.runtime import group_id
     from varadhi.ops import status
@@ -522,7 +521,7 @@ def test_the_operator_with_least_privilege_runs_a_library_subscriptions_operatio
         lines = tmp_path / "messages.jsonl"
         lines.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
         assert as_user("producer", "produce", topic, "--file", str(lines))[0] == 0
-        member = Consumer(name, settings_of("verify")).start()
+        member = Consumer(name, settings_of("member")).start()
         try:
             deadline = time.monotonic() + 120
             while member.counters()["delivered"] < len(_messages()):
@@ -556,6 +555,80 @@ def test_the_operator_with_least_privilege_runs_a_library_subscriptions_operatio
         code, out, err = as_user("operator", "subscription", "delete", name)
         assert code == 0 and f"consumer group: {group}" in out, err
         assert status.group_members(verify, group) is None
+
+
+def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and_a_redrive(
+    as_user, broker, acl_catalog, settings_of, denied, tmp_path
+):
+    """A library member as the member's user, holding exactly its grants of the table: it joins
+    the group and commits, reads the main topic and its RQ, writes a retry, a dead letter and
+    its delivery trace (made on first use), publishes its progress and circuit reports and reads
+    the others' (its circuit on), and applies the operator's re-drive (reading the DLQ, marking
+    its slot done in the catalog). Lacking Read on the group,
+    `varadhi-consumer` ends in one line naming it, exit 4."""
+    import sys
+
+    from varadhi.library import Consumer
+    from varadhi.library.runtime import group_id
+
+    names = deployment(broker, acl_catalog, uuid.uuid4().hex[:6])
+    topic, name, group = names.topic, names.sub, group_id(names.sub)
+    assert as_user("operator", "topic", "create", topic, "--partitions", "2")[0] == 0
+    with TestEndpoint(script={"g1-1": [503], "g2-1": [404]}) as endpoint:
+        spec = dict(
+            _spec(name, topic, endpoint.url), runtime="library", on_dead_letter="skip",
+            trace={"retention": "1h"}, circuit_breaker={"enabled": True},
+        )  # fmt: skip
+        (tmp_path / "sub.yaml").write_text(json.dumps(spec))
+        code, _, err = as_user(
+            "operator", "subscription", "apply", "-f", str(tmp_path / "sub.yaml")
+        )
+        assert code == 0, err
+        lines = tmp_path / "messages.jsonl"
+        lines.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
+        assert as_user("producer", "produce", topic, "--file", str(lines))[0] == 0
+
+        def until(what: str, done) -> None:
+            deadline = time.monotonic() + 120  # one generous deadline for a loaded machine
+            while not done():
+                health = member.health()
+                assert health["state"] == "running", health
+                assert time.monotonic() < deadline, (what, health, member.counters())
+                time.sleep(0.1)
+
+        member = Consumer(name, settings_of("member")).start()
+        try:
+            counts = member.counters
+            until("all but the dead letter", lambda: counts()["delivered"] == 5)
+            until("the dead letter", lambda: counts()["dead_lettered"] == 1)
+            assert counts()["retried"] == 1
+            code, _, err = as_user("operator", "dlq", "unsideline", name, "--group-ids", "g2")
+            assert code == 0, err
+            until("the re-driven dead letter", lambda: counts()["delivered"] == 6)
+            code, out, err = as_user("operator", "status", name, "--output", "json")
+            assert code == 0, err
+            [shown] = json.loads(out)["library"]["members"]
+            assert shown["member"] == member.health()["member"], shown  # its progress
+            assert shown["circuit"]["enabled"] and shown["circuit"]["state"] == "closed", shown
+        finally:
+            member.stop()
+        assert member.health()["state"] == "stopped", member.health()
+        code, out, err = as_user("operator", "trace", name, "--message-id", "g1-1",
+                                 "--output", "json")  # fmt: skip
+        assert code == 0, err
+        assert "503" in out and "delivered" in out, out
+
+        env = {**os.environ, "VARADHI_BOOTSTRAP": broker.bootstrap,
+               "VARADHI_CATALOG_TOPIC": acl_catalog,
+               "VARADHI_KAFKA_CONFIG": settings_of("member").kafka.source}  # fmt: skip
+        with denied("member", "Read", "Group", group):
+            done = subprocess.run(
+                [sys.executable, "-m", "varadhi.library.console", name],
+                env=env, capture_output=True, text=True, timeout=300,
+            )  # fmt: skip
+        assert done.returncode == 4, done.stderr
+        [line] = [x for x in done.stderr.splitlines() if x.startswith("varadhi-consumer: not")]
+        assert f"Read on Group {group}" in line, done.stderr
 
 
 def _spec(name: str, topic: str, url: str, shards: int = 1) -> dict:

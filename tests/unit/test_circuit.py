@@ -260,3 +260,33 @@ def test_status_says_who_suspended_the_subscription_why_and_how_it_ends():
     assert text.startswith(" (suspended 12s ago by shard 1: every attempt failed")
     assert "\x1b" not in text and "a probe by shard 1" in text
     assert "`varadhi subscription resume`" in suspended_text({**probe, "resume": "operator"}, 0)
+
+
+def test_a_heal_elsewhere_closes_a_circuit_that_opened_before_it_and_is_passed_on_unchanged(
+    breaker, clock
+):
+    assert not breaker.heal(clock.ms)  # closed: nothing to heal
+    opened(breaker)
+    opened_at = clock.ms
+    assert not breaker.heal(opened_at - 1)  # a heal older than this open: stale evidence
+    assert breaker.poll() == "open"
+    clock.advance(1_000)
+    assert breaker.poll() == "half_open"
+    assert breaker.heal(opened_at + 500)  # another breaker's probe succeeded after the open
+    status = breaker.status()
+    assert (status["state"], status["consecutive_opens"]) == ("closed", 0)
+    assert status["healed_ms"] == opened_at + 500  # its time, not now: never newer than the probe
+
+
+def test_its_own_successful_probe_is_its_heal_and_a_failed_one_outranks_an_older_heal(
+    breaker, clock
+):
+    opened(breaker)
+    clock.advance(1_000)
+    breaker.poll()
+    assert breaker.record(4, 4) == "open"  # the probe failed: opened again, now
+    assert not breaker.heal(clock.ms - 1)  # a heal from before that failed probe
+    clock.advance(2_000)
+    breaker.poll()
+    assert breaker.record(4, 0) == "closed"
+    assert breaker.status()["healed_ms"] == clock.ms

@@ -62,21 +62,22 @@ def test_producers_only_read_the_catalog(component):
                    if g.component == component)  # fmt: skip
 
 
-def test_the_operator_may_read_move_and_delete_the_library_group_and_no_other_group():
+def test_the_library_group_is_the_only_group_its_members_and_the_operator_may_use():
     """`varadhi status` of a `runtime: library` subscription reads its consumer group's commits
     (OffsetFetch: Describe), `offsets reset` waits for the group to be empty (DescribeGroups:
     Describe) and commits its new offsets (OffsetCommit: Read), `subscription delete` checks
-    that it is empty and deletes it (DeleteGroups: Delete). The row names the group the members
-    join (`runtime.group_id`)."""
+    that it is empty and deletes it (DeleteGroups: Delete); its members join and commit (Read).
+    The rows name the group the members join (`runtime.group_id`)."""
     from varadhi.library.runtime import group_id
 
     groups = [g for g in acls.TABLE if g.resource == acls.GROUP]
     assert [(g.component, g.pattern, g.operations) for g in groups] == [
-        ("operator", acls.LITERAL, ("Delete", "Describe", "Read"))
+        ("operator", acls.LITERAL, ("Delete", "Describe", "Read")),
+        ("member", acls.LITERAL, ("Read",)),
     ]
-    assert [g.name for g in acls.grants("operator", NAMES) if g.resource == acls.GROUP] == [
-        group_id("orders-http")
-    ]
+    for component in ("operator", "member"):
+        names = [g.name for g in acls.grants(component, NAMES) if g.resource == acls.GROUP]
+        assert names == [group_id("orders-http")], component
     line = 'acl --group "varadhi-library.${SUB}" --operation Delete --operation Describe'
     assert f"{line} --operation Read\n" in acls.commands("operator")
 

@@ -266,11 +266,11 @@ def _sub(**spec_fields) -> tuple[Subscription, CompositeTopic, CompositeTopic, C
 def test_what_is_not_supported_is_named():
     sub, main, rq, dlq = _sub()
     found = unsupported(sub, main, rq, dlq)
-    assert [f.split(" ")[0] for f in found] == ["circuit_breaker"]
-    blocking = _sub(on_dead_letter="block", circuit_breaker=CircuitPolicy(enabled=False))
-    assert unsupported(*blocking) == []  # the GroupState topic (varadhi.library.blocking)
-    ok = _sub(on_dead_letter="skip", circuit_breaker=CircuitPolicy(enabled=False))
+    # block mode (the GroupState topic) and the circuit (the members' shared one): the defaults
+    assert found == []
+    ok = _sub(on_dead_letter="skip")
     assert unsupported(*ok) == []
+    assert unsupported(*_sub(on_dead_letter="skip", circuit_breaker=CircuitPolicy(False))) == []
     paused = (replace(ok[0], paused=True), *ok[1:])
     assert unsupported(*paused) == []  # members follow pause/resume
     health = _sub(

@@ -80,6 +80,7 @@ def test_members_are_read_from_their_progress_documents():
     found = {
         "0": {"state": "running", "updated_ms": now},  # a shard's: not a member
         "0/standby/x": {"state": "standby", "updated_ms": now},
+        "circuit/a": {"sent_ms": now, "attempts": 3, "failures": 3},  # a circuit report
         "member/a": member_doc("running", now - 1_000, counters={"delivered": 5}),
         "member/b": member_doc("paused", now - 2_000),
         "member/c": member_doc("running", now - status.SILENT_MS),  # killed: silent
@@ -94,6 +95,7 @@ def test_members_are_read_from_their_progress_documents():
         ("d", "stopped"),
     ]
     assert members[0]["counters"] == {"delivered": 5} and members[0]["age_ms"] == 1_000
+    assert members[0]["circuit"] is None  # a document without one (a member before the circuit)
     assert status.running_members(_sub(paused=False), members) == {"a": "running", "b": "paused"}
     assert status.running_members(_sub(paused=True), members) == {"a": "running"}
 
@@ -122,6 +124,12 @@ def test_library_status_text():
                     "age_ms": 2_400,
                     "slots": [0, 1],
                     "counters": {"pending": 4, "delivered": 90, "retried": 3},
+                    "circuit": {
+                        "state": "open",
+                        "enabled": True,
+                        "open_until_ms": 1_003_000,
+                        "consecutive_opens": 2,
+                    },
                     "error": None,
                 },
                 {
@@ -137,19 +145,21 @@ def test_library_status_text():
         "stats": {"inserted": 100, "routed": 95, "emitted": 93, "acknowledged": 90},
         "operations": {},
     }
-    lines = library_lines(doc, " (paused)")
+    lines = library_lines(doc, " (paused)", 1_000_000)
     assert lines[0] == (
         "subscription orders-http (paused): runtime library, 2 slots, consumer group"
         " varadhi-library.orders-http"
     )
     assert lines[1].startswith("main lag 12, rq lag 1") and lines[1].endswith("dlq depth 2")
     assert lines[2].split() == [
-        "member", "state", "slots", "seen", "pending", "in", "flight", "delivered", "retried",
+        "member", "state", "circuit", "slots", "seen", "pending", "in", "flight", "delivered", "retried",
         "dead",
     ]  # fmt: skip
-    assert lines[3].split() == ["host-7-abc", "paused", "0,1", "2s", "4", "0", "90", "3", "0"]
-    assert lines[4].split()[:3] == ["host-8-def", "failed", "-"]
+    assert lines[3].split() == [
+        "host-7-abc", "paused", "open", "3s", "x2", "0,1", "2s", "4", "0", "90", "3", "0",
+    ]  # fmt: skip
+    assert lines[4].split()[:4] == ["host-8-def", "failed", "-", "-"]  # no circuit reported
     assert "\x1b" not in lines[5] and "runtime: spark" in lines[5]
     assert lines[6].startswith("messages: inserted 100;")
     doc["library"]["members"] = []
-    assert "no member reported" in library_lines(doc, "")[2]
+    assert "no member reported" in library_lines(doc, "", 0)[2]

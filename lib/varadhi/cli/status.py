@@ -48,9 +48,10 @@ def suspended_text(suspended: dict, now_ms: int) -> str:
     return f" (suspended {since_s:.0f}s ago by shard {suspended['shard']}: {reason}; until {ends})"
 
 
-def library_lines(doc: dict, flags: str) -> list[str]:
+def library_lines(doc: dict, flags: str, now_ms: int) -> list[str]:
     """`varadhi status` of a `runtime: library` subscription as text (pure): the consumer
-    group's lag and DLQ depth, then one row per member that reported lately."""
+    group's lag and DLQ depth, then one row per member that reported lately, with its circuit
+    (`circuit_text`: an open one's seconds left as of `now_ms`)."""
     lib = doc["library"]
     lines = [
         f"subscription {doc['subscription']}{flags}: runtime library, {doc['shard_count']} slots,"
@@ -62,14 +63,15 @@ def library_lines(doc: dict, flags: str) -> list[str]:
         lines.append("no member reported in the last 10 minutes (start `varadhi-consumer`)")
     else:
         lines.append(
-            f"{'member':<28} {'state':<9} {'slots':<7} {'seen':>6} {'pending':>7} "
+            f"{'member':<28} {'state':<9} {'circuit':<12} {'slots':<7} {'seen':>6} {'pending':>7} "
             f"{'in flight':>9} {'delivered':>9} {'retried':>7} {'dead':>5}"
         )
     for m in lib["members"]:
         c = m["counters"]
         slots = ",".join(str(s) for s in m["slots"]) or "-"
         lines.append(
-            f"{common.printable(m['member']):<28} {m['state']:<9} {slots:<7} "
+            f"{common.printable(m['member']):<28} {m['state']:<9} "
+            f"{status.circuit_text(m.get('circuit'), now_ms):<12} {slots:<7} "
             f"{m['age_ms'] / 1000:>5.0f}s {c.get('pending', 0):>7} {c.get('in_flight', 0):>9} "
             f"{c.get('delivered', 0):>9} {c.get('retried', 0):>7} {c.get('dead_lettered', 0):>5}"
         )
@@ -97,7 +99,7 @@ def _status(args: argparse.Namespace) -> int:
     if doc.get("suspended"):
         flags += suspended_text(doc["suspended"], int(time.time() * 1000))
     if doc.get("runtime") == "library":
-        print("\n".join(library_lines(doc, flags)))
+        print("\n".join(library_lines(doc, flags, int(time.time() * 1000))))
         return 0
     print(
         f"subscription {doc['subscription']}{flags}: {doc['shard_count']} shards, generation {doc['generation']}"

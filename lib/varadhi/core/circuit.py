@@ -23,6 +23,10 @@ Endpoint health (`suspend_after_ms`): the breaker also remembers since when ever
 without attempts change nothing), whatever the circuit's state or whether it is enabled;
 `suspension_due` says when that has lasted `suspend_after_ms`, and the shard then suspends the
 subscription (`varadhi.spark.shard.job`).
+
+Shared verdicts (the library runtime's members: `varadhi.library.shared_circuit`): a breaker
+remembers when a half-open verdict last closed it (`healed_ms`); `heal` closes another breaker
+of the same endpoint that opened before then, so one member's successful probe closes them all.
 """
 
 from __future__ import annotations
@@ -99,6 +103,10 @@ class CircuitBreaker:
         self.open_until_ms: int | None = None
         self.consecutive_opens = 0  # opens since the circuit last closed
         self.failing_since_ms: int | None = None  # every attempt since then failed
+        self.opened_ms: int | None = None  # when it last opened
+        self.healed_ms: int | None = (
+            None  # when a half-open verdict (its own or `heal`'s) closed it
+        )
         self._window: deque[tuple[int, int, int]] = deque()  # (ended ms, attempts, failures)
 
     def configure(self, policy: CircuitPolicy) -> None:
@@ -129,6 +137,7 @@ class CircuitBreaker:
                 return self.state
             if self.state == "half_open":
                 if failures / attempts < policy.failure_rate:
+                    self.healed_ms = now
                     self._close(now)
                 else:
                     self._open(now)
@@ -141,6 +150,19 @@ class CircuitBreaker:
             if total >= policy.min_requests and failed / total >= policy.failure_rate:
                 self._open(now)
             return self.state
+
+    def heal(self, healed_ms: int) -> bool:
+        """Another breaker of the same endpoint closed on a half-open verdict at `healed_ms`:
+        close this one too if it is open or half-open and last opened before then (a probe of
+        its own that failed after that heal is newer evidence: it stays). It keeps `healed_ms`,
+        not the time now, so a heal passed on never looks newer than the probe that made it.
+        Returns whether it closed. Hazard: the two times come from two clocks."""
+        with self._lock:
+            if self.state == "closed" or healed_ms < (self.opened_ms or 0):
+                return False
+            self.healed_ms = healed_ms
+            self._close(self._clock())
+            return True
 
     def read_limit(self, normal: int) -> int | None:
         """Records a micro-batch may read: `normal` when closed, `probes` when half-open, None
@@ -189,6 +211,7 @@ class CircuitBreaker:
                 "since_ms": self.since_ms,
                 "open_until_ms": self.open_until_ms if self.state == "open" else None,
                 "consecutive_opens": self.consecutive_opens,
+                "healed_ms": self.healed_ms,
             }
 
     # -- transitions (under the lock) ---------------------------------------------------------
@@ -200,6 +223,7 @@ class CircuitBreaker:
         self.consecutive_opens += 1
         doubled = policy.open_for_ms << min(self.consecutive_opens - 1, 40)
         self.open_until_ms = now + min(policy.max_open_for_ms, doubled)
+        self.opened_ms = now
         self._window.clear()
         self._move("open", now)
 

@@ -10,11 +10,12 @@ its library runtime's consumer group `varadhi-library.<sub>`, `varadhi.library.r
 `{outbox}` a Delta outbox. User-facing names cannot contain a dot, so a prefix `<sub>.` matches
 only that subscription's own topics (and those of a topic named exactly `<sub>`, if there is one).
 
-The only consumer-group ACL is the operator's on a `runtime: library` subscription's group
-(`status` reads its commits, `offsets reset` moves them, `subscription delete` deletes it): every other consumer of these
-components assigns partitions itself and commits no offsets to Kafka. No cluster ACL appears:
+The only consumer-group ACLs are on a `runtime: library` subscription's group: the operator's
+(`status` reads its commits, `offsets reset` moves them, `subscription delete` deletes it) and
+its members'; every other consumer of these components assigns partitions itself and commits no
+offsets to Kafka. No cluster ACL appears:
 since Kafka 3.0 `Write` on a topic covers an idempotent producer (no `IdempotentWrite`). The
-library runtime's members (`varadhi.library`, consumer-group members) have no rows yet.
+library runtime's members (`varadhi.library`) join and commit to that group (Read).
 
 Hazard: the table was measured, not derived: a change to what a component reads, writes,
 creates or describes must change its rows here, and the least-privilege test
@@ -38,6 +39,7 @@ COMPONENTS: dict[str, str] = {
     "shard": "a shard job (`varadhi-job shard`, `./spark-submit.sh NAME N`)",
     "feeder": "a feeder job of a shard-count change (`varadhi-job feeder`)",
     "outbox relay": "the SQL outbox relay (`varadhi-job outbox_relay`) and a Delta outbox's query",
+    "member": "a library runtime member (`varadhi-consumer`, `varadhi.library.Consumer`)",
 }
 
 
@@ -162,6 +164,28 @@ TABLE: tuple[Grant, ...] = (
     Grant("outbox relay", TRANSACTIONAL_ID, LITERAL, "varadhi-delta-outbox-{outbox}",
           ("Describe", "Write"),
           "a Delta outbox's transactions"),
+    # -- member ----------------------------------------------------------------------------
+    Grant("member", TOPIC, LITERAL, "{catalog}", ("Describe", "DescribeConfigs", "Read", "Write"),
+          "reads the subscription (and checks it every 5 s); marks the slots of a re-drive "
+          "done"),
+    Grant("member", TRANSACTIONAL_ID, PREFIXED, _CATALOG_TXN, ("Describe", "Write"),
+          "the catalog writer's transactions"),
+    Grant("member", TOPIC, LITERAL, "{catalog}_progress", ("Create", "Describe", "Read", "Write"),
+          "publishes the member's progress and its circuit reports, reads the other members' "
+          "(the circuit on the subscription's error rate; made on first use)"),
+    Grant("member", TOPIC, PREFIXED, "{topic}.", ("Describe", "Read"),
+          "reads the main topic's storage topic"),
+    Grant("member", TOPIC, PREFIXED, "{sub}.", ("Describe", "DescribeConfigs", "Read", "Write"),
+          "reads its RQ and, for a re-drive, its DLQ; writes retries, dead letters and re-driven "
+          "messages, and the delivery trace; reads and writes its blocked keys (the GroupState "
+          "topic); sizes its RQ/DLQ records by their `max.message.bytes`"),
+    Grant("member", TOPIC, LITERAL, "{sub}.trace", ("Create",),
+          "makes the delivery trace on first use (a spec with a `trace` section)"),
+    Grant("member", TOPIC, LITERAL, "{sub}.state", ("Create",),
+          "makes the GroupState topic on first use (`on_dead_letter: block`, the default)"),
+    Grant("member", GROUP, LITERAL, _LIBRARY_GROUP, ("Read",),
+          "joins the subscription's consumer group and commits its offsets (Read covers "
+          "JoinGroup, SyncGroup, Heartbeat, OffsetCommit and OffsetFetch)"),
 )  # fmt: skip
 
 

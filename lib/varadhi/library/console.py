@@ -17,7 +17,7 @@ import threading
 
 from kafka.errors import AuthorizationError
 
-from varadhi.core.errors import InvalidArgument, VaradhiError
+from varadhi.core.errors import InvalidArgument, NotAuthorized, VaradhiError
 from varadhi.kafka.clients import not_authorized
 from varadhi.kafka.settings import Settings
 from varadhi.library.keys import OrderingKey
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     health = consumer.health()
     if health["state"] == "failed":
         print(f"varadhi-consumer: {health['error']}", file=sys.stderr)
-        return 1
+        # a missing ACL met while running is 4, as one met at the start; any other failure 1
+        return 4 if isinstance(consumer.failure, NotAuthorized) else 1
     print(f"varadhi-consumer: stopped; {consumer.counters()}", file=sys.stderr)
     return 0
 

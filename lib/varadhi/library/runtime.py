@@ -65,6 +65,11 @@ without knowing it (it stopped polling for `max.poll.interval.ms`, `_full`) goes
 what it holds at its old share until its next poll, next to the slots' new owners: the sum may
 then exceed the limit, as duplicates may come (at least once).
 
+Circuit. Messages are handed out through the member's circuit breaker (`_take`,
+`shared_circuit.SharedCircuit.admit`: none while open, `probes` while half-open), every attempt
+is counted at its settling, and a thread of its own (`_share_circuit`) ticks the circuit and
+shares the counts with the other members, so it acts on the subscription's error rate.
+
 Pause. The member reads the subscription from the catalog every `CATALOG_CHECK_S`. While it
 is paused the member hands out nothing more (deliveries in flight end, their outcomes are
 written and committed), pauses every partition it is assigned (kafka-python's `pause`; it goes
@@ -104,13 +109,18 @@ from queue import Empty, SimpleQueue
 from typing import Any
 
 from kafka import ConsumerRebalanceListener, TopicPartition
-from kafka.errors import CommitFailedError, KafkaError
+from kafka.errors import (
+    AuthorizationError,
+    CommitFailedError,
+    GroupAuthorizationFailedError,
+    KafkaError,
+)
 from kafka.structs import OffsetAndMetadata
 
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request, Wait
-from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
+from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotAuthorized, VaradhiError
 from varadhi.core.group_state import (
     OVER_LIMIT,
     Entry,
@@ -119,6 +129,7 @@ from varadhi.core.group_state import (
     trace_attempt,
     with_response,
 )
+from varadhi.core.policies import CircuitPolicy
 from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
 from varadhi.core.rate_limit import Pacer, slot_share
 from varadhi.core.record_ids import header_value, text_id
@@ -138,6 +149,7 @@ from varadhi.library.blocking import Blocking, RedriveHold, after_acks
 from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.scheduler import Scheduler, Work
+from varadhi.library.shared_circuit import CircuitLink, SharedCircuit
 from varadhi.library.support import Unsupported, unsupported
 
 log = logging.getLogger(__name__)
@@ -220,6 +232,7 @@ class Consumer:
         self.member = member_id()
         self._state = "new"
         self._error: str | None = None
+        self._failure: BaseException | None = None  # what ended it (`failure`)
         self._threads: list[threading.Thread] = []
         self._rng = random.Random()
         self._trace: trace_topic.TraceWriter | None = None
@@ -233,6 +246,9 @@ class Consumer:
         self._rate: float | None = None  # this member's share of `max_rate` now
         self._reshare: float | None = None  # a new share, for the engine thread (`_take`)
         self._blocking: Blocking | None = None  # on_dead_letter: block
+        # the spec's circuit from `start` (`shared_circuit`: on the subscription's error rate)
+        self._circuit = SharedCircuit(CircuitPolicy(enabled=False))
+        self._circuit_link: CircuitLink | None = None
         self._counts = dict.fromkeys(
             (
                 "read",
@@ -284,6 +300,7 @@ class Consumer:
             catalog.close()
             raise
         self._catalog, self._sub = catalog, sub
+        self._circuit = SharedCircuit(sub.spec.circuit_breaker)
         self._paused = sub.paused
         self._spec = sub.spec
         self._main = main.storage_topics[0]
@@ -336,7 +353,11 @@ class Consumer:
         # nothing, for good (`join_guard`)
         try:
             join_guard.guard(self._consumer)
-        except VaradhiError:
+            if sub.spec.circuit_breaker.enabled:  # reads and writes the members' reports
+                self._circuit_link = CircuitLink(
+                    self.settings, self.name, self.member, self._circuit
+                )
+        except BaseException:
             self._state = "failed"
             for client in (self._consumer, self._offsets):
                 client.close(autocommit=False)
@@ -353,6 +374,8 @@ class Consumer:
         self._state = "running"
         self._spawn(self._consume, "kafka")
         self._spawn(self._redrive, "redrive")
+        if self._circuit_link is not None:
+            self._spawn(self._share_circuit, "circuit")
         if self.handler is None:
             self._spawn(self._deliver_http, "http")
         else:
@@ -394,7 +417,15 @@ class Consumer:
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
                 "rate_limit": self._rate,
+                "circuit": self._circuit.status(),
             }
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The error that ended a `failed` consumer (a `VaradhiError` carries its exit code:
+        `NotAuthorized` 4 for a missing ACL), else None."""
+        with self._lock:
+            return self._failure
 
     def counters(self) -> dict[str, int]:
         """Totals since start: records `read`, main-topic messages the filter dropped
@@ -772,6 +803,7 @@ class Consumer:
                 "error": self._error,
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "partitions": sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers),
+                "circuit": self._circuit.status(),
                 "committed": {
                     f"{tp.topic}/{tp.partition}": offset
                     for tp, (offset, _) in sorted(self._committed.items())
@@ -925,7 +957,26 @@ class Consumer:
                 assert self._pacer is not None
                 self._pacer.reshare(self._reshare)
                 self._reshare = None
-            return self._sched.take(_now_ms())
+            return self._next_work()
+
+    def _next_work(self) -> Work | None:
+        """(Under the lock; not paused) The next message, if the circuit lets one go."""
+        return self._circuit.admit(lambda: self._sched.take(_now_ms()))
+
+    def _share_circuit(self) -> None:
+        """(Its own thread) The circuit's ticks and the members' shared counts
+        (`shared_circuit.CircuitLink`); a transition is published at once."""
+        assert self._circuit_link is not None
+        try:
+            self._circuit_link.run(self._stopping, self._circuit_moved)
+        except BaseException as e:  # noqa: BLE001 - reported through health() and the CLI
+            self._fail(e)
+
+    def _circuit_moved(self, state: str) -> None:
+        log.warning("%s: circuit %s", self.name, state)
+        with self._lock:
+            self._lock.notify_all()  # handler threads waiting for work look again
+        self._publish(force=True)
 
     def _deliver_http(self) -> None:
         try:
@@ -942,7 +993,7 @@ class Consumer:
                 with self._lock:
                     work = None
                     while not self._stopping.is_set():
-                        work = None if self._paused else self._sched.take(_now_ms())
+                        work = None if self._paused else self._next_work()
                         if work is not None:
                             break
                         due = self._sched.next_due_ms()
@@ -1001,6 +1052,7 @@ class Consumer:
             parked = self._dead_letter(work)  # (it counts what it sidelines: not inline)
             self._counts["dead_lettered"] += parked
             self._lock.notify_all()
+        self._circuit.ended(work, None)
         if self._blocking is None:
             self._send("dlq", work)
 
@@ -1030,11 +1082,13 @@ class Consumer:
 
     def _settle(self, work: Work, decision: Decision, outcome: Outcome) -> None:
         """Act on an attempt's decision: finish, write to the RQ (the key waits for it) or to
-        the DLQ (the key goes on: skip mode); trace the attempt. A handler's `outcome` has no
+        the DLQ (the key goes on in skip mode, is blocked behind it in block mode); trace the
+        attempt. A handler's `outcome` has no
         status, and its decision's reason as its detail."""
         e = work.entry
         now = _now_ms()
         e.attempts += 1
+        self._circuit.ended(work, decision.action != "success")
         with self._lock:
             self._counts["attempts"] += 1
             if decision.action == "success":
@@ -1043,7 +1097,7 @@ class Consumer:
                 self._sched.done(work)
                 self._lock.notify_all()
                 where = (TopicPartition(work.topic, work.partition), work.offset)
-                after_acks(lifted, partial(self._finished.put, where), self._fail)
+                after_acks(lifted, partial(self._finished.put, where), self._write_failed)
         if decision.action == "success":
             self._trace_attempt(work, outcome, "delivered")
             return
@@ -1147,15 +1201,27 @@ class Consumer:
             partition=partition,
             headers=record.headers,
         )
-        after_acks([future, *also], partial(self._finished.put, where), self._fail)
+        after_acks([future, *also], partial(self._finished.put, where), self._write_failed)
 
-    def _fail(self, error: BaseException) -> None:
-        if isinstance(error, KafkaError):
+    def _write_failed(self, error: BaseException) -> None:
+        self._fail(error, "Write")
+
+    def _fail(self, error: BaseException, operation: str = "Describe or Read") -> None:
+        """Stop, failed with `error` (the first one is kept: `failure`, health's `error`). A
+        missing ACL becomes the `NotAuthorized` naming it (exit 4): Read on the group, or
+        `operation` on a topic (a produce's is Write)."""
+        if isinstance(error, GroupAuthorizationFailedError):
+            principal = kafka_clients.principal(self.settings)
+            error = NotAuthorized("Read", "Group", group_id(self.name), principal)
+        elif isinstance(error, AuthorizationError):
+            error = kafka_clients.refused(self.settings, error, operation)
+        elif isinstance(error, KafkaError):
             error = VaradhiError(f"Kafka: {kafka_clients.explain(self.settings, error)}")
         log.error("%s: consumer stops: %s", self.name, error, exc_info=error)
         with self._lock:
             if self._error is None:
                 self._error = str(error) or type(error).__name__
+                self._failure = error
             self._state = "failed"
             self._stopping.set()
             self._lock.notify_all()

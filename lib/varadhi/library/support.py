@@ -31,8 +31,6 @@ def unsupported(
     what to change; empty when it can run it."""
     spec = sub.spec
     out = []
-    if spec.circuit_breaker.enabled:
-        out.append("circuit_breaker (set circuit_breaker.enabled: false)")
     if spec.circuit_breaker.suspend_after_ms is not None:
         out.append("circuit_breaker.suspend_after (endpoint health: set it to null)")
     if spec.dedup_window_ms:

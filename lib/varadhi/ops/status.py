@@ -248,7 +248,7 @@ def members_of(
 ) -> list[dict[str, Any]]:
     """The library members among `progress_documents` that reported within `window_ms`, by
     member name (pure): member, state (`member_state`), seconds since its last report, slots,
-    partitions, counters, committed offsets and error."""
+    partitions, counters, committed offsets, circuit (`CircuitBreaker.status`) and error."""
     out = []
     for member, doc in sorted(member_documents(dict(found)).items()):
         age = now_ms - int(doc.get("updated_ms") or 0)
@@ -263,6 +263,7 @@ def members_of(
                 "partitions": list(doc.get("partitions") or []),
                 "counters": dict(doc.get("counters") or {}),
                 "committed": dict(doc.get("committed") or {}),
+                "circuit": doc.get("circuit"),
                 "error": doc.get("error"),
             }
         )

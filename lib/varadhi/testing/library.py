@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from varadhi.core import messages as m
 from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
@@ -46,17 +47,17 @@ FAST_RETRY = RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0)
 def subscription_spec(
     name: str, topic: str, endpoint: Endpoint, shards: int = 2, **fields
 ) -> SubscriptionSpec:
-    """A `runtime: library` subscription as the tests and benches run one unless `fields` say
-    otherwise: dead letters skipped (a key goes on), the circuit off (the library does not
-    support it yet), retries due within a second (`FAST_RETRY`); `fields` sets any field of the
-    spec."""
-    defaults = {
+    """A `runtime: library` subscription as the tests and benches run one: dead letters skipped
+    (a key goes on), the circuit off (a test of failures then sees every attempt), retries due
+    within a second (`FAST_RETRY`); `fields` sets any other field of the spec, or one of those
+    (the circuit's tests turn it on, block mode's tests set `on_dead_letter: block`)."""
+    defaults: dict[str, Any] = {
         "on_dead_letter": "skip",
         "circuit_breaker": CircuitPolicy(enabled=False),
         "retry": FAST_RETRY,
     }
     return SubscriptionSpec(
-        name, topic, endpoint, shards=shards, runtime="library", **(defaults | fields)
+        name, topic, endpoint, shards=shards, runtime="library", **{**defaults, **fields}
     )
 
 
