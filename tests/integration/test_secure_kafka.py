@@ -562,9 +562,10 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
 ):
     """A library member as the member's user, holding exactly its grants of the table: it joins
     the group and commits, reads the main topic and its RQ, writes a retry, a dead letter and
-    its delivery trace (made on first use), publishes its progress and circuit reports and reads
-    the others' (its circuit on), and applies the operator's re-drive (reading the DLQ, marking
-    its slot done in the catalog). Lacking Read on the group,
+    its delivery trace (made on first use), blocks the dead letter's key in its GroupState topic
+    (made on first use, block mode) and sidelines the key's next message, publishes its progress
+    and circuit reports and reads the others' (its circuit on), and applies the operator's
+    re-drive (reading the DLQ, marking its slot done in the catalog). Lacking Read on the group,
     `varadhi-consumer` ends in one line naming it, exit 4."""
     import sys
 
@@ -576,7 +577,7 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
     assert as_user("operator", "topic", "create", topic, "--partitions", "2")[0] == 0
     with TestEndpoint(script={"g1-1": [503], "g2-1": [404]}) as endpoint:
         spec = dict(
-            _spec(name, topic, endpoint.url), runtime="library", on_dead_letter="skip",
+            _spec(name, topic, endpoint.url), runtime="library", on_dead_letter="block",
             trace={"retention": "1h"}, circuit_breaker={"enabled": True},
         )  # fmt: skip
         (tmp_path / "sub.yaml").write_text(json.dumps(spec))
@@ -599,12 +600,13 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
         member = Consumer(name, settings_of("member")).start()
         try:
             counts = member.counters
-            until("all but the dead letter", lambda: counts()["delivered"] == 5)
-            until("the dead letter", lambda: counts()["dead_lettered"] == 1)
-            assert counts()["retried"] == 1
+            until("all but g2's last two", lambda: counts()["delivered"] == 4)
+            until("the dead letter and g2-2", lambda: counts()["dead_lettered"] == 2)
+            assert counts()["retried"] == 1 and counts()["blocked"] == 1
             code, _, err = as_user("operator", "dlq", "unsideline", name, "--group-ids", "g2")
             assert code == 0, err
-            until("the re-driven dead letter", lambda: counts()["delivered"] == 6)
+            until("the re-driven messages", lambda: counts()["delivered"] == 6)
+            until("g2 unblocked", lambda: counts()["blocked"] == 0)
             code, out, err = as_user("operator", "status", name, "--output", "json")
             assert code == 0, err
             [shown] = json.loads(out)["library"]["members"]

@@ -27,6 +27,7 @@ import time
 from collections.abc import Iterable
 
 from kafka import TopicPartition
+from kafka.errors import AuthorizationError
 
 from varadhi.core import routing
 from varadhi.core.errors import KafkaUnavailable
@@ -55,20 +56,20 @@ def partition_of(key: str, slot: int, slots: int, partitions: int) -> int:
 def ensure_topic(settings, subscription: str, dlq: topics.CompositeTopic) -> None:
     """Make the subscription's GroupState topic, compacted, with the partitions and replication
     factor of its DLQ (`dlq`), or accept an existing one with those partitions
-    (`InvalidArgument` otherwise)."""
+    (`InvalidArgument` otherwise). A missing Create (or Describe) ACL is `NotAuthorized` naming
+    it (exit 4)."""
     factor = dlq.replication_factor
     if factor is None:
         factor = kafka_clients.config_of(settings).topics("dlq").replication_factor
     wanted = TopicSettings(factor, (("cleanup.policy", "compact"),))
+    name = topic_name(subscription)
     admin = kafka_clients.admin(settings, client_id="varadhi-group-state-admin")
     try:
         topics.ensure_kafka_topic(
-            admin,
-            topic_name(subscription),
-            dlq.produce_topic.partitions,
-            wanted,
-            what="the GroupState topic",
+            admin, name, dlq.produce_topic.partitions, wanted, what="the GroupState topic"
         )
+    except AuthorizationError as e:
+        raise kafka_clients.refused(settings, e, "Create", name) from e
     finally:
         admin.close()
 
