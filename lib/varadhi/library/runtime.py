@@ -429,11 +429,12 @@ class Consumer:
 
     def counters(self) -> dict[str, int]:
         """Totals since start: records `read`, main-topic messages the filter dropped
-        (`filtered`), messages `delivered`, `attempts` and
-        `failures`, `retried` (written to the RQ), `dead_lettered` (`sidelined` among them: read
-        behind a dead letter of their key, block mode), `duplicates` (copies finished unsent), `skipped_finished` (finished before a restart, per the commit),
-        `commits`, `rebalances`; and now: `pending` (held), `in_flight`, `blocked` (keys blocked
-        behind a dead letter), `paused` (1 while the subscription is paused)."""
+        (`filtered`), messages `delivered`, `attempts` and `failures`, `retried` (written to the
+        RQ), `dead_lettered` (`sidelined` among them: read behind a dead letter of their key,
+        block mode), `duplicates` (copies finished unsent), `skipped_finished` (finished before
+        a restart, per the commit), `commits`, `rebalances`; and now: `pending` (held),
+        `in_flight`, `blocked` (keys blocked behind a dead letter), `paused` (1 while the
+        subscription is paused)."""
         with self._lock:
             out = dict(self._counts)
             out["pending"] = self._sched.pending
