@@ -4,7 +4,8 @@ the DLQ behind it) while other keys go on; a restarted member, a member that get
 slot in a rebalance, and the member after one killed, still hold it blocked (the GroupState
 topic); `dlq unsideline` unblocks it and its messages are delivered in order, then its new ones;
 re-driving only the dead letter leaves it blocked at its mark; a rate-capped re-drive holds it
-at its next re-driven message; a DLQ offset reset is refused while it is blocked."""
+at its next re-driven message; a DLQ offset reset is refused while it is blocked; a merge of the
+slots (`change-shards`) keeps every block."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.library import Consumer
 from varadhi.library.blocked_keys import decode
-from varadhi.library.group_state_topic import topic_name
+from varadhi.library.group_state_topic import partition_of, topic_name
 from varadhi.ops import lifecycle
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
@@ -287,3 +288,73 @@ def test_a_member_killed_after_a_dead_letter_leaves_the_key_blocked(
         finally:
             assert again.stop() == 0, again.log()
         assert [i for i in delivered(endpoint) if i.startswith("g1-")] == ["g1-0"]
+
+
+def test_blocked_keys_survive_a_merge_of_the_slots_and_their_old_records_are_tombstoned(
+    settings, catalog, make_topic, unique_name, varadhi_cli
+):
+    """`change-shards` 2 -> 1 in place: the one slot's member reads both GroupState partitions
+    and holds every blocked key; a key whose record lay on a partition its new slot would not
+    write it to is rewritten and the old record tombstoned when the re-drive lifts it."""
+    from varadhi.library.runtime import group_id
+    from varadhi.ops import status
+
+    with TestEndpoint() as endpoint, Client(settings) as client:
+        topic = make_topic(4)
+        spec = subscription_spec(
+            unique_name("lib"), topic, Endpoint(endpoint.url + "/hook"), on_dead_letter="block"
+        )
+        SubscriptionService(catalog).create(spec)
+        keys = [f"g{k}" for k in range(8)]
+        for key in keys:
+            endpoint.set_script(f"{key}-1", [400])
+        produce(settings, topic, groups=8, start=0, stop=3)
+        a = Consumer(spec.name, settings).start()
+        try:
+            wait_for(
+                lambda: a.counters()["dead_lettered"] == 16 and a.counters()["delivered"] == 8,
+                "every key blocked",
+                a,
+            )
+            client.pause(spec.name)
+        finally:
+            a.stop()
+        wait_for(lambda: not status.group_members(settings, group_id(spec.name)), "an empty group")
+        code, out, err = varadhi_cli("subscription", "change-shards", spec.name, "--to", "1")
+        assert code == 0 and "now has 1 slots" in out, err
+        where = {
+            r["key"].decode(): r["partition"] for r in read_queue(settings, topic_name(spec.name))
+        }
+        moved = {k for k, p in where.items() if p != partition_of(k, 0, 1, 2)}
+        assert moved  # some key's record is not where its new slot writes it
+
+        client.resume(spec.name)
+        b = Consumer(spec.name, settings).start()
+        try:
+            produce(settings, topic, groups=8, start=3, stop=4)
+            wait_for(
+                lambda: b.counters()["sidelined"] == 8 and b.counters()["blocked"] == 8,
+                "the merged slot's keys still blocked",
+                b,
+            )
+            assert sorted(delivered(endpoint)) == sorted(f"{k}-0" for k in keys)
+            op = client.redrive(spec.name, group_ids=keys)
+            client.wait_for_redrive(spec.name, op, DEADLINE_S)
+            wait_for(
+                lambda: all(
+                    [i for i in delivered(endpoint) if i.startswith(f"{k}-")]
+                    == [f"{k}-{n}" for n in range(4)]
+                    for k in keys
+                ),
+                "every key in order",
+                b,
+            )
+            wait_for(lambda: b.counters()["blocked"] == 0, "every key unblocked", b)
+        finally:
+            b.stop()
+        last = {
+            (r["partition"], r["key"]): r["value"]
+            for r in read_queue(settings, topic_name(spec.name))
+        }
+        assert {value for value in last.values()} == {None}  # tombstones, old partitions too
+        assert {(p, k.decode()) for p, k in last} >= {(where[k], k) for k in moved}
