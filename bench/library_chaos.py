@@ -79,6 +79,11 @@ def run(settings: Settings, catalog: Catalog, workdir: Path, keys_n: int, per_ke
     members: list[lib.ConsumerProcess] = []
     # epoch ms: (t, t) for a kill or a stop; the hung member's time from SIGCONT to its rejoin
     signals: list[tuple[float, float]] = []
+    # (label, epoch ms) of each step: a rebalance is labelled with the step it started in
+    steps: list[tuple[str, float]] = []
+
+    def step(label: str) -> None:
+        steps.append((label, time.time() * 1000))
 
     def start(label: str) -> lib.ConsumerProcess:
         p = lib.ConsumerProcess(
@@ -114,29 +119,34 @@ def run(settings: Settings, catalog: Catalog, workdir: Path, keys_n: int, per_ke
         produce(settings, spec.topic, produced)
         watch = lib.GroupWatch(settings, group_id(spec.name)).start()
         try:
+            step("3 members start")
             a, b, c = start("a"), start("b"), start("c")
             wait_for(lambda: group(3) and delivered() >= 300, "the first deliveries", members)
             first = group(3)
 
             # A member killed, and one joining: the dead one's slots move after its session.
+            step("a killed, d joins")
             hit(a, signal.SIGKILL)
             d = start("d")
             wait_for(lambda: group(3, first), "the group without the killed one", members)
             wait_for(lambda: delivered() >= 900, "deliveries after the kill", members)
 
             # A member that hangs past its session: the others take its slots; it goes on after.
+            step("b hangs")
             hit(b, signal.SIGSTOP)
             wait_for(lambda: group(2), "the group without the hung one", members)
             mark = delivered()
             wait_for(lambda: delivered() >= mark + 100, "deliveries without the hung one", members)
             # Until it rejoins, the hung one delivers what it holds of the slots it lost, next
             # to their new owners (docs/library.md: it left the group without knowing it).
+            step("b goes on")
             continued_ms = time.time() * 1000
             b.signal(signal.SIGCONT)
             wait_for(lambda: group(3), "the hung one back", members)
             signals.append((continued_ms, time.time() * 1000))
 
             # A member leaving (SIGTERM: it commits and leaves the group) while the rest deliver.
+            step("c leaves")
             if c.stop() != 0:
                 raise SystemExit(f"the leaving member did not stop cleanly:\n{c.log()}")
 
@@ -172,6 +182,16 @@ def run(settings: Settings, catalog: Catalog, workdir: Path, keys_n: int, per_ke
     unexplained = lib.unexplained_duplicates(
         records, signals + watch.changes(), in_flight_ms=spec.endpoint.request_timeout_ms
     )
+
+    def labelled(span: tuple[float, float]) -> tuple[str, float, float]:
+        label = max((s for s in steps if s[1] <= span[0]), key=lambda s: s[1], default=steps[0])
+        return label[0], *span
+
+    causes = lib.duplicate_causes(
+        records,
+        [labelled(s) for s in signals + watch.changes()],
+        in_flight_ms=spec.endpoint.request_timeout_ms,
+    )
     checks = {
         # nothing else runs out of attempts (4% failing, 5 attempts)
         "dead-lettered other than the refused": sorted(dead ^ refused),
@@ -189,6 +209,7 @@ def run(settings: Settings, catalog: Catalog, workdir: Path, keys_n: int, per_ke
         "dead_lettered": len(dead),
         "duplicates": len(dups),
         "duplicates_pct": round(100 * len(dups) / len(produced), 2),
+        "duplicate_causes": causes,
         "violations": {k: [str(x) for x in v] for k, v in checks.items() if v},
     }
 
@@ -210,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{result['retries']} retries, {result['dead_lettered']} dead-lettered, "
         f"{result['duplicates']} duplicates ({result['duplicates_pct']:.2f}% of messages)"
     )
+    for cause, n in result["duplicate_causes"].items():
+        print(f"  {n:4d} {cause}")
     for check, found in result["violations"].items():
         print(f"VIOLATED {check}: {found[:10]}")
     doc = {

@@ -214,6 +214,31 @@ def unexplained_duplicates(
     return out
 
 
+def duplicate_causes(
+    records: Iterable[Record],
+    disruptions_ms: Iterable[tuple[str, float, float]],
+    in_flight_ms: float,
+) -> dict[str, int]:
+    """How many duplicates each labelled disruption `(label, start, end)` explains (as in
+    `unexplained_duplicates`; when several do, the last to start before the duplicate: the one
+    in which the slot moved to whoever delivered it again), split by when the first 2xx came:
+    `"<label>: finished before"` (before the disruption started: finished and not committed,
+    or held by a member that was hung meanwhile) or `"<label>: during"` (in flight at it, or
+    delivered while it lasted). Unexplained ones count under `"unexplained"`. For the report
+    of a chaos run, not a check."""
+    spans = sorted(disruptions_ms, key=lambda s: s[1])
+    out: dict[str, int] = {}
+    for first, again in duplicates(records):
+        cause = "unexplained"
+        for label, start, end in reversed(spans):
+            if start <= again.received_ms and first.received_ms <= end + in_flight_ms:
+                when = "finished before" if first.received_ms < start else "during"
+                cause = f"{label}: {when}"
+                break
+        out[cause] = out.get(cause, 0) + 1
+    return dict(sorted(out.items()))
+
+
 class GroupWatch:
     """Samples a consumer group (its state and members' ids, from the group's coordinator)
     every `every_s` on a thread of its own, from `start()` to `stop()`; also a context manager.
@@ -258,13 +283,20 @@ class GroupWatch:
             return self._changes + ongoing
 
     def _run(self) -> None:
+        from kafka.errors import KafkaError
+
         from varadhi.kafka import clients as kafka_clients
 
         admin = kafka_clients.admin(self.settings)
         try:
             last_ms, last = time.time() * 1000, None
             while not self._stop.wait(self.every_s):
-                info = admin.describe_groups([self.group])[self.group]
+                try:
+                    info = admin.describe_groups([self.group])[self.group]
+                except KafkaError as e:  # a coordinator not found yet, say: sample again
+                    if not e.retriable:
+                        raise
+                    continue
                 now_ms = time.time() * 1000
                 seen = (info["group_state"], frozenset(x["member_id"] for x in info["members"]))
                 with self._lock:
