@@ -750,6 +750,49 @@ def test_a_member_put_out_of_the_group_forgets_what_it_held_even_if_given_it_aga
         consumer.stop()
 
 
+def test_a_member_that_hung_past_its_session_hands_out_nothing_when_it_goes_on(
+    settings, catalog, make_topic, unique_name, tmp_path
+):
+    """A member (a process) hangs (SIGSTOP) past its session while it holds a slot's backlog
+    (one key: one message at a time); another member takes the slot and delivers everything.
+    When the hung one goes on (SIGCONT), it must not hand out what it still holds: its session
+    lapsed, so the slot may be another's (`fence`). At most the one message it may have taken
+    and not sent when it stopped arrives after SIGCONT (in flight at the hang). It once handed
+    out its held messages until its next poll told it that it had left the group: each one a
+    duplicate of the new owner's delivery."""
+    from varadhi.testing.library import ConsumerProcess, first_successes
+
+    session = ["--session-timeout-ms", "6000", "--max-in-flight", "1"]
+    with TestEndpoint(latency_ms=5) as endpoint:
+        spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook", shards=1)
+        ids = produce(settings, spec.topic, groups=1, per_group=400)
+        hung = ConsumerProcess(settings, spec.name, tmp_path / "hung.log", *session)
+        other = None
+        try:
+            wait_for(lambda: len(first_successes(endpoint.records())) >= 20, "deliveries")
+            hung.signal(signal.SIGSTOP)
+            other = Consumer(
+                spec.name, settings, options=Options(session_timeout_ms=6000, max_in_flight=1)
+            ).start()
+            wait_for(
+                lambda: set(first_successes(endpoint.records())) >= set(ids),
+                "every message delivered by the other member",
+                other,
+            )
+            rebalances = other.counters()["rebalances"]
+            went_on_ms = time.time() * 1000
+            hung.signal(signal.SIGCONT)
+            # it learns that it left the group and joins again: the other member rebalances
+            wait_for(lambda: other.counters()["rebalances"] > rebalances, "the rejoin", other)
+        finally:
+            if other is not None:
+                other.stop()
+            code = hung.stop()
+        assert code == 0, hung.log()
+        after = [r.message_id for r in endpoint.records() if r.received_ms >= went_on_ms]
+        assert len(after) <= 1, f"delivered after the hung member went on: {after}"
+
+
 def test_a_member_whose_join_is_redone_for_new_metadata_still_gets_its_assignment(
     settings, catalog, make_topic, unique_name, monkeypatch
 ):

@@ -142,7 +142,7 @@ from varadhi.kafka import trace as trace_topic
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
-from varadhi.library import group_state_topic, join_guard, position, redrive
+from varadhi.library import fence, group_state_topic, join_guard, position, redrive
 from varadhi.library import handler as handlers
 from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.blocking import Blocking, RedriveHold, after_acks
@@ -353,6 +353,8 @@ class Consumer:
         # nothing, for good (`join_guard`)
         try:
             join_guard.guard(self._consumer)
+            # a member whose session may have ended hands out nothing (`fence`)
+            self._fenced = fence.Fence(self._consumer)
             if sub.spec.circuit_breaker.enabled:  # reads and writes the members' reports
                 self._circuit_link = CircuitLink(
                     self.settings, self.name, self.member, self._circuit
@@ -856,6 +858,7 @@ class Consumer:
         self._close(set(lost))  # no commit: the group gave them to others meanwhile
 
     def _assign(self, assigned) -> None:
+        self._fenced.joined()
         with self._lock:
             self._assigned = set(assigned)
 
@@ -961,7 +964,10 @@ class Consumer:
             return self._next_work()
 
     def _next_work(self) -> Work | None:
-        """(Under the lock; not paused) The next message, if the circuit lets one go."""
+        """(Under the lock; not paused) The next message, if the circuit lets one go and the
+        member's group session has not lapsed (`fence`: its slots may be others' now)."""
+        if self._fenced():
+            return None
         return self._circuit.admit(lambda: self._sched.take(_now_ms()))
 
     def _share_circuit(self) -> None:
