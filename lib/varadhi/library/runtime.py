@@ -30,14 +30,16 @@ handed out, so a restarted member or a slot's new owner holds the key blocked; t
 copy's delivery lifts the block. Each offset of such a message finishes only once its DLQ record
 and the key's GroupState record are acknowledged (`_send`'s `also`, `blocking.after_acks`).
 
-Rebalance. When slots are revoked the member hands out nothing more of them and commits what
-finished of them (`_revoke`: asynchronously, as kafka-python's rebalance listener runs on its
-I/O thread, which must not block; the commit reaches the broker before the member's JoinGroup);
+Rebalance. When slots are revoked the member hands out nothing more of them, awaits their
+deliveries in flight (bounded: `settle`) and commits what finished of them (`_revoke`:
+asynchronously, as kafka-python's rebalance listener runs on its I/O thread, which must not
+block; the commit reaches the broker before the member's JoinGroup);
 slots the rebalance gives back go on where they were (what is read again is skipped), slots
 gone wait for their deliveries in flight to end (up to the endpoint's request timeout) and are
-forgotten, those ends uncommitted: the next owner delivers again what was in flight at the
-revoke, and, when the revoke's commit was refused, what finished since the last commit
-(`commit_interval_s`) too: at least once.
+forgotten, those ends uncommitted: the next owner delivers again what was still in flight
+after the revoke's wait, and, when the revoke's commit was refused, what finished since the
+last commit (`commit_interval_s`) too: at least once. A member whose session may have lapsed
+(it hung) hands out nothing until the group answers or assigns it again (`fence`).
 
 Filter, shaping, trace. A main-topic record the subscription's filter does not match
 (`filters.matches`, the Python twin of the shards' Spark column) is dropped as it is read, before
@@ -142,7 +144,7 @@ from varadhi.kafka import trace as trace_topic
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
-from varadhi.library import fence, group_state_topic, join_guard, position, redrive
+from varadhi.library import fence, group_state_topic, join_guard, position, redrive, settle
 from varadhi.library import handler as handlers
 from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.blocking import Blocking, RedriveHold, after_acks
@@ -161,6 +163,9 @@ CATALOG_CHECK_S = 5.0
 #: How often a member publishes its progress document (also on a pause, a resume and a stop).
 PROGRESS_S = 5.0
 POLL_MS = 50
+#: The longest a revoke waits for the revoked slots' deliveries in flight (`settle`; the
+#: endpoint's request timeout when shorter): the group's rebalance waits for it.
+REVOKE_WAIT_S = 5.0
 #: What refusals and errors call this runtime's processes.
 PROCESS = "a library member (varadhi-consumer)"
 
@@ -355,6 +360,7 @@ class Consumer:
             join_guard.guard(self._consumer)
             # a member whose session may have ended hands out nothing (`fence`)
             self._fenced = fence.Fence(self._consumer)
+            self._loop_sleep = settle.loop_sleep(self._consumer)  # for `_revoke`
             if sub.spec.circuit_breaker.enabled:  # reads and writes the members' reports
                 self._circuit_link = CircuitLink(
                     self.settings, self.name, self.member, self._circuit
@@ -825,20 +831,29 @@ class Consumer:
     # partition, with a ledger yet or not, takes it out of an assignment not set up yet, and
     # `_rebalanced` opens nothing revoked meanwhile. (A partition revoked before its ledger was
     # in place was once kept: its slot handed out by two members at once, for good.)
-    def _revoke(self, revoked) -> None:
-        """Close the revoked partitions, then commit what finished of them, so that their next
-        owner delivers again only what was in flight (not all that finished since the last
-        commit). The commit is asynchronous (this thread must not block); its request goes out
+    async def _revoke(self, revoked) -> None:
+        """Close the revoked partitions, await their deliveries in flight (`settle`: at most
+        `REVOKE_WAIT_S` or the endpoint's request timeout; kafka-python's event loop, which
+        runs this, goes on meanwhile), then commit what finished of them, so that their next
+        owner delivers again only what was still in flight (not all that finished since the
+        last commit). The commit is asynchronous (this thread must not block); its request goes out
         before the member's JoinGroup, on the same connection to the coordinator, so the broker
         applies it before the new generation exists, and the next owner, which reads its commit
         after it is assigned, sees it. A commit refused (the group moved on without this member)
         leaves the old behaviour: the next owner starts from the last commit."""
         tps = set(revoked)
         self._close(tps)
+        slots = self._slots_of(tps)
+        wait_s = min(REVOKE_WAIT_S, self._spec.endpoint.request_timeout_ms / 1000)
+        await settle.settled(lambda: self._in_flight(slots), self._loop_sleep, wait_s)
         self._apply_finished()
         offsets = self._positions(tps)
         if offsets:
             self._consumer.commit_async(offsets, callback=self._committed_done)
+
+    def _in_flight(self, slots: set[int]) -> bool:
+        with self._lock:
+            return self._sched.busy(slots) > 0
 
     def _close(self, tps: set[TopicPartition]) -> None:
         with self._lock:
@@ -1289,8 +1304,8 @@ class _Listener(ConsumerRebalanceListener):
     def __init__(self, consumer: Consumer):
         self.consumer = consumer
 
-    def on_partitions_revoked(self, revoked):
-        self.consumer._revoke(revoked)
+    async def on_partitions_revoked(self, revoked):  # awaited on kafka-python's event loop
+        await self.consumer._revoke(revoked)
 
     def on_partitions_lost(self, lost):
         self.consumer._lose(lost)
