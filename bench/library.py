@@ -2,6 +2,7 @@
 
     scripts/kafka start
     .venv/bin/python bench/library.py [--messages 50000] [--groups 5000] [--fail 0 0.1] [--circuit]
+        [--commit-interval S]
 
 One process, in this one: a topic of 12 partitions gets `--messages` 1 KiB messages over
 `--groups` group ids (the varadhi producer), then, per `--fail` rate, a fresh 2-shard
@@ -30,7 +31,7 @@ from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.library import Consumer
+from varadhi.library import Consumer, Options
 
 TIMEOUT_S = 900
 
@@ -41,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", type=int, default=5_000)
     p.add_argument("--fail", type=float, nargs="+", default=[0.0, 0.1])
     p.add_argument("--circuit", action="store_true", help="the spec's default circuit breaker")
+    p.add_argument(
+        "--commit-interval",
+        type=float,
+        default=Options().commit_interval_s,
+        help="Options.commit_interval_s (s; default: the runtime's)",
+    )
     args = p.parse_args(argv)
     binary = nginx_binary()
     if binary is None:
@@ -70,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             SubscriptionService(catalog).create(spec)
             cpu, started = time.process_time(), time.monotonic()
-            consumer = Consumer(name, settings).start()
+            options = Options(commit_interval_s=args.commit_interval)
+            consumer = Consumer(name, settings, options=options).start()
             first = None
             try:
                 while True:
