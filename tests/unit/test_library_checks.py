@@ -43,3 +43,20 @@ def test_a_duplicate_needs_a_disruption_between_or_shortly_after_its_first_deliv
     assert lib.unexplained_duplicates(records, [(0, 50)], in_flight_ms=100) == []
     assert len(lib.unexplained_duplicates(records, [(0, 50)], in_flight_ms=0)) == 1
     assert len(lib.unexplained_duplicates(records, [(6_000, 7_000)], in_flight_ms=0)) == 1
+
+
+def test_a_duplicate_is_put_down_to_the_last_disruption_that_explains_it():
+    records = [
+        rec(0, "g-0", at=100),  # finished before the kill, delivered again after it
+        rec(1, "g-1", at=1_050),  # in flight at it
+        rec(2, "g-0", at=3_000),
+        rec(3, "g-1", at=3_000),
+        rec(4, "g-2", at=3_000),
+        rec(5, "g-2", at=9_000),  # far from any disruption
+    ]
+    spans = [("kill", 1_000, 2_000), ("start", 0, 50)]
+    assert lib.duplicate_causes(records, spans, in_flight_ms=100) == {
+        "kill: during": 1,
+        "kill: finished before": 1,
+        "unexplained": 1,
+    }
