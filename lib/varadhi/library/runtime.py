@@ -189,8 +189,9 @@ class Options:
     `max_in_flight`: concurrent deliveries (default: the spec's `consumption.max_in_flight`).
     `commit_interval_s`: how often finished offsets are committed: what finished since the
     last commit is delivered again after a kill or a hang (its share of the duplicates); 0.2 s
-    cost about 10% more CPU per message than 1 s (15-20% with 10% of attempts failing: larger
-    commit metadata), and cut a chaos run's duplicates about five-fold. `session_timeout_ms`: how
+    cost 2-12% more CPU per message than 1 s (18-21% with 10% of attempts failing: larger
+    commit metadata; `bench/library.py --commit-interval`), and cut that share of a chaos
+    run's duplicates three- to five-fold (docs/testing.md). `session_timeout_ms`: how
     long the group waits for a silent member (killed, or hung) before its slots move to the
     others (None: kafka-python's 45 s; the broker bounds it, 6 s to 30 min by default); its
     heartbeat goes every third of it, at most every 3 s."""
