@@ -1143,6 +1143,16 @@ def run_library_latency(env: Env, nginx_bin: str, args, logdir: Path) -> dict:
         hits = endpoint.hits(logdir if args.keep or args.keep_logs else None, name)
     return {
         "run": f"library latency: 1 member, {args.rate:,} msg/s",
+        **paced_latency(args, warm, sent, codes, hits, started),
+        "load_1m_at_start": round(load, 2),
+        "cpu_pressure_at_end": pressure,
+    }
+
+
+def paced_latency(args, warm: int, sent: int, codes: list, hits: list[Hit], started: float) -> dict:
+    """What a latency run reports of its paced load: `warm` messages of warm-up, then `sent`
+    from `started` (ms), of which those after `--warmup-s` are measured."""
+    return {
         "offered_msg_s": args.rate,
         "warmup_messages": warm,
         "sent": sent,
@@ -1152,8 +1162,6 @@ def run_library_latency(env: Env, nginx_bin: str, args, logdir: Path) -> dict:
         "complete": len({h.msg_id for h in hits if 200 <= h.status < 300}) == warm + sent,
         "latency": latencies(hits, started + args.warmup_s * 1000),
         "latency_including_warmup": latencies(hits, started),
-        "load_1m_at_start": round(load, 2),
-        "cpu_pressure_at_end": pressure,
     }
 
 
@@ -1313,21 +1321,12 @@ def run_latency(env: Env, nginx_bin: str, args, logdir: Path) -> dict:
         finally:
             procs.stop()
         hits = endpoint.hits(logdir if args.keep or args.keep_logs else None, sub)
-    measured_since = started + args.warmup_s * 1000
     batches = procs.batches()
     return {
         "run": f"latency: 1 shard, grouped, {args.rate:,} msg/s, trigger "
         f"{args.latency_trigger_ms} ms, concurrency {args.latency_concurrency}",
-        "offered_msg_s": args.rate,
-        "warmup_messages": warm,
-        "sent": sent,
-        "warmup_s": args.warmup_s,
-        "measured_s": args.latency_s,
-        "exit_codes": codes,
-        "complete": len({h.msg_id for h in hits if 200 <= h.status < 300}) == warm + sent,
-        "latency": latencies(hits, measured_since),
-        "latency_including_warmup": latencies(hits, started),
-        "batches_while_measured": batch_times(batches, measured_since),
+        **paced_latency(args, warm, sent, codes, hits, started),
+        "batches_while_measured": batch_times(batches, started + args.warmup_s * 1000),
         "load_1m_at_start": round(load, 2),
         "cpu_pressure_at_end": pressure,
         "batches": batches,

@@ -9,7 +9,6 @@ slots (`change-shards`) keeps every block."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 import pytest
@@ -27,21 +26,15 @@ from varadhi.library.group_state_topic import partition_of, topic_name
 from varadhi.ops import lifecycle
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.testing.library import FAST_RETRY, ConsumerProcess, subscription_spec
+from varadhi.testing.library import (
+    DEADLINE_S,
+    FAST_RETRY,
+    ConsumerProcess,
+    subscription_spec,
+    wait_for,
+)
 
 pytestmark = pytest.mark.kafka
-
-DEADLINE_S = 60
-
-
-def wait_for(condition, what: str, *consumers: Consumer) -> None:
-    """Wait for `condition` (one generous deadline); a timeout shows the consumers' state."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            states = [(c.health(), c.counters()) for c in consumers]
-            raise AssertionError(f"timed out waiting for {what}: {states}")
-        time.sleep(0.05)
 
 
 def produce(settings, topic: str, groups: int, start: int, stop: int) -> list[str]:

@@ -8,7 +8,6 @@ too."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import defaultdict
 
 import pytest
@@ -21,22 +20,10 @@ from varadhi.library import Consumer, Options, Success
 from varadhi.library import Retry as HandlerRetry
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.testing.library import FAST_RETRY, lost, order_violations
+from varadhi.testing.library import FAST_RETRY, lost, order_violations, wait_for
 from varadhi.testing.library import subscription_spec as library_spec
 
 pytestmark = pytest.mark.kafka
-
-DEADLINE_S = 60
-
-
-def wait_for(condition, what: str, *consumers: Consumer) -> None:
-    """Wait for `condition` (one generous deadline); a timeout shows the consumers' state."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            states = [(c.health(), c.counters()) for c in consumers]
-            raise AssertionError(f"timed out waiting for {what}: {states}")
-        time.sleep(0.05)
 
 
 def produce(settings, topic: str, groups: list[str], per_group: int) -> dict[str, list[str]]:

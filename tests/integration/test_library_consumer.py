@@ -36,21 +36,10 @@ from varadhi.library import Consumer, Options, Success, Unsupported
 from varadhi.library import Retry as HandlerRetry
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
+from varadhi.testing.library import DEADLINE_S, wait_for
 from varadhi.testing.library import subscription_spec as library_spec
 
 pytestmark = pytest.mark.kafka
-
-DEADLINE_S = 60
-
-
-def wait_for(condition, what: str, *consumers: Consumer) -> None:
-    """Wait for `condition` (one generous deadline); a timeout shows the consumers' state."""
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
-        if time.monotonic() > deadline:
-            states = [(c.health(), c.counters()) for c in consumers]
-            raise AssertionError(f"timed out waiting for {what}: {states}")
-        time.sleep(0.05)
 
 
 def subscription(
@@ -271,6 +260,30 @@ def test_filter_shaped_requests_trace_and_rate_share(settings, catalog, make_top
         assert malformed[0]["reason"].startswith("malformed: ")
 
 
+class Handled:
+    """A Python handler per member that records (member, message id) of what it handled, after
+    `before(member, message)` (which may block); `ids(member)` what that member handled."""
+
+    def __init__(self, before=None):
+        self._lock = threading.Lock()
+        self._handled: list[tuple[str, str]] = []
+        self._before = before
+
+    def handler(self, member: str):
+        def handle(message):
+            if self._before is not None:
+                self._before(member, message)
+            with self._lock:
+                self._handled.append((member, message.msg_id))
+            return Success()
+
+        return handle
+
+    def ids(self, member: str) -> set[str]:
+        with self._lock:
+            return {i for who, i in self._handled if who == member}
+
+
 def test_a_slot_a_rebalance_moves_is_committed_at_the_revoke_and_not_delivered_again(
     settings, catalog, make_topic, unique_name
 ):
@@ -280,20 +293,8 @@ def test_a_slot_a_rebalance_moves_is_committed_at_the_revoke_and_not_delivered_a
     then a second member joins and takes a slot; the second delivers the messages produced after
     that, and none of the first ones."""
     spec = subscription(catalog, make_topic, unique_name, "http://127.0.0.1:9/unused")
-    lock = threading.Lock()
-    handled: list[tuple[str, str]] = []  # (member, message id)
-
-    def handler_of(member: str):
-        def handle(message):
-            with lock:
-                handled.append((member, message.msg_id))
-            return Success()
-
-        return handle
-
-    def ids_of(member: str) -> set[str]:
-        with lock:
-            return {i for who, i in handled if who == member}
+    handled = Handled()
+    handler_of, ids_of = handled.handler, handled.ids
 
     ids = produce(settings, spec.topic, groups=30, per_group=5)
     never = Options(commit_interval_s=3600)
@@ -327,26 +328,16 @@ def test_deliveries_in_flight_at_a_revoke_end_before_its_commit_and_are_not_deli
     message comes from both. (The revoke once committed at once: those in flight then came
     twice.)"""
     spec = subscription(catalog, make_topic, unique_name, "http://127.0.0.1:9/unused")
-    lock = threading.Lock()
-    handled: list[tuple[str, str]] = []  # (member, message id)
     release = threading.Event()
     held = []
 
-    def handler_of(member: str):
-        def handle(message):
-            if member == "a" and message.msg_id.endswith("-4"):
-                with lock:
-                    held.append(message.msg_id)
-                release.wait()
-            with lock:
-                handled.append((member, message.msg_id))
-            return Success()
+    def hold(member: str, message) -> None:
+        if member == "a" and message.msg_id.endswith("-4"):
+            held.append(message.msg_id)
+            release.wait()
 
-        return handle
-
-    def ids_of(member: str) -> set[str]:
-        with lock:
-            return {i for who, i in handled if who == member}
+    handled = Handled(hold)
+    handler_of, ids_of = handled.handler, handled.ids
 
     ids = produce(settings, spec.topic, groups=30, per_group=5)
     options = Options(commit_interval_s=3600, max_in_flight=40)

@@ -41,6 +41,21 @@ from varadhi.testing.endpoint import Record
 #: This package's source folder: the process runs this checkout's code, whatever is installed.
 LIB = str(Path(__file__).resolve().parents[2])
 #: Retries due within a second: the tests and benches wait for them.
+#: The one generous deadline of a wait on consumers (`wait_for`), for a loaded machine.
+DEADLINE_S = 60
+
+
+def wait_for(condition, what: str, *consumers: Any, deadline_s: float = DEADLINE_S) -> None:
+    """Wait for `condition()` with one deadline; a timeout shows the consumers' (library
+    `Consumer`s) health and counters."""
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > deadline:
+            states = [(c.health(), c.counters()) for c in consumers]
+            raise AssertionError(f"timed out waiting for {what}: {states}")
+        time.sleep(0.05)
+
+
 FAST_RETRY = RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0)
 
 
