@@ -256,10 +256,13 @@ def test_a_broker_killed_and_restarted_under_a_delivering_shard(cluster, tmp_pat
         admin.close()
         killed_ms = time.time() * 1000
         kafka(env, "kill-node", str(node))
+        # One generous deadline: with the killed node leading the catalog's or the transaction
+        # state's partitions, a catalog write first times out (30 s) and is tried again (a CI
+        # run missed 120 s so).
         wait_for(
             "deliveries with a broker down",
             lambda: delivered() & stream.ids_after(killed_ms + 1000),
-            120,
+            300,
             shard,
         )
         print(f"delivering again {time.time() - killed_ms / 1000:.1f} s after the kill")
@@ -268,7 +271,7 @@ def test_a_broker_killed_and_restarted_under_a_delivering_shard(cluster, tmp_pat
         wait_for(
             "deliveries after the restart",
             lambda: delivered() & stream.ids_after(restarted_ms + 1000),
-            120,
+            300,
             shard,
         )
         stream.stop()

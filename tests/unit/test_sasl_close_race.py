@@ -123,3 +123,34 @@ def test_without_sasl_a_close_is_reported_at_once(monkeypatch):
         kafka_clients._build(client, Settings("127.0.0.1:9092", kc.PLAINTEXT), {})
     assert client.made == 1
     assert "socket disconnected" in str(refused.value)
+
+
+def test_a_certificate_refusal_seen_in_a_bootstrap_outranks_a_later_connection_error(
+    monkeypatch, tmp_path
+):
+    """CI, twice: an mTLS client without a certificate the broker accepts got the broker's
+    "bad certificate" alert on every bootstrap try but the last, which got ECONNREFUSED (the
+    broker answered the probe right after); the one line then named the refused connection,
+    not the certificate."""
+    monkeypatch.setattr(kafka_clients, "probe", lambda _settings: None)  # TCP and TLS work
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    props = tmp_path / "client.properties"
+    props.write_text(
+        f"security.protocol=SSL\nssl.truststore.type=PEM\nssl.truststore.location={ca}\n"
+    )
+    alert = KafkaConnectionError(
+        "[SSL: SSLV3_ALERT_BAD_CERTIFICATE] sslv3 alert bad certificate (_ssl.c:2580)"
+    )
+
+    class Client:
+        def __init__(self, **_kwargs):
+            for failure in (alert, alert, KafkaConnectionError("111 ECONNREFUSED")):
+                MANAGER.warning(
+                    "Bootstrap connection to %s failed: %s (backoff %.2f secs)", "b-0", failure, 0.1
+                )
+            raise KafkaTimeoutError("Unable to bootstrap from 127.0.0.1:9094")
+
+    with pytest.raises(KafkaUnavailable) as refused:
+        kafka_clients._build(Client, Settings("127.0.0.1:9094", kc.load(str(props))), {})
+    assert "requires a client certificate (mutual TLS)" in str(refused.value)

@@ -173,10 +173,14 @@ def _build(cls: type, settings: HasKafka, kwargs: dict[str, Any]) -> Any:
                     for f in failures.seen
                     if not f.startswith("KafkaTimeoutError") or "SASL Authentication" in f
                 ]
+                # the broker refusing the client's certificate, in any try: a later try's
+                # connection error (a refused connect, seen in CI while the broker answered)
+                # would hide it
+                cert = [f for f in failures.seen if _CERT_REFUSED.search(f)]
                 cut_short = _sasl_cut_short(settings, failures.seen)
                 if attempt < SASL_CLOSE_TRIES and not auth and cut_short:
                     continue
-                cause = (auth or why or [None])[-1]
+                cause = (auth or cert or why or [None])[-1]
                 raise KafkaUnavailable(explain(settings, cause or e)) from None
     raise AssertionError("unreachable")  # the last attempt returns or raises
 
