@@ -18,7 +18,6 @@ from varadhi.core import messages as m
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.group_state import OVER_LIMIT
 from varadhi.core.policies import Endpoint
-from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.library import Consumer
 from varadhi.library.blocked_keys import decode
@@ -33,21 +32,11 @@ from varadhi.testing.library import (
     subscription_spec,
     wait_for,
 )
+from varadhi.testing.library import (
+    produce_rounds as produce,
+)
 
 pytestmark = pytest.mark.kafka
-
-
-def produce(settings, topic: str, groups: int, start: int, stop: int) -> list[str]:
-    """Messages `g<i>-<n>` of groups `g<i>`, n from `start` to `stop`, round by round."""
-    ids = []
-    with Producer(topic, settings) as producer:
-        for n in range(start, stop):
-            for g in range(groups):
-                msg_id = f"g{g}-{n}"
-                producer.send(msg_id.encode(), group_id=f"g{g}", message_id=msg_id)
-                ids.append(msg_id)
-        producer.flush()
-    return ids
 
 
 def delivered(endpoint: TestEndpoint) -> list[str]:

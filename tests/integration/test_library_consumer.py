@@ -30,13 +30,12 @@ from varadhi.core.policies import (
     TracePolicy,
 )
 from varadhi.core.record_ids import text_id
-from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.library import Consumer, Options, Success, Unsupported
 from varadhi.library import Retry as HandlerRetry
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.testing.library import DEADLINE_S, wait_for
+from varadhi.testing.library import DEADLINE_S, produce_rounds, wait_for
 from varadhi.testing.library import subscription_spec as library_spec
 
 pytestmark = pytest.mark.kafka
@@ -52,16 +51,8 @@ def subscription(
 
 
 def produce(settings, topic: str, groups: int, per_group: int, start: int = 0) -> list[str]:
-    """Messages `g<i>-<n>` of groups `g<i>`, round by round; their ids in produce order."""
-    ids = []
-    with Producer(topic, settings) as producer:
-        for n in range(start, start + per_group):
-            for g in range(groups):
-                msg_id = f"g{g}-{n}"
-                producer.send(msg_id.encode(), group_id=f"g{g}", message_id=msg_id)
-                ids.append(msg_id)
-        producer.flush()
-    return ids
+    """`per_group` rounds of `produce_rounds` from round `start`."""
+    return produce_rounds(settings, topic, groups, start, start + per_group)
 
 
 def at_once(coroutine) -> None:

@@ -512,15 +512,7 @@ def test_the_operator_with_least_privilege_runs_a_library_subscriptions_operatio
     topic, name, group = names.topic, names.sub, group_id(names.sub)
     assert as_user("operator", "topic", "create", topic, "--partitions", "2")[0] == 0
     with TestEndpoint() as endpoint:
-        spec = dict(_spec(name, topic, endpoint.url), runtime="library", on_dead_letter="skip")
-        (tmp_path / "sub.yaml").write_text(json.dumps(spec))
-        code, _, err = as_user(
-            "operator", "subscription", "apply", "-f", str(tmp_path / "sub.yaml")
-        )
-        assert code == 0, err
-        lines = tmp_path / "messages.jsonl"
-        lines.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
-        assert as_user("producer", "produce", topic, "--file", str(lines))[0] == 0
+        _library_flow(as_user, tmp_path, name, topic, endpoint.url, on_dead_letter="skip")
         member = Consumer(name, settings_of("member")).start()
         try:
             deadline = time.monotonic() + 120
@@ -576,18 +568,10 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
     topic, name, group = names.topic, names.sub, group_id(names.sub)
     assert as_user("operator", "topic", "create", topic, "--partitions", "2")[0] == 0
     with TestEndpoint(script={"g1-1": [503], "g2-1": [404]}) as endpoint:
-        spec = dict(
-            _spec(name, topic, endpoint.url), runtime="library", on_dead_letter="block",
+        _library_flow(
+            as_user, tmp_path, name, topic, endpoint.url, on_dead_letter="block",
             trace={"retention": "1h"}, circuit_breaker={"enabled": True},
         )  # fmt: skip
-        (tmp_path / "sub.yaml").write_text(json.dumps(spec))
-        code, _, err = as_user(
-            "operator", "subscription", "apply", "-f", str(tmp_path / "sub.yaml")
-        )
-        assert code == 0, err
-        lines = tmp_path / "messages.jsonl"
-        lines.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
-        assert as_user("producer", "produce", topic, "--file", str(lines))[0] == 0
 
         def until(what: str, done) -> None:
             deadline = time.monotonic() + 120  # one generous deadline for a loaded machine
@@ -631,6 +615,18 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
         assert done.returncode == 4, done.stderr
         [line] = [x for x in done.stderr.splitlines() if x.startswith("varadhi-consumer: not")]
         assert f"Read on Group {group}" in line, done.stderr
+
+
+def _library_flow(as_user, tmp_path: Path, name: str, topic: str, url: str, **fields) -> None:
+    """A `runtime: library` subscription of `_spec` with `fields`, applied by the operator, and
+    `_messages()` produced by the producer, each as its user."""
+    spec = dict(_spec(name, topic, url), runtime="library", **fields)
+    (tmp_path / "sub.yaml").write_text(json.dumps(spec))
+    code, _, err = as_user("operator", "subscription", "apply", "-f", str(tmp_path / "sub.yaml"))
+    assert code == 0, err
+    lines = tmp_path / "messages.jsonl"
+    lines.write_text("".join(json.dumps(m) + "\n" for m in _messages()))
+    assert as_user("producer", "produce", topic, "--file", str(lines))[0] == 0
 
 
 def _spec(name: str, topic: str, url: str, shards: int = 1) -> dict:

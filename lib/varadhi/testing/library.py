@@ -35,6 +35,7 @@ from typing import Any
 
 from varadhi.core import messages as m
 from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy, SubscriptionSpec
+from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
 from varadhi.testing.endpoint import Record
 
@@ -54,6 +55,20 @@ def wait_for(condition, what: str, *consumers: Any, deadline_s: float = DEADLINE
             states = [(c.health(), c.counters()) for c in consumers]
             raise AssertionError(f"timed out waiting for {what}: {states}")
         time.sleep(0.05)
+
+
+def produce_rounds(settings: Settings, topic: str, groups: int, start: int, stop: int) -> list[str]:
+    """Messages `g<i>-<n>` of groups `g<i>` (the id as the body), n from `start` to `stop`,
+    round by round; their ids in produce order."""
+    ids = []
+    with Producer(topic, settings) as producer:
+        for n in range(start, stop):
+            for g in range(groups):
+                msg_id = f"g{g}-{n}"
+                producer.send(msg_id.encode(), group_id=f"g{g}", message_id=msg_id)
+                ids.append(msg_id)
+        producer.flush()
+    return ids
 
 
 FAST_RETRY = RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0)
