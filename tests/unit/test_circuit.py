@@ -260,6 +260,10 @@ def test_status_says_who_suspended_the_subscription_why_and_how_it_ends():
     assert text.startswith(" (suspended 12s ago by shard 1: every attempt failed")
     assert "\x1b" not in text and "a probe by shard 1" in text
     assert "`varadhi subscription resume`" in suspended_text({**probe, "resume": "operator"}, 0)
+    member = {**probe, "shard": -1, "member": "vm-7-\x1b[2Jab", "resume": "probe"}
+    text = suspended_text(member, 13_000)  # a library member's
+    assert text.startswith(" (suspended 12s ago by member vm-7-") and "\x1b" not in text, text
+    assert "a probe by a member finds the endpoint healthy" in text, text
 
 
 def test_a_heal_elsewhere_closes_a_circuit_that_opened_before_it_and_is_passed_on_unchanged(

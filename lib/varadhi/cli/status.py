@@ -6,6 +6,7 @@ import argparse
 import time
 
 from varadhi.cli import common
+from varadhi.kafka.subscriptions import Suspension
 from varadhi.ops import status
 
 TEXT_BLOCKED = 10  # blocked groups named per shard in text; --output json has up to 100
@@ -39,13 +40,16 @@ def standby_text(sb: dict) -> str:
 def suspended_text(suspended: dict, now_ms: int) -> str:
     """The status line's note on a suspension (endpoint health), escaped for a terminal."""
     since_s = max(0, now_ms - int(suspended["since_ms"])) / 1000
+    s = Suspension.from_dict(suspended)
+    assert s is not None
+    prober = "a member" if s.member is not None else f"shard {s.shard}"
     ends = (
-        f"a probe by shard {suspended['shard']} finds the endpoint healthy, or a resume"
-        if suspended["resume"] == "probe"
+        f"a probe by {prober} finds the endpoint healthy, or a resume"
+        if s.resume == "probe"
         else "`varadhi subscription resume`"
     )
-    reason = common.printable(str(suspended["reason"]))
-    return f" (suspended {since_s:.0f}s ago by shard {suspended['shard']}: {reason}; until {ends})"
+    reason = common.printable(s.reason)
+    return f" (suspended {since_s:.0f}s ago by {common.printable(s.by)}: {reason}; until {ends})"
 
 
 def library_lines(doc: dict, flags: str, now_ms: int) -> list[str]:

@@ -15,7 +15,7 @@ from varadhi.cli import common
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import SubscriptionSpec
 from varadhi.core.subscription_spec import parse_spec
-from varadhi.kafka.subscriptions import Subscription
+from varadhi.kafka.subscriptions import Subscription, Suspension
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -240,10 +240,11 @@ def _describe(args: argparse.Namespace) -> int:
     print(f"shards        {state['shard_count']}")
     print(f"paused        {'yes' if state['paused'] else 'no'}")
     if state.get("suspended"):
-        sus = state["suspended"]
+        sus = Suspension.from_dict(state["suspended"])
+        assert sus is not None
         print(
-            f"suspended     by shard {sus['shard']} since {sus['since_ms']} ms: "
-            f"{common.printable(sus['reason'])} (resume: {sus['resume']})"
+            f"suspended     by {common.printable(sus.by)} since {sus.since_ms} ms: "
+            f"{common.printable(sus.reason)} (resume: {sus.resume})"
         )
     print(f"generation    {state['generation']}")
     print(f"dead letters  {spec['on_dead_letter']}")

@@ -167,7 +167,7 @@ TABLE: tuple[Grant, ...] = (
     # -- member ----------------------------------------------------------------------------
     Grant("member", TOPIC, LITERAL, "{catalog}", ("Describe", "DescribeConfigs", "Read", "Write"),
           "reads the subscription (and checks it every 5 s); marks the slots of a re-drive "
-          "done"),
+          "done; records and ends the subscription's suspension (endpoint health)"),
     Grant("member", TRANSACTIONAL_ID, PREFIXED, _CATALOG_TXN, ("Describe", "Write"),
           "the catalog writer's transactions"),
     Grant("member", TOPIC, LITERAL, "{catalog}_progress", ("Create", "Describe", "Read", "Write"),

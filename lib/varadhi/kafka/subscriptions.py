@@ -43,28 +43,43 @@ log = logging.getLogger(__name__)
 # because `$` would also match before a trailing newline.
 @dataclass(frozen=True)
 class Suspension:
-    """Why and since when a shard suspended its subscription (endpoint health:
-    `circuit_breaker.suspend_after`), and how it ends: `probe` (that shard's half-open probes
-    find the endpoint healthy, or an operator's resume) or `operator` (a resume only)."""
+    """Why and since when a shard (or a library member: `member`, and `shard` -1) suspended its
+    subscription (endpoint health: `circuit_breaker.suspend_after`), and how it ends: `probe`
+    (that shard's half-open probes, or any library member's, find the endpoint healthy, or an
+    operator's resume) or `operator` (a resume only)."""
 
     reason: str
     since_ms: int
     shard: int
     resume: str
+    member: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "reason": self.reason,
             "since_ms": self.since_ms,
             "shard": self.shard,
             "resume": self.resume,
         }
+        return out if self.member is None else {**out, "member": self.member}
+
+    @property
+    def by(self) -> str:
+        """Who suspended it, for people: `shard 2`, `member vm-1-ab12`."""
+        return f"member {self.member}" if self.member is not None else f"shard {self.shard}"
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> Suspension | None:
         if not d:
             return None
-        return cls(str(d["reason"]), int(d["since_ms"]), int(d["shard"]), str(d["resume"]))
+        member = d.get("member")
+        return cls(
+            str(d["reason"]),
+            int(d["since_ms"]),
+            int(d["shard"]),
+            str(d["resume"]),
+            None if member is None else str(member),
+        )
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,16 @@ from varadhi.kafka import trace as trace_topic
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
-from varadhi.library import fence, group_state_topic, join_guard, position, redrive, settle
+from varadhi.kafka.subscriptions import Suspension
+from varadhi.library import (
+    fence,
+    group_state_topic,
+    join_guard,
+    position,
+    redrive,
+    settle,
+    suspension,
+)
 from varadhi.library import handler as handlers
 from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.blocking import Blocking, RedriveHold, after_acks
@@ -236,7 +245,9 @@ class Consumer:
         self._lost: set[TopicPartition] = set()  # revoked after the member left the group
         self._assigned: set[TopicPartition] | None = None  # the last assignment, unprocessed
         self._stopping = threading.Event()
-        self._paused = False  # the subscription is paused: hand out nothing, read nothing
+        self._paused = False  # paused or suspended (`suspension.holds`): hand out, read nothing
+        self._suspended: Suspension | None = None  # the subscription's, as last seen
+        self._pause_asked = False  # the subscription is paused, as last seen
         self._next_publish = 0.0  # monotonic time of the next progress document
         self.member = member_id()
         self._state = "new"
@@ -310,7 +321,8 @@ class Consumer:
             raise
         self._catalog, self._sub = catalog, sub
         self._circuit = SharedCircuit(sub.spec.circuit_breaker)
-        self._paused = sub.paused
+        self._paused = sub.paused or suspension.holds(sub.suspended)
+        self._suspended, self._pause_asked = sub.suspended, sub.paused
         self._spec = sub.spec
         self._main = main.storage_topics[0]
         self._rq, self._dlq = rq.produce_topic, dlq.produce_topic
@@ -365,7 +377,9 @@ class Consumer:
             # a member whose session may have ended hands out nothing (`fence`)
             self._fenced = fence.Fence(self._consumer)
             self._loop_sleep = settle.loop_sleep(self._consumer)  # for `_revoke`
-            if sub.spec.circuit_breaker.enabled:  # reads and writes the members' reports
+            policy = sub.spec.circuit_breaker
+            # reads and writes the members' reports: the circuit's and endpoint health's evidence
+            if policy.enabled or policy.suspend_after_ms is not None:
                 self._circuit_link = CircuitLink(
                     self.settings, self.name, self.member, self._circuit
                 )
@@ -412,7 +426,8 @@ class Consumer:
         return not any(t.is_alive() for t in self._threads)
 
     def health(self) -> dict[str, Any]:
-        """`state` (new, starting, running, pausing, paused, stopping, stopped, failed),
+        """`state` (new, starting, running, suspended, pausing, paused, stopping, stopped,
+        failed; `suspended`: endpoint health, `suspended` says why and how it ends),
         `error` (why it failed), `member` (its name in `varadhi status`), the partitions and
         slots it holds, whether it still catches up on the RQ of a slot before reading its
         main-topic partitions, and `rate_limit`: the messages a second it may send, its slots'
@@ -430,6 +445,7 @@ class Consumer:
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
                 "rate_limit": self._rate,
                 "circuit": self._circuit.status(),
+                "suspended": None if self._suspended is None else self._suspended.to_dict(),
             }
 
     @property
@@ -446,18 +462,24 @@ class Consumer:
         block mode), `duplicates` (copies finished unsent), `skipped_finished` (finished before
         a restart, per the commit), `commits`, `rebalances`; and now: `pending` (held),
         `in_flight`, `blocked` (keys blocked behind a dead letter), `paused` (1 while the
-        subscription is paused)."""
+        subscription is paused), `suspended` (1 while it is suspended: endpoint health)."""
         with self._lock:
             out = dict(self._counts)
             out["pending"] = self._sched.pending
             out["in_flight"] = sum(self._sched.in_flight.values())
             out["blocked"] = 0 if self._blocking is None else self._blocking.count()
-            out["paused"] = int(self._paused)
+            out["paused"] = int(self._pause_asked)
+            out["suspended"] = int(self._suspended is not None)
             return out
 
     def _shown_state(self) -> str:
-        """`_state`, or while running and paused `pausing`/`paused` (under the lock)."""
-        if self._state != "running" or not self._paused:
+        """`_state`, or while running `suspended`, or paused `pausing`/`paused` (under the
+        lock)."""
+        if self._state != "running":
+            return self._state
+        if self._suspended is not None and not self._pause_asked:
+            return "suspended"
+        if not self._paused:
             return self._state
         return "pausing" if any(self._sched.in_flight.values()) else "paused"
 
@@ -774,14 +796,57 @@ class Consumer:
         under_way = position.reset_under_way(snap, self.name)
         if under_way is not None:  # the reset commits once every member left the group
             raise VaradhiError(under_way)
-        if replace(sub, paused=self._sub.paused) != self._sub:
+        if replace(sub, paused=self._sub.paused, suspended=self._sub.suspended) != self._sub:
             raise VaradhiError(
                 f"subscription {self.name} was changed while this consumer ran; the library"
                 " runtime does not follow edits yet: start it again"
             )
+        sub = self._follow_suspension(sub)
         self._sub = sub
-        if sub.paused != self._paused:
-            self._set_paused(sub.paused)
+        held = sub.paused or suspension.holds(sub.suspended)
+        if held != self._paused:
+            self._set_paused(held)
+
+    def _follow_suspension(self, sub: subscriptions.Subscription) -> subscriptions.Subscription:
+        """Endpoint health (`varadhi.library.suspension`): suspend the subscription when every
+        attempt failed for `circuit_breaker.suspend_after`, end a `resume: probe` suspension
+        once this member's circuit found the endpoint healthy, count failure afresh after a
+        suspension ended; the subscription as it is now."""
+        breaker = self._circuit.breaker
+        was = self._suspended
+        todo = suspension.step(
+            sub.suspended,
+            was is not None,
+            breaker.suspension_due(),
+            breaker.poll(),
+            breaker.failing_since_ms is not None,
+        )
+        service = subscriptions.SubscriptionService(self._catalog)
+        if todo.action == "suspend":
+            assert todo.reason is not None
+            policy = sub.spec.circuit_breaker
+            sub = service.set_suspended(
+                self.name,
+                Suspension(todo.reason, _now_ms(), suspension.NO_SHARD, policy.resume, self.member),
+            )
+            how = (
+                "a probe finds it healthy" if policy.resume == "probe" else "an operator resumes it"
+            )
+            log.warning(
+                "%s: %s; subscription suspended (by %s) until %s (`varadhi subscription resume`)",
+                self.name, todo.reason, sub.suspended.by if sub.suspended else "?", how,
+            )  # fmt: skip
+        elif todo.action == "end":
+            sub = service.set_suspended(self.name, None)
+            log.info("%s: a probe found the endpoint healthy; suspension ended", self.name)
+        elif todo.action == "resumed":
+            breaker.forget_failing()  # the wait was no attempt's failure
+            log.info("%s: suspension ended; delivering again", self.name)
+        with self._lock:
+            self._suspended, self._pause_asked = sub.suspended, sub.paused
+        if (was is None) != (sub.suspended is None):
+            self._publish(force=True)
+        return sub
 
     def _set_paused(self, paused: bool) -> None:
         """Pause: hand out nothing more (deliveries in flight end) and read nothing (every

@@ -31,14 +31,10 @@ def unsupported(
     what to change; empty when it can run it."""
     spec = sub.spec
     out = []
-    if spec.circuit_breaker.suspend_after_ms is not None:
-        out.append("circuit_breaker.suspend_after (endpoint health: set it to null)")
     if spec.dedup_window_ms:
         out.append("dedup_window_ms (de-duplication)")
     if spec.delivery.mode != "single":
         out.append("delivery.mode: batch (batched requests)")
-    if sub.suspended is not None:
-        out.append("suspended (endpoint health: resume the subscription first)")
     if len(main.storage_topics) > 1:
         out.append(
             f"topic {main.name} has {len(main.storage_topics)} storage topics (reading across a"
