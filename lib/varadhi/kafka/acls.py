@@ -178,11 +178,14 @@ TABLE: tuple[Grant, ...] = (
     Grant("member", TOPIC, PREFIXED, "{sub}.", ("Describe", "DescribeConfigs", "Read", "Write"),
           "reads its RQ and, for a re-drive, its DLQ; writes retries, dead letters and re-driven "
           "messages, and the delivery trace; reads and writes its blocked keys (the GroupState "
-          "topic); sizes its RQ/DLQ records by their `max.message.bytes`"),
+          "topic) and the ids it delivered (the dedup topic); sizes its RQ/DLQ records by their "
+          "`max.message.bytes`"),
     Grant("member", TOPIC, LITERAL, "{sub}.trace", ("Create",),
           "makes the delivery trace on first use (a spec with a `trace` section)"),
     Grant("member", TOPIC, LITERAL, "{sub}.state", ("Create",),
           "makes the GroupState topic on first use (`on_dead_letter: block`, the default)"),
+    Grant("member", TOPIC, LITERAL, "{sub}.dedup", ("Create",),
+          "makes the dedup topic on first use (a spec with a `dedup_window`)"),
     Grant("member", GROUP, LITERAL, _LIBRARY_GROUP, ("Read",),
           "joins the subscription's consumer group and commits its offsets (Read covers "
           "JoinGroup, SyncGroup, Heartbeat, OffsetCommit and OffsetFetch)"),

@@ -146,6 +146,7 @@ from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.subscriptions import Suspension
 from varadhi.library import (
+    dedup_topic,
     fence,
     group_state_topic,
     join_guard,
@@ -157,6 +158,8 @@ from varadhi.library import (
 from varadhi.library import handler as handlers
 from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.blocking import Blocking, RedriveHold, after_acks
+from varadhi.library.dedup import DedupMemory, dedup_id
+from varadhi.library.dedup_topic import DedupReader
 from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.scheduler import Scheduler, Work
@@ -269,6 +272,10 @@ class Consumer:
         # the spec's circuit from `start` (`shared_circuit`: on the subscription's error rate)
         self._circuit = SharedCircuit(CircuitPolicy(enabled=False))
         self._circuit_link: CircuitLink | None = None
+        # `dedup_window` (`varadhi.library.dedup`): the ids delivered within it, from its topic
+        self._dedup_topic: str | None = None
+        self._dedup: DedupMemory | None = None
+        self._dedup_reader: DedupReader | None = None
         self._counts = dict.fromkeys(
             (
                 "read",
@@ -281,6 +288,7 @@ class Consumer:
                 "duplicates",
                 "sidelined",
                 "skipped_finished",
+                "deduplicated",
                 "commits",
                 "rebalances",
             ),
@@ -312,6 +320,10 @@ class Consumer:
             traced = self._trace_target(sub)
             if sub.spec.on_dead_letter == "block":
                 group_state_topic.ensure_topic(self.settings, self.name, dlq)
+            if sub.spec.dedup_window_ms:
+                self._dedup_topic = dedup_topic.ensure_topic(
+                    self.settings, self.name, int(sub.spec.dedup_window_ms), dlq
+                )
             self._progress = ProgressPublisher(
                 self.settings, self.name, None, PROGRESS_S, member=self.member
             )
@@ -383,10 +395,17 @@ class Consumer:
                 self._circuit_link = CircuitLink(
                     self.settings, self.name, self.member, self._circuit
                 )
+            if self._dedup_topic is not None:  # the window's ids before anything is handed out
+                memory = DedupMemory(int(sub.spec.dedup_window_ms))
+                self._dedup_reader = DedupReader(self.settings, self._dedup_topic, memory)
+                self._dedup_reader.catch_up(_now_ms())
+                self._dedup = memory
         except BaseException:
             self._state = "failed"
             for client in (self._consumer, self._offsets):
                 client.close(autocommit=False)
+            if self._dedup_reader is not None:
+                self._dedup_reader.close()
             self._producer.close(timeout=10)
             self._catalog.close()
             raise
@@ -402,6 +421,8 @@ class Consumer:
         self._spawn(self._redrive, "redrive")
         if self._circuit_link is not None:
             self._spawn(self._share_circuit, "circuit")
+        if self._dedup_reader is not None:
+            self._spawn(self._follow_dedup, "dedup")
         if self.handler is None:
             self._spawn(self._deliver_http, "http")
         else:
@@ -533,6 +554,8 @@ class Consumer:
                     self._deliverer.close()
                 if self._trace is not None:
                     self._trace.close()
+                if self._dedup_reader is not None:
+                    self._dedup_reader.close()
                 if self._state != "failed":
                     self._state = "stopped"
                 try:
@@ -673,9 +696,12 @@ class Consumer:
             slot = slot_of(tp.partition, self._rq.partitions, self._sub.shard_count)
         else:
             slot = slot_of(tp.partition, self._main.partitions, self._sub.shard_count)
-        return Work(
+        work = Work(
             entry, tp.topic, tp.partition, r.offset, slot, self._key_of(r.key, headers, value)
         )
+        if self._dedup is not None and not from_rq:  # retries carry an id not delivered yet
+            work.dedup_id = dedup_id(header_value(r.headers, m.H_MSG_ID), value)
+        return work
 
     def _key_of(self, raw_key: bytes | None, headers: dict[str, str], value: bytes | None):
         """A record's ordering key (None: unordered)."""
@@ -1052,7 +1078,33 @@ class Consumer:
         member's group session has not lapsed (`fence`: its slots may be others' now)."""
         if self._fenced():
             return None
-        return self._circuit.admit(lambda: self._sched.take(_now_ms()))
+        return self._circuit.admit(lambda: self._take_fresh(_now_ms()))
+
+    def _take_fresh(self, now: int) -> Work | None:
+        """(Under the lock) The scheduler's next message, after finishing unsent those whose id
+        the dedup window says was delivered (`varadhi.library.dedup`)."""
+        while True:
+            work = self._sched.take(now)
+            dedup = self._dedup
+            if work is None or dedup is None or work.dedup_id is None:
+                return work
+            if not dedup.seen(work.dedup_id, now):
+                return work
+            self._sched.done(work)
+            self._counts["deduplicated"] += 1
+            self._finished.put((TopicPartition(work.topic, work.partition), work.offset))
+            tracer = self._tracer(work.slot)
+            if tracer is not None:
+                e = work.entry
+                tracer.routed(e.msg_id, e.group_id, "deduplicated", None, source=e.source)
+
+    def _follow_dedup(self) -> None:
+        """(Its own thread) The dedup topic's tail: the ids the members deliver."""
+        assert self._dedup_reader is not None
+        try:
+            self._dedup_reader.run(self._stopping)
+        except BaseException as e:  # noqa: BLE001 - reported through health() and the CLI
+            self._fail(e)
 
     def _share_circuit(self) -> None:
         """(Its own thread) The circuit's ticks and the members' shared counts
@@ -1185,6 +1237,7 @@ class Consumer:
             if decision.action == "success":
                 self._counts["delivered"] += 1
                 lifted = [] if self._blocking is None else self._blocking.delivered(work)
+                lifted += self._remember_delivered(work, now)
                 self._sched.done(work)
                 self._lock.notify_all()
                 where = (TopicPartition(work.topic, work.partition), work.offset)
@@ -1221,6 +1274,17 @@ class Consumer:
         self._trace_attempt(work, outcome, target)
         if target == "rq" or self._blocking is None:
             self._send(target, work)
+
+    def _remember_delivered(self, work: Work, now: int) -> list:
+        """(Under the lock) With a dedup window, `work`'s id as delivered at `now`: remembered
+        here and written to the dedup topic for every member; the write's future (its offset
+        finishes once it is acknowledged)."""
+        if self._dedup is None or work.dedup_id is None:
+            return []
+        self._dedup.remember(work.dedup_id, now)
+        assert self._dedup_topic is not None
+        key = work.dedup_id.encode("utf-8", "surrogateescape")
+        return [self._producer.send(self._dedup_topic, key=key, value=dedup_topic.encode(now))]
 
     # -- the delivery trace -------------------------------------------------------------------
     def _trace_target(self, sub: subscriptions.Subscription) -> trace_topic.TraceTarget | None:

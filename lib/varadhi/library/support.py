@@ -31,8 +31,6 @@ def unsupported(
     what to change; empty when it can run it."""
     spec = sub.spec
     out = []
-    if spec.dedup_window_ms:
-        out.append("dedup_window_ms (de-duplication)")
     if spec.delivery.mode != "single":
         out.append("delivery.mode: batch (batched requests)")
     if len(main.storage_topics) > 1:

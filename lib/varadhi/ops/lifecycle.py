@@ -54,7 +54,7 @@ from varadhi.core.errors import (
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import progress, subscriptions, topics
 from varadhi.kafka.catalog import Catalog, Snapshot, key
-from varadhi.library import group_state_topic
+from varadhi.library import dedup_topic, group_state_topic
 from varadhi.library.runtime import group_id
 from varadhi.ops import status
 from varadhi.spark import journal, warehouse_fs
@@ -234,8 +234,14 @@ def own_topics(name: str) -> tuple[str, ...]:
     """The Kafka topics of subscription `name` that the catalog does not record: the delivery
     journal's and the delivery trace's, which a shard creates when the journal (trace) is on
     (`varadhi.spark.journal`, `varadhi.kafka.trace`), and the library runtime's GroupState
-    topic, which its members create in block mode (`varadhi.library.group_state_topic`)."""
-    return (journal.topic_name(name), trace.topic_name(name), group_state_topic.topic_name(name))
+    topic, which its members create in block mode (`varadhi.library.group_state_topic`), and
+    its dedup topic, made with a dedup window (`varadhi.library.dedup_topic`)."""
+    return (
+        journal.topic_name(name),
+        trace.topic_name(name),
+        group_state_topic.topic_name(name),
+        dedup_topic.topic_name(name),
+    )
 
 
 def check_stopped(
