@@ -555,7 +555,8 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
     """A library member as the member's user, holding exactly its grants of the table: it joins
     the group and commits, reads the main topic and its RQ, writes a retry, a dead letter and
     its delivery trace (made on first use), blocks the dead letter's key in its GroupState topic
-    (made on first use, block mode) and sidelines the key's next message, publishes its progress
+    (made on first use, block mode) and sidelines the key's next message, writes and reads the
+    ids it delivered (its dedup topic, made on first use), publishes its progress
     and circuit reports and reads the others' (its circuit on), and applies the operator's
     re-drive (reading the DLQ, marking its slot done in the catalog). Lacking Read on the group,
     `varadhi-consumer` ends in one line naming it, exit 4."""
@@ -573,7 +574,7 @@ def test_a_library_member_with_least_privilege_delivers_retries_dead_letters_and
     with TestEndpoint(script={"g1-1": [503], "g2-1": [404] * 20}) as endpoint:
         _library_flow(
             as_user, tmp_path, name, topic, endpoint.url, on_dead_letter="block",
-            trace={"retention": "1h"}, circuit_breaker={"enabled": True},
+            trace={"retention": "1h"}, circuit_breaker={"enabled": True}, dedup_window="10m",
         )  # fmt: skip
 
         def until(what: str, done) -> None:
