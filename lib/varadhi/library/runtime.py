@@ -411,11 +411,9 @@ class Consumer:
             raise
         names = [self._main.name, self._rq.name]
         for name in names:
-            # Metadata first: a group joined before it knows its topics' partitions assigns
-            # nothing and joins again at once (a wasted rebalance)
-            self._consumer.partitions_for_topic(name)
             self._offsets.partitions_for_topic(name)  # else its offset look-ups miss some
-        self._consumer.subscribe(topics=names, listener=_Listener(self))
+        # metadata before the first join, else it joins again at once (a wasted rebalance)
+        join_guard.subscribe(self._consumer, names, _Listener(self))
         self._state = "running"
         self._spawn(self._consume, "kafka")
         self._spawn(self._redrive, "redrive")
