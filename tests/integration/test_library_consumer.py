@@ -24,6 +24,7 @@ from varadhi import Client
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
 from varadhi.core.policies import (
+    DeliveryPolicy,
     Endpoint,
     RequestShaping,
     SubscriptionSpec,
@@ -423,11 +424,11 @@ def test_a_subscription_using_unsupported_features_is_refused(
         topic,
         Endpoint("http://127.0.0.1:9/"),
         runtime="library",
-        dedup_window_ms=60_000,
+        delivery=DeliveryPolicy(mode="batch"),
     )
     SubscriptionService(catalog).create(spec)  # block mode and the circuit: supported defaults
     consumer = Consumer(spec.name, settings)
-    with pytest.raises(Unsupported, match="dedup_window_ms") as refused:
+    with pytest.raises(Unsupported, match="delivery.mode: batch") as refused:
         consumer.start()
     assert refused.value.exit_code == 2
     assert consumer.health()["state"] == "failed"
