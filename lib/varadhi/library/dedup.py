@@ -5,8 +5,9 @@ among them.
 The shards' semantics (`varadhi.spark.dedup`): a message's id is its message id header (its
 text form, `varadhi.core.record_ids.text_id`), else the SHA-256 of its value (`dedup_id`); a
 main-topic message whose id was delivered within the window is finished unsent and counted
-(`deduplicated`), never attempted. Retries and re-drives (read from the RQ) are not checked:
-they carry the id of a message not delivered yet.
+(`deduplicated`), never attempted. Every delivery is remembered, from the main topic or the RQ
+(a retry delivered late); retries and re-drives are not checked: they carry the id of a
+message not delivered yet.
 
 Every member learns the ids delivered from the subscription's dedup topic
 (`varadhi.library.dedup_topic`), its own and the others', and checks a message when it is about
@@ -20,17 +21,17 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import deque
+from collections.abc import Mapping
 
-from varadhi.core.record_ids import text_id
+from varadhi.core import messages as m
 
 
-def dedup_id(msg_id_header: bytes | None, value: bytes | None) -> str | None:
-    """The id a main-topic record is de-duplicated by, as the shards compute it: the text form
-    of its message id header, else the hex SHA-256 of its value; None with neither."""
-    found = text_id(msg_id_header)
-    if found is not None:
-        return found
-    return None if value is None else hashlib.sha256(value).hexdigest()
+def dedup_id(headers: Mapping[str, str], value: bytes | None) -> str:
+    """The id a message is de-duplicated by, from its entry as the shards take it
+    (`varadhi.spark.batch.dedup_id`): its message id header (its text form, as read), else the
+    hex SHA-256 of its value. The same for a main-topic record and its RQ copy, which carries
+    the original's headers and value."""
+    return headers.get(m.H_MSG_ID) or hashlib.sha256(value or b"").hexdigest()
 
 
 class DedupMemory:

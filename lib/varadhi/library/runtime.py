@@ -697,8 +697,8 @@ class Consumer:
         work = Work(
             entry, tp.topic, tp.partition, r.offset, slot, self._key_of(r.key, headers, value)
         )
-        if self._dedup is not None and not from_rq:  # retries carry an id not delivered yet
-            work.dedup_id = dedup_id(header_value(r.headers, m.H_MSG_ID), value)
+        if self._dedup is not None:  # remembered once delivered; checked on the main topic
+            work.dedup_id = dedup_id(headers, value)
         return work
 
     def _key_of(self, raw_key: bytes | None, headers: dict[str, str], value: bytes | None):
@@ -1085,6 +1085,8 @@ class Consumer:
             work = self._sched.take(now)
             dedup = self._dedup
             if work is None or dedup is None or work.dedup_id is None:
+                return work
+            if work.topic != self._main.name:  # a retry or re-drive: not delivered yet
                 return work
             if not dedup.seen(work.dedup_id, now):
                 return work

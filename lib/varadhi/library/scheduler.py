@@ -54,7 +54,7 @@ class Work:
     offset: int
     slot: int
     key: str | None
-    dedup_id: str | None = None  # a main-topic message's, with a dedup window (`library.dedup`)
+    dedup_id: str | None = None  # with a dedup window, its id (`varadhi.library.dedup`)
 
     @property
     def group_key(self) -> str:
