@@ -34,22 +34,25 @@ def _keys(ids: list[str]) -> dict[str, list[str]]:
     return keys
 
 
+def _failing(settings, catalog, topic: str, name: str, endpoint: TestEndpoint, policy):
+    """A library subscription of `topic` with the circuit `policy`, its endpoint answering 503
+    to everything until healed (`endpoint.outage(0)`), and messages of 6 keys produced: the
+    spec and the ids in produce order."""
+    spec = library_spec(
+        name, topic, Endpoint(endpoint.url + "/hook"), circuit_breaker=policy, retry=RETRY
+    )
+    SubscriptionService(catalog).create(spec)
+    endpoint.outage(3_600)
+    return spec, produce_rounds(settings, spec.topic, groups=6, start=0, stop=3)
+
+
 def test_a_member_suspends_on_sustained_failure_and_holds_everything_until_a_resume(
     settings, catalog, make_topic, unique_name, capsys
 ):
     policy = CircuitPolicy(enabled=False, suspend_after_ms=1_500, resume="operator")
     with TestEndpoint() as endpoint:
-        spec = library_spec(
-            unique_name("lib"),
-            make_topic(4),
-            Endpoint(endpoint.url + "/hook"),
-            circuit_breaker=policy,
-            retry=RETRY,
-        )
+        spec, ids = _failing(settings, catalog, make_topic(4), unique_name("lib"), endpoint, policy)
         service = SubscriptionService(catalog)
-        service.create(spec)
-        endpoint.outage(3_600)  # 503 to everything until healed below
-        ids = produce_rounds(settings, spec.topic, groups=6, start=0, stop=3)
         consumer = Consumer(spec.name, settings).start()
         try:
             member = consumer.health()["member"]
@@ -110,17 +113,8 @@ def test_a_probe_suspension_ends_when_the_members_circuit_finds_the_endpoint_hea
         resume="probe",
     )
     with TestEndpoint() as endpoint:
-        spec = library_spec(
-            unique_name("lib"),
-            make_topic(4),
-            Endpoint(endpoint.url + "/hook"),
-            circuit_breaker=policy,
-            retry=RETRY,
-        )
+        spec, ids = _failing(settings, catalog, make_topic(4), unique_name("lib"), endpoint, policy)
         service = SubscriptionService(catalog)
-        service.create(spec)
-        endpoint.outage(3_600)
-        ids = produce_rounds(settings, spec.topic, groups=6, start=0, stop=3)
         consumer = Consumer(spec.name, settings).start()
         try:
             wait_for(lambda: consumer.health()["state"] == "suspended", "the suspension", consumer)
