@@ -1,5 +1,5 @@
-"""The library runtime's de-duplication topic `<subscription>.dedup`: one record per delivery of
-a main-topic message (`dedup_window`), its key the message's dedup id
+"""The library runtime's de-duplication topic `<subscription>.dedup`: one record per delivery
+(`dedup_window`; from the main topic or the RQ), its key the message's dedup id
 (`varadhi.library.dedup.dedup_id`), its value when it was delivered (epoch ms, ASCII digits).
 
 Every member writes the ids it delivers and reads everyone's (`DedupReader`): at start, from
@@ -20,12 +20,11 @@ import threading
 import time
 
 from kafka import TopicPartition
-from kafka.errors import AuthorizationError
 
 from varadhi.core.errors import KafkaUnavailable
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import topics
-from varadhi.kafka.topic_settings import TopicSettings
+from varadhi.library import group_state_topic
 from varadhi.library.dedup import DedupMemory
 
 #: The topic's one partition.
@@ -57,20 +56,9 @@ def ensure_topic(settings, subscription: str, window_ms: int, dlq: topics.Compos
     """Make the subscription's dedup topic (module docstring), or accept an existing one of one
     partition (`InvalidArgument` otherwise); its name. A missing Create (or Describe) ACL is
     `NotAuthorized` naming it (exit 4)."""
-    factor = dlq.replication_factor
-    if factor is None:
-        factor = kafka_clients.config_of(settings).topics("dlq").replication_factor
-    wanted = TopicSettings(
-        factor, (("cleanup.policy", "delete"), ("retention.ms", str(window_ms + MARGIN_MS)))
-    )
     name = topic_name(subscription)
-    admin = kafka_clients.admin(settings, client_id="varadhi-dedup-admin")
-    try:
-        topics.ensure_kafka_topic(admin, name, 1, wanted, what="the dedup topic")
-    except AuthorizationError as e:
-        raise kafka_clients.refused(settings, e, "Create", name) from e
-    finally:
-        admin.close()
+    configs = (("cleanup.policy", "delete"), ("retention.ms", str(window_ms + MARGIN_MS)))
+    group_state_topic.ensure_beside_dlq(settings, name, 1, configs, dlq, "the dedup topic")
     return name
 
 

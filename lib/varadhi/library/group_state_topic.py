@@ -58,15 +58,36 @@ def ensure_topic(settings, subscription: str, dlq: topics.CompositeTopic) -> Non
     factor of its DLQ (`dlq`), or accept an existing one with those partitions
     (`InvalidArgument` otherwise). A missing Create (or Describe) ACL is `NotAuthorized` naming
     it (exit 4)."""
+    ensure_beside_dlq(
+        settings,
+        topic_name(subscription),
+        dlq.produce_topic.partitions,
+        (("cleanup.policy", "compact"),),
+        dlq,
+        "the GroupState topic",
+    )
+
+
+def ensure_beside_dlq(
+    settings,
+    name: str,
+    partitions: int,
+    configs: tuple[tuple[str, str], ...],
+    dlq: topics.CompositeTopic,
+    what: str,
+) -> None:
+    """Make a topic a library member keeps next to the subscription's DLQ (the GroupState
+    topic, the dedup topic): `partitions`, `configs`, and the DLQ's replication factor (its own,
+    else `varadhi.topic.dlq.replication.factor`), or accept an existing one with those
+    partitions (`InvalidArgument` otherwise). A missing Create (or Describe) ACL is
+    `NotAuthorized` naming it (exit 4)."""
     factor = dlq.replication_factor
     if factor is None:
         factor = kafka_clients.config_of(settings).topics("dlq").replication_factor
-    wanted = TopicSettings(factor, (("cleanup.policy", "compact"),))
-    name = topic_name(subscription)
-    admin = kafka_clients.admin(settings, client_id="varadhi-group-state-admin")
+    admin = kafka_clients.admin(settings, client_id="varadhi-library-topic-admin")
     try:
         topics.ensure_kafka_topic(
-            admin, name, dlq.produce_topic.partitions, wanted, what="the GroupState topic"
+            admin, name, partitions, TopicSettings(factor, configs), what=what
         )
     except AuthorizationError as e:
         raise kafka_clients.refused(settings, e, "Create", name) from e

@@ -18,7 +18,8 @@ members in place of shards:
   the suspension at once and delivers, as a restarted probing shard does; if the endpoint still
   fails, the subscription is suspended again `suspend_after` later.
 
-Hazards: members look at the catalog every second or so, so one may hand out for a second after
+Hazards: members look at the catalog every 5 s (`runtime.CATALOG_CHECK_S`), so a suspension
+starts up to 5 s after `suspend_after`, and one member may hand out for up to 5 s after
 another suspended the subscription (its circuit is then open anyway when the endpoint fails for
 all); a suspension recorded by a library member names no shard (`shard` -1): run by the shards,
 it ends only by a resume.
