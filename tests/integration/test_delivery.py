@@ -7,6 +7,7 @@ import logging
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections import defaultdict
@@ -17,7 +18,7 @@ from varadhi.core import delivery
 from varadhi.core.delivery import DeliveryStats, HttpDeliverer, Outcome, Request, Wait
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
-from varadhi.core.policies import Endpoint
+from varadhi.core.policies import DeliveryPolicy, Endpoint
 from varadhi.core.rate_limit import Pacer
 from varadhi.testing.endpoint import TestEndpoint
 
@@ -713,3 +714,122 @@ def test_a_paced_engine_slows_down_on_429_and_503(endpoint):
     throttled = stats.by_status.get(429, 0) + stats.by_status.get(503, 0)
     assert throttled > 0 and paces.slowed == throttled
     assert paces.pacer.rate < 1000.0
+
+
+# -- an endless source (`run`'s `idle`) ------------------------------------------------------
+
+
+class Feed:
+    """An endless source of one-message `Group`s, fed from another thread (`put`, `end`): None
+    while it has none, `idle` blocks until it has one (or `seconds`). Counts its dry pulls."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.queued: list[Group] = []
+        self.ended = False
+        self.dry_pulls = 0
+        self.idles = 0
+        self.idling = False
+
+    def put(self, *groups: Group) -> None:
+        with self.cond:
+            self.queued.extend(groups)
+            self.cond.notify_all()
+
+    def end(self) -> None:
+        with self.cond:
+            self.ended = True
+            self.cond.notify_all()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Group | None:
+        with self.cond:
+            if self.queued:
+                return self.queued.pop(0)
+            if self.ended:
+                raise StopIteration
+            self.dry_pulls += 1
+            return None
+
+    def idle(self, seconds: float | None) -> None:
+        with self.cond:
+            self.idles += 1
+            self.idling = True
+            self.cond.wait_for(lambda: self.queued or self.ended, seconds)
+            self.idling = False
+
+
+def run_in_thread(engine: HttpDeliverer, feed: Feed) -> threading.Thread:
+    thread = threading.Thread(target=engine.run, args=(feed,), kwargs={"idle": feed.idle})
+    thread.start()
+    return thread
+
+
+def wait_until(condition, what: str, deadline_s: float = 30) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("mode", ["single", "batch"])
+def test_an_endless_source_is_woken_not_polled_and_the_run_ends_with_it(endpoint, mode):
+    """Idle, the engine waits in the source's `idle` (no pull meanwhile); what is fed later is
+    delivered (in batch mode, what was queued together shares requests); `run` returns once
+    the source ends."""
+    ep = endpoint()
+    policy = DeliveryPolicy(mode="batch", max_messages=10) if mode == "batch" else None
+    feed = Feed()
+    first = [Group(f"a{i}", 1) for i in range(30)]
+    feed.put(*first)
+    with HttpDeliverer(Endpoint(url=ep.url), 4, policy) as engine:
+        thread = run_in_thread(engine, feed)
+        try:
+            wait_until(lambda: all(g.outcomes for g in first) and feed.idling, "the first feed")
+            pulls = feed.dry_pulls
+            time.sleep(0.3)  # idle: a polling engine would pull about 30 times meanwhile
+            assert feed.dry_pulls == pulls and feed.idles == 1
+            later = [Group(f"b{i}", 1) for i in range(30)]
+            feed.put(*later)
+            wait_until(lambda: all(g.outcomes for g in later), "the second feed")
+        finally:
+            feed.end()
+            thread.join(30)
+        assert not thread.is_alive()
+    assert all(g.outcomes[0].status == 200 for g in first + later)
+    if mode == "batch":
+        sizes = defaultdict(int)
+        for r in ep.records():
+            sizes[r.batch] += 1
+        assert max(sizes.values()) == 10 and len(sizes) < 60
+
+
+def test_an_endless_source_is_asked_again_while_requests_are_in_flight(endpoint):
+    """A stream fed while the only request in flight hangs goes out meanwhile (the engine asks
+    the dry source again while it waits for the network), not once the hung one ended."""
+    ep = endpoint(slow_ms=60_000)
+    ep.set_script("hung-1", ["slow"])
+    feed = Feed()
+    hung, later = Group("hung", 1), Group("later", 1)
+    feed.put(hung)
+    with HttpDeliverer(Endpoint(url=ep.url, request_timeout_ms=120_000), 4) as engine:
+        thread = run_in_thread(engine, feed)
+        try:
+            wait_until(lambda: ep.stats()["requests"] == 1, "the hung request")
+            feed.put(later)
+            wait_until(lambda: later.outcomes, "the later stream's outcome")
+            assert not hung.outcomes
+        finally:
+            ep.stop()  # the hung request ends (its connection closed)
+            feed.end()
+            thread.join(30)
+        assert not thread.is_alive()
+    assert later.outcomes[0].status == 200 and hung.outcomes[0].error == "connection_error"
+
+
+def test_a_source_may_yield_none_only_with_idle(endpoint):
+    ep = endpoint()
+    with pytest.raises(TypeError, match="only one run with `idle`"):
+        deliver(ep.url, [Group("a", 1), None])

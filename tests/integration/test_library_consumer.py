@@ -24,7 +24,6 @@ from varadhi import Client
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
 from varadhi.core.policies import (
-    DeliveryPolicy,
     Endpoint,
     RequestShaping,
     SubscriptionSpec,
@@ -418,17 +417,13 @@ def test_two_members_share_the_work_through_a_rebalance(settings, catalog, make_
 def test_a_subscription_using_unsupported_features_is_refused(
     settings, catalog, make_topic, unique_name
 ):
-    topic = make_topic(2)
+    topic = make_topic(2, 2, switches=1)  # two storage topics: not read across yet
     spec = SubscriptionSpec(
-        unique_name("lib"),
-        topic,
-        Endpoint("http://127.0.0.1:9/"),
-        runtime="library",
-        delivery=DeliveryPolicy(mode="batch"),
+        unique_name("lib"), topic, Endpoint("http://127.0.0.1:9/"), runtime="library"
     )
     SubscriptionService(catalog).create(spec)  # block mode and the circuit: supported defaults
     consumer = Consumer(spec.name, settings)
-    with pytest.raises(Unsupported, match="delivery.mode: batch") as refused:
+    with pytest.raises(Unsupported, match="2 storage topics") as refused:
         consumer.start()
     assert refused.value.exit_code == 2
     assert consumer.health()["state"] == "failed"

@@ -14,6 +14,7 @@ from varadhi.core.errors import InvalidArgument
 from varadhi.core.group_state import Entry
 from varadhi.core.policies import (
     CircuitPolicy,
+    DeliveryPolicy,
     Endpoint,
     RequestShaping,
     RetryPolicy,
@@ -289,5 +290,6 @@ def test_what_is_not_supported_is_named():
     )
     filtered = replace(ok[0].spec, endpoint=shaped, filter=filters.parse({"key": {"exists": True}}))
     assert unsupported(replace(ok[0], spec=filtered), *ok[1:]) == []
+    assert unsupported(*_sub(delivery=DeliveryPolicy(mode="batch", max_messages=50))) == []
     two = replace(ok[1], storage_topics=(*ok[1].storage_topics, StorageTopic("t.1", 8, 2)))
     assert "storage topics" in unsupported(ok[0], two, ok[2], ok[3])[0]

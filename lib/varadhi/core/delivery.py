@@ -42,6 +42,16 @@ journal waits too long for the broker (`journal.JournalWriter.behind`); a wait p
 instead woke every held group twice a second (with 10,000 groups, about a quarter of a core
 spent asking for nothing: py-spy, `bench/journal.py --broker-pause`).
 
+Endless sources. With `run`'s `idle`, `streams` may be endless and yield `None`: it has no stream
+now, maybe later (the library runtime's streams are its members' messages as they are handed out,
+`varadhi.library.runtime`). The engine then starts nothing more this turn and pulls again at its
+next: at once after a completion, and, while requests are in flight with a slot free, at least
+every `WAKE_GRANULARITY_S` (nothing can wake libcurl's `select` early). Once nothing is in flight
+and no waiting stream is due, it calls `idle(seconds)` instead of sleeping: the caller returns
+when a stream may be there (woken by its own producer), or after `seconds` (a waiting stream
+falls due then; None: none waits). So an idle source costs the engine no polling of its own, and
+`run` ends only once the source ended (`StopIteration`), as it does for a finite one.
+
 Batches. With a `delivery` policy in mode `batch`, one request carries the next request of many
 streams (`varadhi.core.batching` builds the body and splits the answer into one outcome per stream).
 A stream is still asked for its next request only after its previous outcome was handed back, so
@@ -80,7 +90,7 @@ import re
 import socket
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, get_args
 from urllib.parse import urlsplit
@@ -403,10 +413,11 @@ class HttpDeliverer:
 
     def run(
         self,
-        streams: Iterable[Stream],
+        streams: Iterable[Stream | None],
         linger_s: float = 0.0,
         hold: Callable[[], bool] | None = None,
         pacer: Pacer | None = None,
+        idle: Callable[[float | None], None] | None = None,
     ) -> DeliveryStats:
         """Deliver every stream; return when each has returned `None` from `next_request`.
 
@@ -419,17 +430,16 @@ class HttpDeliverer:
         more than `linger_s` later are stopped (see the module docstring). While `hold()` is
         true, no new request goes out (see "Holding"). With a `pacer` (`varadhi.core.rate_limit`),
         no request goes out before the pacer allows it, each costs one pace per message, and a
-        429 or 503 answer slows the pacer down."""
+        429 or 503 answer slows the pacer down. With `idle`, `streams` may be endless and yield
+        None when it has no stream now (see "Endless sources")."""
         if self._closed:
             raise RuntimeError("HttpDeliverer is closed")
         multi = self._multi
-        pending = iter(streams)
-        batcher = None if self.delivery is None else _Batcher(self.delivery, pending)
+        source = _Source(streams, endless=idle is not None)
+        batcher = None if self.delivery is None else _Batcher(self.delivery, source)
         waiting = _Waiting()
         idle_until: float | None = None  # set when the engine first runs out of other work
         in_flight = 0
-        exhausted = False
-        n_streams = 0
         by_status: Counter[int] = Counter()
         errors: Counter[str] = Counter()
         latency = [0] * (len(LATENCY_BOUNDS_MS) + 1)
@@ -452,13 +462,9 @@ class HttpDeliverer:
                         continue
                     stream = waiting.pop_due()
                     if stream is None:
-                        if exhausted:
+                        stream = source.pull()
+                        if stream is None:
                             break
-                        stream = next(pending, _END)
-                        if stream is _END:
-                            exhausted = True
-                            break
-                        n_streams += 1
                     in_flight += self._ask(stream, waiting)
                     held = paced()
                 if self._unsent:  # no token: each such request fails without being sent
@@ -472,9 +478,13 @@ class HttpDeliverer:
                         in_flight -= self._complete(transfer, outcome, waiting, held)
                     continue
                 if in_flight == 0:  # nothing to send now, and no stream left to start
-                    if held and (waiting or not _all_pulled(batcher, exhausted)):
+                    if held and (waiting or not _all_pulled(source, batcher)):
                         pace = pacer.wait_s() if pacer is not None else HOLD_POLL_S
                         time.sleep(min(HOLD_POLL_S, max(pace, 0.001)))
+                        continue
+                    if source.dry:  # an endless source has nothing now: its caller wakes us
+                        assert idle is not None
+                        idle(waiting.seconds_to_wake() if waiting else None)
                         continue
                     if not waiting:
                         break
@@ -537,6 +547,9 @@ class HttpDeliverer:
                         # with every slot taken (or held), a due one would make this a spin.
                         if waiting and not held and in_flight < self.max_in_flight:
                             timeout_s = min(timeout_s, waiting.seconds_to_wake())
+                        # An endless source's new streams: asked again soon (see above).
+                        if source.dry and not held and in_flight < self.max_in_flight:
+                            timeout_s = min(timeout_s, WAKE_GRANULARITY_S)
                         if pacer is not None and in_flight < self.max_in_flight:
                             timeout_s = min(timeout_s, max(pacer.wait_s(), 0.001))
                         multi.select(timeout_s)
@@ -552,7 +565,7 @@ class HttpDeliverer:
                     self._idle.append(transfer)
         return DeliveryStats(
             requests=sum(by_status.values()) + sum(errors.values()),
-            streams=n_streams if batcher is None else batcher.streams,
+            streams=source.pulled,
             by_status=dict(by_status),
             errors=dict(errors),
             elapsed_s=time.perf_counter() - started,
@@ -728,6 +741,36 @@ class HttpDeliverer:
         return transfer
 
 
+class _Source:
+    """`run`'s streams, pulled one at a time (`pull`): `exhausted` once the iterable ended, `dry`
+    while its last pull found no stream now (an endless source's None: see "Endless sources")."""
+
+    def __init__(self, streams: Iterable[Stream | None], endless: bool):
+        self._pending = iter(streams)
+        self._endless = endless
+        self.exhausted = False
+        self.dry = False
+        self.pulled = 0
+
+    def pull(self) -> Stream | None:
+        """The next stream, or None: the source ended, or has none now (`dry`)."""
+        if self.exhausted:
+            return None
+        pulled = next(self._pending, _END)
+        if pulled is _END:
+            self.exhausted = True
+            self.dry = False
+            return None
+        if pulled is None:
+            if not self._endless:
+                raise TypeError("a stream source yielded None: only one run with `idle` may")
+            self.dry = True
+            return None
+        self.dry = False
+        self.pulled += 1
+        return pulled  # type: ignore[return-value]
+
+
 class _Batcher:
     """Batch mode of one `run`: puts the next request of many streams into one.
 
@@ -737,11 +780,9 @@ class _Batcher:
     in this order: a request left over from the batch before (it did not fit), streams whose
     `Wait` is over, `ready`, then new streams."""
 
-    def __init__(self, policy: DeliveryPolicy, pending: Iterator[Stream]):
+    def __init__(self, policy: DeliveryPolicy, source: _Source):
         self.policy = policy
-        self.pending = pending
-        self.exhausted = False
-        self.streams = 0  # pulled from `pending`
+        self.source = source
         self.ready: deque[Stream] = deque()
         self.carried: tuple[Stream, batching.Entry] | None = None
 
@@ -788,14 +829,7 @@ class _Batcher:
             return stream
         if self.ready:
             return self.ready.popleft()
-        if self.exhausted:
-            return None
-        pulled = next(self.pending, _END)
-        if pulled is _END:
-            self.exhausted = True
-            return None
-        self.streams += 1
-        return pulled  # type: ignore[return-value]
+        return self.source.pull()
 
 
 @dataclass(slots=True)
@@ -850,11 +884,11 @@ class _Waiting:
         return bool(busy)
 
 
-def _all_pulled(batcher: _Batcher | None, exhausted: bool) -> bool:
+def _all_pulled(source: _Source, batcher: _Batcher | None) -> bool:
     """Whether no stream is left to start or to ask again (besides those waiting)."""
     if batcher is None:
-        return exhausted
-    return batcher.exhausted and not batcher.ready and batcher.carried is None
+        return source.exhausted
+    return source.exhausted and not batcher.ready and batcher.carried is None
 
 
 def _error_kind(curl: pycurl.Curl, code: int) -> str:

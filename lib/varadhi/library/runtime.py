@@ -4,14 +4,17 @@
 it does not support (`support.unsupported`), and then, between `start()` and `stop()`, is one
 member of the Kafka consumer group `varadhi-library.<subscription>`: it reads the main topic's
 storage topic and the subscription's RQ on the partitions of the slots it is given
-(`assign`), and delivers through the HTTP engine the shards use (`HttpDeliverer`, one request
-per message) or through a Python `handler` (`varadhi.library.handler`).
+(`assign`), and delivers through the HTTP engine the shards use (`HttpDeliverer`: one request
+per message, or with `delivery.mode: batch` up to `max_messages` messages of different keys per
+request, the shards' wire format and per-message answers) or through a Python `handler`
+(`varadhi.library.handler`).
 
 Threads. One thread owns the Kafka consumer: it polls, hands records to the `Scheduler`,
 stops polling while `max_pending` messages are held (`_full`), and commits (`offsets.Ledger`: the lowest
 unfinished offset and, in the metadata, what finished above it). Delivery runs on another
-thread (the engine's loop, `max_in_flight` requests at a time) or on `max_in_flight` handler
-threads. The RQ and DLQ are written by an idempotent producer; a message's offset counts as
+thread (the engine's loop, `max_in_flight` requests at a time, its streams the messages handed
+out: `_Messages`) or on `max_in_flight` handler threads; with nothing to hand out they wait to be
+woken (`_await_work`), not polling. The RQ and DLQ are written by an idempotent producer; a message's offset counts as
 finished only once its outcome is final: delivered, or its RQ/DLQ copy acknowledged. A fourth
 thread applies `dlq unsideline` re-drives to the slots the member holds (`_redrive`,
 `varadhi.library.redrive`): it puts dead letters back on the RQ, where they are read as retries.
@@ -121,7 +124,7 @@ from kafka.structs import OffsetAndMetadata
 
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
-from varadhi.core.delivery import HttpDeliverer, Outcome, Request, Wait
+from varadhi.core.delivery import HttpDeliverer, Outcome, Request
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotAuthorized, VaradhiError
 from varadhi.core.group_state import (
     OVER_LIMIT,
@@ -168,8 +171,9 @@ from varadhi.library.support import Unsupported, unsupported
 
 log = logging.getLogger(__name__)
 
-#: How long an idle delivery lane waits before it asks for work again.
-IDLE_S = 0.005
+#: The longest a delivery thread with nothing to hand out waits before it looks again (new work
+#: wakes it at once; this is for what changes with time alone: `_await_work`).
+IDLE_WAIT_S = 0.1
 #: How often the subscription's catalog record is read again (a pause, a resume, an edit).
 CATALOG_CHECK_S = 5.0
 #: How often a member publishes its progress document (also on a pause, a resume and a stop).
@@ -350,7 +354,9 @@ class Consumer:
         self._limits = {t: min(n, MAX_REQUEST_BYTES) for t, n in limits.items()}
         self._max_in_flight = self.options.max_in_flight or sub.spec.consumption.max_in_flight
         if self.handler is None:  # validates the endpoint before anything starts
-            self._deliverer = HttpDeliverer(sub.spec.endpoint, self._max_in_flight)
+            self._deliverer = HttpDeliverer(
+                sub.spec.endpoint, self._max_in_flight, sub.spec.delivery
+            )
             limit = sub.spec.endpoint.max_rate
             if limit is not None:  # one slot's share until the first assignment sets it
                 self._pacer = Pacer(slot_share(limit, 1, sub.shard_count))
@@ -1068,8 +1074,9 @@ class Consumer:
 
     # -- delivery -----------------------------------------------------------------------------
     def _take(self) -> Work | None:
-        """(The engine's thread) The next message to deliver; the pacer takes the share the
-        last rebalance gave first (`Pacer` is not thread-safe: only this thread touches it)."""
+        """The next message to deliver (None: none now, or stopping or paused); the pacer takes
+        the share the last rebalance gave first (`Pacer` is not thread-safe: only the engine's
+        thread touches it; with a handler there is none)."""
         with self._lock:
             if self._stopping.is_set() or self._paused:
                 return None
@@ -1130,28 +1137,42 @@ class Consumer:
         self._publish(force=True)
 
     def _deliver_http(self) -> None:
+        source = _Messages(self)
         try:
-            self._deliverer.run(
-                [_Lane(self) for _ in range(self._max_in_flight)], pacer=self._pacer
-            )
+            self._deliverer.run(source, pacer=self._pacer, idle=source.idle)
         except BaseException as e:  # noqa: BLE001
             self._fail(e)
+
+    def _await_work(self, seconds: float | None = None) -> Work | None:
+        """The next message to hand out (`_take`), waiting for one: woken by every change that
+        may give one (the `notify_all`s: records read, a key freed, a slot opened, a resume, the
+        circuit moving, a stop), at a head's due time, and at least every `IDLE_WAIT_S` for what
+        changes with time alone (a fence lifting, a circuit's open time ending). None once
+        stopping, or after `seconds` (None: no limit). The look and the wait are under one hold
+        of the lock, so no wake-up is lost between them."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        with self._lock:
+            while not self._stopping.is_set():
+                work = self._take()
+                if work is not None:
+                    return work
+                wait = IDLE_WAIT_S
+                due = self._sched.next_due_ms()
+                if due is not None:
+                    wait = min(wait, max(0.001, (due - _now_ms()) / 1000))
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return None
+                    wait = min(wait, left)
+                self._lock.wait(wait)
+        return None
 
     def _deliver_handler(self) -> None:
         assert self.handler is not None
         try:
             while True:
-                with self._lock:
-                    work = None
-                    while not self._stopping.is_set():
-                        work = None if self._paused else self._next_work()
-                        if work is not None:
-                            break
-                        due = self._sched.next_due_ms()
-                        wait = (
-                            0.1 if due is None else min(0.1, max(0.001, (due - _now_ms()) / 1000))
-                        )
-                        self._lock.wait(wait)
+                work = self._await_work()
                 if work is None:
                     return
                 e = work.entry
@@ -1397,37 +1418,79 @@ class Consumer:
         t.start()
 
 
-class _Lane:
-    """One of the engine's `max_in_flight` streams: it delivers one message at a time, taking
-    the next from the scheduler, and asks again after `IDLE_S` when there is none."""
+class _Messages:
+    """The engine's streams (`HttpDeliverer.run`, an endless source): one `_Message` per message
+    handed out (`_take`), None when there is none now; it ends once the member stops.
+
+    Why one stream per message. The scheduler keeps a key's order (one message of a key handed
+    out at a time), so a stream needs to carry only one message; in batch mode a request holds
+    at most one request per stream (`varadhi.core.delivery`), so to fill `max_in_flight` batches
+    of `max_messages` the engine needs that many streams at once: made as messages are handed
+    out, they are exactly the messages in flight, however many batches hold. The engine bounds
+    what is in flight: `max_in_flight` requests (in batch mode each of up to `max_messages`
+    messages, as a shard's task), and asks this source only while a request could go out (a
+    slot free, the pacer letting it).
+
+    Idle. When nothing is in flight and there is no message, the engine calls `idle`, which
+    waits for one (`Consumer._await_work`: woken when work comes, not polled) and keeps it for
+    the next pull. While requests are in flight the engine asks again at every completion and
+    every `WAKE_GRANULARITY_S` (10 ms). Hazard: a message taken counts as in flight from then
+    on, also while it waits in the engine (the `idle` one until the next pull, one that did not
+    fit the batch for the next batch: the engine's `_Batcher.carried`); it goes out even if its
+    slot was revoked meanwhile, which a revoke's wait for the slot's deliveries covers as it
+    covers the requests in flight (at least once)."""
 
     def __init__(self, consumer: Consumer):
         self.consumer = consumer
-        self.work: Work | None = None
+        self.found: Work | None = None  # taken while idle, for the next pull
 
-    def next_request(self) -> Request | Wait | None:
+    def __iter__(self) -> _Messages:
+        return self
+
+    def __next__(self) -> _Message | None:
         c = self.consumer
         while True:
-            work = c._take()
+            work, self.found = self.found, None
             if work is None:
-                return None if c._stopping.is_set() else Wait(IDLE_S)
+                work = c._take()
+            if work is None:
+                if c._stopping.is_set():
+                    raise StopIteration
+                return None
             if not work.entry.invalid:
                 try:  # raises for a bad id, or headers the request cannot be shaped from
-                    request = request_of(work.entry, c._spec.endpoint.shaping)
+                    return _Message(c, work, request_of(work.entry, c._spec.endpoint.shaping))
                 except InvalidArgument as e:
                     work.entry.invalid = f"malformed: {e}"
-                else:
-                    self.work = work
-                    return request
             c._settle_invalid(work)
 
+    def idle(self, seconds: float | None) -> None:
+        """(The engine, nothing in flight) Wait for a message, or `seconds` at most."""
+        self.found = self.consumer._await_work(seconds)
+
+
+class _Message:
+    """One message handed out, as one of the engine's streams: its request, then nothing more
+    (the next message of its key is another stream, once the scheduler hands it out). Its
+    outcome (a batch's per-message one, in batch mode) is decided and settled as any attempt
+    (`Consumer._settle`)."""
+
+    __slots__ = ("consumer", "work", "request")
+
+    def __init__(self, consumer: Consumer, work: Work, request: Request):
+        self.consumer = consumer
+        self.work = work
+        self.request: Request | None = request
+
+    def next_request(self) -> Request | None:
+        request, self.request = self.request, None
+        return request
+
     def on_outcome(self, outcome: Outcome) -> None:
-        work, self.work = self.work, None
-        assert work is not None
         c = self.consumer
         decision = decide(
             c._spec.retry,
-            work.entry.attempts + 1,
+            self.work.entry.attempts + 1,
             outcome.status,
             outcome.error,
             outcome.retry_after,
@@ -1435,9 +1498,9 @@ class _Lane:
             c._rng,
             outcome.detail,
         )
-        c._settle(work, decision, outcome)
+        c._settle(self.work, decision, outcome)
 
-    def stop_waiting(self) -> None:  # never waits while_busy
+    def stop_waiting(self) -> None:  # never waits
         pass
 
 

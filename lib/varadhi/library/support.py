@@ -29,10 +29,7 @@ def unsupported(
 ) -> list[str]:
     """Every feature of `sub` (and the state of its topics) the runtime cannot honour, each with
     what to change; empty when it can run it."""
-    spec = sub.spec
     out = []
-    if spec.delivery.mode != "single":
-        out.append("delivery.mode: batch (batched requests)")
     if len(main.storage_topics) > 1:
         out.append(
             f"topic {main.name} has {len(main.storage_topics)} storage topics (reading across a"
