@@ -2,13 +2,14 @@
 
     scripts/kafka start
     .venv/bin/python bench/library.py [--messages 50000] [--groups 5000] [--fail 0 0.1] [--circuit]
-        [--commit-interval S]
+        [--commit-interval S] [--batch N] [--max-in-flight N]
 
 One process, in this one: a topic of 12 partitions gets `--messages` 1 KiB messages over
 `--groups` group ids (the varadhi producer), then, per `--fail` rate, a fresh 2-shard
 subscription (skip mode; no circuit, or with `--circuit` the default one, the members' shared
-circuit: its cost on the healthy path) is delivered by one `Consumer`
-to nginx answering 204 (500/503 for that fraction of attempts: bench/delivery.py's `nginx`, so
+circuit: its cost on the healthy path; with `--batch N`, in batch mode, up to N messages
+a request: docs/delivery.md) is delivered by one `Consumer`
+to nginx answering 204 (to a batch: every message accepted) (500/503 for that fraction of attempts: bench/delivery.py's `nginx`, so
 its figures compare) until every message is delivered or dead-lettered. Reported per run: the
 rate from `start()` to the last message (start-up included), the time to the first delivery,
 and the process's CPU per message (this process also polls the counters, every 20 ms).
@@ -25,7 +26,7 @@ import uuid
 
 from common import nginx_binary
 from delivery import nginx
-from varadhi.core.policies import CircuitPolicy, Endpoint, SubscriptionSpec
+from varadhi.core.policies import CircuitPolicy, DeliveryPolicy, Endpoint, SubscriptionSpec
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
@@ -48,7 +49,21 @@ def main(argv: list[str] | None = None) -> int:
         default=Options().commit_interval_s,
         help="Options.commit_interval_s (s; default: the runtime's)",
     )
+    p.add_argument(
+        "--batch",
+        type=int,
+        metavar="N",
+        help="delivery.mode: batch with max_messages N (default: single mode)",
+    )
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        help="Options.max_in_flight (default: the spec's consumption.max_in_flight)",
+    )
     args = p.parse_args(argv)
+    delivery = (
+        DeliveryPolicy() if args.batch is None else DeliveryPolicy("batch", max_messages=args.batch)
+    )
     binary = nginx_binary()
     if binary is None:
         raise SystemExit("nginx is needed (apt-get install nginx-light)")
@@ -74,10 +89,13 @@ def main(argv: list[str] | None = None) -> int:
                 on_dead_letter="skip",
                 circuit_breaker=CircuitPolicy(enabled=args.circuit),
                 runtime="library",
+                delivery=delivery,
             )
             SubscriptionService(catalog).create(spec)
             cpu, started = time.process_time(), time.monotonic()
-            options = Options(commit_interval_s=args.commit_interval)
+            options = Options(
+                commit_interval_s=args.commit_interval, max_in_flight=args.max_in_flight
+            )
             consumer = Consumer(name, settings, options=options).start()
             first = None
             try:

@@ -1424,7 +1424,7 @@ class _Messages:
 
     Why one stream per message. The scheduler keeps a key's order (one message of a key handed
     out at a time), so a stream needs to carry only one message; in batch mode a request holds
-    at most one request per stream (`varadhi.core.delivery`), so to fill `max_in_flight` batches
+    at most one message per stream (`varadhi.core.delivery`), so to fill `max_in_flight` batches
     of `max_messages` the engine needs that many streams at once: made as messages are handed
     out, they are exactly the messages in flight, however many batches hold. The engine bounds
     what is in flight: `max_in_flight` requests (in batch mode each of up to `max_messages`
