@@ -1,18 +1,20 @@
 """Batched delivery (`delivery.mode: batch`) by the library runtime, against the real broker and
 a real HTTP endpoint: what the shards send in batch mode (docs/delivery.md), each message of a
 batch settled on its own (a 207's per-message answers: a retry through the RQ, a dead letter
-with its reason, a trace event per attempt), keys in order, and batches that carry many
-messages but never two of one key."""
+with its reason, a trace event per attempt, a key blocked behind its dead letter, the dedup
+window remembering what a batch delivered), keys in order, and batches that carry many messages
+but never two of one key."""
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 
 from varadhi import Client
 from varadhi.core import messages as m
 from varadhi.core.batching import BATCH_SIZE_HEADER
+from varadhi.core.group_state import OVER_LIMIT
 from varadhi.core.policies import DeliveryPolicy, Endpoint, TracePolicy
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.library import Consumer, Options
@@ -97,3 +99,43 @@ def test_batches_carry_many_keys_each_message_settled_on_its_own(
         steps = [(e["kind"], e.get("status"), e["next"]) for e in client.trace(spec.name, "g1-2")]
         assert steps == [("attempt", 503, "rq"), ("attempt", 200, "delivered")]
         assert [e["next"] for e in client.trace(spec.name, "g2-3")] == ["dlq"]
+
+
+def test_block_mode_and_the_dedup_window_in_batches(settings, catalog, make_topic, unique_name):
+    """Block mode: a fatal answer inside a 207 (g2-3) blocks its key, whose later messages go
+    to the DLQ behind it unsent, while the other keys' batches go on. The dedup window: a
+    message delivered in a batch is remembered, so a copy produced again is finished unsent."""
+    with TestEndpoint() as endpoint:
+        spec = library_spec(
+            unique_name("lib"),
+            make_topic(4),
+            Endpoint(endpoint.url + "/hook"),
+            delivery=DeliveryPolicy(mode="batch", max_messages=20),
+            on_dead_letter="block",
+            dedup_window_ms=600_000,
+        )
+        SubscriptionService(catalog).create(spec)
+        endpoint.set_script("g2-3", [400])
+        ids = produce_rounds(settings, spec.topic, 30, 0, 8)
+        blocked = [f"g2-{n}" for n in range(4, 8)]
+        consumer = Consumer(spec.name, settings, options=Options(max_in_flight=4)).start()
+        try:
+            wait_for(
+                lambda: (
+                    consumer.counters()["delivered"] == len(ids) - 5
+                    and consumer.counters()["dead_lettered"] == 5
+                ),
+                "delivery",
+                consumer,
+            )
+            produce_rounds(settings, spec.topic, 1, 0, 1)  # g0-0 again: the same message id
+            wait_for(lambda: consumer.counters()["deduplicated"] == 1, "the copy", consumer)
+        finally:
+            consumer.stop()
+        assert consumer.counters()["sidelined"] == len(blocked)
+        records = endpoint.records()
+        assert sorted(r.message_id for r in records) == sorted(i for i in ids if i not in blocked)
+        assert max(Counter(r.batch for r in records).values()) > 1
+        dlq = read_queue(settings, f"{spec.dlq_topic}.0")
+        reasons = {r["headers"][m.H_MSG_ID]: r["headers"][m.H_REASON] for r in dlq}
+        assert reasons == {"g2-3": "fatal response 400", **dict.fromkeys(blocked, OVER_LIMIT)}
