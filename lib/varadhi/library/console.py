@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-in-flight",
         type=int,
         metavar="N",
-        help="concurrent requests (default: the spec's consumption.max_in_flight)",
+        help="concurrent requests, each of up to delivery.max_messages messages in batch mode"
+        " (default: the spec's consumption.max_in_flight)",
     )
     p.add_argument(
         "--session-timeout-ms",
