@@ -43,7 +43,7 @@ def test_keeps_groups_matches_the_router(counts, shards, keeps):
     for c in counts[1:]:
         topic, _ = add_storage(topic, c, allow_uneven=True)
     for prev, nxt in itertools.pairwise(topic.storage_topics):
-        assert layouts.keeps_groups(prev, nxt, shards) is keeps, (prev, nxt)
+        assert routing.keeps_groups(prev, nxt, shards) is keeps, (prev, nxt)
         assert moves_no_group(prev, nxt, shards) is keeps, (prev, nxt)
 
 
@@ -51,8 +51,8 @@ def test_keeps_groups_within_a_run_needs_the_base_split():
     # Base 3, K=2 then K=4: 2 shards cut a base block in two, so the K digit (which differs
     # between the two topics) picks the shard.
     prev, nxt = StorageTopic("t.1", 6, 2), StorageTopic("t.2", 12, 4)
-    assert not layouts.keeps_groups(prev, nxt, 2) and not moves_no_group(prev, nxt, 2)
-    assert layouts.keeps_groups(prev, nxt, 3) and moves_no_group(prev, nxt, 3)
+    assert not routing.keeps_groups(prev, nxt, 2) and not moves_no_group(prev, nxt, 2)
+    assert routing.keeps_groups(prev, nxt, 3) and moves_no_group(prev, nxt, 3)
 
 
 def test_keeps_groups_agrees_with_the_router_everywhere_small():
@@ -60,7 +60,7 @@ def test_keeps_groups_agrees_with_the_router_everywhere_small():
         topic = new_topic("t", p1, allow_uneven=True)
         topic, _ = add_storage(topic, p2, allow_uneven=True)
         prev, nxt = topic.storage_topics
-        assert layouts.keeps_groups(prev, nxt, shards) == moves_no_group(prev, nxt, shards), (
+        assert routing.keeps_groups(prev, nxt, shards) == moves_no_group(prev, nxt, shards), (
             p1,
             p2,
             shards,

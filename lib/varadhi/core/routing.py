@@ -12,6 +12,8 @@ All functions here are pure and cheap; they are used on the driver, on executors
 from __future__ import annotations
 
 from collections.abc import Sequence
+from math import gcd
+from typing import Protocol
 
 import mmh3
 
@@ -97,3 +99,47 @@ def internal_partition(h: int, owned: Sequence[int]) -> int:
     if not owned:
         raise ValueError("the shard owns no partition of the internal queue")
     return owned[h % len(owned)]
+
+
+class Storage(Protocol):
+    """A storage topic as routing sees it (`topics.StorageTopic`)."""
+
+    partitions: int
+    k: int
+
+
+def _block_shards(st: Storage, shard_count: int) -> list[int | None]:
+    """Per base residue b (a group's `h % (P/K)`), the one shard that reads every partition a
+    group with that residue may be routed to on `st` (K*b .. K*b+K-1), or None when they belong
+    to several shards (pure)."""
+    owner = [0] * st.partitions
+    for s in range(shard_count):
+        for p in shard_partitions(s, shard_count, st.partitions):
+            owner[p] = s
+    k = st.k if st.k > 0 and st.partitions % st.k == 0 else 1
+    out: list[int | None] = []
+    for b in range(st.partitions // k):
+        shards = set(owner[k * b : k * b + k])
+        out.append(shards.pop() if len(shards) == 1 else None)
+    return out
+
+
+def keeps_groups(prev: Storage, nxt: Storage, shard_count: int) -> bool:
+    """Whether every group is read by the same shard on storage topic `nxt` as on `prev`, the
+    one before it, with `shard_count` shards (a library subscription's slots too).
+
+    The router puts a group with hash h on partition K*(h % B) + (h // P) % K of a storage topic
+    with P partitions, factor K and base B = P/K. So a shard reads all of a group's possible
+    partitions on a topic when it owns the whole block of its residue h % B, and the pairs of
+    residues (h % B1, h % B2) that occur are exactly those equal modulo gcd(B1, B2) (Chinese
+    remainder theorem). It holds for one shard, for topics of one run whose base the shard
+    count divides, and rarely otherwise (a K=1 topic starts a new run)."""
+    if shard_count == 1:
+        return True
+    first, second = _block_shards(prev, shard_count), _block_shards(nxt, shard_count)
+    g = gcd(len(first), len(second))
+    for c in range(g):
+        seen = set(first[c::g]) | set(second[c::g])
+        if len(seen) != 1 or None in seen:
+            return False
+    return True

@@ -35,7 +35,7 @@ the first main-topic storage topic the new shards read, where the group's next m
 (recorded in the operation as `route_by`, so the state step and the feeders agree even if a
 storage topic is added meanwhile). S must divide the partition counts of the storage topics the
 new shards read, and, for a grouped subscription, cross each boundary between them keeping
-groups on their shards (`layouts.keeps_groups`); `--allow-uneven` accepts that with a warning,
+groups on their shards (`routing.keeps_groups`); `--allow-uneven` accepts that with a warning,
 and the new shards then stop at such a boundary as any shards do (`varadhi.spark.layouts`). Old shards
 waiting at the end of a storage topic before a K=1 one (seed 000 case 2: 7 partitions and
 shards, then 10 partitions) are what a change to 10 expects: the new shards start on the new
@@ -61,7 +61,7 @@ from varadhi.kafka.catalog import Snapshot
 from varadhi.kafka.subscriptions import Subscription
 from varadhi.kafka.topics import CompositeTopic, StorageTopic
 from varadhi.ops import status
-from varadhi.spark import journal, layouts
+from varadhi.spark import journal
 from varadhi.spark.checkpoints import Offsets
 from varadhi.spark.layouts import READER_KIND, Layout
 
@@ -268,7 +268,7 @@ def check_target(
     """Why `to` shards cannot own main-topic storage topics `mq_index..` evenly and
     consistently. Refuses (`InvalidArgument`) unless `allow_uneven`; returns the warnings.
 
-    A boundary the new shards cannot cross keeping groups on their shards (`layouts.keeps_groups`:
+    A boundary the new shards cannot cross keeping groups on their shards (`routing.keeps_groups`:
     a K=1 storage topic, for a grouped subscription) is a problem too: they would stop at it
     until none of them has a pending group (`layouts.may_cross`)."""
     problems = []
@@ -278,7 +278,7 @@ def check_target(
             problems.append(f"{to} does not divide the {st.partitions} partitions of {st.name}")
     stops = []
     for prev, nxt in zip(read, read[1:], strict=False):
-        if not grouped or layouts.keeps_groups(prev, nxt, to):
+        if not grouped or routing.keeps_groups(prev, nxt, to):
             continue
         stops.append(prev)
         if prev.partitions / prev.k != nxt.partitions / nxt.k:

@@ -12,7 +12,7 @@ generation (offset reset) starts layouts afresh.
 
 Crossing a storage-topic boundary. Moving from T_i to T_i+1 keeps every group on its shard when
 both share a routing run and the shard count splits it along the run's base partitions
-(`keeps_groups`). A storage topic added with K = 1 (a partition change) starts a new run: a
+(`routing.keeps_groups`). A storage topic added with K = 1 (a partition change) starts a new run: a
 group's T_i+1 messages may belong to another shard than its T_i messages, which may still wait
 in its old shard's RQ or DLQ (DESIGN hazard 3 across shards). A shard of a grouped subscription
 that drained T_i then waits at the boundary (its reader document says so: `waiting`) and moves
@@ -26,10 +26,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from math import gcd
 from typing import Any, Protocol
 
-from varadhi.core import routing
 from varadhi.core.catalog_kinds import DocKind
 
 READER_KIND = DocKind.READER
@@ -122,43 +120,6 @@ def next_layout(
 
 
 # -- crossing a storage-topic boundary ----------------------------------------------------
-
-
-def _block_shards(st: _Storage, shard_count: int) -> list[int | None]:
-    """Per base residue b (a group's `h % (P/K)`), the one shard that reads every partition a
-    group with that residue may be routed to on `st` (K*b .. K*b+K-1), or None when they belong
-    to several shards (pure)."""
-    owner = [0] * st.partitions
-    for s in range(shard_count):
-        for p in routing.shard_partitions(s, shard_count, st.partitions):
-            owner[p] = s
-    k = st.k if st.k > 0 and st.partitions % st.k == 0 else 1
-    out: list[int | None] = []
-    for b in range(st.partitions // k):
-        shards = set(owner[k * b : k * b + k])
-        out.append(shards.pop() if len(shards) == 1 else None)
-    return out
-
-
-def keeps_groups(prev: _Storage, nxt: _Storage, shard_count: int) -> bool:
-    """Whether every group is read by the same shard on storage topic `nxt` as on `prev`, the
-    one before it, with `shard_count` shards (pure).
-
-    The router puts a group with hash h on partition K*(h % B) + (h // P) % K of a storage topic
-    with P partitions, factor K and base B = P/K. So a shard reads all of a group's possible
-    partitions on a topic when it owns the whole block of its residue h % B, and the pairs of
-    residues (h % B1, h % B2) that occur are exactly those equal modulo gcd(B1, B2) (Chinese
-    remainder theorem). It holds for one shard, for topics of one run whose base the shard
-    count divides, and rarely otherwise (a K=1 topic starts a new run)."""
-    if shard_count == 1:
-        return True
-    first, second = _block_shards(prev, shard_count), _block_shards(nxt, shard_count)
-    g = gcd(len(first), len(second))
-    for c in range(g):
-        seen = set(first[c::g]) | set(second[c::g])
-        if len(seen) != 1 or None in seen:
-            return False
-    return True
 
 
 def waiting(doc: Mapping[str, Any] | None, layout: Layout) -> dict[str, Any] | None:

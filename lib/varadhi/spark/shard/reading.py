@@ -4,7 +4,7 @@ from one main-topic storage topic's reader layout to the next (DESIGN hazard 3).
 A shard reads one main-topic storage topic T_i at a time (`varadhi.spark.layouts`). It moves to
 T_i+1 only when produce has moved off T_i more than a grace period ago (`topics.sealed`:
 producers poll the catalog) and it has consumed all of its partitions of T_i. Where groups would
-change shards at T_i+1 (a K=1 storage topic, `layouts.keeps_groups`), a shard of a grouped
+change shards at T_i+1 (a K=1 storage topic, `routing.keeps_groups`), a shard of a grouped
 subscription first records in its reader document that it waits at the boundary, and whether it
 has a pending group, and moves on only when every shard of the count may (`layouts.may_cross`).
 Until then its query keeps running and status says why it waits (`boundary_wait`).
@@ -27,6 +27,7 @@ from typing import Any
 
 from kafka import KafkaConsumer, TopicPartition
 
+from varadhi.core import routing
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
 from varadhi.kafka.catalog import Catalog, key
@@ -126,7 +127,7 @@ class LayoutMoves:
         if parts and not drained(mine, ends):
             return False, None
         nxt = mq.storage(layout.mq_index + 1)
-        if not sub.spec.grouped or layouts.keeps_groups(current, nxt, sub.shard_count):
+        if not sub.spec.grouped or routing.keeps_groups(current, nxt, sub.shard_count):
             return True, None
         if self._may_cross(snap, sub, layout, current, nxt, pending_groups):
             return True, None
