@@ -417,13 +417,18 @@ def test_two_members_share_the_work_through_a_rebalance(settings, catalog, make_
 def test_a_subscription_using_unsupported_features_is_refused(
     settings, catalog, make_topic, unique_name
 ):
-    topic = make_topic(2, 2, switches=1)  # two storage topics: not read across yet
+    from varadhi.kafka.topics import TopicService
+
+    topic = make_topic(2, 2, switches=1)  # two storage topics: read across (test_library_storage)
     spec = SubscriptionSpec(
         unique_name("lib"), topic, Endpoint("http://127.0.0.1:9/"), runtime="library"
     )
     SubscriptionService(catalog).create(spec)  # block mode and the circuit: supported defaults
+    # an RQ storage topic the subscription's shard count does not use (rq_from stays 0)
+    TopicService(catalog).add_storage(spec.rq_topic, 8)
+    TopicService(catalog).switch_produce(spec.rq_topic)
     consumer = Consumer(spec.name, settings)
-    with pytest.raises(Unsupported, match="2 storage topics") as refused:
+    with pytest.raises(Unsupported, match="storage topics after the one") as refused:
         consumer.start()
     assert refused.value.exit_code == 2
     assert consumer.health()["state"] == "failed"

@@ -256,17 +256,16 @@ def test_handler_results_follow_the_retry_policy():
     assert handler.decision(policy, 1, "ok", 0, rng).action == "retry"
 
 
-def _sub(**spec_fields) -> tuple[Subscription, CompositeTopic, CompositeTopic, CompositeTopic]:
+def _sub(**spec_fields) -> tuple[Subscription, CompositeTopic, CompositeTopic]:
     spec = SubscriptionSpec("s", "t", Endpoint("http://127.0.0.1:1/"), **spec_fields)
-    main = CompositeTopic("t", (StorageTopic("t.0", 4, 1),))
     rq = CompositeTopic("s.rq", (StorageTopic("s.rq.0", 2, 1),), internal=True)
     dlq = CompositeTopic("s.dlq", (StorageTopic("s.dlq.0", 1, 1),), internal=True)
-    return Subscription(spec, 1, 0), main, rq, dlq
+    return Subscription(spec, 1, 0), rq, dlq
 
 
 def test_what_is_not_supported_is_named():
-    sub, main, rq, dlq = _sub()
-    found = unsupported(sub, main, rq, dlq)
+    sub, rq, dlq = _sub()
+    found = unsupported(sub, rq, dlq)
     # block mode (the GroupState topic) and the circuit (the members' shared one): the defaults
     assert found == []
     ok = _sub(on_dead_letter="skip")
@@ -291,5 +290,30 @@ def test_what_is_not_supported_is_named():
     filtered = replace(ok[0].spec, endpoint=shaped, filter=filters.parse({"key": {"exists": True}}))
     assert unsupported(replace(ok[0], spec=filtered), *ok[1:]) == []
     assert unsupported(*_sub(delivery=DeliveryPolicy(mode="batch", max_messages=50))) == []
-    two = replace(ok[1], storage_topics=(*ok[1].storage_topics, StorageTopic("t.1", 8, 2)))
-    assert "storage topics" in unsupported(ok[0], two, ok[2], ok[3])[0]
+
+
+def test_queues_of_a_spark_shard_count_change_are_read_once_it_is_done():
+    """After a change on Spark shards, the members read the RQ/DLQ storage topic of the
+    current count (`rq_from`/`dlq_from`) once the change's feeders copied the older ones."""
+    sub, rq, dlq = _sub(on_dead_letter="skip")
+    rq2 = replace(
+        rq,
+        storage_topics=(*rq.storage_topics, StorageTopic("s.rq.1", 4, 1)),
+        produce_pointer=1,
+        switched_at_ms=(1, None),
+    )
+    dlq2 = replace(
+        dlq,
+        storage_topics=(*dlq.storage_topics, StorageTopic("s.dlq.1", 2, 1)),
+        produce_pointer=1,
+        switched_at_ms=(1, None),
+    )
+    changed = replace(sub, rq_from=1, dlq_from=1, shard_count=2)
+    assert unsupported(changed, rq2, dlq2, {"step": "done"}) == []
+    assert unsupported(changed, rq2, dlq2, None) == []
+    feeding = unsupported(changed, rq2, dlq2, {"step": "feed"})
+    assert len(feeding) == 1 and "at step feed: its feeders have not" in feeding[0]
+    # the queues before the change's activation: the shards' count does not use them yet
+    found = unsupported(sub, rq2, dlq2, {"step": "state"})
+    assert [f.split(" has ")[0] for f in found[:2]] == ["s.rq", "s.dlq"]
+    assert "storage topics after the one the subscription's shard count uses (s.rq.0" in found[0]

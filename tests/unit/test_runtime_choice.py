@@ -96,6 +96,7 @@ def test_members_are_read_from_their_progress_documents():
     ]
     assert members[0]["counters"] == {"delivered": 5} and members[0]["age_ms"] == 1_000
     assert members[0]["circuit"] is None  # a document without one (a member before the circuit)
+    assert members[0]["waiting"] is None  # not at a storage-topic boundary
     assert status.running_members(_sub(paused=False), members) == {"a": "running", "b": "paused"}
     assert status.running_members(_sub(paused=True), members) == {"a": "running"}
 
@@ -161,5 +162,9 @@ def test_library_status_text():
     assert lines[4].split()[:4] == ["host-8-def", "failed", "-", "-"]  # no circuit reported
     assert "\x1b" not in lines[5] and "runtime: spark" in lines[5]
     assert lines[6].startswith("messages: inserted 100;")
+    waiting = "waits at the end of orders.1 before orders.2 (groups move to other slots): ..."
+    doc["library"]["members"][0]["waiting"] = waiting  # `crossing.waiting_text`
+    lines = library_lines(doc, "", 1_000_000)
+    assert lines[4] == f"  {waiting}" and lines[5].startswith("host-8-def")
     doc["library"]["members"] = []
     assert "no member reported" in library_lines(doc, "", 0)[2]

@@ -81,6 +81,8 @@ def library_lines(doc: dict, flags: str, now_ms: int) -> list[str]:
         )
         if m.get("error"):
             lines.append(f"  {common.printable(str(m['error']))}")
+        if m.get("waiting"):
+            lines.append(f"  {common.printable(str(m['waiting']))}")
     st = doc["stats"]
     lines.append(
         f"messages: inserted {st['inserted']}; of the members shown, since each started: read"

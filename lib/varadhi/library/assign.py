@@ -5,8 +5,8 @@ and its key's later messages wait until that copy is delivered. Retries are not 
 GroupState topic (only blocked keys are: `group_state_topic`), so the member that waits must be
 the member that reads the copy back.
 So members are given whole *slots*: slot s is every partition the subscription's shard s owns
-(`routing.shard_partitions` over the subscription's shard count: its ranges of the main topic's
-storage topic, the RQ and the DLQ), and a failed message goes to an RQ partition of its own
+(`routing.shard_partitions` over the subscription's shard count: its ranges of each storage
+topic of the main topic, the RQ and the DLQ), and a failed message goes to an RQ partition of its own
 slot (`routing.internal_partition`), exactly where a shard would write it. A subscription's
 records therefore have one layout under either runtime; more members than slots leave the
 extra members idle (docs/library.md).
@@ -49,7 +49,8 @@ def slot_of(partition: int, partitions: int, slots: int) -> int:
 
 
 class SlotAssignor(AbstractPartitionAssignor):
-    """Assigns every subscribed topic's partitions by slot (`spread`, `slot_of`)."""
+    """Assigns by slot (`spread`, `slot_of`) the partitions of every topic all members
+    subscribe to."""
 
     name = NAME
     version = 0
@@ -60,7 +61,9 @@ class SlotAssignor(AbstractPartitionAssignor):
     def assign(self, cluster, members):
         by_member = spread([member.member_id for member in members], self.slots)
         owner = {s: member for member, ss in by_member.items() for s in ss}
-        topics = sorted({t for member in members for t in member.metadata.topics})
+        # a topic only once every member reads it: a member that has not yet subscribed to a
+        # storage topic just added would refuse its partitions (kafka-python raises)
+        topics = sorted(set.intersection(*(set(member.metadata.topics) for member in members)))
         assignment: dict[str, dict[str, list[int]]] = defaultdict(dict)
         for topic in topics:
             partitions = sorted(cluster.partitions_for_topic(topic) or ())

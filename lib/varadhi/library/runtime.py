@@ -2,8 +2,8 @@
 
 `Consumer(subscription)` reads the subscription and its topics from the catalog, refuses what
 it does not support (`support.unsupported`), and then, between `start()` and `stop()`, is one
-member of the Kafka consumer group `varadhi-library.<subscription>`: it reads the main topic's
-storage topic and the subscription's RQ on the partitions of the slots it is given
+member of the Kafka consumer group `varadhi-library.<subscription>`: it reads every storage
+topic of the main topic and the subscription's RQ on the partitions of the slots it is given
 (`assign`), and delivers through the HTTP engine the shards use (`HttpDeliverer`: one request
 per message, or with `delivery.mode: batch` up to `max_messages` messages of different keys per
 request, the shards' wire format and per-message answers) or through a Python `handler`
@@ -25,6 +25,15 @@ not used) and its key waits until the copy is read back, due and delivered. When
 assigned, nothing of it is handed out before its RQ partitions were read to the end they had
 then (`_caught_up`), so a key with a retry pending from before a restart or rebalance is
 blocked behind its copy before any of its later messages is delivered.
+
+Storage topics (`crossing`). A slot hands out nothing of the main topic's storage topic T_i+1
+before it may cross from T_i: T_i sealed and read to its end by the slot, and, where T_i+1 moves
+groups to other slots (K=1), the group's commits at the end of T_i and of the RQ with no key
+blocked, or some member already reading T_i+1 (a commit on it). Until then the slot's T_i+1
+partitions are paused (what a fetch brings of them anyway is sought back, never held), checked
+every `CROSS_CHECK_S` (`_cross`); status shows a wait at a K=1 boundary (`_waiting`). A storage
+topic added while the member runs is followed (`_check_catalog`): it subscribes again, and the
+assignor gives a topic's partitions only once every member reads it.
 
 Block mode (`on_dead_letter: block`, `varadhi.library.blocking`). A dead letter blocks its key:
 its later main-topic messages are sidelined to the DLQ behind it, and the key's blocks live in the
@@ -124,6 +133,7 @@ from kafka.structs import OffsetAndMetadata
 
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
+from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.delivery import HttpDeliverer, Outcome, Request
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotAuthorized, VaradhiError
 from varadhi.core.group_state import (
@@ -149,6 +159,7 @@ from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.subscriptions import Suspension
 from varadhi.library import (
+    crossing,
     dedup_topic,
     fence,
     group_state_topic,
@@ -185,6 +196,8 @@ POLL_MS = 50
 #: producer's Python cost about a third of a retry's CPU (bench/library.py --fail 0.1:
 #: 116-118 -> 104-105 us a message).
 LINGER_MS = 10
+#: How often a slot that has a storage topic after its frontier looks whether it may cross.
+CROSS_CHECK_S = 1.0
 #: The longest a revoke waits for the revoked slots' deliveries in flight (`settle`; the
 #: endpoint's request timeout when shorter): the group's rebalance waits for it.
 REVOKE_WAIT_S = 5.0
@@ -257,6 +270,14 @@ class Consumer:
         self._ledgers: dict[TopicPartition, Ledger] = {}
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
         self._catch_up: dict[int, dict[TopicPartition, int]] = {}  # slot -> RQ end offsets
+        # The main topic as last seen, its storage topics' indexes by name, and per slot held
+        # (grouped) the last of them it reads (`crossing`); what it waits for at a boundary
+        # that moves groups (for status), and when `_cross` looks next (monotonic).
+        self._mq: topics.CompositeTopic | None = None
+        self._mains: dict[str, int] = {}
+        self._frontier: dict[int, int] = {}
+        self._waiting: str | None = None
+        self._next_cross = 0.0
         self._revoked: set[TopicPartition] = set()  # by the listener, for `_rebalanced`
         self._lost: set[TopicPartition] = set()  # revoked after the member left the group
         self._assigned: set[TopicPartition] | None = None  # the last assignment, unprocessed
@@ -324,7 +345,8 @@ class Consumer:
             main = topics.from_snapshot(snap, sub.spec.topic)
             rq = topics.from_snapshot(snap, sub.spec.rq_topic)
             dlq = topics.from_snapshot(snap, sub.spec.dlq_topic)
-            missing = unsupported(sub, main, rq, dlq)
+            change = snap.get(DocKind.OPERATION, f"{self.name}/{OpKind.CHANGE_SHARDS}")
+            missing = unsupported(sub, rq, dlq, change)
             if missing:
                 raise Unsupported(self.name, missing)
             limits = topics.max_message_bytes(
@@ -349,7 +371,7 @@ class Consumer:
         self._paused = sub.paused or suspension.holds(sub.suspended)
         self._suspended, self._pause_asked = sub.suspended, sub.paused
         self._spec = sub.spec
-        self._main = main.storage_topics[0]
+        self._follow_main(main)
         self._rq, self._dlq = rq.produce_topic, dlq.produce_topic
         self._dlq_queue = dlq
         self._limits = {t: min(n, MAX_REQUEST_BYTES) for t, n in limits.items()}
@@ -424,11 +446,7 @@ class Consumer:
             self._producer.close(timeout=10)
             self._catalog.close()
             raise
-        names = [self._main.name, self._rq.name]
-        for name in names:
-            self._offsets.partitions_for_topic(name)  # else its offset look-ups miss some
-        # metadata before the first join, else it joins again at once (a wasted rebalance)
-        join_guard.subscribe(self._consumer, names, _Listener(self))
+        self._subscribe()
         self._state = "running"
         self._spawn(self._consume, "kafka")
         self._spawn(self._redrive, "redrive")
@@ -477,6 +495,8 @@ class Consumer:
                 "partitions": parts,
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
+                "frontier": dict(sorted(self._frontier.items())),
+                "waiting": self._waiting,
                 "rate_limit": self._rate,
                 "circuit": self._circuit.status(),
                 "suspended": None if self._suspended is None else self._suspended.to_dict(),
@@ -537,6 +557,7 @@ class Consumer:
                 for tp, records in batches.items():
                     self._ingest(tp, records)
                 self._caught_up()
+                self._transient_ok(self._cross, "the storage-topic boundary is not checked")
                 now = time.monotonic()
                 if now >= next_commit:
                     self._commit()
@@ -626,9 +647,11 @@ class Consumer:
 
     def _ingest(self, tp: TopicPartition, records) -> None:
         ledger = self._ledgers.get(tp)
-        if ledger is None:  # not set up yet (never seen): read these again later
+        if ledger is None or self._held(tp):  # not set up yet, or past its slot's frontier
             if tp in self._consumer.assignment():
-                self._consumer.seek(tp, records[0].offset)
+                self._consumer.seek(tp, records[0].offset)  # read these again later
+                if ledger is not None:
+                    self._consumer.pause(tp)
             return
         works = []
         dropped = 0
@@ -687,8 +710,8 @@ class Consumer:
             problem = (
                 f"malformed: value of {len(value)} bytes exceeds {self._spec.max_message_bytes}"
             )
-        entry = Entry(
-            m.Origin(0, tp.partition, r.offset),
+        entry = Entry(  # an RQ copy's origin is its message's (below)
+            m.Origin(0 if from_rq else self._mains[tp.topic], tp.partition, r.offset),
             msg_id,
             group,
             "new",
@@ -708,7 +731,7 @@ class Consumer:
             entry.invalid = None
             slot = slot_of(tp.partition, self._rq.partitions, self._sub.shard_count)
         else:
-            slot = slot_of(tp.partition, self._main.partitions, self._sub.shard_count)
+            slot = self._slot(tp)
         work = Work(
             entry, tp.topic, tp.partition, r.offset, slot, self._key_of(r.key, headers, value)
         )
@@ -723,7 +746,7 @@ class Consumer:
         return ordering_key(self.options.ordering_key, raw_key, headers, value)
 
     def _trace_filtered(self, tp: TopicPartition, r) -> None:
-        tracer = self._tracer(slot_of(tp.partition, self._main.partitions, self._sub.shard_count))
+        tracer = self._tracer(self._slot(tp))
         if tracer is not None:
             msg_id, group = _ids(tp, r)
             tracer.routed(
@@ -793,6 +816,111 @@ class Consumer:
                 self._reopen(done)
                 self._lock.notify_all()
 
+    # -- storage topics of the main topic (`crossing`) ----------------------------------------
+    def _follow_main(self, main: topics.CompositeTopic) -> None:
+        """Read the storage topics of `main` (its record as now in the catalog)."""
+        self._mq = main
+        self._mains = {st.name: i for i, st in enumerate(main.storage_topics)}
+
+    def _subscribe(self) -> None:
+        """Subscribe to every storage topic of the main topic and the RQ (again after a
+        storage topic was added: the group rebalances, and `SlotAssignor` assigns a topic only
+        once every member reads it)."""
+        names = [*self._mains, self._rq.name]
+        for name in names:
+            self._offsets.partitions_for_topic(name)  # else its offset look-ups miss some
+        # metadata before the first join, else it joins again at once (a wasted rebalance)
+        join_guard.subscribe(self._consumer, names, _Listener(self))
+
+    def _held(self, tp: TopicPartition) -> bool:
+        """Whether `tp` is a main-topic partition past its slot's frontier: not read yet.
+        Never for an ungrouped subscription (no order to keep)."""
+        index = self._mains.get(tp.topic)
+        if index is None or not self._spec.grouped:
+            return False
+        frontier = self._frontier.get(self._slot(tp))
+        return frontier is not None and index > frontier
+
+    def _cross(self) -> None:
+        """(Every `CROSS_CHECK_S` while a slot it holds has a storage topic after its
+        frontier) Move each such slot's frontier over every boundary it may cross
+        (`crossing`), resume reading what it then reads, and note what a slot waits for at a
+        boundary that moves groups (`_waiting`, for status)."""
+        assert self._mq is not None
+        last = len(self._mq.storage_topics) - 1
+        if not self._spec.grouped or all(f >= last for f in self._frontier.values()):
+            if self._waiting is not None:
+                self._waiting = None
+                self._publish(force=True)
+            return
+        now = time.monotonic()
+        if now < self._next_cross:
+            return
+        self._next_cross = now + CROSS_CHECK_S
+        mq = topics.from_snapshot(self._catalog.snapshot(), self._mq.name)
+        now_ms = _now_ms()
+        owned = self._consumer.assignment()
+        slots_count = self._sub.shard_count
+        views: dict[int, crossing.GroupView] = {}
+        waiting = None
+        moved = False
+        for slot, frontier in sorted(self._frontier.items()):
+            f = frontier
+            while f < last and topics.sealed(mq, f, now_ms, topics.SEAL_GRACE_MS):
+                old, nxt = mq.storage(f), mq.storage(f + 1)
+                tps = [
+                    TopicPartition(old.name, p)
+                    for p in routing.shard_partitions(slot, slots_count, old.partitions)
+                ]
+                if not all(tp in owned for tp in tps):  # revoked meanwhile
+                    break
+                ends = self._offsets.end_offsets(tps) if tps else {}
+                positions = {tp.partition: self._consumer.position(tp) for tp in tps}
+                if not crossing.read_to_end(positions, {tp.partition: ends[tp] for tp in tps}):
+                    break
+                if crossing.moves_groups(old, nxt, slots_count):
+                    if f not in views:
+                        views[f] = self._group_view(old, nxt)
+                    if not crossing.group_quiet(views[f]):
+                        waiting = crossing.waiting_text(old.name, nxt.name, views[f])
+                        break
+                f += 1
+            if f != frontier:
+                self._frontier[slot] = f
+                moved = True
+                log.info("%s: slot %d now reads %s", self.name, slot, mq.storage(f).name)
+        if waiting != self._waiting:
+            self._waiting = waiting
+            self._publish(force=True)  # status shows the wait, and its end, at once
+        if moved and not self._paused:
+            self._resume_reading()
+
+    def _group_view(self, old: topics.StorageTopic, nxt: topics.StorageTopic) -> crossing.GroupView:
+        """What the group's commits, the end offsets and the GroupState topic say of the
+        boundary from `old` to `nxt` (`crossing.GroupView`). The commits are read before the
+        end offsets: a retry written after its message's commit is then within the ends read."""
+        offsets = self._offsets
+        old_tps = [TopicPartition(old.name, p) for p in range(old.partitions)]
+        rq_tps = [TopicPartition(self._rq.name, p) for p in range(self._rq.partitions)]
+        nxt_tps = [TopicPartition(nxt.name, p) for p in range(nxt.partitions)]
+        crossed = any(offsets.committed(tp) is not None for tp in nxt_tps)
+        committed = {tp: offsets.committed(tp) for tp in [*old_tps, *rq_tps]}
+        unset = [tp for tp, c in committed.items() if c is None]
+        starts = offsets.beginning_offsets(unset) if unset else {}
+        position = {tp: starts[tp] if c is None else c for tp, c in committed.items()}
+        ends = offsets.end_offsets([*old_tps, *rq_tps])
+        blocked = 0
+        if self._blocking is not None and not crossed:
+            blocked = group_state_topic.blocked_count(self.settings, self.name)
+        return crossing.GroupView(
+            old_committed={tp.partition: position[tp] for tp in old_tps},
+            old_ends={tp.partition: ends[tp] for tp in old_tps},
+            rq_committed={str(tp.partition): position[tp] for tp in rq_tps},
+            rq_ends={str(tp.partition): ends[tp] for tp in rq_tps},
+            crossed=crossed,
+            blocked=blocked,
+        )
+
     def _commit(self, final: bool = False) -> None:
         """Commit each partition's position (`Ledger.position`) where it moved. While running,
         asynchronously (kafka-python 3.0.12's join was seen to stall when the member's own
@@ -842,6 +970,12 @@ class Consumer:
             )
         sub = self._follow_suspension(sub)
         self._sub = sub
+        assert self._mq is not None
+        main = topics.from_snapshot(snap, self._mq.name)
+        if len(main.storage_topics) != len(self._mq.storage_topics):
+            self._follow_main(main)
+            self._subscribe()  # the group rebalances: the new storage topic is assigned
+            log.info("%s: now reading %s too", self.name, main.storage_topics[-1].name)
         held = sub.paused or suspension.holds(sub.suspended)
         if held != self._paused:
             self._set_paused(held)
@@ -896,7 +1030,7 @@ class Consumer:
         if paused:
             self._pause_reading()
         else:
-            self._consumer.resume(*self._consumer.paused())
+            self._resume_reading()
         log.info("%s: %s", self.name, "paused" if paused else "resumed")
         self._publish(force=True)
 
@@ -905,6 +1039,20 @@ class Consumer:
         unpaused = consumer.assignment() - consumer.paused()
         if unpaused:
             consumer.pause(*unpaused)
+
+    def _resume_reading(self) -> None:
+        """Read again every paused partition but those past their slot's frontier."""
+        consumer = self._consumer
+        free = [tp for tp in consumer.paused() if not self._held(tp)]
+        if free:
+            consumer.resume(*free)
+
+    def _hold_reading(self) -> None:
+        """Pause the assigned partitions past their slot's frontier (`_held`)."""
+        consumer = self._consumer
+        held = [tp for tp in consumer.assignment() - consumer.paused() if self._held(tp)]
+        if held:
+            consumer.pause(*held)
 
     def _publish(self, force: bool = False) -> None:
         """The member's progress document (at most every `PROGRESS_S` unless forced)."""
@@ -921,6 +1069,7 @@ class Consumer:
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "partitions": sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers),
                 "circuit": self._circuit.status(),
+                "waiting": self._waiting,
                 "committed": {
                     f"{tp.topic}/{tp.partition}": offset
                     for tp, (offset, _) in sorted(self._committed.items())
@@ -1010,6 +1159,7 @@ class Consumer:
                     self._committed.pop(tp, None)
                 for slot in slots:
                     self._catch_up.pop(slot, None)
+                    self._frontier.pop(slot, None)
         new = [tp for tp in assigned if tp not in self._ledgers]
         rq_tps = [tp for tp in new if tp.topic == self._rq.name]
         # The member's own consumer is not asked: its blocking calls made between a revoke and
@@ -1045,6 +1195,8 @@ class Consumer:
                     self._committed[tp] = position
             for tp in rq_tps:
                 self._catch_up.setdefault(self._slot(tp), {})[tp] = ends.get(tp, 0)
+            for slot in self._slots_of(new):  # a new slot starts at the first storage topic
+                self._frontier.setdefault(slot, 0)
             for slot, found in blocked.items():  # before any of the slot is handed out
                 assert self._blocking is not None
                 self._blocking.load(slot, found)
@@ -1059,6 +1211,8 @@ class Consumer:
             given_back = self._slots_of(assigned - set(new))
             self._reopen(given_back - set(self._catch_up) - revoked_since)
             self._counts["rebalances"] += 1
+        self._hold_reading()
+        self._next_cross = 0.0  # new slots look at their boundaries at once
 
     def _reopen(self, slots: set[int]) -> None:
         """(Under the lock) Hand out `slots` again."""
@@ -1067,8 +1221,11 @@ class Consumer:
             self._blocking.reopened(slots)
 
     def _slot(self, tp: TopicPartition) -> int:
-        topic = self._rq if tp.topic == self._rq.name else self._main
-        return slot_of(tp.partition, topic.partitions, self._sub.shard_count)
+        if tp.topic == self._rq.name:
+            partitions = self._rq.partitions
+        else:
+            partitions = self._mq.storage(self._mains[tp.topic]).partitions
+        return slot_of(tp.partition, partitions, self._sub.shard_count)
 
     def _slots_of(self, tps) -> set[int]:
         return {self._slot(tp) for tp in tps}
@@ -1102,7 +1259,7 @@ class Consumer:
             dedup = self._dedup
             if work is None or dedup is None or work.dedup_id is None:
                 return work
-            if work.topic != self._main.name:  # a retry or re-drive: not delivered yet
+            if work.topic not in self._mains:  # a retry or re-drive: not delivered yet
                 return work
             if not dedup.seen(work.dedup_id, now):
                 return work

@@ -7,8 +7,10 @@ commits new offsets with empty metadata, so everything from the new offset is re
 again. What maps from the shards' reset (`varadhi.ops.offsets`), with the same plan and output
 (`Plan`, `Move`; a move's `shard` is the slot):
 
-- main: `--to-earliest`, `--to-latest`, `--to-datetime`, `--shift-by` on the main topic's one
-  storage topic (the members read one); `--to-storage-topic` is refused;
+- main: `--to-earliest`, `--to-latest`, `--to-datetime`, `--shift-by` on a main topic of one
+  storage topic (one with more is refused: the members' progress across its switches is their
+  commits, `varadhi.library.crossing`, which a reset would have to move consistently);
+  `--to-storage-topic` is refused;
 - rq: fast-forward only (`--to-latest`, `--to-datetime`, a positive `--shift-by`), as for
   shards: the retries skipped are dropped (a key never waits for them: no GroupState);
 - dlq: fast-forward of where `dlq list` and `unsideline` start (`state.dlq_start`), as for shards;
@@ -84,8 +86,8 @@ def plan_main(
     commit is read from its start, as a new group reads it."""
     if mode == "to-storage-topic":
         raise InvalidArgument(
-            f"--to-storage-topic does not apply to {sub.name} (runtime: library): its members "
-            "read one storage topic; use --to-earliest",
+            f"--to-storage-topic does not apply to {sub.name} (runtime: library): its offset "
+            "reset moves a main topic of one storage topic; use --to-earliest",
             field="queue",
         )
     st = one_storage_topic(main)
@@ -138,8 +140,8 @@ def one_storage_topic(topic: topics.CompositeTopic) -> topics.StorageTopic:
     """The storage topic library members read of `topic`; refuses one with more (pure)."""
     if len(topic.storage_topics) != 1:
         raise InvalidArgument(
-            f"{topic.name} has {len(topic.storage_topics)} storage topics, which the library "
-            "runtime does not read (docs/library.md)",
+            f"{topic.name} has {len(topic.storage_topics)} storage topics: an offset reset of a "
+            "library subscription moves the commits of a topic with one only (docs/library.md)",
             field="queue",
         )
     return topic.storage_topics[0]

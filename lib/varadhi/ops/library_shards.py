@@ -1,11 +1,10 @@
 """Changing the shard count of a `runtime: library` subscription (`subscription change-shards`).
 
 Library members are given slots, slot s being every partition shard s would own of the main
-topic's one storage topic, the RQ and the DLQ (`varadhi.library.assign`); each member reads the
-shard count from the catalog when it starts. They refuse a subscription whose RQ or DLQ has more
-than one storage topic, which is what the shards' change makes (`varadhi.ops.change_shards`: new
-RQ/DLQ storage topics, feeders, GroupState and reader layouts): applied to a library
-subscription it would leave one no member can ever run. So the library's change is in place: the
+topic's storage topics, the RQ and the DLQ (`varadhi.library.assign`); each member reads the
+shard count from the catalog when it starts. The shards' change makes new RQ/DLQ storage topics,
+feeders, GroupState and reader layouts (`varadhi.ops.change_shards`), none of which the members
+need: the library's change is in place: the
 topics stay and one catalog transaction sets the new count in the subscription's record (the
 state's `shard_count`, the spec's `shards`) and records the operation, done
 (`operation/<sub>/change-shards`, `runtime: library`). Members started afterwards read it.
@@ -139,9 +138,12 @@ def decide(
         raise busy_refusal(f"change the shard count of {sub.name}", busy)
     for topic in (main, rq, dlq):
         if len(topic.storage_topics) != 1:
+            # the members' progress across the main topic's switches is only their commits, and
+            # a new count changes which switches keep groups in their slots (`crossing`)
             raise InvalidArgument(
-                f"{topic.name} has {len(topic.storage_topics)} storage topics, which the library "
-                "runtime does not read (docs/library.md)",
+                f"{topic.name} has {len(topic.storage_topics)} storage topics: the library "
+                "runtime changes the shard count of a subscription whose topics have one only "
+                "(docs/library.md)",
                 field="subscription",
             )
     queues = rq.storage_topics[0], dlq.storage_topics[0]

@@ -248,7 +248,8 @@ def members_of(
 ) -> list[dict[str, Any]]:
     """The library members among `progress_documents` that reported within `window_ms`, by
     member name (pure): member, state (`member_state`), seconds since its last report, slots,
-    partitions, counters, committed offsets, circuit (`CircuitBreaker.status`) and error."""
+    partitions, counters, committed offsets, circuit (`CircuitBreaker.status`), what its slots
+    wait for at a storage-topic boundary (`crossing.waiting_text`, else None) and error."""
     out = []
     for member, doc in sorted(member_documents(dict(found)).items()):
         age = now_ms - int(doc.get("updated_ms") or 0)
@@ -264,6 +265,7 @@ def members_of(
                 "counters": dict(doc.get("counters") or {}),
                 "committed": dict(doc.get("committed") or {}),
                 "circuit": doc.get("circuit"),
+                "waiting": doc.get("waiting"),
                 "error": doc.get("error"),
             }
         )
@@ -391,17 +393,18 @@ def library_status(
     catalog: Catalog,
     sub: subscriptions.Subscription,
     ends: Mapping[str, list[int]],
-    main: str,
+    main: Sequence[str],
     rq: str,
     now_ms: int,
 ) -> dict[str, Any]:
-    """The members and the consumer group of a `runtime: library` subscription (`collect`)."""
+    """The members and the consumer group of a `runtime: library` subscription (`collect`):
+    its lag on the storage topics `main` (all of the main topic's) and on the RQ `rq`."""
     since = max(sub.created_ms, now_ms - MEMBER_WINDOW_MS)
     members = members_of(progress_documents(catalog.settings, sub.name, None, since), now_ms)
     committed = group_committed(catalog, group_id(sub.name))
     return {
         "group": group_id(sub.name),
-        "main_lag": group_lag(committed, ends, [main]),
+        "main_lag": group_lag(committed, ends, main),
         "rq_lag": group_lag(committed, ends, [rq]),
         "members": members,
     }
@@ -561,7 +564,7 @@ def _operations(snap, name: str) -> dict[str, Any]:
 def _library_collect(catalog, snap, sub, mq, rq, dlq, ends) -> dict[str, Any]:
     """`collect` of a `runtime: library` subscription: no shards; its members and group."""
     now = int(time.time() * 1000)
-    main, rq_now = mq.storage_topics[0].name, rq.produce_topic.name
+    main, rq_now = [st.name for st in mq.storage_topics], rq.produce_topic.name
     library = library_status(catalog, sub, ends, main, rq_now, now)
     library["dlq_depth"] = sum(sum(ends[st.name]) for st in dlq.storage_topics)
     totals: dict[str, int] = {}

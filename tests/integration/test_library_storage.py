@@ -1,0 +1,197 @@
+"""The library runtime across storage-topic switches of the main topic (`varadhi.library.crossing`)
+against the real broker and a real HTTP endpoint: members started before the switches follow
+the topic, messages produced before and after a K>1 switch and a K=1 switch are all delivered,
+each group in produce order, with retries pending across each boundary; at a K=1 boundary the
+members wait together (status says so) until nothing of the old storage topic is pending."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from varadhi import Client
+from varadhi.cli.status import library_lines
+from varadhi.core import routing
+from varadhi.core.policies import Endpoint
+from varadhi.kafka import topics as composite_topics
+from varadhi.kafka.producer import Producer
+from varadhi.kafka.subscriptions import SubscriptionService
+from varadhi.kafka.topics import TopicService
+from varadhi.library import Consumer, Options
+from varadhi.library.assign import slot_of
+from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.library import FAST_RETRY, produce_rounds, wait_for
+from varadhi.testing.library import subscription_spec as library_spec
+
+pytestmark = pytest.mark.kafka
+
+GROUPS = 8
+#: A retry held failing until the test lets it succeed: never dead-lettered meanwhile.
+PATIENT = replace(FAST_RETRY, max_attempts=10_000)
+
+
+def first_deliveries(endpoint: TestEndpoint) -> list[str]:
+    """Message ids in the order of their first successful delivery."""
+    seen: dict[str, None] = {}
+    for r in endpoint.records():
+        if r.status == 200 and r.message_id not in seen:
+            seen[r.message_id] = None
+    return list(seen)
+
+
+def assert_each_group_in_order(delivered: list[str], produced: list[str]) -> None:
+    assert sorted(delivered) == sorted(produced)  # nothing lost, none twice
+    for g in range(GROUPS):
+        mine = [i for i in delivered if i.startswith(f"g{g}-")]
+        assert mine == [i for i in produced if i.startswith(f"g{g}-")], f"g{g}: {mine}"
+
+
+def moving_group(old_partitions: int, new_partitions: int, slots: int) -> str:
+    """A group of `produce_rounds` whose slot differs on a K=1 storage topic."""
+    for g in range(GROUPS):
+        before = slot_of(routing.route_group(f"g{g}", old_partitions, 1), old_partitions, slots)
+        after = slot_of(routing.route_group(f"g{g}", new_partitions, 1), new_partitions, slots)
+        if before != after:
+            return f"g{g}"
+    raise AssertionError("no group moves")
+
+
+def waits_in_status(client: Client, name: str, old: str, new: str) -> bool:
+    lines = library_lines(client.status(name), "", int(time.time() * 1000))
+    return any(f"waits at the end of {old} before {new}" in line for line in lines)
+
+
+@pytest.fixture
+def short_grace(monkeypatch):
+    # Everything is produced before the switch is made here (each produce flushes): a second
+    # of grace keeps the tests short without a writer that could still be late.
+    monkeypatch.setattr(composite_topics, "SEAL_GRACE_MS", 1_000)
+
+
+def test_one_member_across_a_k2_and_a_k1_switch_with_retries_pending(
+    settings, catalog, unique_name, short_grace
+):
+    topics = TopicService(catalog)
+    topic = unique_name("lib-switch")
+    topics.create(topic, 2)
+    with TestEndpoint() as endpoint:
+        spec = library_spec(unique_name("lib"), topic, Endpoint(endpoint.url), retry=PATIENT)
+        SubscriptionService(catalog).create(spec)
+        client = Client(settings)
+        # the last message of g1 on T_0 fails until T_1's messages of g1 were read
+        endpoint.set_script("g1-5", [500] * 10_000)
+        produced = produce_rounds(settings, topic, GROUPS, 0, 6)
+        consumer = Consumer(spec.name, settings, options=Options(max_in_flight=8)).start()
+        try:
+            wait_for(lambda: consumer.counters()["delivered"] >= len(produced) - 1, "T_0", consumer)
+            topics.add_storage(topic, 4)  # K = 2: groups stay in their slots
+            topics.switch_produce(topic)
+            produced += produce_rounds(settings, topic, GROUPS, 6, 12)
+            t1 = f"{topic}.1"
+            wait_for(
+                lambda: (
+                    any(p.startswith(t1) for p in consumer.health()["partitions"])
+                    and consumer.counters()["read"] >= len(produced)
+                ),
+                "T_1 read (the member followed the topic)",
+                consumer,
+            )
+            endpoint.set_script("g1-5", [])  # g1's T_1 messages waited behind its retry
+            # The last of T_1 fails until the member waits at the K=1 boundary.
+            held = moving_group(4, 3, 2)
+            endpoint.set_script(f"{held}-11", [500] * 10_000)
+            topics.add_storage(topic, 3)  # K = 1: groups move to other slots
+            topics.switch_produce(topic)
+            produced += produce_rounds(settings, topic, GROUPS, 12, 16)
+            t2 = f"{topic}.2"
+            wait_for(lambda: waits_in_status(client, spec.name, t1, t2), "the wait", consumer)
+            assert "waits at the end of" in consumer.health()["waiting"]
+            endpoint.set_script(f"{held}-11", [])
+            wait_for(
+                lambda: len(first_deliveries(endpoint)) == len(produced), "everything", consumer
+            )
+            wait_for(lambda: consumer.health()["waiting"] is None, "the wait's end", consumer)
+            assert not waits_in_status(client, spec.name, t1, t2)
+        finally:
+            consumer.stop()
+        assert consumer.health()["state"] == "stopped"
+        assert consumer.counters()["retried"] >= 2
+        assert_each_group_in_order(first_deliveries(endpoint), produced)
+
+
+def test_two_members_cross_a_k1_switch_together(settings, catalog, unique_name, short_grace):
+    topics = TopicService(catalog)
+    topic = unique_name("lib-k1")
+    topics.create(topic, 2)
+    with TestEndpoint() as endpoint:
+        spec = library_spec(unique_name("lib"), topic, Endpoint(endpoint.url), retry=PATIENT)
+        SubscriptionService(catalog).create(spec)
+        held = moving_group(2, 3, 2)  # its T_1 messages are read by the other slot's member
+        endpoint.set_script(f"{held}-5", [500] * 10_000)
+        produced = produce_rounds(settings, topic, GROUPS, 0, 6)
+        topics.add_storage(topic, 3)  # K = 1
+        topics.switch_produce(topic)
+        produced += produce_rounds(settings, topic, GROUPS, 6, 10)
+        members = [Consumer(spec.name, settings).start() for _ in range(2)]
+        try:
+            wait_for(
+                lambda: all(len(c.health()["slots"]) == 1 for c in members),
+                "a slot each",
+                *members,
+            )
+            # Both members wait: neither hands out anything of T_1 while held-5 is pending.
+            wait_for(lambda: all(c.health()["waiting"] for c in members), "both waiting", *members)
+            assert not [i for i in first_deliveries(endpoint) if int(i.rsplit("-", 1)[1]) >= 6]
+            endpoint.set_script(f"{held}-5", [])
+            wait_for(
+                lambda: len(first_deliveries(endpoint)) == len(produced), "everything", *members
+            )
+        finally:
+            for c in members:
+                c.stop()
+        assert_each_group_in_order(first_deliveries(endpoint), produced)
+
+
+def produce_large(settings, topic: str, start: int, stop: int) -> list[str]:
+    """`produce_rounds`' messages with 64 KiB bodies: a fetch (1 MiB a partition) then brings a
+    few of each partition at a time."""
+    ids = []
+    with Producer(topic, settings) as producer:
+        for n in range(start, stop):
+            for g in range(GROUPS):
+                msg_id = f"g{g}-{n}"
+                producer.send(msg_id.encode().ljust(65_536), group_id=f"g{g}", message_id=msg_id)
+                ids.append(msg_id)
+        producer.flush()
+    return ids
+
+
+def test_a_backlog_on_both_sides_of_a_k2_switch_is_delivered_in_order(
+    settings, catalog, unique_name, short_grace
+):
+    """A member started after the switch reads T_0 and T_1 at once, each a few records of a
+    partition per fetch: T_1's records come while T_0's of the same groups are still unread.
+    They are held (read again later), never handed out before, and the back-pressure
+    (`max_pending`) still lets T_0 be read to its end."""
+    topics = TopicService(catalog)
+    topic = unique_name("lib-backlog")
+    topics.create(topic, 2)
+    with TestEndpoint() as endpoint:
+        spec = library_spec(unique_name("lib"), topic, Endpoint(endpoint.url))
+        SubscriptionService(catalog).create(spec)
+        produced = produce_large(settings, topic, 0, 30)
+        topics.add_storage(topic, 4)  # K = 2
+        topics.switch_produce(topic)
+        produced += produce_large(settings, topic, 30, 60)
+        options = Options(max_pending=20, max_in_flight=4)
+        consumer = Consumer(spec.name, settings, options=options).start()
+        try:
+            wait_for(
+                lambda: len(first_deliveries(endpoint)) == len(produced), "everything", consumer
+            )
+        finally:
+            consumer.stop()
+        assert consumer.health()["frontier"] == {0: 1, 1: 1}
+        assert_each_group_in_order(first_deliveries(endpoint), produced)
