@@ -13,15 +13,19 @@ import pytest
 
 from varadhi import Client
 from varadhi.cli.status import library_lines
+from varadhi.core import messages as m
 from varadhi.core import routing
+from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.policies import Endpoint
 from varadhi.kafka import topics as composite_topics
+from varadhi.kafka.catalog import key
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
-from varadhi.library import Consumer, Options
+from varadhi.library import Consumer, Options, Unsupported
 from varadhi.library.assign import slot_of
 from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.harness import read_queue
 from varadhi.testing.library import FAST_RETRY, produce_rounds, wait_for
 from varadhi.testing.library import subscription_spec as library_spec
 
@@ -88,20 +92,21 @@ def test_one_member_across_a_k2_and_a_k1_switch_with_retries_pending(
             wait_for(lambda: consumer.counters()["delivered"] >= len(produced) - 1, "T_0", consumer)
             topics.add_storage(topic, 4)  # K = 2: groups stay in their slots
             topics.switch_produce(topic)
-            produced += produce_rounds(settings, topic, GROUPS, 6, 12)
-            t1 = f"{topic}.1"
-            wait_for(
-                lambda: (
-                    any(p.startswith(t1) for p in consumer.health()["partitions"])
-                    and consumer.counters()["read"] >= len(produced)
-                ),
-                "T_1 read (the member followed the topic)",
-                consumer,
-            )
-            endpoint.set_script("g1-5", [])  # g1's T_1 messages waited behind its retry
-            # The last of T_1 fails until the member waits at the K=1 boundary.
+            # The last of T_1 of a group that moves at the K=1 switch below fails until the
+            # member waits there.
             held = moving_group(4, 3, 2)
             endpoint.set_script(f"{held}-11", [500] * 10_000)
+            produced += produce_rounds(settings, topic, GROUPS, 6, 12)
+            t1 = f"{topic}.1"
+            g1_waits = [f"g1-{n}" for n in range(5, 12)]  # g1-5 and g1's T_1 messages
+            failing = {*g1_waits, f"{held}-11"}
+            wait_for(
+                lambda: len(first_deliveries(endpoint)) == len(produced) - len(failing),
+                "T_1 but g1 delivered (the member followed the topic)",
+                consumer,
+            )
+            assert not set(g1_waits) & set(first_deliveries(endpoint))
+            endpoint.set_script("g1-5", [])  # g1's T_1 messages waited behind its retry
             topics.add_storage(topic, 3)  # K = 1: groups move to other slots
             topics.switch_produce(topic)
             produced += produce_rounds(settings, topic, GROUPS, 12, 16)
@@ -195,3 +200,56 @@ def test_a_backlog_on_both_sides_of_a_k2_switch_is_delivered_in_order(
             consumer.stop()
         assert consumer.health()["frontier"] == {0: 1, 1: 1}
         assert_each_group_in_order(first_deliveries(endpoint), produced)
+
+
+def test_the_queues_of_a_spark_shard_count_change_once_it_is_done(settings, catalog, unique_name):
+    """A subscription changed from 2 to 4 shards on Spark (new RQ/DLQ storage topics, `rq_from`
+    and `dlq_from` 1, as `change_shards.activated` leaves them) and moved to the library: its
+    members refuse it while the change's feeders copy, and once it is done read and write the
+    new queues with 4 slots."""
+    topics = TopicService(catalog)
+    topic = unique_name("lib-queues")
+    topics.create(topic, 4)
+    with TestEndpoint() as endpoint:
+        spec = library_spec(unique_name("lib"), topic, Endpoint(endpoint.url))
+        SubscriptionService(catalog).create(spec)
+        for queue, partitions in ((spec.rq_topic, 8), (spec.dlq_topic, 4)):
+            topics.add_storage(queue, partitions)
+            topics.switch_produce(queue)
+        op_name = key(DocKind.OPERATION, f"{spec.name}/{OpKind.CHANGE_SHARDS}")
+
+        def change(step: str):
+            def mutate(snap):
+                doc = snap.get(DocKind.SUBSCRIPTION, spec.name)
+                state = dict(doc["state"], shard_count=4, rq_from=1, dlq_from=1)
+                new_spec = dict(doc["spec"], shards=4, rq_partitions=8, dlq_partitions=4)
+                return {
+                    key(DocKind.SUBSCRIPTION, spec.name): {**doc, "spec": new_spec, "state": state},
+                    op_name: {"kind": str(OpKind.CHANGE_SHARDS), "from": 2, "to": 4, "step": step},
+                }
+
+            catalog.mutate(mutate)
+
+        change("feed")
+        with pytest.raises(Unsupported, match="at step feed: its feeders have not yet copied"):
+            Consumer(spec.name, settings).start()
+        change("done")
+        endpoint.set_script("g1-2", [500, 200])  # retried through the new RQ
+        endpoint.set_script("g2-3", [400])  # dead-lettered to the new DLQ
+        produced = produce_rounds(settings, topic, GROUPS, 0, 5)
+        consumer = Consumer(spec.name, settings).start()
+        try:
+            wait_for(
+                lambda: len(first_deliveries(endpoint)) == len(produced) - 1, "delivery", consumer
+            )
+            assert consumer.health()["slots"] == [0, 1, 2, 3]
+        finally:
+            consumer.stop()
+        assert_each_group_in_order(first_deliveries(endpoint), [i for i in produced if i != "g2-3"])
+        assert [r["headers"][m.H_MSG_ID] for r in read_queue(settings, f"{spec.rq_topic}.1")] == [
+            "g1-2"
+        ]
+        assert [r["headers"][m.H_MSG_ID] for r in read_queue(settings, f"{spec.dlq_topic}.1")] == [
+            "g2-3"
+        ]
+        assert read_queue(settings, f"{spec.rq_topic}.0") == []
