@@ -951,7 +951,7 @@ def test_change_shards_is_in_place_and_refused_while_a_member_may_run_or_is_in_t
     """`subscription change-shards` of a `runtime: library` subscription: refused (exit 2,
     nothing changed) while a member runs, and while a paused one is still in the consumer group
     (each reads the count when it starts), naming it; with the members stopped, a merge from 2
-    to 1 is one catalog write: the same RQ and DLQ (the members refuse a second storage topic),
+    to 1 is one catalog write: the same RQ and DLQ (no new storage topics),
     no Spark; a count that does not divide the DLQ's partitions is refused; the same command
     again does nothing; a member started afterwards holds the one slot and delivers in order."""
     from varadhi.kafka import topics
