@@ -174,11 +174,12 @@ TABLE: tuple[Grant, ...] = (
           "publishes the member's progress and its circuit reports, reads the other members' "
           "(the circuit on the subscription's error rate; made on first use)"),
     Grant("member", TOPIC, PREFIXED, "{topic}.", ("Describe", "Read"),
-          "reads the main topic's storage topic"),
+          "reads the main topic's storage topics (and, at a switch that moves groups, their "
+          "end offsets and the group's commits on them)"),
     Grant("member", TOPIC, PREFIXED, "{sub}.", ("Describe", "DescribeConfigs", "Read", "Write"),
           "reads its RQ and, for a re-drive, its DLQ; writes retries, dead letters and re-driven "
           "messages, and the delivery trace; reads and writes its blocked keys (the GroupState "
-          "topic) and the ids it delivered (the dedup topic); sizes its RQ/DLQ records by their "
+          "topic; at a switch that moves groups it counts them all) and the ids it delivered (the dedup topic); sizes its RQ/DLQ records by their "
           "`max.message.bytes`"),
     Grant("member", TOPIC, LITERAL, "{sub}.trace", ("Create",),
           "makes the delivery trace on first use (a spec with a `trace` section)"),
