@@ -253,3 +253,44 @@ def test_the_queues_of_a_spark_shard_count_change_once_it_is_done(settings, cata
             "g2-3"
         ]
         assert read_queue(settings, f"{spec.rq_topic}.0") == []
+
+
+def test_a_blocked_key_holds_the_members_at_a_k1_switch_until_it_is_redriven(
+    settings, catalog, unique_name, short_grace
+):
+    """Block mode: a key blocked behind a dead letter of T_0 (its later T_0 messages sidelined)
+    holds every slot at a K=1 boundary (status counts it); `dlq unsideline` delivers its
+    messages in order, and only then its T_1 messages."""
+    topics = TopicService(catalog)
+    topic = unique_name("lib-block")
+    topics.create(topic, 2)
+    with TestEndpoint() as endpoint:
+        spec = library_spec(
+            unique_name("lib"), topic, Endpoint(endpoint.url), on_dead_letter="block"
+        )
+        SubscriptionService(catalog).create(spec)
+        client = Client(settings)
+        held = moving_group(2, 3, 2)
+        endpoint.set_script(f"{held}-2", [400])  # dead-lettered: the key is blocked
+        produced = produce_rounds(settings, topic, GROUPS, 0, 5)
+        topics.add_storage(topic, 3)  # K = 1
+        topics.switch_produce(topic)
+        produced += produce_rounds(settings, topic, GROUPS, 5, 8)
+        consumer = Consumer(spec.name, settings).start()
+        try:
+            wait_for(
+                lambda: "(1 blocked)" in (consumer.health()["waiting"] or ""),
+                "the wait behind the blocked key",
+                consumer,
+            )
+            t0, t1 = f"{topic}.0", f"{topic}.1"
+            assert waits_in_status(client, spec.name, t0, t1)
+            assert not [i for i in first_deliveries(endpoint) if int(i.rsplit("-", 1)[1]) >= 5]
+            client.wait_for_redrive(spec.name, client.redrive(spec.name, group_ids=[held]), 60)
+            wait_for(
+                lambda: len(first_deliveries(endpoint)) == len(produced), "everything", consumer
+            )
+        finally:
+            consumer.stop()
+        assert consumer.counters()["sidelined"] == 2  # held-3 and held-4, behind held-2
+        assert_each_group_in_order(first_deliveries(endpoint), produced)
