@@ -126,7 +126,12 @@ def test_one_member_across_a_k2_and_a_k1_switch_with_retries_pending(
         assert_each_group_in_order(first_deliveries(endpoint), produced)
 
 
-def test_two_members_cross_a_k1_switch_together(settings, catalog, unique_name, short_grace):
+def test_two_members_follow_a_k1_switch_and_cross_it_together(
+    settings, catalog, unique_name, short_grace
+):
+    """Two members running when the storage topic is added: each subscribes to it at its own
+    next look at the catalog (the assignor assigns it once both do), and neither hands out
+    anything of it while a message of T_0 is pending at the other."""
     topics = TopicService(catalog)
     topic = unique_name("lib-k1")
     topics.create(topic, 2)
@@ -136,14 +141,22 @@ def test_two_members_cross_a_k1_switch_together(settings, catalog, unique_name, 
         held = moving_group(2, 3, 2)  # its T_1 messages are read by the other slot's member
         endpoint.set_script(f"{held}-5", [500] * 10_000)
         produced = produce_rounds(settings, topic, GROUPS, 0, 6)
-        topics.add_storage(topic, 3)  # K = 1
-        topics.switch_produce(topic)
-        produced += produce_rounds(settings, topic, GROUPS, 6, 10)
         members = [Consumer(spec.name, settings).start() for _ in range(2)]
         try:
             wait_for(
                 lambda: all(len(c.health()["slots"]) == 1 for c in members),
                 "a slot each",
+                *members,
+            )
+            topics.add_storage(topic, 3)  # K = 1
+            topics.switch_produce(topic)
+            produced += produce_rounds(settings, topic, GROUPS, 6, 10)
+            t1 = f"{topic}.1"
+            wait_for(
+                lambda: all(
+                    any(p.startswith(t1) for p in c.health()["partitions"]) for c in members
+                ),
+                "both reading T_1's slots",
                 *members,
             )
             # Both members wait: neither hands out anything of T_1 while held-5 is pending.

@@ -62,7 +62,8 @@ class SlotAssignor(AbstractPartitionAssignor):
         by_member = spread([member.member_id for member in members], self.slots)
         owner = {s: member for member, ss in by_member.items() for s in ss}
         # a topic only once every member reads it: a member that has not yet subscribed to a
-        # storage topic just added would refuse its partitions (kafka-python raises)
+        # storage topic just added rejects an assignment with its partitions (kafka-python
+        # 3.0.12 then holds nothing of it and joins again: one more rebalance)
         topics = sorted(set.intersection(*(set(member.metadata.topics) for member in members)))
         assignment: dict[str, dict[str, list[int]]] = defaultdict(dict)
         for topic in topics:
