@@ -482,7 +482,9 @@ class Consumer:
         failed; `suspended`: endpoint health, `suspended` says why and how it ends),
         `error` (why it failed), `member` (its name in `varadhi status`), the partitions and
         slots it holds, whether it still catches up on the RQ of a slot before reading its
-        main-topic partitions, and `rate_limit`: the messages a second it may send, its slots'
+        main-topic partitions, per slot the last storage topic of the main topic it reads
+        (`frontier`, an index; `crossing`), what its slots wait for at a switch that moves
+        groups (`waiting`, else None), and `rate_limit`: the messages a second it may send, its slots'
         share of `endpoint.max_rate` (None: no limit, or a handler delivers). `pausing`: the
         subscription is paused and deliveries are still in flight; `paused`: none is, and
         nothing more is handed out or read until a resume."""
