@@ -10,7 +10,7 @@ request, the shards' wire format and per-message answers) or through a Python `h
 (`varadhi.library.handler`).
 
 Threads. One thread owns the Kafka consumer: it polls, hands records to the `Scheduler`,
-stops polling while `max_pending` messages are held (`_full`), and commits (`offsets.Ledger`: the lowest
+reads only the RQ while `max_pending` messages are held (`_full`), and commits (`offsets.Ledger`: the lowest
 unfinished offset and, in the metadata, what finished above it). Delivery runs on another
 thread (the engine's loop, `max_in_flight` requests at a time, its streams the messages handed
 out: `_Messages`) or on `max_in_flight` handler threads; with nothing to hand out they wait to be
@@ -75,8 +75,8 @@ each member's rate is its own slots' part, k/S, of the limit: at most S/S in sum
 rebalance the members hand out nothing new (requests already sent finish), and each takes its new
 share before it hands out its first message of the new generation; the pacer lets at most one
 message go at the old rate's time after a share shrinks. Hazard: a member that left the group
-without knowing it (it stopped polling for `max.poll.interval.ms`, `_full`) goes on delivering
-what it holds at its old share until its next poll, next to the slots' new owners: the sum may
+without knowing it (it hung past its session) goes on delivering what it had handed out
+at its old share until its next poll, next to the slots' new owners: the sum may
 then exceed the limit, as duplicates may come (at least once).
 
 Circuit. Messages are handed out through the member's circuit breaker (`_take`,
@@ -190,6 +190,9 @@ CATALOG_CHECK_S = 5.0
 #: How often a member publishes its progress document (also on a pause, a resume and a stop).
 PROGRESS_S = 5.0
 POLL_MS = 50
+#: While the member holds `max_pending` messages (`_full`), how often it polls to read the RQ
+#: on (what the main topic gives then is read again later): a key's retry copy can free it.
+FULL_POLL_S = 0.5
 #: How long the member's producer gathers RQ, DLQ, GroupState and dedup records into one
 #: request. A retry waits its backoff (>= 100 ms) anyway, and a finished offset is committed
 #: every `commit_interval_s`; at 1 ms every retry was a produce request of its own, and the
@@ -544,20 +547,27 @@ class Consumer:
         consumer = self._consumer
         next_commit = time.monotonic() + self.options.commit_interval_s
         next_check = time.monotonic() + CATALOG_CHECK_S
+        next_full_poll = 0.0
         try:
             while not self._stopping.is_set():
-                if self._full() and not self._paused:
+                rq_only = self._full() and not self._paused
+                if rq_only and time.monotonic() < next_full_poll:
                     time.sleep(POLL_MS / 1000)
                     batches = {}
                 else:  # paused, it polls on (paused partitions give nothing): it stays a member
                     batches = consumer.poll(timeout_ms=POLL_MS)
+                    if rq_only:
+                        next_full_poll = time.monotonic() + FULL_POLL_S
                 if self._assigned is not None:
                     self._transient_ok(self._rebalanced, "the new assignment is not set up")
                 if self._paused:  # partitions a rebalance gave it since
                     self._pause_reading()
                 self._apply_finished()
                 for tp, records in batches.items():
-                    self._ingest(tp, records)
+                    if rq_only and tp.topic != self._rq.name:
+                        self._read_again(tp, records)
+                    else:
+                        self._ingest(tp, records)
                 self._caught_up()
                 self._transient_ok(self._cross, "the storage-topic boundary is not checked")
                 now = time.monotonic()
@@ -788,16 +798,23 @@ class Consumer:
         return out
 
     def _full(self) -> bool:
-        """Whether reading waits: `max_pending` messages are held and no slot is still reading
-        its RQ (which must go on, or a key waiting for its copy would wait for good).
+        """Whether reading the main topic waits: `max_pending` messages are held and no slot
+        is still reading its RQ. The RQ is read on: every `FULL_POLL_S` the member polls, takes
+        what the RQ gives and reads the main topic's records again later (`_read_again`), or a
+        member whose held messages all wait for their keys' retries would wait for good.
 
         Not with `pause`: kafka-python 3.0.12 was seen to fetch nothing more of a partition
-        paused and resumed under load. Hazard: a consumer that polls no more for
-        `max.poll.interval.ms` (5 min) leaves the group; it rejoins at its next poll."""
+        paused and resumed under load."""
         with self._lock:
             return self._sched.pending >= self.options.max_pending and not any(
                 self._catch_up.values()
             )
+
+    def _read_again(self, tp: TopicPartition, records) -> None:
+        """Drop `records` (a main-topic partition's, polled while the member is full): the
+        partition is read again from the first of them."""
+        if tp in self._consumer.assignment():
+            self._consumer.seek(tp, records[0].offset)
 
     def _caught_up(self) -> None:
         """Hand out a slot's messages once its RQ was read to the end it had at assignment."""
