@@ -23,7 +23,7 @@ from varadhi.core.policies import (
 from varadhi.kafka.subscriptions import Subscription, Suspension
 from varadhi.kafka.topics import CompositeTopic, StorageTopic
 from varadhi.library import handler, offsets
-from varadhi.library.assign import spread
+from varadhi.library.assign import in_flight_share, spread
 from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.scheduler import Scheduler, Work
 from varadhi.library.support import unsupported
@@ -235,6 +235,22 @@ def test_revoked_slots_hand_out_nothing_and_are_dropped():
 
 
 # -- slots, handler, refusals --------------------------------------------------------------------
+
+
+def test_the_concurrency_limit_is_shared_by_slots_and_sums_to_the_limit():
+    assert in_flight_share(64, range(4), 4) == 64  # one member holds every slot
+    assert in_flight_share(64, [0, 1], 4) == in_flight_share(64, [2, 3], 4) == 32
+    # uneven: the parts of all slots sum to the limit exactly, whoever holds them
+    parts = [in_flight_share(10, [s], 3) for s in range(3)]
+    assert parts == [3, 3, 4] and sum(parts) == 10
+    assert in_flight_share(10, [0, 2], 3) == 7
+    assert in_flight_share(64, [], 4) == 0  # no slot: nothing to send
+    # fewer requests than slots: a member holding a slot still sends one at a time
+    assert [in_flight_share(2, [s], 4) for s in range(4)] == [1, 1, 1, 1]
+    with pytest.raises(ValueError):
+        in_flight_share(0, [0], 1)
+    with pytest.raises(ValueError):
+        in_flight_share(4, [4], 4)
 
 
 def test_slots_are_spread_over_members_and_extra_members_idle():

@@ -18,7 +18,7 @@ is built with the same shard count, read from the catalog).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kafka.coordinator.assignors.abstract import (
     AbstractPartitionAssignor,
@@ -41,6 +41,23 @@ def spread(members: Sequence[str], slots: int) -> dict[str, list[int]]:
         end = (i + 1) * slots // len(ordered)
         out[member] = list(range(start, end))
     return out
+
+
+def in_flight_share(limit: int, held: Iterable[int], slots: int) -> int:
+    """Requests a member holding the slots `held` of `slots` may have in flight: its slots'
+    parts of the subscription's `limit` (slot s has `limit * (s + 1) // slots - limit * s //
+    slots`, so the parts of all slots sum to `limit` exactly), and at least 1 while it holds a
+    slot, so that every member goes on: with fewer requests allowed than members holding slots,
+    the members' sum exceeds `limit` by those whose part is 0. 0 when it holds none."""
+    if slots < 1 or limit < 1:
+        raise ValueError(f"a limit and a slot count of at least 1, not {limit} and {slots}")
+    held = set(held)
+    if not held <= set(range(slots)):
+        raise ValueError(f"slots are 0 to {slots - 1}, not {sorted(held)}")
+    if not held:
+        return 0
+    part = sum(limit * (s + 1) // slots - limit * s // slots for s in held)
+    return max(part, 1)
 
 
 def slot_of(partition: int, partitions: int, slots: int) -> int:

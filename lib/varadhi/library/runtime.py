@@ -79,6 +79,14 @@ without knowing it (it hung past its session) goes on delivering what it had han
 at its old share until its next poll, next to the slots' new owners: the sum may
 then exceed the limit, as duplicates may come (at least once).
 
+Concurrency limit. `consumption.max_in_flight` is the subscription's: a member holding slots
+of it has their parts of it in flight at most (`assign.in_flight_share`, at least 1; capped by
+`Options.max_in_flight`), set at each rebalance as the rate's share is and applied by the
+engine's thread in `_take` (the engine's `max_in_flight`) or, with a handler, by `_take` itself
+(one call per message handed out). The argument that the members' sum stays within the limit is
+the rate limit's (above): the eager rebalance, and a revoke that awaits its slots' deliveries in
+flight (up to `REVOKE_WAIT_S`: one that outlasts it is in flight next to the new owner's).
+
 Circuit. Messages are handed out through the member's circuit breaker (`_take`,
 `shared_circuit.SharedCircuit.admit`: none while open, `probes` while half-open), every attempt
 is counted at its settling, and a thread of its own (`_share_circuit`) ticks the circuit and
@@ -170,7 +178,7 @@ from varadhi.library import (
     suspension,
 )
 from varadhi.library import handler as handlers
-from varadhi.library.assign import SlotAssignor, slot_of
+from varadhi.library.assign import SlotAssignor, in_flight_share, slot_of
 from varadhi.library.blocking import Blocking, RedriveHold, after_acks
 from varadhi.library.dedup import DedupMemory, dedup_id
 from varadhi.library.dedup_topic import DedupReader
@@ -224,8 +232,9 @@ def member_id() -> str:
 class Options:
     """`ordering_key`: see `keys`. `max_pending`: messages read and not finished per process
     (delivering, waiting behind their key, waiting for an RQ copy): polling stops at it.
-    `max_in_flight`: concurrent requests, in batch mode each of up to `delivery.max_messages`
-    messages, or handler calls (default: the spec's `consumption.max_in_flight`).
+    `max_in_flight`: this process's own cap on concurrent requests (in batch mode each of up
+    to `delivery.max_messages` messages) or handler calls, below its share of the
+    subscription's `consumption.max_in_flight` (`assign.in_flight_share`; None: its share only).
     `commit_interval_s`: how often finished offsets are committed: what finished since the
     last commit is delivered again after a kill or a hang (its share of the duplicates); 0.2 s
     cost 2-12% more CPU per message than 1 s (18-21% with 10% of attempts failing: larger
@@ -305,6 +314,10 @@ class Consumer:
         self._pacer: Pacer | None = None  # with `endpoint.max_rate` and HTTP
         self._rate: float | None = None  # this member's share of `max_rate` now
         self._reshare: float | None = None  # a new share, for the engine thread (`_take`)
+        # this member's share of the subscription's `consumption.max_in_flight` now (capped by
+        # `Options.max_in_flight`), and a new one for the engine thread (`_take`)
+        self._in_flight_share = 0
+        self._reshare_in_flight: int | None = None
         self._blocking: Blocking | None = None  # on_dead_letter: block
         # the spec's circuit from `start` (`shared_circuit`: on the subscription's error rate)
         self._circuit = SharedCircuit(CircuitPolicy(enabled=False))
@@ -378,7 +391,11 @@ class Consumer:
         self._rq, self._dlq = rq.produce_topic, dlq.produce_topic
         self._dlq_queue = dlq
         self._limits = {t: min(n, MAX_REQUEST_BYTES) for t, n in limits.items()}
-        self._max_in_flight = self.options.max_in_flight or sub.spec.consumption.max_in_flight
+        # the most this process ever has in flight: the subscription's limit, or its own cap
+        self._max_in_flight = min(
+            sub.spec.consumption.max_in_flight,
+            self.options.max_in_flight or sub.spec.consumption.max_in_flight,
+        )
         if self.handler is None:  # validates the endpoint before anything starts
             self._deliverer = HttpDeliverer(
                 sub.spec.endpoint, self._max_in_flight, sub.spec.delivery
@@ -488,7 +505,9 @@ class Consumer:
         main-topic partitions, per slot the last storage topic of the main topic it reads
         (`frontier`, an index; `crossing`), what its slots wait for at a switch that moves
         groups (`waiting`, else None), and `rate_limit`: the messages a second it may send, its slots'
-        share of `endpoint.max_rate` (None: no limit, or a handler delivers). `pausing`: the
+        share of `endpoint.max_rate` (None: no limit, or a handler delivers), and
+        `max_in_flight`: the requests (or handler calls) it may have at once, its slots' share
+        of `consumption.max_in_flight` (`assign.in_flight_share`). `pausing`: the
         subscription is paused and deliveries are still in flight; `paused`: none is, and
         nothing more is handed out or read until a resume."""
         with self._lock:
@@ -503,6 +522,7 @@ class Consumer:
                 "frontier": dict(sorted(self._frontier.items())),
                 "waiting": self._waiting,
                 "rate_limit": self._rate,
+                "max_in_flight": self._in_flight_share,
                 "circuit": self._circuit.status(),
                 "suspended": None if self._suspended is None else self._suspended.to_dict(),
             }
@@ -525,7 +545,7 @@ class Consumer:
         with self._lock:
             out = dict(self._counts)
             out["pending"] = self._sched.pending
-            out["in_flight"] = sum(self._sched.in_flight.values())
+            out["in_flight"] = self._handed_out()
             out["blocked"] = 0 if self._blocking is None else self._blocking.count()
             out["paused"] = int(self._pause_asked)
             out["suspended"] = int(self._suspended is not None)
@@ -1219,11 +1239,20 @@ class Consumer:
             for slot, found in blocked.items():  # before any of the slot is handed out
                 assert self._blocking is not None
                 self._blocking.load(slot, found)
+            # the concurrency share too: set before any of the new slots is handed out
+            held_slots = self._slots_of(assigned)
+            self._in_flight_share = min(
+                self._max_in_flight,
+                in_flight_share(
+                    self._spec.consumption.max_in_flight, held_slots, self._sub.shard_count
+                ),
+            )
+            if self.handler is None:
+                self._reshare_in_flight = self._in_flight_share
             if self._pacer is not None:  # set before any of the new slots is handed out
                 limit = self._spec.endpoint.max_rate
                 assert limit is not None
-                held = len(self._slots_of(assigned))
-                self._rate = slot_share(limit, held, self._sub.shard_count)
+                self._rate = slot_share(limit, len(held_slots), self._sub.shard_count)
                 self._reshare = self._rate or None  # no slot: nothing to pace
             # a slot hands out nothing before its RQ was read to the end (`_caught_up`)
             self._sched.close(set(self._catch_up) | revoked_since)
@@ -1261,7 +1290,16 @@ class Consumer:
                 assert self._pacer is not None
                 self._pacer.reshare(self._reshare)
                 self._reshare = None
+            if self._reshare_in_flight is not None:
+                self._deliverer.max_in_flight = max(self._reshare_in_flight, 1)
+                self._reshare_in_flight = None
+            if self.handler is not None and self._handed_out() >= self._in_flight_share:
+                return None  # each handler call is one message handed out
             return self._next_work()
+
+    def _handed_out(self) -> int:
+        """(Under the lock) Messages handed out and not settled."""
+        return sum(self._sched.in_flight.values())
 
     def _next_work(self) -> Work | None:
         """(Under the lock; not paused) The next message, if the circuit lets one go and the
