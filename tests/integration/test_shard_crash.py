@@ -18,11 +18,13 @@ hold:
 A shard stopped by SIGINT or SIGTERM (to its process group) is not a crash: it finishes and
 commits its micro-batch in flight, exits 0, and nothing of that batch is delivered again.
 
-Each shard process costs a JVM start, so the scenarios restart a few times only.
+Each shard process costs a JVM start, so the scenarios restart a few times only, and the run to
+the end after the last crash, kill or signal runs in the test's process (`Scenario.finish`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import signal
@@ -78,9 +80,10 @@ def spark():
 
 @dataclass
 class Run:
-    """One shard process: its log, exit code, time window (ms) and how it ended."""
+    """One shard run (a process of its own, or `Scenario.finish`'s in this process): its log,
+    exit code, time window (ms) and how it ended."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: run in the test's process (`Scenario.finish`)
     log: Path
     started_ms: float
     ended_ms: float | None = None
@@ -174,6 +177,35 @@ class Scenario:
         self.runs.append(run)
         return run
 
+    def finish(self, spark) -> Run:
+        """Run the shard to its end (`--stop-when-idle END_IDLE_S`) in this process, on the
+        test's SparkSession, and return the run (exit code 0, else the test fails); its log is
+        the shard's `varadhi` log lines. The recovery after a crash is the shard's own code
+        (`ShardJob`: the checkpoint, the GroupState table, the journal and the outbox left by
+        the crashed processes), as in a process of its own; what a process adds is its JVM
+        start, Spark session and first Delta reads (10-20 s of a test's shard process, 40 s
+        under a whole run's load), which the crashed runs still go through.
+        """
+        from varadhi.jobs.runner import LOG_FORMAT
+
+        log = self.tmp / f"shard-{len(self.runs)}.log"
+        handler = logging.FileHandler(log)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logger = logging.getLogger("varadhi")
+        level = logger.level
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        run = Run(None, log, time.time() * 1000)
+        self.runs.append(run)
+        try:
+            run_until_idle(self.settings, spark, self.name, 0, idle_s=END_IDLE_S)
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            handler.close()
+            run.ended_ms, run.code = time.time() * 1000, 0
+        return run
+
     def wait(self, run: Run, timeout: float = RUN_TIMEOUT_S) -> int:
         try:
             run.proc.wait(timeout)
@@ -243,7 +275,7 @@ def scenario(settings, catalog, tmp_path):
     sc = Scenario(settings, catalog, tmp_path, ep)
     yield sc
     for run in sc.runs:
-        if run.proc.poll() is None:
+        if run.proc is not None and run.proc.poll() is None:
             sc.kill(run)
     ep.stop()
 
@@ -367,8 +399,7 @@ def test_crash_between_effects_then_restart(scenario, spark):
         code = sc.wait(run)
         assert code == CRASHED, f"{point}: exit {code}\n{run.tail()}"
         assert f"crashing at {point.split('@')[0]}" in run.log.read_text(errors="replace")
-    final = sc.start(idle_s=END_IDLE_S)
-    assert sc.wait(final) == 0, final.tail()
+    sc.finish(spark)
     assert "was committed; re-sending its records" in "".join(
         r.log.read_text(errors="replace") for r in sc.runs
     ), "no run replayed a committed batch: the crash points after the commit were not exercised"
@@ -387,8 +418,7 @@ def test_ungrouped_crash_between_effects_then_restart(scenario, spark):
         run = sc.start(crash_at=point)
         code = sc.wait(run)
         assert code == CRASHED, f"{point}: exit {code}\n{run.tail()}"
-    final = sc.start(idle_s=END_IDLE_S)
-    assert sc.wait(final) == 0, final.tail()
+    sc.finish(spark)
     logs = "".join(r.log.read_text(errors="replace") for r in sc.runs)
     assert "was committed; re-sending its records" in logs, (
         "no run replayed a committed batch: the crash points after the commit were not exercised"
@@ -418,8 +448,7 @@ def test_sigkill_at_random_moments_then_restart(scenario, spark):
         time.sleep(delay)
         assert run.proc.poll() is None, f"the shard ended before it was killed\n{run.tail()}"
         sc.kill(run)
-    final = sc.start(idle_s=END_IDLE_S)
-    assert sc.wait(final) == 0, f"kill delays {delays}\n{final.tail()}"
+    sc.finish(spark)
     assert_contract(sc, spark)
 
 
@@ -474,8 +503,7 @@ def test_sigint_or_sigterm_to_the_process_group_stops_between_batches(scenario, 
         for bad in ("Fatal Python error", "KeyboardInterrupt", "RecursionError", 'thread "SIG'):
             assert bad not in text, f"{sig.name}: {bad}\n{run.tail()}"
         assert len(sc.endpoint.records()) > at_signal, f"{sig.name}: the batch was abandoned"
-    final = sc.start(idle_s=END_IDLE_S)
-    assert sc.wait(final) == 0, final.tail()
+    sc.finish(spark)
     assert_contract(sc, spark)  # a second success only after a crashed run: none here
 
 
@@ -611,8 +639,7 @@ def test_a_crash_in_a_large_batch_re_delivers_only_what_its_journal_lacks(scenar
     log = killed.log.read_text(errors="replace")
     assert "batch 0 re-runs a batch an earlier run started; 200 of its messages" in log, log[-3000:]
 
-    final = sc.start(idle_s=END_IDLE_S)
-    assert sc.wait(final) == 0, final.tail()
+    final = sc.finish(spark)
     assert "re-runs a batch an earlier run started" in final.log.read_text(errors="replace")
 
     twice = sent_twice(sc)
