@@ -27,6 +27,7 @@ from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards_plan
 from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.harness import END_IDLE_S
 
 pytestmark = [pytest.mark.cluster, pytest.mark.kafka, pytest.mark.spark]
 
@@ -99,7 +100,7 @@ def test_a_grouped_shard_delivers_from_executors_with_retries_and_a_dead_letter(
     flow, catalog, settings, spark_cluster, submit, watch_connections, assert_on_executors
 ):
     flow.produce(settings, "A", 4)
-    run = submit(flow.name, "0", "--stop-when-idle", "3")
+    run = submit(flow.name, "0", "--stop-when-idle", str(END_IDLE_S))
     with watch_connections(flow.endpoint.port, {run.proc.pid, spark_cluster.worker_pid}) as seen:
         code = run.wait()
     assert code == 0, run.tail()
@@ -143,7 +144,7 @@ def test_change_shards_with_feeders_on_the_cluster_then_a_replay(
 
     # Re-drive the blocked group; both new shards at once.
     dlq.request_unsideline(catalog, flow.name, dlq.Selector(group_ids=(BLOCKED,)))
-    shards = [submit(flow.name, str(i), "--stop-when-idle", "3") for i in range(2)]
+    shards = [submit(flow.name, str(i), "--stop-when-idle", str(END_IDLE_S)) for i in range(2)]
     for shard in shards:
         assert shard.wait() == 0, shard.tail()
     done = first_successes(flow.endpoint.records())

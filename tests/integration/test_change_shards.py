@@ -25,6 +25,7 @@ from varadhi.kafka.topics import TopicService
 from varadhi.ops import change_shards_plan
 from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.harness import END_IDLE_S
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
@@ -153,7 +154,7 @@ def test_change_shards_two_four_three_keeps_group_order_and_loses_nothing(
         rq = topics.from_snapshot(catalog.snapshot(), spec.rq_topic)
         assert [st.partitions for st in rq.storage_topics] == [4, 8] and rq.produce_pointer == 1
         produced += produce(settings, topic, "C", 2)
-        Shards(settings, spark, name, 4, idle_s=3).join()
+        Shards(settings, spark, name, 4, idle_s=END_IDLE_S).join()
 
         # 4 shards: new failures pending in the (new) RQ when they stop; a change is refused
         # while they run.
@@ -172,7 +173,7 @@ def test_change_shards_two_four_three_keeps_group_order_and_loses_nothing(
         assert (op["from"], op["to"], op["step"]) == (4, 3, "done")
         assert [f["source"] for f in op["feeders"]] == [f"{name}.rq.1", f"{name}.dlq.1"]
         assert subscriptions.from_snapshot(catalog.snapshot(), name).shard_count == 3
-        Shards(settings, spark, name, 3, idle_s=3).join()
+        Shards(settings, spark, name, 3, idle_s=END_IDLE_S).join()
 
         # g5 is still blocked behind its dead letter, which the feeders carried to dlq.2.
         done = first_successes(endpoint)
@@ -183,7 +184,7 @@ def test_change_shards_two_four_three_keeps_group_order_and_loses_nothing(
         }
 
         dlq.request_unsideline(catalog, name, dlq.Selector(group_ids=(BLOCKED,)))
-        Shards(settings, spark, name, 3, idle_s=3).join()
+        Shards(settings, spark, name, 3, idle_s=END_IDLE_S).join()
 
         done = first_successes(endpoint)
         for group in GROUPS:

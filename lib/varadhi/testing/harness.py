@@ -22,7 +22,18 @@ def produce(settings: Settings, topic: str, messages: Iterable[tuple[str | None,
         p.flush()
 
 
-def run_until_idle(settings: Settings, spark, name: str, shard: int = 0, idle_s: float = 3.0):
+# The quiet period of a run that is to go to its end (`stop_when_idle_s`, `--stop-when-idle`).
+# The end itself is an event, the shard's idle check: everything read up to the end offsets (the
+# RQ's included), no parked retry or re-drive waiting for a tick, no batch running. The quiet
+# period only has to outlast a trigger interval (100-200 ms in the tests) and a look of the
+# control loop (0.5 s): each second more is a second of waiting at the end of every such run
+# (it was 3 s).
+END_IDLE_S = 1.0
+
+
+def run_until_idle(
+    settings: Settings, spark, name: str, shard: int = 0, idle_s: float = END_IDLE_S
+):
     """Run one shard in this process until everything readable is done; returns the job."""
     from varadhi.spark.shard.job import ShardJob
 
