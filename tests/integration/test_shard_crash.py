@@ -29,6 +29,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
@@ -52,17 +53,12 @@ from varadhi.ops import change_shards_plan, status
 from varadhi.spark import layouts
 from varadhi.spark.layouts import Layout
 from varadhi.testing.endpoint import Record, TestEndpoint
-from varadhi.testing.harness import read_queue, run_until_idle
+from varadhi.testing.harness import END_IDLE_S, read_queue, run_until_idle
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN_TIMEOUT_S = 240
-# The quiet period of a run that is to go to its end (`--stop-when-idle`). The end itself is an
-# event, the shard's idle check: everything read up to the end offsets (the RQ's included), no
-# parked retry waiting for a tick, no batch running. The quiet period only has to outlast a
-# trigger interval (100 ms here): each second more was a second of waiting per run.
-END_IDLE_S = 1.0
 CRASHED = 137  # os._exit(137) at a crash point, passed on by spark-submit
 FENCED = 3
 
@@ -80,16 +76,18 @@ def spark():
 
 @dataclass
 class Run:
-    """One shard run (a process of its own, or `Scenario.finish`'s in this process): its log,
-    exit code, time window (ms) and how it ended."""
+    """One shard run (a process of its own, or a thread of this process: `Scenario.start_here`):
+    its log, exit code, time window (ms) and how it ended."""
 
-    proc: subprocess.Popen | None  # None: run in the test's process (`Scenario.finish`)
+    proc: subprocess.Popen | None  # None: a run in this process (`job`, in `thread`)
     log: Path
     started_ms: float
     ended_ms: float | None = None
     code: int | None = None
     last_commit_ms: float = 0.0  # newest checkpoint commit when it ended
     killed_ms: float | None = None  # just before SIGKILL (`Scenario.kill`)
+    job: Any = None  # the ShardJob of a run in this process
+    thread: threading.Thread | None = None
 
     @property
     def crashed(self) -> bool:
@@ -177,43 +175,65 @@ class Scenario:
         self.runs.append(run)
         return run
 
-    def finish(self, spark) -> Run:
-        """Run the shard to its end (`--stop-when-idle END_IDLE_S`) in this process, on the
-        test's SparkSession, and return the run (exit code 0, else the test fails); its log is
-        the shard's `varadhi` log lines. The recovery after a crash is the shard's own code
-        (`ShardJob`: the checkpoint, the GroupState table, the journal and the outbox left by
-        the crashed processes), as in a process of its own; what a process adds is its JVM
-        start, Spark session and first Delta reads (10-20 s of a test's shard process, 40 s
-        under a whole run's load), which the crashed runs still go through.
-        """
+    def start_here(self, spark) -> Run:
+        """Start the shard in a thread of this process, on the test's SparkSession, to its end
+        (`stop_when_idle_s=END_IDLE_S`); its log is the shard's `varadhi` log lines. The shard's
+        own code (`ShardJob`: the lease, the checkpoint, the GroupState table, the journal and
+        the outbox), as in a process of its own; what a process adds is its JVM start, Spark
+        session and first Delta reads (10-20 s of a test's shard process, 40 s under a whole
+        run's load), which the runs that crash, are killed, signalled or fenced go through."""
         from varadhi.jobs.runner import LOG_FORMAT
+        from varadhi.spark.shard.job import ShardJob
 
         log = self.tmp / f"shard-{len(self.runs)}.log"
-        handler = logging.FileHandler(log)
-        handler.setFormatter(logging.Formatter(LOG_FORMAT))
-        logger = logging.getLogger("varadhi")
-        level = logger.level
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        run = Run(None, log, time.time() * 1000)
+        job = ShardJob(self.name, 0, self.settings, spark=spark, stop_when_idle_s=END_IDLE_S)
+        run = Run(None, log, time.time() * 1000, job=job)
+
+        def body() -> None:
+            handler = logging.FileHandler(log)
+            handler.setFormatter(logging.Formatter(LOG_FORMAT))
+            logger = logging.getLogger("varadhi")
+            level = logger.level
+            logger.addHandler(handler)
+            logger.setLevel(logging.INFO)
+            try:
+                run.code = int(job.run())
+            finally:
+                logger.removeHandler(handler)
+                logger.setLevel(level)
+                handler.close()
+
+        run.thread = threading.Thread(target=body, daemon=True)
+        log.touch()
+        run.thread.start()
         self.runs.append(run)
-        try:
-            run_until_idle(self.settings, spark, self.name, 0, idle_s=END_IDLE_S)
-        finally:
-            logger.removeHandler(handler)
-            logger.setLevel(level)
-            handler.close()
-            run.ended_ms, run.code = time.time() * 1000, 0
+        return run
+
+    def finish(self, spark) -> Run:
+        """The run to the end after the crashes: `start_here`, waited for; it must exit 0."""
+        run = self.start_here(spark)
+        assert self.wait(run) == 0, run.tail()
         return run
 
     def wait(self, run: Run, timeout: float = RUN_TIMEOUT_S) -> int:
-        try:
-            run.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill(run)
-            pytest.fail(f"shard run did not end within {timeout}s:\n{run.tail()}")
+        if run.thread is not None:
+            run.thread.join(timeout)
+            if run.thread.is_alive():
+                self.stop_here(run)
+                pytest.fail(f"shard run did not end within {timeout}s:\n{run.tail()}")
+        else:
+            try:
+                run.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill(run)
+                pytest.fail(f"shard run did not end within {timeout}s:\n{run.tail()}")
         self._ended(run)
         return run.code
+
+    def stop_here(self, run: Run) -> None:
+        """Stop a run in this process between batches (as SIGTERM would stop a process)."""
+        run.job.request_stop()
+        run.thread.join(150)
 
     def kill(self, run: Run) -> None:
         """SIGKILL the whole process group (driver JVM, Python driver, Python workers)."""
@@ -228,7 +248,8 @@ class Scenario:
     def _ended(self, run: Run) -> None:
         if run.ended_ms is None:
             run.ended_ms = time.time() * 1000
-            run.code = run.proc.returncode
+            if run.proc is not None:
+                run.code = run.proc.returncode
             run.last_commit_ms = self.last_commit_ms()
 
     def last_commit_ms(self) -> float:
@@ -275,7 +296,9 @@ def scenario(settings, catalog, tmp_path):
     sc = Scenario(settings, catalog, tmp_path, ep)
     yield sc
     for run in sc.runs:
-        if run.proc is not None and run.proc.poll() is None:
+        if run.thread is not None and run.thread.is_alive():
+            sc.stop_here(run)
+        elif run.proc is not None and run.proc.poll() is None:
             sc.kill(run)
     ep.stop()
 
@@ -514,7 +537,8 @@ def test_a_second_instance_fences_the_first(scenario, spark):
     """Instance A is in the middle of a slow micro-batch (the endpoint answers after 1.5 s) with
     failures in it when instance B of the same shard starts and takes the lease. A must exit
     with code 3 without committing anything (it would write GroupState and RQ records for that
-    batch); B must replay A's batch and finish the work."""
+    batch); B must replay A's batch and finish the work. A is a shard process; B runs in this
+    process (`Scenario.start_here`)."""
     sc = scenario
     sc.endpoint.fail_rate = 0.0
     sc.create()
@@ -541,7 +565,7 @@ def test_a_second_instance_fences_the_first(scenario, spark):
     for msg_id in second[:10:3]:
         sc.endpoint.set_script(msg_id, [503])
     sc.wait_for("A to deliver the second chunk", lambda: len(sc.endpoint.records()) > seen)
-    b = sc.start(idle_s=END_IDLE_S)
+    b = sc.start_here(spark)  # a thread of this process: the fence is the lease's, not a JVM's
     sc.wait_for("B to take the lease", lambda: sc.catalog.get("lease", owner)["epoch"] == 2)
     fence = sc.catalog.get("lease", owner)
     assert fence["instance"] != lease_a["instance"]
