@@ -33,7 +33,7 @@ from varadhi.spark import warehouse_fs
 from varadhi.spark.shard.commit import changes
 from varadhi.spark.shard.job import ShardJob
 from varadhi.testing.endpoint import TestEndpoint
-from varadhi.testing.harness import delivered, produce
+from varadhi.testing.harness import END_IDLE_S, delivered, produce
 
 pytestmark = [pytest.mark.kafka, pytest.mark.spark]
 
@@ -56,7 +56,9 @@ def cli(capsys):
 def run_shards(settings, spark, name: str, count: int) -> None:
     """Every shard of `name` in threads of this process until idle; each must exit 0."""
     codes: dict[int, int] = {}
-    jobs = [ShardJob(name, i, settings, spark=spark, stop_when_idle_s=3) for i in range(count)]
+    jobs = [
+        ShardJob(name, i, settings, spark=spark, stop_when_idle_s=END_IDLE_S) for i in range(count)
+    ]
     threads = [
         threading.Thread(target=lambda i=i, j=j: codes.__setitem__(i, j.run()), daemon=True)
         for i, j in enumerate(jobs)
