@@ -28,7 +28,7 @@ from varadhi.testing.bad_input import (
     write_cases,
 )
 from varadhi.testing.endpoint import TestEndpoint
-from varadhi.testing.harness import read_queue
+from varadhi.testing.harness import END_IDLE_S, read_queue
 
 pytestmark = [pytest.mark.spark, pytest.mark.kafka]
 
@@ -68,7 +68,7 @@ def test_every_kind_of_bad_input_is_delivered_or_dead_lettered_and_nothing_dies(
         started_ms = int(time.time() * 1000) - 1000
         where = write_cases(settings.bootstrap, f"{topic}.0", f"{name}.rq.0", all_cases)
 
-        job = ShardJob(name, 0, settings, spark=spark, stop_when_idle_s=3.0)
+        job = ShardJob(name, 0, settings, spark=spark, stop_when_idle_s=END_IDLE_S)
         assert job.run() == 0, job.stats
 
         # Delivered: by source position, with the ids' text forms in the HTTP headers.
