@@ -46,14 +46,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=Options.max_pending,
         metavar="N",
-        help="messages read and not finished before reading pauses (default %(default)s)",
+        help="messages read and not finished before reading the main topic pauses (the retry"
+        " queue is read on; default %(default)s)",
     )
     p.add_argument(
         "--max-in-flight",
         type=int,
         metavar="N",
-        help="concurrent requests, each of up to delivery.max_messages messages in batch mode"
-        " (default: the spec's consumption.max_in_flight)",
+        help="this process's cap on concurrent requests (each of up to delivery.max_messages"
+        " messages in batch mode), below its share of the subscription's"
+        " consumption.max_in_flight, which the members share by slot (default: its share)",
     )
     p.add_argument(
         "--session-timeout-ms",
