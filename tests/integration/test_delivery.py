@@ -21,6 +21,7 @@ from varadhi.core.messages import HTTP_ATTEMPT, HTTP_GROUP_ID, HTTP_MESSAGE_ID
 from varadhi.core.policies import DeliveryPolicy, Endpoint
 from varadhi.core.rate_limit import Pacer
 from varadhi.testing.endpoint import TestEndpoint
+from varadhi.testing.harness import wait_for
 
 
 class Group:
@@ -721,14 +722,15 @@ def test_a_paced_engine_slows_down_on_429_and_503(endpoint):
 
 class Feed:
     """An endless source of one-message `Group`s, fed from another thread (`put`, `end`): None
-    while it has none, `idle` blocks until it has one (or `seconds`). Counts its dry pulls."""
+    while it has none, `idle` blocks until it has one (or `seconds`). Counts its dry pulls and
+    keeps the `seconds` of each `idle` call."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
         self.queued: list[Group] = []
         self.ended = False
         self.dry_pulls = 0
-        self.idles = 0
+        self.idles: list[float | None] = []  # each idle call's `seconds`
         self.idling = False
 
     def put(self, *groups: Group) -> None:
@@ -755,7 +757,7 @@ class Feed:
 
     def idle(self, seconds: float | None) -> None:
         with self.cond:
-            self.idles += 1
+            self.idles.append(seconds)
             self.idling = True
             self.cond.wait_for(lambda: self.queued or self.ended, seconds)
             self.idling = False
@@ -765,13 +767,6 @@ def run_in_thread(engine: HttpDeliverer, feed: Feed) -> threading.Thread:
     thread = threading.Thread(target=engine.run, args=(feed,), kwargs={"idle": feed.idle})
     thread.start()
     return thread
-
-
-def wait_until(condition, what: str, deadline_s: float = 30) -> None:
-    deadline = time.monotonic() + deadline_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @pytest.mark.parametrize("mode", ["single", "batch"])
@@ -787,13 +782,15 @@ def test_an_endless_source_is_woken_not_polled_and_the_run_ends_with_it(endpoint
     with HttpDeliverer(Endpoint(url=ep.url), 4, policy) as engine:
         thread = run_in_thread(engine, feed)
         try:
-            wait_until(lambda: all(g.outcomes for g in first) and feed.idling, "the first feed")
+            wait_for(lambda: all(g.outcomes for g in first) and feed.idling, 30, "the first feed")
             pulls = feed.dry_pulls
-            time.sleep(0.3)  # idle: a polling engine would pull about 30 times meanwhile
-            assert feed.dry_pulls == pulls and feed.idles == 1
+            # Idle, the engine waits to be woken, with no time of its own to wake at (None: no
+            # stream waits), so it pulls nothing meanwhile; a polling engine would pass a time.
+            assert feed.idles == [None] and feed.idling
+            assert feed.dry_pulls == pulls
             later = [Group(f"b{i}", 1) for i in range(30)]
             feed.put(*later)
-            wait_until(lambda: all(g.outcomes for g in later), "the second feed")
+            wait_for(lambda: all(g.outcomes for g in later), 30, "the second feed")
         finally:
             feed.end()
             thread.join(30)
@@ -817,9 +814,9 @@ def test_an_endless_source_is_asked_again_while_requests_are_in_flight(endpoint)
     with HttpDeliverer(Endpoint(url=ep.url, request_timeout_ms=120_000), 4) as engine:
         thread = run_in_thread(engine, feed)
         try:
-            wait_until(lambda: ep.stats()["requests"] == 1, "the hung request")
+            wait_for(lambda: ep.stats()["requests"] == 1, 30, "the hung request")
             feed.put(later)
-            wait_until(lambda: later.outcomes, "the later stream's outcome")
+            wait_for(lambda: bool(later.outcomes), 30, "the later stream's outcome")
             assert not hung.outcomes
         finally:
             ep.stop()  # the hung request ends (its connection closed)
