@@ -680,10 +680,9 @@ class Consumer:
     def _ingest(self, tp: TopicPartition, records) -> None:
         ledger = self._ledgers.get(tp)
         if ledger is None or self._held(tp):  # not set up yet, or past its slot's frontier
-            if tp in self._consumer.assignment():
-                self._consumer.seek(tp, records[0].offset)  # read these again later
-                if ledger is not None:
-                    self._consumer.pause(tp)
+            self._read_again(tp, records)
+            if ledger is not None and tp in self._consumer.assignment():
+                self._consumer.pause(tp)
             return
         works = []
         dropped = 0
@@ -831,8 +830,8 @@ class Consumer:
             )
 
     def _read_again(self, tp: TopicPartition, records) -> None:
-        """Drop `records` (a main-topic partition's, polled while the member is full): the
-        partition is read again from the first of them."""
+        """Drop `records` (polled while the member is full, before `tp` was set up, or past
+        its slot's frontier): the partition, if still assigned, is read again from the first."""
         if tp in self._consumer.assignment():
             self._consumer.seek(tp, records[0].offset)
 
