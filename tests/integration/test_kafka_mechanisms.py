@@ -143,3 +143,25 @@ def test_a_mechanism_the_listener_does_not_offer_is_named(broker, cli, tmp_path)
     code, out, err = cli(str(config), "topic", "list")
     assert code != 0 and err.count("\n") == 1, err
     assert "the listener does not offer sasl.mechanism OAUTHBEARER" in err
+
+
+def test_a_mechanism_not_offered_is_named_even_when_the_client_saw_only_the_close(broker, tmp_path):
+    """The broker answers a mechanism its listener does not offer, then closes; kafka-python
+    sometimes reads the close first and reports only "socket disconnected" (CI, four tries in a
+    row). The one line must still name the mechanism, from the broker's own answer, and what
+    the listener offers instead."""
+    text = Path(broker.client_config("alice", "oauthbearer")).read_text()
+    config = tmp_path / "oauth-at-the-scram-port.properties"
+    config.write_text(text.replace(broker.listeners["OAUTH"], broker.bootstrap))
+    cfg = kafka_config.load(str(config), environ={})
+    settings = Settings(bootstrap=cfg.bootstrap, catalog_topic="c", warehouse="w", kafka=cfg)
+    line = kafka_clients.explain(settings, "KafkaConnectionError: socket disconnected")
+    assert "the listener does not offer sasl.mechanism OAUTHBEARER" in line, line
+    offered = kafka_clients.offered_mechanisms(settings)
+    assert offered is not None and "OAUTHBEARER" not in offered and "PLAIN" in offered, offered
+    assert f"(it offers {', '.join(offered)})" in line, line
+    # the same listener with a mechanism it offers: no such claim
+    scram = kafka_config.load(broker.client_config("alice", "scram-sha-512"), environ={})
+    ok = Settings(bootstrap=scram.bootstrap, catalog_topic="c", warehouse="w", kafka=scram)
+    assert "SCRAM-SHA-512" in kafka_clients.offered_mechanisms(ok)
+    assert "does not offer" not in kafka_clients.explain(ok, "socket disconnected")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import struct
 from pathlib import Path
 
 import pytest
@@ -265,3 +266,28 @@ def test_a_private_key_the_java_clients_cannot_read_is_refused(tmp_path):
         kc.from_properties(
             {"security.protocol": "SSL", "ssl.keystore.location": str(pem)}, environ={}
         )
+
+
+def test_a_sasl_handshake_answer_is_read_or_refused():
+    from varadhi.kafka.clients import _parse_handshake_answer
+
+    def answer(error: int, names: list[bytes]) -> bytes:
+        items = b"".join(len(n).to_bytes(2, "big") + n for n in names)
+        return (
+            (7).to_bytes(4, "big")
+            + error.to_bytes(2, "big")
+            + len(names).to_bytes(4, "big")
+            + items
+        )
+
+    assert _parse_handshake_answer(answer(33, [b"PLAIN", b"SCRAM-SHA-512"])) == (
+        "PLAIN",
+        "SCRAM-SHA-512",
+    )
+    assert _parse_handshake_answer(answer(0, [])) == ()
+    with pytest.raises(ValueError):  # bytes left over: not the answer this reader knows
+        _parse_handshake_answer(answer(0, [b"PLAIN"]) + b"x")
+    with pytest.raises(struct.error):  # cut short in its header
+        _parse_handshake_answer(answer(0, [b"PLAIN"])[:9])
+    with pytest.raises(ValueError):  # cut short in a name
+        _parse_handshake_answer(answer(0, [b"PLAIN"])[:-2])

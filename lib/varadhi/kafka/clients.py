@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Collection, Iterator, Sequence
@@ -234,16 +235,16 @@ def explain(settings: HasKafka, error: BaseException | str) -> str:
     if cause is None:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         cause = cfg.redact(text)
-        if "SaslAuthenticationFailed" in text:
+        offered = offered_mechanisms(settings) if cfg.mechanism else None
+        if offered is not None and cfg.mechanism not in offered:
+            cause = _not_offered(cfg.mechanism, offered)
+        elif "SaslAuthenticationFailed" in text:
             cause = (
                 "authentication failed (wrong user name, password or mechanism): "
                 + cause.rsplit("Error: ", 1)[-1]
             )
         elif "UnsupportedSaslMechanism" in text:
-            cause = (
-                f"the listener does not offer sasl.mechanism {cfg.mechanism} (check the "
-                f"mechanism, and the port: clusters often have one port per mechanism)"
-            )
+            cause = _not_offered(cfg.mechanism, offered)
         elif _CERT_REFUSED.search(text):
             cause = (
                 "the broker requires a client certificate (mutual TLS) and none is configured: "
@@ -255,38 +256,118 @@ def explain(settings: HasKafka, error: BaseException | str) -> str:
     return f"cannot connect to {where}: {cause}"
 
 
+def _not_offered(mechanism: str | None, offered: Sequence[str] | None) -> str:
+    listed = f" (it offers {', '.join(offered) or 'none'})" if offered is not None else ""
+    return (
+        f"the listener does not offer sasl.mechanism {mechanism}{listed}: check the mechanism, "
+        f"and the port (clusters often have one port per mechanism)"
+    )
+
+
 def probe(settings: HasKafka, timeout: float = 5.0) -> str | None:
     """Why the first bootstrap server cannot be used, or None when TCP (and TLS) work: nothing
     listening, TLS refused or the broker's certificate not trusted (a SASL failure is reported
     by the caller's own error)."""
-    cfg = config_of(settings)
+    opened = _open(settings, timeout)
+    if isinstance(opened, str):
+        return opened
+    with opened as sock:
+        if not config_of(settings).uses_tls:
+            return _speaks_tls(sock, _first_server(settings)[1], timeout)
+    return None
+
+
+def _first_server(settings: HasKafka) -> tuple[str, str, str]:
+    """The first bootstrap server: as written, its host, its port."""
     first = settings.bootstrap.split(",")[0].strip()
     host, _, port = first.rpartition(":")
-    host = host.strip("[]")
+    return first, host.strip("[]"), port
+
+
+def _open(settings: HasKafka, timeout: float) -> socket.socket | str:
+    """A connection to the first bootstrap server, in TLS when the configuration says so, or
+    one line saying why there is none. The caller closes it."""
+    cfg = config_of(settings)
+    first, host, port = _first_server(settings)
     try:
         sock = socket.create_connection((host, int(port)), timeout=timeout)
     except (OSError, ValueError) as e:
         return f"nothing answers at {first} ({getattr(e, 'strerror', None) or e})"
+    if not cfg.uses_tls:
+        return sock
+    context = ssl.create_default_context(cafile=cfg.get("ssl.truststore.location"))
+    context.check_hostname = bool(cfg.get("ssl.endpoint.identification.algorithm", "https"))
+    if not context.check_hostname:
+        context.verify_mode = ssl.CERT_REQUIRED
     try:
-        if not cfg.uses_tls:
-            return _speaks_tls(sock, host, timeout)
-        context = ssl.create_default_context(cafile=cfg.get("ssl.truststore.location"))
-        context.check_hostname = bool(cfg.get("ssl.endpoint.identification.algorithm", "https"))
-        if not context.check_hostname:
-            context.verify_mode = ssl.CERT_REQUIRED
-        try:
-            with context.wrap_socket(sock, server_hostname=host) as tls:
-                tls.settimeout(timeout)
-        except ssl.SSLCertVerificationError as e:
-            return (
-                f"the broker's TLS certificate is not trusted: {e.verify_message} (check "
-                f"ssl.truststore.location{' and the host name' if 'match' in str(e) else ''})"
-            )
-        except (ssl.SSLError, OSError) as e:
-            return f"TLS handshake failed ({e}); is this a TLS listener?"
-        return None
-    finally:
+        tls = context.wrap_socket(sock, server_hostname=host)
+    except ssl.SSLCertVerificationError as e:
         sock.close()
+        return (
+            f"the broker's TLS certificate is not trusted: {e.verify_message} (check "
+            f"ssl.truststore.location{' and the host name' if 'match' in str(e) else ''})"
+        )
+    except (ssl.SSLError, OSError) as e:
+        sock.close()
+        return f"TLS handshake failed ({e}); is this a TLS listener?"
+    tls.settimeout(timeout)
+    return tls
+
+
+#: Kafka's SaslHandshake request (api key 17), version 1: answered with an error code and the
+#: mechanisms the listener offers. Not flexible (no tagged fields), so its encoding is fixed.
+_SASL_HANDSHAKE_KEY, _SASL_HANDSHAKE_VERSION = 17, 1
+
+
+def offered_mechanisms(settings: HasKafka, timeout: float = 5.0) -> tuple[str, ...] | None:
+    """The SASL mechanisms the first bootstrap server's listener offers, read from its answer to
+    a SaslHandshake naming the configured mechanism; None when there is no such answer (nothing
+    listens, TLS fails, not a SASL listener, a timeout).
+
+    Why not kafka-python's own error: a broker refusing a mechanism answers and then closes the
+    connection, and kafka-python sometimes sees the close before it reads the answer ("socket
+    disconnected", seen in CI after four tries). A blocking read of the answer here gets it
+    whenever it was sent."""
+    mechanism = config_of(settings).mechanism or ""
+    opened = _open(settings, timeout)
+    if isinstance(opened, str):
+        return None
+    client_id, name = b"varadhi-probe", mechanism.encode()
+    body = struct.pack(
+        f">hhih{len(client_id)}sh{len(name)}s",
+        _SASL_HANDSHAKE_KEY, _SASL_HANDSHAKE_VERSION, 1, len(client_id), client_id, len(name), name,
+    )  # fmt: skip
+    try:
+        with opened as sock:
+            sock.sendall(struct.pack(">i", len(body)) + body)
+            (size,) = struct.unpack(">i", _read_exact(sock, 4))
+            return _parse_handshake_answer(_read_exact(sock, size))
+    except (OSError, ValueError, struct.error):
+        return None
+
+
+def _parse_handshake_answer(answer: bytes) -> tuple[str, ...]:
+    """The mechanisms of a SaslHandshake v1 answer (correlation id, error code, array of
+    strings); `ValueError`/`struct.error` when it is not one (pure)."""
+    _correlation, _error, count = struct.unpack_from(">ihi", answer)
+    at, mechanisms = 10, []
+    for _ in range(count):
+        (size,) = struct.unpack_from(">h", answer, at)
+        mechanisms.append(answer[at + 2 : at + 2 + size].decode())
+        at += 2 + size
+    if at != len(answer):
+        raise ValueError(f"a SaslHandshake answer of {len(answer)} bytes, {at} read")
+    return tuple(mechanisms)
+
+
+def _read_exact(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ValueError("the connection closed before the answer's end")
+        data += chunk
+    return data
 
 
 def _speaks_tls(sock: socket.socket, host: str, timeout: float) -> str | None:
