@@ -16,6 +16,7 @@ from varadhi.cli.status import library_lines
 from varadhi.core import messages as m
 from varadhi.core import routing
 from varadhi.core.catalog_kinds import DocKind, OpKind
+from varadhi.core.errors import InvalidArgument
 from varadhi.core.policies import Endpoint
 from varadhi.kafka import topics as composite_topics
 from varadhi.kafka.catalog import key
@@ -24,6 +25,8 @@ from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.library import Consumer, Options, Unsupported
 from varadhi.library.assign import slot_of
+from varadhi.library.runtime import group_id
+from varadhi.ops import status
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
 from varadhi.testing.library import FAST_RETRY, produce_rounds, wait_for
@@ -307,3 +310,94 @@ def test_a_blocked_key_holds_the_members_at_a_k1_switch_until_it_is_redriven(
             consumer.stop()
         assert consumer.counters()["sidelined"] == 2  # held-3 and held-4, behind held-2
         assert_each_group_in_order(first_deliveries(endpoint), produced)
+
+
+def test_offset_resets_across_a_k1_switch_then_a_member_delivers_from_there_in_order(
+    settings, catalog, unique_name, short_grace, varadhi_cli, varadhi_killed_at
+):
+    """`offsets reset --queue main` of a main topic with two storage topics (K = 1 between):
+    to a time in T_0 (interrupted after its commits, then finished by the same command) and to
+    the start of T_1. After each, a member started afresh delivers exactly the messages from
+    there, each group in order; after the first it crosses to T_1 only once the group finished
+    T_0 (a retry of T_0 pending holds it: the reset left no commit on T_1 that would say a
+    member crossed already)."""
+    topics = TopicService(catalog)
+    topic = unique_name("lib-reset")
+    topics.create(topic, 2)
+    with TestEndpoint() as endpoint:
+        spec = library_spec(unique_name("lib"), topic, Endpoint(endpoint.url), retry=PATIENT)
+        SubscriptionService(catalog).create(spec)
+        t0, t1 = f"{topic}.0", f"{topic}.1"
+        produced = produce_rounds(settings, topic, GROUPS, 0, 3)
+        at_ms = int(time.time() * 1000) + 1  # after every record produced so far
+        wait_for(lambda: time.time() * 1000 >= at_ms, "the next millisecond")
+        produced += produce_rounds(settings, topic, GROUPS, 3, 6)
+        topics.add_storage(topic, 3)  # K = 1: groups move to other slots
+        topics.switch_produce(topic)
+        produced += produce_rounds(settings, topic, GROUPS, 6, 10)
+        consumer = Consumer(spec.name, settings).start()
+        try:
+            wait_for(lambda: len(first_deliveries(endpoint)) == len(produced), "all", consumer)
+        finally:
+            consumer.stop()
+        group = group_id(spec.name)
+        wait_for(lambda: status.group_members(settings, group) == [], "the member's leave")
+        assert {tp.topic for tp in status.group_committed(catalog, group)} == {t0, t1}
+
+        # 1. to the time: T_0 from round 3, and T_1's commits removed
+        args = ("offsets", "reset", spec.name, "--queue", "main", "--to-datetime", str(at_ms))
+        code, out, err = varadhi_cli(*args, "--dry-run")
+        assert code == 0, err
+        assert "commits removed (read from the log start once reached)" in out
+        assert f"{t1}/0, {t1}/1, {t1}/2" in out
+        varadhi_killed_at("library_offset_reset_committed", *args, "--execute")
+        committed = status.group_committed(catalog, group)
+        assert {tp.topic for tp in committed} == {t0, t1}  # T_0's commits made, T_1's not removed
+        with pytest.raises(InvalidArgument, match="is under way"):
+            Consumer(spec.name, settings).start()
+        code, out, err = varadhi_cli(*args, "--execute")
+        assert code == 0 and "resumed and finished" in out, err
+        assert {tp.topic for tp in status.group_committed(catalog, group)} == {t0}
+        # the moving group's last message of T_0 fails until the member waits at the boundary
+        held = moving_group(2, 3, 2)
+        endpoint.set_script(f"{held}-5", [500] * 10_000)
+        seen = len(endpoint.records())
+        member = Consumer(spec.name, settings).start()
+        try:
+            wait_for(lambda: member.health()["waiting"], "the wait at the K=1 switch", member)
+            assert not [i for i in successes(endpoint, seen) if round_of(i) >= 6]
+            endpoint.set_script(f"{held}-5", [])
+            expected = [i for i in produced if round_of(i) >= 3]
+            wait_for(lambda: len(successes(endpoint, seen)) >= len(expected), "delivery", member)
+        finally:
+            member.stop()
+        assert member.health()["frontier"] == {0: 1, 1: 1}
+        delivered = successes(endpoint, seen)
+        assert len(delivered) == len(set(delivered)) == len(expected)  # none twice
+        assert_each_group_in_order(delivered, expected)
+
+        # 2. to the start of T_1: T_0 read to its end, T_1 from its start
+        wait_for(lambda: status.group_members(settings, group) == [], "the member's leave")
+        args = ("offsets", "reset", spec.name, "--queue", "main", "--to-storage-topic", "1")
+        code, out, err = varadhi_cli(*args, "--execute")
+        assert code == 0 and "reset:" in out, err
+        seen = len(endpoint.records())
+        member = Consumer(spec.name, settings).start()
+        try:
+            expected = [i for i in produced if round_of(i) >= 6]
+            wait_for(lambda: len(successes(endpoint, seen)) >= len(expected), "delivery", member)
+        finally:
+            member.stop()
+        delivered = successes(endpoint, seen)
+        assert len(delivered) == len(set(delivered)) == len(expected)
+        assert_each_group_in_order(delivered, expected)
+
+
+def successes(endpoint: TestEndpoint, since: int) -> list[str]:
+    """Message ids answered 200 among the endpoint's records from `since` on, in order."""
+    return [r.message_id for r in endpoint.records(since=since) if r.status == 200]
+
+
+def round_of(message_id: str) -> int:
+    """n of a `produce_rounds` message id `g<i>-<n>`."""
+    return int(message_id.rsplit("-", 1)[1])

@@ -497,13 +497,15 @@ def test_each_component_with_least_privilege_runs_the_whole_flow(
 
 
 def test_the_operator_with_least_privilege_runs_a_library_subscriptions_operations(
-    as_user, broker, acl_catalog, settings_of, denied, tmp_path
+    as_user, broker, acl_catalog, settings_of, denied, tmp_path, monkeypatch
 ):
     """The operator's group row (`varadhi-library.<sub>`: Describe, Read, Delete) is what its
     commands need of a `runtime: library` subscription's consumer group: `status` reads the
-    group's commits, `offsets reset` waits for it to be empty and commits, `subscription delete`
-    checks that it is empty and deletes it. Without Describe on the group, the delete ends in
+    group's commits, `offsets reset` waits for it to be empty, commits, and removes the commits
+    on the main topic's second storage topic, `subscription delete` checks that it is empty and
+    deletes it. Without Describe on the group, the delete ends in
     one line naming it (exit 4) before anything changes. The member runs as the member's user."""
+    from varadhi.kafka import topics as composite_topics
     from varadhi.library import Consumer
     from varadhi.library.runtime import group_id
     from varadhi.ops import status
@@ -513,10 +515,15 @@ def test_the_operator_with_least_privilege_runs_a_library_subscriptions_operatio
     assert as_user("operator", "topic", "create", topic, "--partitions", "2")[0] == 0
     with TestEndpoint() as endpoint:
         _library_flow(as_user, tmp_path, name, topic, endpoint.url, on_dead_letter="skip")
+        assert as_user("operator", "topic", "add-storage", topic, "--partitions", "2")[0] == 0
+        assert as_user("operator", "topic", "switch-produce", topic)[0] == 0
+        lines = str(tmp_path / "messages.jsonl")
+        assert as_user("producer", "produce", topic, "--file", lines)[0] == 0  # to T_1
+        monkeypatch.setattr(composite_topics, "SEAL_GRACE_MS", 1_000)  # the member crosses soon
         member = Consumer(name, settings_of("member")).start()
         try:
             deadline = time.monotonic() + 120
-            while member.counters()["delivered"] < len(_messages()):
+            while member.counters()["delivered"] < 2 * len(_messages()):
                 assert time.monotonic() < deadline, (member.health(), member.counters())
                 time.sleep(0.1)
         finally:
@@ -533,8 +540,9 @@ def test_the_operator_with_least_privilege_runs_a_library_subscriptions_operatio
         code, out, err = as_user("operator", "offsets", "reset", name, "--queue", "main",
                                  "--to-earliest", "--execute", "--output", "json")  # fmt: skip
         assert code == 0, err
+        assert [mv["topic"] for mv in json.loads(out)["moves"] if mv.get("dropped")]  # T_1's
         code, out, err = as_user("operator", "status", name, "--output", "json")
-        assert code == 0 and json.loads(out)["library"]["main_lag"] == len(_messages()), err
+        assert code == 0 and json.loads(out)["library"]["main_lag"] == 2 * len(_messages()), err
 
         with denied("operator", "Describe", "Group", group):
             code, _, err = as_user("operator", "subscription", "delete", name)

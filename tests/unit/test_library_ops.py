@@ -15,7 +15,7 @@ from varadhi.core.policies import Endpoint, SubscriptionSpec
 from varadhi.core.state_rows import retry_state
 from varadhi.kafka.dlq import Parked, parked_from_record
 from varadhi.kafka.subscriptions import Subscription
-from varadhi.kafka.topics import add_storage, new_topic
+from varadhi.kafka.topics import add_storage, new_topic, switch_produce
 from varadhi.library.position import reset_key, reset_under_way
 from varadhi.library.redrive import (
     covers,
@@ -32,7 +32,7 @@ from varadhi.ops.library_offsets import (
     plan_rq,
     positions_now,
 )
-from varadhi.ops.offsets import Offsets
+from varadhi.ops.offsets import Offsets, Plan
 
 
 def parked(offset: int, origin: str = "0:3:17", **headers: str) -> Parked:
@@ -136,13 +136,99 @@ def test_the_main_topic_moves_each_partition_by_its_commit_a_partition_without_o
     assert (dated.summary()["skipped"], dated.summary()["replayed"]) == (100 + 30 + 4, 50 - 12)
 
 
+def three_storage_topics():
+    """t.0 (2 partitions), t.1 (K=1: 3) and t.2 (K=2: 6), produce on t.2; each partition's log
+    from 10 to 100."""
+    mq = new_topic("t", 2)
+    for partitions in (3, 6):
+        mq, _ = add_storage(mq, partitions)
+        mq = switch_produce(mq, 0)
+    return mq, kafka_of(mq, begin=10)
+
+
+def new_offsets(plan) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for mv in plan.moves:
+        out.setdefault(mv.topic, []).append(mv.new)
+    return out
+
+
+def test_a_reset_into_a_storage_topic_ends_the_earlier_ones_and_drops_the_later_commits():
+    mq, kafka = three_storage_topics()
+    # the group read all of t.0 and part of t.1, and has a commit on one partition of t.2
+    committed = {
+        TopicPartition("t.0", 0): 100,
+        TopicPartition("t.0", 1): 100,
+        TopicPartition("t.1", 0): 40,
+        TopicPartition("t.2", 4): 55,
+    }
+    kafka.at_time["t.1"][:] = [None, 20, 30]  # the first storage topic with records that late
+    kafka.at_time["t.2"][:] = [10] * 6
+    dated = plan_main(lib_sub(), mq, committed, kafka, "to-datetime", 1)
+    assert new_offsets(dated) == {"t.0": [100, 100], "t.1": [100, 20, 30]}
+    # t.2 is read from its log start once the members cross to it, and keeps no commit, not
+    # even there: a commit on it would tell the members that one of them crossed already
+    assert [(mv.topic, mv.partition, mv.current, mv.new) for mv in dated.dropped] == [
+        ("t.2", 4, 55, 10)
+    ]
+    assert [mv.shard for mv in dated.moves] == [0, 1, 0, 1, 1]  # each storage topic's slots
+    summary = dated.summary()
+    assert (summary["skipped"], summary["replayed"]) == (60 + 20 + 30, 45)
+    assert [mv["dropped"] for mv in summary["moves"] if "dropped" in mv] == [True]
+
+    to_t1 = plan_main(lib_sub(), mq, committed, kafka, "to-storage-topic", 1)
+    assert new_offsets(to_t1) == {"t.0": [100, 100], "t.1": [10, 10, 10]}
+    assert len(to_t1.dropped) == 1
+    earliest = plan_main(lib_sub(), mq, committed, kafka, "to-earliest", None)
+    assert new_offsets(earliest) == {"t.0": [10, 10]}
+    assert [(mv.topic, mv.partition) for mv in earliest.dropped] == [("t.1", 0), ("t.2", 4)]
+    latest = plan_main(lib_sub(), mq, committed, kafka, "to-latest", None)
+    assert new_offsets(latest) == {"t.0": [100] * 2, "t.1": [100] * 3, "t.2": [100] * 6}
+    assert latest.dropped == ()
+    kafka.at_time.update({st.name: [None] * st.partitions for st in mq.storage_topics})
+    too_late = plan_main(lib_sub(), mq, committed, kafka, "to-datetime", 1)
+    assert new_offsets(too_late) == new_offsets(latest)  # the ends of all, as --to-latest
+
+
+def test_a_reset_is_planned_once_and_the_plan_with_its_dropped_commits_is_recorded_as_is():
+    mq, kafka = three_storage_topics()
+    committed = {TopicPartition("t.2", 0): 50}
+    plan = plan_main(lib_sub(), mq, committed, kafka, "to-storage-topic", 1)
+    assert Plan.from_dict(plan.to_dict()) == plan
+    request = plan.request()
+    done = {"step": "done", "plan": plan.to_dict(), "id": "x"}
+    after = {TopicPartition(mv.topic, mv.partition): mv.new for mv in plan.moves}
+    assert decide(done, request, positions_now(plan, after, {})) == "done"
+    # a commit left on a partition the reset dropped (a member read it since): not done
+    not_dropped = positions_now(plan, after | committed, {})
+    assert decide(done, request, not_dropped) == "new"
+    # a plan recorded before plans dropped commits reads as one that drops none
+    old = {k: v for k, v in plan.to_dict().items() if k != "dropped"}
+    assert Plan.from_dict(old).dropped == ()
+
+
+def test_a_shift_moves_within_the_storage_topic_the_group_is_on():
+    mq, kafka = three_storage_topics()
+    on_t1 = {TopicPartition("t.0", 0): 100, TopicPartition("t.1", 1): 50}
+    kafka.beginning["t.0"][1] = 100  # nothing left in t.0 partition 1: its log start is its end
+    plan = plan_main(lib_sub(), mq, on_t1, kafka, "shift-by", -45)
+    assert new_offsets(plan) == {"t.0": [100, 100], "t.1": [10, 10, 10]}  # clamped to t.1
+    plan = plan_main(lib_sub(), mq, on_t1, kafka, "shift-by", 5)
+    assert new_offsets(plan) == {"t.0": [100, 100], "t.1": [15, 55, 15]}
+    assert plan_main(lib_sub(), mq, {}, kafka, "shift-by", 5).moves[0].new == 15  # t.0: none yet
+    # one slot still on t.0 while another crossed to t.1 (a K>1 switch crosses per slot)
+    behind = dict(on_t1) | {TopicPartition("t.0", 0): 90}
+    with pytest.raises(InvalidArgument, match="10 messages of t.0 are not finished"):
+        plan_main(lib_sub(), mq, behind, kafka, "shift-by", 5)
+
+
 def test_what_does_not_map_to_the_library_is_refused():
-    mq = new_topic("t", 4)
-    with pytest.raises(InvalidArgument, match="--to-storage-topic does not apply"):
-        plan_main(lib_sub(), mq, {}, kafka_of(mq), "to-storage-topic", 0)
-    grown, _ = add_storage(mq, 4)
-    with pytest.raises(InvalidArgument, match="2 storage topics"):
-        plan_main(lib_sub(), grown, {}, kafka_of(grown), "to-earliest", None)
+    mq, kafka = three_storage_topics()
+    with pytest.raises(InvalidArgument, match="outside 0..2"):
+        plan_main(lib_sub(), mq, {}, kafka, "to-storage-topic", 3)
+    added, _ = add_storage(mq, 6)  # t.3: not produced to yet
+    with pytest.raises(InvalidArgument, match="t.3 is not produced to yet"):
+        plan_main(lib_sub(), added, {}, kafka_of(added), "to-storage-topic", 3)
     rq = new_topic("s.rq", 4, internal=True)
     with pytest.raises(InvalidArgument, match="can only be fast-forwarded"):
         plan_rq(lib_sub(), rq, {}, kafka_of(rq), "to-earliest", None)

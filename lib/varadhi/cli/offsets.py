@@ -19,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "to finish it with the same target positions; once done, running it again changes nothing "
         "until a shard has consumed. A runtime: library subscription's consumer group is moved "
         "instead: its members must be stopped or paused (they then stop and leave the group; "
-        "start them again afterwards); --to-storage-topic does not apply.",
+        "start them again afterwards); a reset into a storage topic moves the group to the end "
+        "of every earlier one and removes its commits on every later one.",
     )
     r.add_argument("name", help="subscription name")
     r.add_argument("--queue", choices=["main", "rq", "dlq"], required=True)
@@ -68,6 +69,9 @@ def _reset(args: argparse.Namespace) -> int:
         print(
             f"{mv['shard']:>5} {mv['topic']:<32} {mv['partition']:>4} {current:>9} {mv['new']:>9} {change:>9}"
         )
+    dropped = [f"{mv['topic']}/{mv['partition']}" for mv in summary["moves"] if mv.get("dropped")]
+    if dropped:
+        print(f"commits removed (read from the log start once reached): {', '.join(dropped)}")
     counts = f"{summary['skipped']} messages skipped, {summary['replayed']} replayed"
     if outcome == "done":
         print(

@@ -16,7 +16,10 @@ The operations' steps, each reached right after the step's work and its record i
 `varadhi` process at each and run the command again):
 
 - `offset_reset_recorded`, `offset_reset_state_advanced`, `offset_reset_done`
-  (`varadhi.ops.offsets.OffsetReset.execute`);
+  (`varadhi.ops.offsets.OffsetReset.execute`); for a `runtime: library` subscription,
+  `library_offset_reset_recorded` (the plan recorded) and `library_offset_reset_committed` (the
+  group's new offsets committed, the commits the plan drops not yet removed)
+  (`varadhi.ops.library_offsets.execute`; `tests/integration/test_library_storage.py`);
 - `change_shards_recorded` (the plan written, nothing done), then `change_shards_<step>` after
   each of the steps `fence`, `queues`, `state`, `layouts` and `activate`
   (`varadhi.ops.change_shards`); inside the state step, `change_shards_state_tables`: the new

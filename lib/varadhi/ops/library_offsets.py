@@ -7,10 +7,12 @@ commits new offsets with empty metadata, so everything from the new offset is re
 again. What maps from the shards' reset (`varadhi.ops.offsets`), with the same plan and output
 (`Plan`, `Move`; a move's `shard` is the slot):
 
-- main: `--to-earliest`, `--to-latest`, `--to-datetime`, `--shift-by` on a main topic of one
-  storage topic (one with more is refused: the members' progress across its switches is their
-  commits, `varadhi.library.crossing`, which a reset would have to move consistently);
-  `--to-storage-topic` is refused;
+- main: every option. The members' progress across the main topic's storage topics is their
+  commits (`varadhi.library.crossing`: a slot crosses from T_i to T_i+1 once T_i is sealed and
+  read to its end, and at a boundary that moves groups a commit on T_i+1 says a member crossed
+  already), so a reset into storage topic T_k (`target_index`, picked as the shards' reset
+  picks it) commits T_k at the offsets asked for, every earlier storage topic at its end
+  offsets, and removes the group's commits on every later one (`plan_main`);
 - rq: fast-forward only (`--to-latest`, `--to-datetime`, a positive `--shift-by`), as for
   shards: the retries skipped are dropped (a key never waits for them: no GroupState);
 - dlq: fast-forward of where `dlq list` and `unsideline` start (`state.dlq_start`), as for shards;
@@ -23,10 +25,12 @@ each must be stopped, or paused and reported paused while the subscription is pa
 1. the plan, with absolute offsets, is recorded (`varadhi.library.position`, step
    `waiting-for-members`): members see it within 5 s and stop (paused ones too: a paused member
    stays in the group, and Kafka takes offsets committed from outside a group only while it has
-   no member), and members being started refuse to;
+   no member), and members being started refuse to (crash point
+   `library_offset_reset_recorded`);
 2. once the group has no member (waited for up to `EMPTY_WAIT_S`; else it fails and the plan
    stays recorded), the offsets are committed from outside the group (refused by Kafka if a
-   member joined meanwhile);
+   member joined meanwhile; crash point `library_offset_reset_committed`), then the commits
+   the plan drops are removed;
 3. the operation is marked `done`: start the members, then resume the subscription.
 A DLQ reset is steps 1 and 3 with the new start, no waiting. After a crash, the same command
 resumes the recorded plan (a `--shift-by` or `--to-latest` is not evaluated again); once done,
@@ -43,11 +47,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from kafka import TopicPartition
-from kafka.errors import NoError
+from kafka.errors import KafkaError, NoError
 from kafka.structs import OffsetAndMetadata
 
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.errors import InvalidArgument, VaradhiError
+from varadhi.core.faults import crash_point
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import dlq as dlq_ops
 from varadhi.kafka import subscriptions, topics
@@ -82,23 +87,94 @@ def plan_main(
     mode: Mode,
     value: Any,
 ) -> Plan:
-    """Where the group reads the main topic after the reset (pure). A partition without a
-    commit is read from its start, as a new group reads it."""
-    if mode == "to-storage-topic":
-        raise InvalidArgument(
-            f"--to-storage-topic does not apply to {sub.name} (runtime: library): its offset "
-            "reset moves a main topic of one storage topic; use --to-earliest",
-            field="queue",
+    """Where the group reads the main topic after the reset (pure): the target storage topic
+    T_k (`target_index`) at the offsets the mode asks for (`target_offset`; a partition without
+    a commit counts from its log start), every earlier one at its end offsets, so the members
+    cross past it (`varadhi.library.crossing`), and every later one with its commits removed
+    (`Plan.dropped`): read from its log start once the members cross to it. A later storage
+    topic keeps no commit, not even at its log start, because a commit there tells the members
+    that one of them crossed already (`GroupView.crossed`), and at a boundary that moves groups
+    they would then cross before the group finished T_k."""
+    k = target_index(main, committed, kafka, mode, value)
+    moves, dropped = [], []
+    for i, st in enumerate(main.storage_topics):
+        for p in range(st.partitions):
+            begin, end = kafka.beginning[st.name][p], kafka.end[st.name][p]
+            current = committed.get(TopicPartition(st.name, p))
+            slot = slot_of(p, st.partitions, sub.shard_count)
+            if i > k:
+                if current is not None:
+                    dropped.append(Move(slot, st.name, p, current, begin))
+                continue
+            if i < k:
+                new = end
+            else:
+                at = kafka.at_time[st.name][p] if mode == "to-datetime" else None
+                new = target_offset(mode, value, begin, end, at, current)
+            moves.append(Move(slot, st.name, p, current, new))
+    return Plan("main", mode, value, tuple(moves), {}, {}, tuple(dropped))
+
+
+def target_index(
+    main: topics.CompositeTopic, committed: Committed, kafka: Offsets, mode: Mode, value: Any
+) -> int:
+    """The storage topic of the main topic a reset moves the group into (pure), as the
+    shards' reset picks it: the first (`to-earliest`); the one produce goes to (`to-latest`);
+    the first with a record at or after the time, else the one produce goes to
+    (`to-datetime`); storage topic `value` (`to-storage-topic`; refused after the one produce
+    goes to: the members would read what is produced to that one meanwhile, and commits on the
+    next would let them cross it before it is finished); for `shift-by`, the last one the group
+    has a commit on (the first if none), refused while the group has not finished an earlier
+    one (its slots read different storage topics: a shift within one would skip the rest of
+    the other)."""
+    n, pp = len(main.storage_topics), main.produce_pointer
+    if mode == "to-earliest":
+        return 0
+    if mode == "to-latest":
+        return pp
+    if mode == "to-datetime":
+        return next(
+            (
+                i
+                for i, st in enumerate(main.storage_topics)
+                if any(o is not None for o in kafka.at_time[st.name])
+            ),
+            pp,
         )
-    st = one_storage_topic(main)
-    moves = []
-    for p in range(st.partitions):
-        begin, end = kafka.beginning[st.name][p], kafka.end[st.name][p]
-        current = committed.get(TopicPartition(st.name, p))
-        at = kafka.at_time[st.name][p] if mode == "to-datetime" else None
-        new = target_offset(mode, value, begin, end, at, current)
-        moves.append(Move(slot_of(p, st.partitions, sub.shard_count), st.name, p, current, new))
-    return Plan("main", mode, value, tuple(moves), {}, {})
+    if mode == "to-storage-topic":
+        index = int(value)
+        if not 0 <= index < n:
+            raise InvalidArgument(
+                f"storage topic index {index} is outside 0..{n - 1}", field="to_storage_topic"
+            )
+        if index > pp:
+            raise InvalidArgument(
+                f"{main.storage_topics[index].name} is not produced to yet (produce goes to "
+                f"{main.produce_topic.name}): library members would read what is produced to "
+                "that one meanwhile; use --to-latest, or switch produce first",
+                field="to_storage_topic",
+            )
+        return index
+    on = [
+        i
+        for i, st in enumerate(main.storage_topics)
+        if any(tp.topic == st.name for tp in committed)
+    ]
+    k = max(on, default=0)
+    for st in main.storage_topics[:k]:
+        left = sum(
+            max(0, end - committed.get(TopicPartition(st.name, p), kafka.beginning[st.name][p]))
+            for p, end in enumerate(kafka.end[st.name])
+        )
+        if left:
+            raise InvalidArgument(
+                f"--shift-by moves the group within one storage topic, and its commits are on "
+                f"{main.storage_topics[k].name} while {left} messages of {st.name} are not "
+                "finished (its slots read different storage topics): wait until they are, or "
+                "use --to-datetime or --to-storage-topic",
+                field="queue",
+            )
+    return k
 
 
 def plan_rq(
@@ -150,10 +226,10 @@ def one_storage_topic(topic: topics.CompositeTopic) -> topics.StorageTopic:
 def positions_now(
     plan: Plan, committed: Committed, dlq_start: Mapping[str, Mapping[str, int]]
 ) -> dict[str, int | None]:
-    """Where the partitions `plan` moves are now, `topic/partition` -> offset (None: no commit)
-    (pure): the group's commits (main, RQ) or the DLQ's start."""
+    """Where the partitions `plan` moves or drops are now, `topic/partition` -> offset (None: no
+    commit) (pure): the group's commits (main, RQ) or the DLQ's start."""
     out: dict[str, int | None] = {}
-    for mv in plan.moves:
+    for mv in (*plan.moves, *plan.dropped):
         if plan.queue == "dlq":
             raw = dlq_start.get(mv.topic, {}).get(str(mv.partition))
             out[f"{mv.topic}/{mv.partition}"] = None if raw is None else int(raw)
@@ -169,8 +245,9 @@ def decide(
 ) -> str:
     """What executing `request` does given the recorded reset `op` (pure): `new` (plan now),
     `resume` (finish the recorded plan of the same request), or `done` (the same reset is done
-    and the partitions it moved are still where it left them: `now`, `positions_now` of the
-    recorded plan). Raises InvalidArgument while a different reset is under way."""
+    and the partitions it moved are still where it left them, those it dropped still without a
+    commit: `now`, `positions_now` of the recorded plan). Raises InvalidArgument while a
+    different reset is under way."""
     if not op:
         return "new"
     recorded = {k: op["plan"].get(k) for k in ("queue", "mode", "value")}
@@ -183,7 +260,10 @@ def decide(
                 field="queue",
             )
         return "resume"
-    moved = {f"{mv['topic']}/{mv['partition']}": int(mv["new"]) for mv in op["plan"]["moves"]}
+    moved: dict[str, int | None] = {
+        f"{mv['topic']}/{mv['partition']}": int(mv["new"]) for mv in op["plan"]["moves"]
+    }
+    moved |= {f"{mv['topic']}/{mv['partition']}": None for mv in op["plan"].get("dropped") or []}
     if same and all(now.get(k) == v for k, v in moved.items()):
         return "done"
     return "new"
@@ -242,9 +322,12 @@ def execute(catalog: Catalog, name: str, plan: Plan) -> tuple[Plan, str]:
                     field="queue",
                 )
         op_id = _record(catalog, name, plan)
+        crash_point("library_offset_reset_recorded")
     if plan.queue != "dlq":
         wait_until_empty(catalog.settings, group, EMPTY_WAIT_S)
         commit(catalog.settings, group, plan.moves)
+        crash_point("library_offset_reset_committed")
+        drop(catalog.settings, group, plan.dropped)
     _finish(catalog, name, plan, op_id)
     return plan, outcome
 
@@ -285,12 +368,32 @@ def commit(settings, group: str, moves: tuple[Move, ...]) -> None:
         answers = admin.alter_group_offsets(group, offsets)
     finally:
         admin.close()
+    _refused(group, "the new offsets", answers)
+
+
+def drop(settings, group: str, moves: tuple[Move, ...]) -> None:
+    """Remove `group`'s commits on each move's partition (nothing there is left as it is).
+    Kafka refuses it while the group has a member."""
+    if not moves:
+        return
+    admin = kafka_clients.admin(settings, client_id="varadhi-offset-reset")
+    try:
+        partitions = [TopicPartition(mv.topic, mv.partition) for mv in moves]
+        answers = admin.delete_group_offsets(group, partitions)
+    except KafkaError as e:  # the whole request refused: the group is not empty
+        answers = {TopicPartition(mv.topic, mv.partition): type(e) for mv in moves}
+    finally:
+        admin.close()
+    _refused(group, "the removal of the commits", answers)
+
+
+def _refused(group: str, what: str, answers: Mapping[TopicPartition, type]) -> None:
     refused = sorted(
         f"{tp.topic}/{tp.partition}: {e.__name__}" for tp, e in answers.items() if e is not NoError
     )
     if refused:
         raise VaradhiError(
-            f"Kafka refused the new offsets of {group} ({'; '.join(refused[:3])}): a member may "
+            f"Kafka refused {what} of {group} ({'; '.join(refused[:3])}): a member may "
             "have joined; stop it, then run the same command again to finish the reset"
         )
 

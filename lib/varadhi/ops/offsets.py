@@ -75,15 +75,20 @@ class Plan:
     moves: tuple[Move, ...]
     layouts: dict[int, Layout]  # new layout per shard (main/rq); empty for dlq
     dlq_start: dict[str, dict[str, int]]  # new DLQ start (dlq)
+    # A library reset of the main topic: commits removed, each read from its log start (`new`)
+    # after its storage topic's crossing (`varadhi.ops.library_offsets`); none for shards.
+    dropped: tuple[Move, ...] = ()
 
     def summary(self) -> dict[str, Any]:
+        every = (*self.moves, *self.dropped)
         return {
             "queue": self.queue,
             "mode": self.mode,
             "value": self.value,
-            "skipped": sum(mv.delta for mv in self.moves if mv.delta > 0),
-            "replayed": -sum(mv.delta for mv in self.moves if mv.delta < 0),
-            "moves": [asdict(mv) | {"delta": mv.delta} for mv in self.moves],
+            "skipped": sum(mv.delta for mv in every if mv.delta > 0),
+            "replayed": -sum(mv.delta for mv in every if mv.delta < 0),
+            "moves": [asdict(mv) | {"delta": mv.delta} for mv in self.moves]
+            + [asdict(mv) | {"delta": mv.delta, "dropped": True} for mv in self.dropped],
         }
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,15 +100,13 @@ class Plan:
             "moves": [asdict(mv) for mv in self.moves],
             "layouts": {str(s): layout.to_dict() for s, layout in self.layouts.items()},
             "dlq_start": self.dlq_start,
+            "dropped": [asdict(mv) for mv in self.dropped],
         }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
-        return cls(
-            d["queue"],
-            d["mode"],
-            d.get("value"),
-            tuple(
+        def moves(raw: list[dict[str, Any]]) -> tuple[Move, ...]:
+            return tuple(
                 Move(
                     int(mv["shard"]),
                     mv["topic"],
@@ -111,10 +114,17 @@ class Plan:
                     None if mv["current"] is None else int(mv["current"]),
                     int(mv["new"]),
                 )
-                for mv in d["moves"]
-            ),
+                for mv in raw
+            )
+
+        return cls(
+            d["queue"],
+            d["mode"],
+            d.get("value"),
+            moves(d["moves"]),
             {int(s): Layout.from_dict(layout) for s, layout in d["layouts"].items()},
             d.get("dlq_start") or {},
+            moves(d.get("dropped") or []),
         )
 
     def request(self) -> dict[str, Any]:
