@@ -21,7 +21,8 @@ boundary at a time. A slot crosses the boundary after T_i when
    GroupState record). Once one member crossed, the boundary stays crossed for every member: a
    member reads T_i+1 only after crossing, so a committed offset on T_i+1 (`crossed`) shows the
    condition held once, and the RQ records and blocks that T_i+1's own messages cause later do
-   not hold the others back.
+   not hold the others back. An offset reset keeps that true: it removes the group's commits on
+   the storage topics after the one it moves the group into (`varadhi.ops.library_offsets`).
 
 Where groups stay in their slots (a K>1 storage topic whose base the slot count divides, or one
 slot) the crossing is per slot and needs no other member. An ungrouped subscription has no order

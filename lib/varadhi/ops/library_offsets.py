@@ -213,11 +213,11 @@ def plan_dlq(
 
 
 def one_storage_topic(topic: topics.CompositeTopic) -> topics.StorageTopic:
-    """The storage topic library members read of `topic`; refuses one with more (pure)."""
+    """The storage topic library members read of the RQ `topic`; refuses one with more (pure)."""
     if len(topic.storage_topics) != 1:
         raise InvalidArgument(
-            f"{topic.name} has {len(topic.storage_topics)} storage topics: an offset reset of a "
-            "library subscription moves the commits of a topic with one only (docs/library.md)",
+            f"{topic.name} has {len(topic.storage_topics)} storage topics: an RQ offset reset of "
+            "a library subscription moves the commits of an RQ with one only (docs/library.md)",
             field="queue",
         )
     return topic.storage_topics[0]
