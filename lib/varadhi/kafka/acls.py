@@ -111,9 +111,10 @@ TABLE: tuple[Grant, ...] = (
           "`change-shards` sends the last batch's records in one transaction"),
     Grant("operator", GROUP, LITERAL, _LIBRARY_GROUP, ("Delete", "Describe", "Read"),
           "a `runtime: library` subscription's consumer group: `status` reads its commits "
-          "(Describe); `offsets reset` waits for it to be empty (Describe) and commits its new "
-          "offsets (Read); `subscription delete` checks that it is empty (Describe) and "
-          "deletes it"),
+          "(Describe); `offsets reset` waits for it to be empty (Describe), commits its new "
+          "offsets (Read) and removes its commits on the main topic's storage topics after the "
+          "one it moves to (Delete); `subscription delete` checks that it is empty (Describe) "
+          "and deletes it"),
     # -- producer --------------------------------------------------------------------------
     Grant("producer", TOPIC, LITERAL, "{catalog}", ("Describe", "DescribeConfigs", "Read"),
           "reads a topic's produce pointer (no Write: it never changes the catalog)"),
