@@ -13,7 +13,7 @@ Threads. One thread owns the Kafka consumer: it polls, hands records to the `Sch
 reads only the RQ while `max_pending` messages are held (`_full`), and commits (`offsets.Ledger`: the lowest
 unfinished offset and, in the metadata, what finished above it). Delivery runs on another
 thread (the engine's loop, `max_in_flight` requests at a time, its streams the messages handed
-out: `_Messages`) or on `max_in_flight` handler threads; with nothing to hand out they wait to be
+out: `sources`) or on `max_in_flight` handler threads; with nothing to hand out they wait to be
 woken (`_await_work`), not polling. The RQ and DLQ are written by an idempotent producer; a message's offset counts as
 finished only once its outcome is final: delivered, or its RQ/DLQ copy acknowledged. A fourth
 thread applies `dlq unsideline` re-drives to the slots the member holds (`_redrive`,
@@ -142,13 +142,12 @@ from kafka.structs import OffsetAndMetadata
 from varadhi.core import filters, routing
 from varadhi.core import messages as m
 from varadhi.core.catalog_kinds import DocKind, OpKind
-from varadhi.core.delivery import HttpDeliverer, Outcome, Request
+from varadhi.core.delivery import HttpDeliverer, Outcome
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotAuthorized, VaradhiError
 from varadhi.core.group_state import (
     OVER_LIMIT,
     Entry,
     out_bytes,
-    request_of,
     trace_attempt,
     with_response,
 )
@@ -156,7 +155,7 @@ from varadhi.core.policies import CircuitPolicy
 from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
 from varadhi.core.rate_limit import Pacer, slot_share
 from varadhi.core.record_ids import header_value, text_id
-from varadhi.core.retry import Decision, decide
+from varadhi.core.retry import Decision
 from varadhi.core.state_rows import OutRow, retry_state
 from varadhi.core.trace import Next, TraceEvent, Tracer, topic_name
 from varadhi.kafka import clients as kafka_clients
@@ -186,6 +185,7 @@ from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.scheduler import Scheduler, Work
 from varadhi.library.shared_circuit import CircuitLink, SharedCircuit
+from varadhi.library.sources import Desk, Messages
 from varadhi.library.support import Unsupported, unsupported
 
 log = logging.getLogger(__name__)
@@ -1351,7 +1351,10 @@ class Consumer:
         self._publish(force=True)
 
     def _deliver_http(self) -> None:
-        source = _Messages(self)
+        desk = Desk(
+            self._take, self._await_work, self._stopping, self._settle_invalid, self._settle
+        )
+        source = Messages(desk, self._spec.endpoint.shaping, self._spec.retry, self._rng)
         try:
             self._deliverer.run(source, pacer=self._pacer, idle=source.idle)
         except BaseException as e:  # noqa: BLE001
@@ -1630,92 +1633,6 @@ class Consumer:
         )
         self._threads.append(t)
         t.start()
-
-
-class _Messages:
-    """The engine's streams (`HttpDeliverer.run`, an endless source): one `_Message` per message
-    handed out (`_take`), None when there is none now; it ends once the member stops.
-
-    Why one stream per message. The scheduler keeps a key's order (one message of a key handed
-    out at a time), so a stream needs to carry only one message; in batch mode a request holds
-    at most one message per stream (`varadhi.core.delivery`), so to fill `max_in_flight` batches
-    of `max_messages` the engine needs that many streams at once: made as messages are handed
-    out, they are exactly the messages in flight, however many batches hold. The engine bounds
-    what is in flight: `max_in_flight` requests (in batch mode each of up to `max_messages`
-    messages, as a shard's task), and asks this source only while a request could go out (a
-    slot free, the pacer letting it).
-
-    Idle. When nothing is in flight and there is no message, the engine calls `idle`, which
-    waits for one (`Consumer._await_work`: woken when work comes, not polled) and keeps it for
-    the next pull. While requests are in flight the engine asks again at every completion and
-    every `WAKE_GRANULARITY_S` (10 ms). Hazard: a message taken counts as in flight from then
-    on, also while it waits in the engine (the `idle` one until the next pull, one that did not
-    fit the batch for the next batch: the engine's `_Batcher.carried`); it goes out even if its
-    slot was revoked meanwhile, which a revoke's wait for the slot's deliveries covers as it
-    covers the requests in flight (at least once)."""
-
-    def __init__(self, consumer: Consumer):
-        self.consumer = consumer
-        self.found: Work | None = None  # taken while idle, for the next pull
-
-    def __iter__(self) -> _Messages:
-        return self
-
-    def __next__(self) -> _Message | None:
-        c = self.consumer
-        while True:
-            work, self.found = self.found, None
-            if work is None:
-                work = c._take()
-            if work is None:
-                if c._stopping.is_set():
-                    raise StopIteration
-                return None
-            if not work.entry.invalid:
-                try:  # raises for a bad id, or headers the request cannot be shaped from
-                    return _Message(c, work, request_of(work.entry, c._spec.endpoint.shaping))
-                except InvalidArgument as e:
-                    work.entry.invalid = f"malformed: {e}"
-            c._settle_invalid(work)
-
-    def idle(self, seconds: float | None) -> None:
-        """(The engine, nothing in flight) Wait for a message, or `seconds` at most."""
-        self.found = self.consumer._await_work(seconds)
-
-
-class _Message:
-    """One message handed out, as one of the engine's streams: its request, then nothing more
-    (the next message of its key is another stream, once the scheduler hands it out). Its
-    outcome (a batch's per-message one, in batch mode) is decided and settled as any attempt
-    (`Consumer._settle`)."""
-
-    __slots__ = ("consumer", "work", "request")
-
-    def __init__(self, consumer: Consumer, work: Work, request: Request):
-        self.consumer = consumer
-        self.work = work
-        self.request: Request | None = request
-
-    def next_request(self) -> Request | None:
-        request, self.request = self.request, None
-        return request
-
-    def on_outcome(self, outcome: Outcome) -> None:
-        c = self.consumer
-        decision = decide(
-            c._spec.retry,
-            self.work.entry.attempts + 1,
-            outcome.status,
-            outcome.error,
-            outcome.retry_after,
-            _now_ms(),
-            c._rng,
-            outcome.detail,
-        )
-        c._settle(self.work, decision, outcome)
-
-    def stop_waiting(self) -> None:  # never waits
-        pass
 
 
 class _Listener(ConsumerRebalanceListener):
