@@ -31,7 +31,7 @@ before it may cross from T_i: T_i sealed and read to its end by the slot, and, w
 groups to other slots (K=1), the group's commits at the end of T_i and of the RQ with no key
 blocked, or some member already reading T_i+1 (a commit on it). Until then the slot's T_i+1
 partitions are paused (what a fetch brings of them anyway is sought back, never held), checked
-every `CROSS_CHECK_S` (`_cross`); status shows a wait at a K=1 boundary (`_waiting`). A storage
+every `CROSS_CHECK_S` (`_cross`, `crossing_state`); status shows a wait at a K=1 boundary. A storage
 topic added while the member runs is followed (`_check_catalog`): it subscribes again, and the
 assignor gives a topic's partitions only once every member reads it.
 
@@ -166,7 +166,6 @@ from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
 from varadhi.kafka.subscriptions import Suspension
 from varadhi.library import (
-    crossing,
     dedup_topic,
     fence,
     group_state_topic,
@@ -179,6 +178,7 @@ from varadhi.library import (
 from varadhi.library import handler as handlers
 from varadhi.library.assign import SlotAssignor, in_flight_share, slot_of
 from varadhi.library.blocking import Blocking, RedriveHold, after_acks
+from varadhi.library.crossing_state import CrossingState, KafkaBoundary
 from varadhi.library.dedup import DedupMemory, dedup_id
 from varadhi.library.dedup_topic import DedupReader
 from varadhi.library.keys import OrderingKey, ordering_key
@@ -282,14 +282,8 @@ class Consumer:
         self._ledgers: dict[TopicPartition, Ledger] = {}
         self._committed: dict[TopicPartition, tuple[int, str]] = {}
         self._catch_up: dict[int, dict[TopicPartition, int]] = {}  # slot -> RQ end offsets
-        # The main topic as last seen, its storage topics' indexes by name, and per slot held
-        # (grouped) the last of them it reads (`crossing`); what it waits for at a boundary
-        # that moves groups (for status), and when `_cross` looks next (monotonic).
-        self._mq: topics.CompositeTopic | None = None
-        self._mains: dict[str, int] = {}
-        self._frontier: dict[int, int] = {}
-        self._waiting: str | None = None
-        self._next_cross = 0.0
+        # which storage topics of the main topic each slot reads (`crossing_state`; from start)
+        self._crossing: CrossingState | None = None
         self._revoked: set[TopicPartition] = set()  # by the listener, for `_rebalanced`
         self._lost: set[TopicPartition] = set()  # revoked after the member left the group
         self._assigned: set[TopicPartition] | None = None  # the last assignment, unprocessed
@@ -387,7 +381,7 @@ class Consumer:
         self._paused = sub.paused or suspension.holds(sub.suspended)
         self._suspended, self._pause_asked = sub.suspended, sub.paused
         self._spec = sub.spec
-        self._follow_main(main)
+        self._crossing = CrossingState(main, sub.shard_count, sub.spec.grouped)
         self._rq, self._dlq = rq.produce_topic, dlq.produce_topic
         self._dlq_queue = dlq
         self._limits = {t: min(n, MAX_REQUEST_BYTES) for t, n in limits.items()}
@@ -510,6 +504,7 @@ class Consumer:
         of `consumption.max_in_flight` (`assign.in_flight_share`). `pausing`: the
         subscription is paused and deliveries are still in flight; `paused`: none is, and
         nothing more is handed out or read until a resume."""
+        crossing = self._crossing  # None before start
         with self._lock:
             parts = sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers)
             return {
@@ -519,8 +514,8 @@ class Consumer:
                 "partitions": parts,
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
-                "frontier": dict(sorted(self._frontier.items())),
-                "waiting": self._waiting,
+                "frontier": {} if crossing is None else crossing.frontiers(),
+                "waiting": None if crossing is None else crossing.waiting,
                 "rate_limit": self._rate,
                 "max_in_flight": self._in_flight_share,
                 "circuit": self._circuit.status(),
@@ -679,7 +674,7 @@ class Consumer:
 
     def _ingest(self, tp: TopicPartition, records) -> None:
         ledger = self._ledgers.get(tp)
-        if ledger is None or self._held(tp):  # not set up yet, or past its slot's frontier
+        if ledger is None or self._crossing.held(tp):  # not set up yet, or past its slot's frontier
             self._read_again(tp, records)
             if ledger is not None and tp in self._consumer.assignment():
                 self._consumer.pause(tp)
@@ -742,7 +737,7 @@ class Consumer:
                 f"malformed: value of {len(value)} bytes exceeds {self._spec.max_message_bytes}"
             )
         entry = Entry(  # an RQ copy's origin is its message's (below)
-            m.Origin(0 if from_rq else self._mains[tp.topic], tp.partition, r.offset),
+            m.Origin(0 if from_rq else self._crossing.index_of(tp.topic), tp.partition, r.offset),
             msg_id,
             group,
             "new",
@@ -855,109 +850,43 @@ class Consumer:
                 self._lock.notify_all()
 
     # -- storage topics of the main topic (`crossing`) ----------------------------------------
-    def _follow_main(self, main: topics.CompositeTopic) -> None:
-        """Read the storage topics of `main` (its record as now in the catalog)."""
-        self._mq = main
-        self._mains = {st.name: i for i, st in enumerate(main.storage_topics)}
-
     def _subscribe(self) -> None:
         """Subscribe to every storage topic of the main topic and the RQ (again after a
         storage topic was added: the group rebalances, and `SlotAssignor` assigns a topic only
         once every member reads it)."""
-        names = [*self._mains, self._rq.name]
+        names = [*self._crossing.names(), self._rq.name]
         for name in names:
             self._offsets.partitions_for_topic(name)  # else its offset look-ups miss some
         # metadata before the first join, else it joins again at once (a wasted rebalance)
         join_guard.subscribe(self._consumer, names, _Listener(self))
 
-    def _held(self, tp: TopicPartition) -> bool:
-        """Whether `tp` is a main-topic partition past its slot's frontier: not read yet.
-        Never for an ungrouped subscription (no order to keep)."""
-        index = self._mains.get(tp.topic)
-        if index is None or not self._spec.grouped:
-            return False
-        frontier = self._frontier.get(self._slot(tp))
-        return frontier is not None and index > frontier
-
     def _cross(self) -> None:
         """(Every `CROSS_CHECK_S` while a slot it holds has a storage topic after its
         frontier) Move each such slot's frontier over every boundary it may cross
-        (`crossing`), resume reading what it then reads, and note what a slot waits for at a
-        boundary that moves groups (`_waiting`, for status)."""
-        assert self._mq is not None
-        last = len(self._mq.storage_topics) - 1
-        if not self._spec.grouped or all(f >= last for f in self._frontier.values()):
-            if self._waiting is not None:
-                self._waiting = None
+        (`CrossingState.cross`), resume reading what it then reads, and note what a slot waits
+        for at a boundary that moves groups (`CrossingState.waiting`, for status)."""
+        state = self._crossing
+        if state.crossed_all():
+            if state.note_waiting(None):
                 self._publish(force=True)
             return
-        now = time.monotonic()
-        if now < self._next_cross:
+        if not state.due(time.monotonic(), CROSS_CHECK_S):
             return
-        self._next_cross = now + CROSS_CHECK_S
-        mq = topics.from_snapshot(self._catalog.snapshot(), self._mq.name)
+        mq = topics.from_snapshot(self._catalog.snapshot(), state.main.name)
         now_ms = _now_ms()
-        owned = self._consumer.assignment()
-        slots_count = self._sub.shard_count
-        views: dict[int, crossing.GroupView] = {}
-        waiting = None
-        moved = False
-        for slot, frontier in sorted(self._frontier.items()):
-            f = frontier
-            while f < last and topics.sealed(mq, f, now_ms, topics.SEAL_GRACE_MS):
-                old, nxt = mq.storage(f), mq.storage(f + 1)
-                tps = [
-                    TopicPartition(old.name, p)
-                    for p in routing.shard_partitions(slot, slots_count, old.partitions)
-                ]
-                if not all(tp in owned for tp in tps):  # revoked meanwhile
-                    break
-                ends = self._offsets.end_offsets(tps) if tps else {}
-                positions = {tp.partition: self._consumer.position(tp) for tp in tps}
-                if not crossing.read_to_end(positions, {tp.partition: ends[tp] for tp in tps}):
-                    break
-                if crossing.moves_groups(old, nxt, slots_count):
-                    if f not in views:
-                        views[f] = self._group_view(old, nxt)
-                    if not crossing.group_quiet(views[f]):
-                        waiting = crossing.waiting_text(old.name, nxt.name, views[f])
-                        break
-                f += 1
-            if f != frontier:
-                self._frontier[slot] = f
-                moved = True
-                log.info("%s: slot %d now reads %s", self.name, slot, mq.storage(f).name)
-        if waiting != self._waiting:
-            self._waiting = waiting
+        blocked_count = None
+        if self._blocking is not None:
+            blocked_count = partial(group_state_topic.blocked_count, self.settings, self.name)
+        boundary = KafkaBoundary(
+            self._consumer, self._offsets, self._rq, self._sub.shard_count, blocked_count
+        )
+        moved, waiting = state.cross(mq, now_ms, boundary)
+        for slot, name in moved:
+            log.info("%s: slot %d now reads %s", self.name, slot, name)
+        if state.note_waiting(waiting):
             self._publish(force=True)  # status shows the wait, and its end, at once
         if moved and not self._paused:
             self._resume_reading()
-
-    def _group_view(self, old: topics.StorageTopic, nxt: topics.StorageTopic) -> crossing.GroupView:
-        """What the group's commits, the end offsets and the GroupState topic say of the
-        boundary from `old` to `nxt` (`crossing.GroupView`). The commits are read before the
-        end offsets: a retry written after its message's commit is then within the ends read."""
-        offsets = self._offsets
-        old_tps = [TopicPartition(old.name, p) for p in range(old.partitions)]
-        rq_tps = [TopicPartition(self._rq.name, p) for p in range(self._rq.partitions)]
-        nxt_tps = [TopicPartition(nxt.name, p) for p in range(nxt.partitions)]
-        crossed = any(offsets.committed(tp) is not None for tp in nxt_tps)
-        committed = {tp: offsets.committed(tp) for tp in [*old_tps, *rq_tps]}
-        unset = [tp for tp, c in committed.items() if c is None]
-        starts = offsets.beginning_offsets(unset) if unset else {}
-        position = {tp: starts[tp] if c is None else c for tp, c in committed.items()}
-        ends = offsets.end_offsets([*old_tps, *rq_tps])
-        blocked = 0
-        if self._blocking is not None and not crossed:
-            blocked = group_state_topic.blocked_count(self.settings, self.name)
-        return crossing.GroupView(
-            old_committed={tp.partition: position[tp] for tp in old_tps},
-            old_ends={tp.partition: ends[tp] for tp in old_tps},
-            rq_committed={str(tp.partition): position[tp] for tp in rq_tps},
-            rq_ends={str(tp.partition): ends[tp] for tp in rq_tps},
-            crossed=crossed,
-            blocked=blocked,
-        )
 
     def _commit(self, final: bool = False) -> None:
         """Commit each partition's position (`Ledger.position`) where it moved. While running,
@@ -1008,10 +937,9 @@ class Consumer:
             )
         sub = self._follow_suspension(sub)
         self._sub = sub
-        assert self._mq is not None
-        main = topics.from_snapshot(snap, self._mq.name)
-        if len(main.storage_topics) != len(self._mq.storage_topics):
-            self._follow_main(main)
+        main = topics.from_snapshot(snap, self._crossing.main.name)
+        if len(main.storage_topics) != len(self._crossing.main.storage_topics):
+            self._crossing.follow(main)
             self._subscribe()  # the group rebalances: the new storage topic is assigned
             log.info("%s: now reading %s too", self.name, main.storage_topics[-1].name)
         held = sub.paused or suspension.holds(sub.suspended)
@@ -1081,14 +1009,15 @@ class Consumer:
     def _resume_reading(self) -> None:
         """Read again every paused partition but those past their slot's frontier."""
         consumer = self._consumer
-        free = [tp for tp in consumer.paused() if not self._held(tp)]
+        free = [tp for tp in consumer.paused() if not self._crossing.held(tp)]
         if free:
             consumer.resume(*free)
 
     def _hold_reading(self) -> None:
-        """Pause the assigned partitions past their slot's frontier (`_held`)."""
+        """Pause the assigned partitions past their slot's frontier (`CrossingState.held`)."""
         consumer = self._consumer
-        held = [tp for tp in consumer.assignment() - consumer.paused() if self._held(tp)]
+        state = self._crossing
+        held = [tp for tp in consumer.assignment() - consumer.paused() if state.held(tp)]
         if held:
             consumer.pause(*held)
 
@@ -1107,7 +1036,7 @@ class Consumer:
                 "slots": sorted(self._slots_of(self._ledgers)),
                 "partitions": sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers),
                 "circuit": self._circuit.status(),
-                "waiting": self._waiting,
+                "waiting": self._crossing.waiting,
                 "committed": {
                     f"{tp.topic}/{tp.partition}": offset
                     for tp, (offset, _) in sorted(self._committed.items())
@@ -1197,7 +1126,7 @@ class Consumer:
                     self._committed.pop(tp, None)
                 for slot in slots:
                     self._catch_up.pop(slot, None)
-                    self._frontier.pop(slot, None)
+                self._crossing.forget(slots)
         new = [tp for tp in assigned if tp not in self._ledgers]
         rq_tps = [tp for tp in new if tp.topic == self._rq.name]
         # The member's own consumer is not asked: its blocking calls made between a revoke and
@@ -1233,8 +1162,7 @@ class Consumer:
                     self._committed[tp] = position
             for tp in rq_tps:
                 self._catch_up.setdefault(self._slot(tp), {})[tp] = ends.get(tp, 0)
-            for slot in self._slots_of(new):  # a new slot starts at the first storage topic
-                self._frontier.setdefault(slot, 0)
+            self._crossing.open(self._slots_of(new))  # at the first storage topic
             for slot, found in blocked.items():  # before any of the slot is handed out
                 assert self._blocking is not None
                 self._blocking.load(slot, found)
@@ -1259,7 +1187,7 @@ class Consumer:
             self._reopen(given_back - set(self._catch_up) - revoked_since)
             self._counts["rebalances"] += 1
         self._hold_reading()
-        self._next_cross = 0.0  # new slots look at their boundaries at once
+        self._crossing.look_now()  # new slots look at their boundaries at once
 
     def _reopen(self, slots: set[int]) -> None:
         """(Under the lock) Hand out `slots` again."""
@@ -1269,10 +1197,8 @@ class Consumer:
 
     def _slot(self, tp: TopicPartition) -> int:
         if tp.topic == self._rq.name:
-            partitions = self._rq.partitions
-        else:
-            partitions = self._mq.storage(self._mains[tp.topic]).partitions
-        return slot_of(tp.partition, partitions, self._sub.shard_count)
+            return slot_of(tp.partition, self._rq.partitions, self._sub.shard_count)
+        return self._crossing.slot(tp.topic, tp.partition)
 
     def _slots_of(self, tps) -> set[int]:
         return {self._slot(tp) for tp in tps}
@@ -1315,7 +1241,7 @@ class Consumer:
             dedup = self._dedup
             if work is None or dedup is None or work.dedup_id is None:
                 return work
-            if work.topic not in self._mains:  # a retry or re-drive: not delivered yet
+            if not self._crossing.is_main(work.topic):  # a retry or re-drive: not delivered yet
                 return work
             if not dedup.seen(work.dedup_id, now):
                 return work
