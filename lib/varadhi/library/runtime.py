@@ -65,8 +65,8 @@ is an event of the subscription's trace topic, its `shard` the message's slot.
 
 Rate limit. With `endpoint.max_rate` (HTTP only: a handler is not paced), a member holding k of
 the subscription's S slots paces its one HTTP engine at k/S of the limit (`rate_limit.slot_share`,
-slowed down by 429/503 as a shard's tasks are), set at each rebalance (`_rebalanced`, applied by
-the engine's thread in `_take` before it hands out anything of the new assignment). Why the
+slowed down by 429/503 as a shard's tasks are), set at each rebalance (`_rebalanced`, `shares`,
+applied by the engine's thread in `_take` before it hands out anything of the new assignment). Why the
 members' sum never exceeds the limit: the group's rebalance protocol is eager (kafka-python's
 default for `SlotAssignor`), so every member gives up all its slots (`_revoke` closes them: none
 is handed out) before any member gets the new assignment, and one generation's assignments are
@@ -153,7 +153,6 @@ from varadhi.core.group_state import (
 )
 from varadhi.core.policies import CircuitPolicy
 from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
-from varadhi.core.rate_limit import Pacer, slot_share
 from varadhi.core.record_ids import header_value, text_id
 from varadhi.core.retry import Decision
 from varadhi.core.state_rows import OutRow, retry_state
@@ -176,7 +175,7 @@ from varadhi.library import (
     suspension,
 )
 from varadhi.library import handler as handlers
-from varadhi.library.assign import SlotAssignor, in_flight_share, slot_of
+from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.blocking import Blocking, RedriveHold, after_acks
 from varadhi.library.crossing_state import CrossingState, KafkaBoundary
 from varadhi.library.dedup import DedupMemory, dedup_id
@@ -185,6 +184,7 @@ from varadhi.library.keys import OrderingKey, ordering_key
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.scheduler import Scheduler, Work
 from varadhi.library.shared_circuit import CircuitLink, SharedCircuit
+from varadhi.library.shares import Limits, Shares
 from varadhi.library.sources import Desk, Messages
 from varadhi.library.support import Unsupported, unsupported
 
@@ -305,13 +305,8 @@ class Consumer:
         # or inside `_lock`, never the other way round.
         self._ledger_lock = threading.Lock()
         self._tracers: list[Tracer] | None = None  # per slot, with a trace
-        self._pacer: Pacer | None = None  # with `endpoint.max_rate` and HTTP
-        self._rate: float | None = None  # this member's share of `max_rate` now
-        self._reshare: float | None = None  # a new share, for the engine thread (`_take`)
-        # this member's share of the subscription's `consumption.max_in_flight` now (capped by
-        # `Options.max_in_flight`), and a new one for the engine thread (`_take`)
-        self._in_flight_share = 0
-        self._reshare_in_flight: int | None = None
+        # its shares of `endpoint.max_rate` and `consumption.max_in_flight` (from start)
+        self._shares: Shares | None = None
         self._blocking: Blocking | None = None  # on_dead_letter: block
         # the spec's circuit from `start` (`shared_circuit`: on the subscription's error rate)
         self._circuit = SharedCircuit(CircuitPolicy(enabled=False))
@@ -394,10 +389,15 @@ class Consumer:
             self._deliverer = HttpDeliverer(
                 sub.spec.endpoint, self._max_in_flight, sub.spec.delivery
             )
-            limit = sub.spec.endpoint.max_rate
-            if limit is not None:  # one slot's share until the first assignment sets it
-                self._pacer = Pacer(slot_share(limit, 1, sub.shard_count))
-                self._rate = 0.0
+        self._shares = Shares(
+            Limits(
+                slots=sub.shard_count,
+                in_flight=sub.spec.consumption.max_in_flight,
+                cap=self._max_in_flight,
+                max_rate=sub.spec.endpoint.max_rate,
+                http=self.handler is None,
+            )
+        )
         if traced is not None:
             self._trace = trace_topic.TraceWriter(traced)
             self._tracers = [Tracer(self._traced, s, _now_ms) for s in range(sub.shard_count)]
@@ -504,7 +504,7 @@ class Consumer:
         of `consumption.max_in_flight` (`assign.in_flight_share`). `pausing`: the
         subscription is paused and deliveries are still in flight; `paused`: none is, and
         nothing more is handed out or read until a resume."""
-        crossing = self._crossing  # None before start
+        crossing, shares = self._crossing, self._shares  # None before start
         with self._lock:
             parts = sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers)
             return {
@@ -516,8 +516,8 @@ class Consumer:
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
                 "frontier": {} if crossing is None else crossing.frontiers(),
                 "waiting": None if crossing is None else crossing.waiting,
-                "rate_limit": self._rate,
-                "max_in_flight": self._in_flight_share,
+                "rate_limit": None if shares is None else shares.rate,
+                "max_in_flight": 0 if shares is None else shares.in_flight,
                 "circuit": self._circuit.status(),
                 "suspended": None if self._suspended is None else self._suspended.to_dict(),
             }
@@ -1166,21 +1166,8 @@ class Consumer:
             for slot, found in blocked.items():  # before any of the slot is handed out
                 assert self._blocking is not None
                 self._blocking.load(slot, found)
-            # the concurrency share too: set before any of the new slots is handed out
-            held_slots = self._slots_of(assigned)
-            self._in_flight_share = min(
-                self._max_in_flight,
-                in_flight_share(
-                    self._spec.consumption.max_in_flight, held_slots, self._sub.shard_count
-                ),
-            )
-            if self.handler is None:
-                self._reshare_in_flight = self._in_flight_share
-            if self._pacer is not None:  # set before any of the new slots is handed out
-                limit = self._spec.endpoint.max_rate
-                assert limit is not None
-                self._rate = slot_share(limit, len(held_slots), self._sub.shard_count)
-                self._reshare = self._rate or None  # no slot: nothing to pace
+            # the rate's and concurrency's shares: set before any of the new slots is handed out
+            self._shares.rebalanced(self._slots_of(assigned))
             # a slot hands out nothing before its RQ was read to the end (`_caught_up`)
             self._sched.close(set(self._catch_up) | revoked_since)
             given_back = self._slots_of(assigned - set(new))
@@ -1211,14 +1198,10 @@ class Consumer:
         with self._lock:
             if self._stopping.is_set() or self._paused:
                 return None
-            if self._reshare is not None:
-                assert self._pacer is not None
-                self._pacer.reshare(self._reshare)
-                self._reshare = None
-            if self._reshare_in_flight is not None:
-                self._deliverer.max_in_flight = max(self._reshare_in_flight, 1)
-                self._reshare_in_flight = None
-            if self.handler is not None and self._handed_out() >= self._in_flight_share:
+            in_flight = self._shares.apply()
+            if in_flight is not None:
+                self._deliverer.max_in_flight = in_flight
+            if self.handler is not None and self._handed_out() >= self._shares.in_flight:
                 return None  # each handler call is one message handed out
             return self._next_work()
 
@@ -1282,7 +1265,7 @@ class Consumer:
         )
         source = Messages(desk, self._spec.endpoint.shaping, self._spec.retry, self._rng)
         try:
-            self._deliverer.run(source, pacer=self._pacer, idle=source.idle)
+            self._deliverer.run(source, pacer=self._shares.pacer, idle=source.idle)
         except BaseException as e:  # noqa: BLE001
             self._fail(e)
 
