@@ -146,16 +146,14 @@ from varadhi.core.delivery import HttpDeliverer, Outcome
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotAuthorized, VaradhiError
 from varadhi.core.group_state import (
     OVER_LIMIT,
-    Entry,
     out_bytes,
     trace_attempt,
     with_response,
 )
 from varadhi.core.policies import CircuitPolicy
 from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
-from varadhi.core.record_ids import header_value, text_id
 from varadhi.core.retry import Decision
-from varadhi.core.state_rows import OutRow, retry_state
+from varadhi.core.state_rows import OutRow
 from varadhi.core.trace import Next, TraceEvent, Tracer, topic_name
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
@@ -168,6 +166,7 @@ from varadhi.library import (
     dedup_topic,
     fence,
     group_state_topic,
+    intake,
     join_guard,
     position,
     redrive,
@@ -178,9 +177,9 @@ from varadhi.library import handler as handlers
 from varadhi.library.assign import SlotAssignor, slot_of
 from varadhi.library.blocking import Blocking, RedriveHold, after_acks
 from varadhi.library.crossing_state import CrossingState, KafkaBoundary
-from varadhi.library.dedup import DedupMemory, dedup_id
+from varadhi.library.dedup import DedupMemory
 from varadhi.library.dedup_topic import DedupReader
-from varadhi.library.keys import OrderingKey, ordering_key
+from varadhi.library.keys import OrderingKey
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.scheduler import Scheduler, Work
 from varadhi.library.shared_circuit import CircuitLink, SharedCircuit
@@ -377,6 +376,13 @@ class Consumer:
         self._suspended, self._pause_asked = sub.suspended, sub.paused
         self._spec = sub.spec
         self._crossing = CrossingState(main, sub.shard_count, sub.spec.grouped)
+        self._intake = intake.Intake(
+            self.name,
+            sub.spec,
+            rq.produce_topic.name,
+            self.options.ordering_key,
+            dedup=self._dedup_topic is not None,
+        )
         self._rq, self._dlq = rq.produce_topic, dlq.produce_topic
         self._dlq_queue = dlq
         self._limits = {t: min(n, MAX_REQUEST_BYTES) for t, n in limits.items()}
@@ -636,7 +642,7 @@ class Consumer:
         redriver = redrive.Redriver()
         hold = None
         if self._blocking is not None:
-            hold = RedriveHold(self._blocking, self._lock, self._rq.name, self._key_of)
+            hold = RedriveHold(self._blocking, self._lock, self._rq.name, self._intake.key_of)
         try:
             while not self._stopping.wait(1.0 if redriver.pacing else CATALOG_CHECK_S):
                 with self._lock:
@@ -713,68 +719,14 @@ class Consumer:
             self._lock.notify_all()
 
     def _work(self, tp: TopicPartition, r) -> Work | None:
-        """A record as a `Work` (None: an RQ record no shard or member wrote: dropped, as
-        the shards drop it)."""
-        headers = m.headers_to_dict(r.headers)
-        from_rq = tp.topic == self._rq.name
-        if not from_rq:
-            headers = m.control_free(headers)
-            if self._spec.endpoint.shaping.key_header is not None:
-                key_text = text_id(r.key)  # the RQ/DLQ copies keep it: they are keyed by group
-                if key_text is not None:
-                    headers[m.H_KEY] = key_text
-        msg_id, group = _ids(tp, r)
-        if m.H_MSG_ID in headers:
-            headers[m.H_MSG_ID] = msg_id
-        if m.H_GROUP_ID in headers:
-            headers[m.H_GROUP_ID] = group or ""
-        value = None if r.value is None else bytes(r.value)
-        problem = None
-        if value is None:
-            problem = "malformed: no value"
-        elif len(value) > self._spec.max_message_bytes:
-            problem = (
-                f"malformed: value of {len(value)} bytes exceeds {self._spec.max_message_bytes}"
-            )
-        entry = Entry(  # an RQ copy's origin is its message's (below)
-            m.Origin(0 if from_rq else self._crossing.index_of(tp.topic), tp.partition, r.offset),
-            msg_id,
-            group,
-            "new",
-            value,
-            headers,
-            source=f"{tp.topic}/{tp.partition}/{r.offset}",
-            invalid=problem,
-        )
-        if from_rq:
-            try:
-                entry.origin, entry.attempts, entry.due_ms = retry_state(headers)
-                first = headers.get(m.H_FIRST_FAILURE_MS, "")
-                entry.first_failure_ms = int(first) if first.isdigit() else None
-            except (KeyError, ValueError):
-                log.warning("%s: %s has no retry state: dropped", self.name, entry.source)
-                return None
-            entry.invalid = None
-            slot = slot_of(tp.partition, self._rq.partitions, self._sub.shard_count)
-        else:
-            slot = self._slot(tp)
-        work = Work(
-            entry, tp.topic, tp.partition, r.offset, slot, self._key_of(r.key, headers, value)
-        )
-        if self._dedup is not None:  # remembered once delivered; checked on the main topic
-            work.dedup_id = dedup_id(headers, value)
-        return work
-
-    def _key_of(self, raw_key: bytes | None, headers: dict[str, str], value: bytes | None):
-        """A record's ordering key (None: unordered)."""
-        if not self._spec.grouped:
-            return None
-        return ordering_key(self.options.ordering_key, raw_key, headers, value)
+        """A record as a `Work` (`Intake.work`; None: dropped)."""
+        index = 0 if tp.topic == self._rq.name else self._crossing.index_of(tp.topic)
+        return self._intake.work(tp, r, index, self._slot(tp))
 
     def _trace_filtered(self, tp: TopicPartition, r) -> None:
         tracer = self._tracer(self._slot(tp))
         if tracer is not None:
-            msg_id, group = _ids(tp, r)
+            msg_id, group = intake.ids(tp, r)
             tracer.routed(
                 msg_id,
                 group,
@@ -812,17 +764,12 @@ class Consumer:
         return out
 
     def _full(self) -> bool:
-        """Whether reading the main topic waits: `max_pending` messages are held and no slot
-        is still reading its RQ. The RQ is read on: every `FULL_POLL_S` the member polls, takes
-        what the RQ gives and reads the main topic's records again later (`_read_again`), or a
-        member whose held messages all wait for their keys' retries would wait for good.
-
-        Not with `pause`: kafka-python 3.0.12 was seen to fetch nothing more of a partition
-        paused and resumed under load."""
+        """Whether reading the main topic waits (`intake.full`). The RQ is read on: every
+        `FULL_POLL_S` the member polls, takes what the RQ gives and reads the main topic's
+        records again later (`_read_again`)."""
         with self._lock:
-            return self._sched.pending >= self.options.max_pending and not any(
-                self._catch_up.values()
-            )
+            catching_up = any(self._catch_up.values())
+            return intake.full(self._sched.pending, self.options.max_pending, catching_up)
 
     def _read_again(self, tp: TopicPartition, records) -> None:
         """Drop `records` (polled while the member is full, before `tp` was set up, or past
@@ -1556,12 +1503,6 @@ class _Listener(ConsumerRebalanceListener):
 
     def on_partitions_assigned(self, assigned):
         self.consumer._assign(assigned)
-
-
-def _ids(tp: TopicPartition, r) -> tuple[str, str | None]:
-    """A record's message id and group id, as the shards read them (`varadhi.core.record_ids`)."""
-    msg_id = text_id(header_value(r.headers, m.H_MSG_ID)) or f"{tp.topic}-{tp.partition}-{r.offset}"
-    return msg_id, text_id(header_value(r.headers, m.H_GROUP_ID)) or text_id(r.key)
 
 
 def _session_kwargs(session_timeout_ms: int | None) -> dict[str, int]:
