@@ -40,7 +40,7 @@ its later main-topic messages are sidelined to the DLQ behind it, and the key's 
 compacted GroupState topic (`group_state_topic`), read for each new slot before any of it is
 handed out, so a restarted member or a slot's new owner holds the key blocked; the re-driven
 copy's delivery lifts the block. Each offset of such a message finishes only once its DLQ record
-and the key's GroupState record are acknowledged (`_send`'s `also`, `blocking.after_acks`).
+and the key's GroupState record are acknowledged (`queue_writer`, `blocking.after_acks`).
 
 Rebalance. When slots are revoked the member hands out nothing more of them, awaits their
 deliveries in flight (bounded: `settle`) and commits what finished of them (`_revoke`:
@@ -139,7 +139,7 @@ from kafka.errors import (
 )
 from kafka.structs import OffsetAndMetadata
 
-from varadhi.core import filters, routing
+from varadhi.core import filters
 from varadhi.core import messages as m
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.delivery import HttpDeliverer, Outcome
@@ -151,9 +151,8 @@ from varadhi.core.group_state import (
     with_response,
 )
 from varadhi.core.policies import CircuitPolicy
-from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
+from varadhi.core.queue_records import MAX_REQUEST_BYTES
 from varadhi.core.retry import Decision
-from varadhi.core.state_rows import OutRow
 from varadhi.core.trace import Next, TraceEvent, Tracer, topic_name
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
@@ -175,12 +174,13 @@ from varadhi.library import (
 )
 from varadhi.library import handler as handlers
 from varadhi.library.assign import SlotAssignor, slot_of
-from varadhi.library.blocking import Blocking, RedriveHold, after_acks
+from varadhi.library.blocking import Blocking, RedriveHold
 from varadhi.library.crossing_state import CrossingState, KafkaBoundary
 from varadhi.library.dedup import DedupMemory
 from varadhi.library.dedup_topic import DedupReader
 from varadhi.library.keys import OrderingKey
 from varadhi.library.offsets import Ledger, decode
+from varadhi.library.queue_writer import Queues, QueueWriter, retry_target
 from varadhi.library.scheduler import Scheduler, Work
 from varadhi.library.shared_circuit import CircuitLink, SharedCircuit
 from varadhi.library.shares import Limits, Shares
@@ -385,7 +385,12 @@ class Consumer:
         )
         self._rq, self._dlq = rq.produce_topic, dlq.produce_topic
         self._dlq_queue = dlq
-        self._limits = {t: min(n, MAX_REQUEST_BYTES) for t, n in limits.items()}
+        self._queues = Queues(
+            rq.produce_topic,
+            dlq.produce_topic,
+            {t: min(n, MAX_REQUEST_BYTES) for t, n in limits.items()},
+            sub.shard_count,
+        )
         # the most this process ever has in flight: the subscription's limit, or its own cap
         self._max_in_flight = min(
             sub.spec.consumption.max_in_flight,
@@ -410,6 +415,9 @@ class Consumer:
         self._producer = kafka_clients.producer(
             self.settings, acks="all", linger_ms=LINGER_MS, max_request_size=MAX_REQUEST_BYTES
         )
+        self._writer = QueueWriter(
+            self._producer, self._queues, self._finished.put, self._write_failed
+        )
         if sub.spec.on_dead_letter == "block":
             self._blocking = Blocking(
                 self._sched,
@@ -417,7 +425,7 @@ class Consumer:
                 group_state_topic.topic_name(self.name),
                 self._dlq.partitions,
                 sub.shard_count,
-                partial(self._send, "dlq"),
+                partial(self._writer.send, "dlq"),
                 self._sideline,
             )
         # Committed offsets and their metadata, end offsets: read with a consumer of the group
@@ -658,7 +666,7 @@ class Consumer:
                         self._dlq_queue,
                         slots,
                         self._producer,
-                        self._limits[self._rq.name],
+                        self._queues.rq_limit,
                         _now_ms(),
                         hold,
                     )
@@ -1299,7 +1307,7 @@ class Consumer:
             self._lock.notify_all()
         self._circuit.ended(work, None)
         if self._blocking is None:
-            self._send("dlq", work)
+            self._writer.send("dlq", work)
 
     def _dead_letter(self, work: Work) -> bool:
         """(Under the lock) `work`, a head handed out, goes to the DLQ: its key goes on (skip
@@ -1323,7 +1331,7 @@ class Consumer:
         tracer = self._tracer(work.slot)
         if tracer is not None:
             tracer.routed(e.msg_id, e.group_id, "dlq", e.reason, source=e.source)
-        self._send("dlq", work, also)
+        self._writer.send("dlq", work, also)
 
     def _settle(self, work: Work, decision: Decision, outcome: Outcome) -> None:
         """Act on an attempt's decision: finish, write to the RQ (the key waits for it) or to
@@ -1342,8 +1350,7 @@ class Consumer:
                 lifted += self._remember_delivered(work, now)
                 self._sched.done(work)
                 self._lock.notify_all()
-                where = (TopicPartition(work.topic, work.partition), work.offset)
-                after_acks(lifted, partial(self._finished.put, where), self._write_failed)
+                self._writer.finish_after(work, lifted)
         if decision.action == "success":
             self._trace_attempt(work, outcome, "delivered")
             return
@@ -1357,14 +1364,9 @@ class Consumer:
         target: Next = "dlq"
         if decision.action == "retry":
             e.due_ms = decision.due_ms or now
-            limit = self._limits[self._rq.name]
-            if out_bytes(e) > limit:
-                e.reason = (
-                    f"{e.reason}; not retried: a record of about {out_bytes(e)} bytes exceeds "
-                    f"the retry queue's {limit}"
-                )
-            else:
-                target = "rq"
+            target, why = retry_target(out_bytes(e), self._queues.rq_limit)
+            if why is not None:
+                e.reason = f"{e.reason}; {why}"
         with self._lock:
             if target == "rq":
                 self._counts["retried"] += 1
@@ -1375,7 +1377,7 @@ class Consumer:
             self._lock.notify_all()
         self._trace_attempt(work, outcome, target)
         if target == "rq" or self._blocking is None:
-            self._send(target, work)
+            self._writer.send(target, work)
 
     def _remember_delivered(self, work: Work, now: int) -> list:
         """(Under the lock) With a dedup window, `work`'s id as delivered at `now`: remembered
@@ -1425,40 +1427,6 @@ class Consumer:
         tracer = self._tracer(work.slot)
         if tracer is not None:
             trace_attempt(tracer, work.entry, outcome, next_step)
-
-    def _send(self, target: str, work: Work, also: list = ()) -> None:
-        """Write `work`'s RQ or DLQ record, on its slot's partition of the queue, as a shard
-        writes it; its offset finishes once the broker acknowledged it (and the writes `also`,
-        its key's GroupState record)."""
-        e = work.entry
-        queue = self._rq if target == "rq" else self._dlq
-        row = OutRow(
-            target,
-            work.group_key,
-            e.group_id,
-            e.msg_id,
-            e.origin,
-            e.value,
-            e.headers,
-            e.attempts,
-            e.due_ms,
-            e.first_failure_ms,
-            e.last_failure_ms,
-            e.reason,
-            e.status,
-        )
-        record = out_record(row, self._limits[queue.name])
-        owned = routing.shard_partitions(work.slot, self._sub.shard_count, queue.partitions)
-        partition = routing.internal_partition(routing.group_hash(work.group_key), owned)
-        where = (TopicPartition(work.topic, work.partition), work.offset)
-        future = self._producer.send(
-            queue.name,
-            key=record.key,
-            value=record.value,
-            partition=partition,
-            headers=record.headers,
-        )
-        after_acks([future, *also], partial(self._finished.put, where), self._write_failed)
 
     def _write_failed(self, error: BaseException) -> None:
         self._fail(error, "Write")
