@@ -147,16 +147,14 @@ from varadhi.core.errors import InvalidArgument, KafkaUnavailable, NotAuthorized
 from varadhi.core.group_state import (
     OVER_LIMIT,
     out_bytes,
-    trace_attempt,
     with_response,
 )
 from varadhi.core.policies import CircuitPolicy
 from varadhi.core.queue_records import MAX_REQUEST_BYTES
 from varadhi.core.retry import Decision
-from varadhi.core.trace import Next, TraceEvent, Tracer, topic_name
+from varadhi.core.trace import Next
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
-from varadhi.kafka import trace as trace_topic
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
@@ -179,6 +177,7 @@ from varadhi.library.crossing_state import CrossingState, KafkaBoundary
 from varadhi.library.dedup import DedupMemory
 from varadhi.library.dedup_topic import DedupReader
 from varadhi.library.keys import OrderingKey
+from varadhi.library.member_trace import MemberTrace, trace_target
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.queue_writer import Queues, QueueWriter, retry_target
 from varadhi.library.scheduler import Scheduler, Work
@@ -297,13 +296,11 @@ class Consumer:
         self._failure: BaseException | None = None  # what ended it (`failure`)
         self._threads: list[threading.Thread] = []
         self._rng = random.Random()
-        self._trace: trace_topic.TraceWriter | None = None
-        self._trace_lock = threading.Lock()  # `TraceWriter.add` takes one thread at a time
+        self._trace = MemberTrace(None, 0)  # its own from `start` (`member_trace`)
         # The ledgers' offsets: the Kafka thread reads and finishes them, the rebalance listener
         # (kafka-python's I/O thread) commits what finished of revoked partitions. Taken alone,
         # or inside `_lock`, never the other way round.
         self._ledger_lock = threading.Lock()
-        self._tracers: list[Tracer] | None = None  # per slot, with a trace
         # its shares of `endpoint.max_rate` and `consumption.max_in_flight` (from start)
         self._shares: Shares | None = None
         self._blocking: Blocking | None = None  # on_dead_letter: block
@@ -356,7 +353,7 @@ class Consumer:
             limits = topics.max_message_bytes(
                 catalog, [rq.produce_topic.name, dlq.produce_topic.name]
             )
-            traced = self._trace_target(sub)
+            traced = trace_target(self.settings, self.name, sub.spec.trace)
             if sub.spec.on_dead_letter == "block":
                 group_state_topic.ensure_topic(self.settings, self.name, dlq)
             if sub.spec.dedup_window_ms:
@@ -409,9 +406,7 @@ class Consumer:
                 http=self.handler is None,
             )
         )
-        if traced is not None:
-            self._trace = trace_topic.TraceWriter(traced)
-            self._tracers = [Tracer(self._traced, s, _now_ms) for s in range(sub.shard_count)]
+        self._trace = MemberTrace(traced, sub.shard_count)
         self._producer = kafka_clients.producer(
             self.settings, acks="all", linger_ms=LINGER_MS, max_request_size=MAX_REQUEST_BYTES
         )
@@ -627,8 +622,7 @@ class Consumer:
                 self._catalog.close()
                 if self.handler is None:
                     self._deliverer.close()
-                if self._trace is not None:
-                    self._trace.close()
+                self._trace.close()
                 if self._dedup_reader is not None:
                     self._dedup_reader.close()
                 if self._state != "failed":
@@ -706,7 +700,7 @@ class Consumer:
             if keep is not None and not filters.matches(keep, r.key, r.headers):
                 self._finish(ledger, r.offset)
                 dropped += 1
-                self._trace_filtered(tp, r)
+                self._trace.filtered(tp, r, self._slot(tp))
                 continue
             work = self._work(tp, r)
             if work is None:
@@ -730,18 +724,6 @@ class Consumer:
         """A record as a `Work` (`Intake.work`; None: dropped)."""
         index = 0 if tp.topic == self._rq.name else self._crossing.index_of(tp.topic)
         return self._intake.work(tp, r, index, self._slot(tp))
-
-    def _trace_filtered(self, tp: TopicPartition, r) -> None:
-        tracer = self._tracer(self._slot(tp))
-        if tracer is not None:
-            msg_id, group = intake.ids(tp, r)
-            tracer.routed(
-                msg_id,
-                group,
-                "filtered",
-                "the subscription's filter does not match it",
-                source=f"{tp.topic}/{tp.partition}/{r.offset}",
-            )
 
     def _apply_finished(self) -> None:
         while True:
@@ -1186,10 +1168,7 @@ class Consumer:
             self._sched.done(work)
             self._counts["deduplicated"] += 1
             self._finished.put((TopicPartition(work.topic, work.partition), work.offset))
-            tracer = self._tracer(work.slot)
-            if tracer is not None:
-                e = work.entry
-                tracer.routed(e.msg_id, e.group_id, "deduplicated", None, source=e.source)
+            self._trace.routed(work, "deduplicated", None)
 
     def _follow_dedup(self) -> None:
         """(Its own thread) The dedup topic's tail: the ids the members deliver."""
@@ -1291,16 +1270,7 @@ class Consumer:
         e.first_failure_ms = e.first_failure_ms or now
         e.last_failure_ms = now
         e.reason = e.invalid
-        tracer = self._tracer(work.slot)
-        if tracer is not None:
-            tracer.routed(
-                e.msg_id,
-                e.group_id,
-                "dlq",
-                e.reason,
-                redriven=e.headers.get(m.H_REDRIVEN),
-                source=e.source,
-            )
+        self._trace.routed(work, "dlq", e.reason, redriven=e.headers.get(m.H_REDRIVEN))
         with self._lock:
             parked = self._dead_letter(work)  # (it counts what it sidelines: not inline)
             self._counts["dead_lettered"] += parked
@@ -1328,9 +1298,7 @@ class Consumer:
         e.first_failure_ms = e.last_failure_ms = now
         self._counts["dead_lettered"] += 1
         self._counts["sidelined"] += 1
-        tracer = self._tracer(work.slot)
-        if tracer is not None:
-            tracer.routed(e.msg_id, e.group_id, "dlq", e.reason, source=e.source)
+        self._trace.routed(work, "dlq", e.reason)
         self._writer.send("dlq", work, also)
 
     def _settle(self, work: Work, decision: Decision, outcome: Outcome) -> None:
@@ -1352,7 +1320,7 @@ class Consumer:
                 self._lock.notify_all()
                 self._writer.finish_after(work, lifted)
         if decision.action == "success":
-            self._trace_attempt(work, outcome, "delivered")
+            self._trace.attempt(work, outcome, "delivered")
             return
         with self._lock:
             self._counts["failures"] += 1
@@ -1375,7 +1343,7 @@ class Consumer:
                 parked = self._dead_letter(work)  # (it counts what it sidelines: not inline)
                 self._counts["dead_lettered"] += parked
             self._lock.notify_all()
-        self._trace_attempt(work, outcome, target)
+        self._trace.attempt(work, outcome, target)
         if target == "rq" or self._blocking is None:
             self._writer.send(target, work)
 
@@ -1389,44 +1357,6 @@ class Consumer:
         assert self._dedup_topic is not None
         key = work.dedup_id.encode("utf-8", "surrogateescape")
         return [self._producer.send(self._dedup_topic, key=key, value=dedup_topic.encode(now))]
-
-    # -- the delivery trace -------------------------------------------------------------------
-    def _trace_target(self, sub: subscriptions.Subscription) -> trace_topic.TraceTarget | None:
-        """Where this member's trace events go (None: the spec has no trace). The topic is made
-        (or its retention set) here, as a shard does; when Kafka refuses that, this run is not
-        traced (logged): a trace never holds delivery back."""
-        policy = sub.spec.trace
-        if policy is None:
-            return None
-        topic = topic_name(self.name)
-        try:
-            partitions = trace_topic.ensure_topic(self.settings, topic, policy.retention_ms)
-        except (KafkaError, VaradhiError) as e:
-            log.warning(
-                "%s: the delivery trace's topic cannot be made (%s): not traced", self.name, e
-            )
-            return None
-        return trace_topic.TraceTarget(
-            bootstrap=self.settings.bootstrap,
-            topic=topic,
-            partitions=partitions,
-            shard=None,
-            kafka=kafka_clients.config_of(self.settings),
-        )
-
-    def _traced(self, event: TraceEvent) -> None:
-        with self._trace_lock:
-            assert self._trace is not None
-            self._trace.add(event)
-
-    def _tracer(self, slot: int) -> Tracer | None:
-        """The tracer of a slot's messages (its events' `shard` is the slot); None untraced."""
-        return None if self._tracers is None else self._tracers[slot]
-
-    def _trace_attempt(self, work: Work, outcome: Outcome, next_step: Next) -> None:
-        tracer = self._tracer(work.slot)
-        if tracer is not None:
-            trace_attempt(tracer, work.entry, outcome, next_step)
 
     def _write_failed(self, error: BaseException) -> None:
         self._fail(error, "Write")
