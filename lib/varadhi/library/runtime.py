@@ -127,7 +127,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from functools import partial
-from queue import Empty, SimpleQueue
 from typing import Any
 
 from kafka import ConsumerRebalanceListener, TopicPartition
@@ -137,7 +136,6 @@ from kafka.errors import (
     GroupAuthorizationFailedError,
     KafkaError,
 )
-from kafka.structs import OffsetAndMetadata
 
 from varadhi.core import filters
 from varadhi.core import messages as m
@@ -177,6 +175,7 @@ from varadhi.library.crossing_state import CrossingState, KafkaBoundary
 from varadhi.library.dedup import DedupMemory
 from varadhi.library.dedup_topic import DedupReader
 from varadhi.library.keys import OrderingKey
+from varadhi.library.ledgers import Ledgers
 from varadhi.library.member_trace import MemberTrace, trace_target
 from varadhi.library.offsets import Ledger, decode
 from varadhi.library.queue_writer import Queues, QueueWriter, retry_target
@@ -276,9 +275,7 @@ class Consumer:
             )
         self._lock = threading.Condition()
         self._sched = Scheduler()
-        self._finished: SimpleQueue[tuple[TopicPartition, int]] = SimpleQueue()
-        self._ledgers: dict[TopicPartition, Ledger] = {}
-        self._committed: dict[TopicPartition, tuple[int, str]] = {}
+        self._ledgers = Ledgers()  # per partition held: its offsets and its last commit
         self._catch_up: dict[int, dict[TopicPartition, int]] = {}  # slot -> RQ end offsets
         # which storage topics of the main topic each slot reads (`crossing_state`; from start)
         self._crossing: CrossingState | None = None
@@ -297,10 +294,6 @@ class Consumer:
         self._threads: list[threading.Thread] = []
         self._rng = random.Random()
         self._trace = MemberTrace(None, 0)  # its own from `start` (`member_trace`)
-        # The ledgers' offsets: the Kafka thread reads and finishes them, the rebalance listener
-        # (kafka-python's I/O thread) commits what finished of revoked partitions. Taken alone,
-        # or inside `_lock`, never the other way round.
-        self._ledger_lock = threading.Lock()
         # its shares of `endpoint.max_rate` and `consumption.max_in_flight` (from start)
         self._shares: Shares | None = None
         self._blocking: Blocking | None = None  # on_dead_letter: block
@@ -411,7 +404,7 @@ class Consumer:
             self.settings, acks="all", linger_ms=LINGER_MS, max_request_size=MAX_REQUEST_BYTES
         )
         self._writer = QueueWriter(
-            self._producer, self._queues, self._finished.put, self._write_failed
+            self._producer, self._queues, self._ledgers.finished, self._write_failed
         )
         if sub.spec.on_dead_letter == "block":
             self._blocking = Blocking(
@@ -515,13 +508,13 @@ class Consumer:
         nothing more is handed out or read until a resume."""
         crossing, shares = self._crossing, self._shares  # None before start
         with self._lock:
-            parts = sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers)
+            parts = sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers.partitions())
             return {
                 "state": self._shown_state(),
                 "error": self._error,
                 "member": self.member,
                 "partitions": parts,
-                "slots": sorted(self._slots_of(self._ledgers)),
+                "slots": sorted(self._slots_of(self._ledgers.partitions())),
                 "catching_up": sorted(s for s, ends in self._catch_up.items() if ends),
                 "frontier": {} if crossing is None else crossing.frontiers(),
                 "waiting": None if crossing is None else crossing.waiting,
@@ -586,7 +579,7 @@ class Consumer:
                     self._transient_ok(self._rebalanced, "the new assignment is not set up")
                 if self._paused:  # partitions a rebalance gave it since
                     self._pause_reading()
-                self._apply_finished()
+                self._ledgers.apply_finished()
                 for tp, records in batches.items():
                     if rq_only and tp.topic != self._rq.name:
                         self._read_again(tp, records)
@@ -611,7 +604,7 @@ class Consumer:
                     t.join()
             try:
                 self._producer.flush(timeout=30)
-                self._apply_finished()
+                self._ledgers.apply_finished()
                 self._commit(final=True)
             except BaseException as e:  # noqa: BLE001
                 self._fail(e)
@@ -650,7 +643,7 @@ class Consumer:
                 with self._lock:
                     if self._paused:
                         continue
-                    slots = self._slots_of(self._ledgers)
+                    slots = self._slots_of(self._ledgers.partitions())
                 try:
                     redriver.apply_pending(
                         self.settings,
@@ -692,19 +685,17 @@ class Consumer:
         # Only main-topic records are filtered: what reached the RQ passed the filter already.
         keep = None if tp.topic == self._rq.name else self._spec.filter
         for r in records:
-            with self._ledger_lock:
-                unread = ledger.read(r.offset)
-            if not unread:
+            if not self._ledgers.read(ledger, r.offset):
                 self._counts["skipped_finished"] += 1
                 continue
             if keep is not None and not filters.matches(keep, r.key, r.headers):
-                self._finish(ledger, r.offset)
+                self._ledgers.finish(ledger, r.offset)
                 dropped += 1
                 self._trace.filtered(tp, r, self._slot(tp))
                 continue
             work = self._work(tp, r)
             if work is None:
-                self._finish(ledger, r.offset)
+                self._ledgers.finish(ledger, r.offset)
                 continue
             works.append(work)
         with self._lock:
@@ -717,41 +708,13 @@ class Consumer:
                     self._counts["duplicates"] += 1
                     ledger_of = self._ledgers.get(TopicPartition(dup.topic, dup.partition))
                     if ledger_of is not None:
-                        self._finish(ledger_of, dup.offset)
+                        self._ledgers.finish(ledger_of, dup.offset)
             self._lock.notify_all()
 
     def _work(self, tp: TopicPartition, r) -> Work | None:
         """A record as a `Work` (`Intake.work`; None: dropped)."""
         index = 0 if tp.topic == self._rq.name else self._crossing.index_of(tp.topic)
         return self._intake.work(tp, r, index, self._slot(tp))
-
-    def _apply_finished(self) -> None:
-        while True:
-            try:
-                tp, offset = self._finished.get_nowait()
-            except Empty:
-                return
-            ledger = self._ledgers.get(tp)
-            if ledger is not None:
-                self._finish(ledger, offset)
-
-    def _finish(self, ledger: Ledger, offset: int) -> None:
-        with self._ledger_lock:
-            ledger.finish(offset)
-
-    def _positions(self, tps) -> dict[TopicPartition, OffsetAndMetadata]:
-        """The commit of each of `tps` that has a ledger and read something, where it moved
-        since its last commit."""
-        out = {}
-        with self._ledger_lock:
-            for tp in tps:
-                ledger = self._ledgers.get(tp)
-                if ledger is None or ledger.upto <= ledger.start:
-                    continue
-                position = ledger.position()
-                if position != self._committed.get(tp):
-                    out[tp] = OffsetAndMetadata(position[0], position[1], -1)
-        return out
 
     def _full(self) -> bool:
         """Whether reading the main topic waits (`intake.full`). The RQ is read on: every
@@ -831,8 +794,8 @@ class Consumer:
         blocking calls met a rebalance); the last one, at stop, waits."""
         with self._lock:
             # revoked ones are not its own any more: `_revoke` committed them
-            held = set(self._ledgers) - self._revoked
-        offsets = self._positions(held)
+            held = set(self._ledgers.partitions()) - self._revoked
+        offsets = self._ledgers.positions(held)
         if not offsets:
             return
         if final:
@@ -851,9 +814,7 @@ class Consumer:
             log.info("%s: commit refused (%s); the next one tries again", self.name, error)
             return
         with self._lock:
-            for tp, om in offsets.items():
-                if tp in self._ledgers:  # not forgotten (a revoke's commit) meanwhile
-                    self._committed[tp] = (om.offset, om.metadata)
+            self._ledgers.committed(offsets)
             self._counts["commits"] += 1
 
     def _check_catalog(self) -> None:
@@ -970,14 +931,13 @@ class Consumer:
                 "member": self.member,
                 "state": self._shown_state(),
                 "error": self._error,
-                "slots": sorted(self._slots_of(self._ledgers)),
-                "partitions": sorted(f"{tp.topic}/{tp.partition}" for tp in self._ledgers),
+                "slots": sorted(self._slots_of(self._ledgers.partitions())),
+                "partitions": sorted(
+                    f"{tp.topic}/{tp.partition}" for tp in self._ledgers.partitions()
+                ),
                 "circuit": self._circuit.status(),
                 "waiting": self._crossing.waiting,
-                "committed": {
-                    f"{tp.topic}/{tp.partition}": offset
-                    for tp, (offset, _) in sorted(self._committed.items())
-                },
+                "committed": self._ledgers.commits(),
             }
         doc["counters"] = self.counters()
         self._progress.publish(doc, force=True)
@@ -1007,8 +967,8 @@ class Consumer:
         slots = self._slots_of(tps)
         wait_s = min(REVOKE_WAIT_S, self._spec.endpoint.request_timeout_ms / 1000)
         await settle.settled(lambda: self._in_flight(slots), self._loop_sleep, wait_s)
-        self._apply_finished()
-        offsets = self._positions(tps)
+        self._ledgers.apply_finished()
+        offsets = self._ledgers.positions(tps)
         if offsets:
             self._consumer.commit_async(offsets, callback=self._committed_done)
 
@@ -1059,12 +1019,11 @@ class Consumer:
                 if self._blocking is not None:
                     self._blocking.drop(slots)
                 for tp in gone:
-                    self._ledgers.pop(tp, None)
-                    self._committed.pop(tp, None)
+                    self._ledgers.forget(tp)
                 for slot in slots:
                     self._catch_up.pop(slot, None)
                 self._crossing.forget(slots)
-        new = [tp for tp in assigned if tp not in self._ledgers]
+        new = [tp for tp in assigned if self._ledgers.get(tp) is None]
         rq_tps = [tp for tp in new if tp.topic == self._rq.name]
         # The member's own consumer is not asked: its blocking calls made between a revoke and
         # the next assignment were seen to stall kafka-python 3.0.12's join for good.
@@ -1094,9 +1053,7 @@ class Consumer:
             # gone), but never opened
             revoked_since = self._slots_of(self._revoked)
             for tp, (ledger, position) in ledgers.items():
-                self._ledgers[tp] = ledger
-                if position is not None:
-                    self._committed[tp] = position
+                self._ledgers.install(tp, ledger, position)
             for tp in rq_tps:
                 self._catch_up.setdefault(self._slot(tp), {})[tp] = ends.get(tp, 0)
             self._crossing.open(self._slots_of(new))  # at the first storage topic
@@ -1167,7 +1124,7 @@ class Consumer:
                 return work
             self._sched.done(work)
             self._counts["deduplicated"] += 1
-            self._finished.put((TopicPartition(work.topic, work.partition), work.offset))
+            self._ledgers.finished((TopicPartition(work.topic, work.partition), work.offset))
             self._trace.routed(work, "deduplicated", None)
 
     def _follow_dedup(self) -> None:
