@@ -182,7 +182,7 @@ from varadhi.library.queue_writer import Queues, QueueWriter, retry_target
 from varadhi.library.scheduler import Scheduler, Work
 from varadhi.library.shared_circuit import CircuitLink, SharedCircuit
 from varadhi.library.shares import Limits, Shares
-from varadhi.library.sources import Desk, Messages
+from varadhi.library.sources import Desk, Messages, run_handler
 from varadhi.library.support import Unsupported, unsupported
 
 log = logging.getLogger(__name__)
@@ -1150,11 +1150,14 @@ class Consumer:
             self._lock.notify_all()  # handler threads waiting for work look again
         self._publish(force=True)
 
-    def _deliver_http(self) -> None:
-        desk = Desk(
+    def _desk(self) -> Desk:
+        """What a delivery thread needs of this member (`sources`)."""
+        return Desk(
             self._take, self._await_work, self._stopping, self._settle_invalid, self._settle
         )
-        source = Messages(desk, self._spec.endpoint.shaping, self._spec.retry, self._rng)
+
+    def _deliver_http(self) -> None:
+        source = Messages(self._desk(), self._spec.endpoint.shaping, self._spec.retry, self._rng)
         try:
             self._deliverer.run(source, pacer=self._shares.pacer, idle=source.idle)
         except BaseException as e:  # noqa: BLE001
@@ -1188,34 +1191,7 @@ class Consumer:
     def _deliver_handler(self) -> None:
         assert self.handler is not None
         try:
-            while True:
-                work = self._await_work()
-                if work is None:
-                    return
-                e = work.entry
-                if e.invalid:
-                    self._settle_invalid(work)
-                    continue
-                message = handlers.Message(
-                    e.msg_id,
-                    e.group_id,
-                    work.key,
-                    e.value or b"",
-                    dict(e.headers),
-                    e.attempts + 1,
-                    e.source,
-                )
-                started = time.perf_counter()
-                try:
-                    result = self.handler(message)
-                except Exception as exc:  # noqa: BLE001 - a retry, see `handler`
-                    result = handlers.Retry(reason=f"handler raised {type(exc).__name__}: {exc}")
-                elapsed_ms = (time.perf_counter() - started) * 1000
-                now = _now_ms()
-                decision = handlers.decision(
-                    self._spec.retry, e.attempts + 1, result, now, self._rng
-                )
-                self._settle(work, decision, Outcome(None, None, decision.reason, None, elapsed_ms))
+            run_handler(self._desk(), self.handler, self._spec.retry, self._rng)
         except BaseException as exc:  # noqa: BLE001
             self._fail(exc)
 

@@ -1,10 +1,14 @@
-"""The delivery sources a library member hands the HTTP engine (`HttpDeliverer.run`, an endless
-source): `Messages`, one `Message` stream per message handed out, None when there is none now;
-it ends once the member stops.
+"""Where a library member's messages are delivered from: the source it hands the HTTP engine
+(`HttpDeliverer.run`, an endless source: `Messages`, one `Message` stream per message handed
+out, None when there is none now; it ends once the member stops), and the loop of each of its
+handler threads (`run_handler`).
 
 Contract. The member is reached only through a `Desk` (its hand-out and settling, as
 callables), and the request shaping, retry policy and random source it delivers with; a source
-keeps no state of the member's but the one message it took while idle (`Messages.found`).
+keeps no state of the member's but the one message it took while idle (`Messages.found`). A
+handler thread takes one message at a time (`Desk.await_work`), calls the handler and settles
+its result (`handler.decision`: an exception it raises is a retry); it returns once the member
+stops.
 
 Why one stream per message. The scheduler keeps a key's order (one message of a key handed
 out at a time), so a stream needs to carry only one message; in batch mode a request holds
@@ -38,6 +42,7 @@ from varadhi.core.errors import InvalidArgument
 from varadhi.core.group_state import request_of
 from varadhi.core.policies import RequestShaping, RetryPolicy
 from varadhi.core.retry import Decision, decide
+from varadhi.library import handler as handlers
 from varadhi.library.scheduler import Work
 
 
@@ -127,3 +132,35 @@ class Message:
 
     def stop_waiting(self) -> None:  # never waits
         pass
+
+
+def run_handler(
+    desk: Desk, handler: handlers.Handler, retry: RetryPolicy, rng: random.Random
+) -> None:
+    """One handler thread's loop (see the module docstring); what the desk raises ends it."""
+    while True:
+        work = desk.await_work(None)
+        if work is None:
+            return
+        e = work.entry
+        if e.invalid:
+            desk.settle_invalid(work)
+            continue
+        message = handlers.Message(
+            e.msg_id,
+            e.group_id,
+            work.key,
+            e.value or b"",
+            dict(e.headers),
+            e.attempts + 1,
+            e.source,
+        )
+        started = time.perf_counter()
+        try:
+            result = handler(message)
+        except Exception as exc:  # noqa: BLE001 - a retry, see `handler`
+            result = handlers.Retry(reason=f"handler raised {type(exc).__name__}: {exc}")
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        now = int(time.time() * 1000)
+        decision = handlers.decision(retry, e.attempts + 1, result, now, rng)
+        desk.settle(work, decision, Outcome(None, None, decision.reason, None, elapsed_ms))
