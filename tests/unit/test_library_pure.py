@@ -120,6 +120,54 @@ def test_metadata_never_exceeds_its_limit_and_forgets_the_tail_instead():
     assert all(restored.finished(o) == (o % 2 == 1) for o in range(restored.span))
 
 
+def test_metadata_is_what_the_plain_definition_gives_on_random_ledgers():
+    """`encode` is on every commit's path and written for speed; its output must be what the
+    module docstring defines: the runs of unfinished offsets, each `gap.length` in base 36, as
+    many as fit with the whole span's field, the span cut at the first run that does not."""
+
+    def b36(n: int) -> str:
+        digits = ""
+        while True:
+            n, r = divmod(n, 36)
+            digits = "0123456789abcdefghijklmnopqrstuvwxyz"[r] + digits
+            if not n:
+                return digits
+
+    def plain(committed: int, upto: int, unfinished: set[int], max_bytes: int) -> str:
+        span, listed = upto - committed, []
+        for o in sorted(o for o in unfinished if committed <= o < upto):
+            if listed and listed[-1][0] + listed[-1][1] == o:
+                listed[-1][1] += 1
+            else:
+                listed.append([o, 1])
+        if span <= 0 or listed == [[committed, span]]:
+            return ""
+        parts, end, whole = [], committed, b36(span)
+        for first, length in listed:
+            part = f"{b36(first - end)}.{b36(length)}"
+            if len(",".join(["v1", whole, *parts, part])) > max_bytes:
+                span = first - committed
+                break
+            parts.append(part)
+            end = first + length
+        if span <= 0 or parts == [f"0.{b36(span)}"]:
+            return ""
+        return ",".join(["v1", b36(span), *parts])
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        committed = rng.randrange(5000)
+        upto = committed + rng.choice([0, 1, 2, 5, 50, 500, 3000, 60_000])
+        pool = range(max(0, committed - 20), upto + 20)
+        unfinished = set(rng.sample(pool, rng.randrange(min(len(pool), 3000) + 1)))
+        if rng.random() < 0.5:
+            unfinished.add(committed)
+        limit = rng.choice([20, 40, 200, 4096])
+        assert offsets.encode(committed, upto, unfinished, limit) == plain(
+            committed, upto, unfinished, limit
+        ), (committed, upto, limit)
+
+
 @pytest.mark.parametrize("junk", ["x", "v1", "v1,zz,1.q!", "v2,5,0.1", "v1,2,0.1,5.5"])
 def test_metadata_not_ours_is_ignored(junk):
     restored = offsets.decode(7, junk)

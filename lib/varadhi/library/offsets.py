@@ -26,6 +26,7 @@ starts at the committed offset and delivers everything from there again.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ DEFAULT_MAX_BYTES = 4096
 _DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
 
 
-def _b36(n: int) -> str:
+def _b36_slow(n: int) -> str:
     if n == 0:
         return "0"
     out = []
@@ -45,15 +46,30 @@ def _b36(n: int) -> str:
     return "".join(reversed(out))
 
 
+#: Base 36 of 0 .. 36**2 - 1, looked up: a commit's gaps and run lengths are mostly this small,
+#: and `encode` runs for every held partition at every commit (10 a second).
+_SMALL = [_b36_slow(n) for n in range(36 * 36)]
+
+
+def _b36(n: int) -> str:
+    return _SMALL[n] if n < 1296 else _b36_slow(n)
+
+
 def runs(offsets: Iterable[int]) -> list[tuple[int, int]]:
-    """Sorted offsets as (first, length) runs of consecutive offsets."""
-    out: list[tuple[int, int]] = []
-    for o in sorted(set(offsets)):
-        if out and out[-1][0] + out[-1][1] == o:
-            out[-1] = (out[-1][0], out[-1][1] + 1)
-        else:
-            out.append((o, 1))
-    return out
+    """Offsets as sorted (first, length) runs of consecutive offsets."""
+    return _runs_of_sorted(sorted(set(offsets)))
+
+
+def _runs_of_sorted(ordered: list[int]) -> list[tuple[int, int]]:
+    """The runs of strictly increasing `ordered` (the breaks found in one comprehension: this
+    is on a member's commit path, over every record it holds unfinished)."""
+    if not ordered:
+        return []
+    breaks = [
+        i for i, (a, b) in enumerate(zip(ordered, ordered[1:], strict=False), 1) if b != a + 1
+    ]
+    starts = [0, *breaks]
+    return [(ordered[a], b - a) for a, b in zip(starts, [*breaks, len(ordered)], strict=True)]
 
 
 def encode(committed: int, upto: int, unfinished: Iterable[int], max_bytes: int) -> str:
@@ -62,20 +78,25 @@ def encode(committed: int, upto: int, unfinished: Iterable[int], max_bytes: int)
     finished. Empty when nothing above `committed` finished. At most `max_bytes` (see the
     module docstring: fewer runs and a shorter span when they do not fit)."""
     span = upto - committed
-    listed = runs(o for o in unfinished if committed <= o < upto)
-    if span <= 0 or (len(listed) == 1 and listed[0] == (committed, span)):
+    if span <= 0:
+        return ""
+    ordered = sorted(set(unfinished))
+    ordered = ordered[bisect_left(ordered, committed) : bisect_left(ordered, upto)]
+    listed = _runs_of_sorted(ordered)
+    if len(listed) == 1 and listed[0] == (committed, span):
         return ""
     parts: list[str] = []
-    size = len(VERSION) + 1
+    # `VERSION,span,run,...,run`: the runs get what the version and the whole span's field
+    # leave (a span cut short is no longer); each run costs its text and a comma
+    size, room = len(VERSION) + 1, max_bytes - len(_b36(span))
     end = committed
     for first, length in listed:
         part = f"{_b36(first - end)}.{_b36(length)}"
-        # room for this run and a span that ends at the next run's start
-        if size + len(part) + 1 + len(_b36(span)) + 1 > max_bytes:
+        size += len(part) + 1
+        if size > room:
             span = first - committed  # forget what finished from here on
             break
         parts.append(part)
-        size += len(part) + 1
         end = first + length
     if span <= 0 or (len(parts) == 1 and parts[0] == f"0.{_b36(span)}"):
         return ""
