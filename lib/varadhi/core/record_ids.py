@@ -64,3 +64,12 @@ def header_value(headers, name: str) -> bytes | None:
         if k == name:
             return None if v is None else bytes(v)
     return None
+
+
+def record_ids(
+    topic: str, partition: int, offset: int, key: bytes | None, headers
+) -> tuple[str, str | None]:
+    """A record's message id and group id, in text form, by the module docstring's rule (the
+    kafka-python readers: a library member's intake, the DLQ's listing); None: no group id."""
+    msg_id = text_id(header_value(headers, m.H_MSG_ID)) or f"{topic}-{partition}-{offset}"
+    return msg_id, text_id(header_value(headers, m.H_GROUP_ID)) or text_id(key)

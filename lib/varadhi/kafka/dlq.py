@@ -68,7 +68,7 @@ from varadhi.core import messages as m
 from varadhi.core.catalog_kinds import DocKind, OpKind
 from varadhi.core.errors import InvalidArgument, VaradhiError
 from varadhi.core.group_state import Entry
-from varadhi.core.record_ids import header_value, text_id
+from varadhi.core.record_ids import record_ids
 from varadhi.core.redrive_pace import (
     Pick,
     is_taken,
@@ -253,8 +253,7 @@ def parked_from_record(
     """A DLQ record as a Parked message, its ids read as the shard reads them (their text forms,
     `varadhi.core.record_ids`), whoever wrote it."""
     h = m.headers_to_dict(headers)
-    group = text_id(header_value(headers, m.H_GROUP_ID)) or text_id(key_)
-    msg_id = text_id(header_value(headers, m.H_MSG_ID)) or f"{topic}-{partition}-{offset}"
+    msg_id, group = record_ids(topic, partition, offset, key_, headers)
     return Parked(
         msg_id=msg_id,
         group_id=group,

@@ -25,7 +25,7 @@ from kafka import TopicPartition
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry
 from varadhi.core.policies import SubscriptionSpec
-from varadhi.core.record_ids import header_value, text_id
+from varadhi.core.record_ids import record_ids, text_id
 from varadhi.core.state_rows import retry_state
 from varadhi.library.dedup import dedup_id
 from varadhi.library.keys import OrderingKey, ordering_key
@@ -43,8 +43,7 @@ def full(pending: int, max_pending: int, catching_up: bool) -> bool:
 
 def ids(tp: TopicPartition, r) -> tuple[str, str | None]:
     """A record's message id and group id, as the shards read them (`varadhi.core.record_ids`)."""
-    msg_id = text_id(header_value(r.headers, m.H_MSG_ID)) or f"{tp.topic}-{tp.partition}-{r.offset}"
-    return msg_id, text_id(header_value(r.headers, m.H_GROUP_ID)) or text_id(r.key)
+    return record_ids(tp.topic, tp.partition, r.offset, r.key, r.headers)
 
 
 @dataclass(frozen=True)
