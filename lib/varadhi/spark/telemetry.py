@@ -36,18 +36,13 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
-
-from prometheus_client import start_http_server
-from prometheus_client.core import (
-    CollectorRegistry,
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    Metric,
-)
+from typing import TYPE_CHECKING, Any, Literal
 
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.version import __version__
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 log = logging.getLogger("varadhi.spark.telemetry")
 
@@ -121,6 +116,10 @@ def serve(collectors: Iterable[Any], options: MetricsOptions, what: str) -> Expo
     the address as "`what`: metrics at http://...". Raises OSError for a port in use."""
     if options.port is None:
         return None
+    # prometheus_client is imported where metrics are made, not at the top: the command line
+    # imports this module for `MetricsOptions` and would pay for it at every start
+    from prometheus_client import CollectorRegistry, start_http_server
+
     registry = CollectorRegistry()
     for c in collectors:
         registry.register(c)
@@ -140,6 +139,8 @@ class JobInfo:
     started_s: float = field(default_factory=time.time)
 
     def collect(self) -> Iterable[Metric]:
+        from prometheus_client.core import GaugeMetricFamily  # see `serve`
+
         names = ["job", "version", *self.labels]
         values = [self.job, __version__, *self.labels.values()]
         info = GaugeMetricFamily(
@@ -174,6 +175,8 @@ def families(
     """The metric families of `specs` (pure): `values` maps a spec's name to its samples, each
     keyed by the values of the spec's own labels; a spec without samples is an empty family
     (None: every family empty, for `describe`)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # see `serve`
+
     out: list[Metric] = []
     for s in specs:
         kind = CounterMetricFamily if s.kind == "counter" else GaugeMetricFamily
