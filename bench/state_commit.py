@@ -36,7 +36,8 @@ from pathlib import Path
 from common import machine, print_table, results_head, write_results
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry
-from varadhi.core.state_rows import RESULT_COLUMNS, Kind, frame_of, state_row, touched_row
+from varadhi.core.state_frames import frame_of
+from varadhi.core.state_rows import RESULT_COLUMNS, Kind, state_row, touched_row
 from varadhi.spark.session import get_spark
 from varadhi.spark.shard.commit import changes
 from varadhi.spark.state_store import StateStore

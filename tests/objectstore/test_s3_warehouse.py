@@ -23,7 +23,8 @@ import pytest
 from varadhi.cli import main as cli_main
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry
-from varadhi.core.state_rows import RESULT_COLUMNS, Kind, frame_of, state_row, touched_row
+from varadhi.core.state_frames import frame_of
+from varadhi.core.state_rows import RESULT_COLUMNS, Kind, state_row, touched_row
 from varadhi.core.subscription_spec import parse_spec
 from varadhi.kafka import topics
 from varadhi.kafka.subscriptions import SubscriptionService

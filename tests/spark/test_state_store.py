@@ -13,20 +13,17 @@ import pytest
 
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry, RunCounts
+from varadhi.core.state_frames import delivered_ids, frame_of, state_rows, task_stats
 from varadhi.core.state_rows import (
     RESULT_COLUMNS,
     RESULT_SCHEMA,
     Kind,
     RedriveProgress,
     TaskStats,
-    delivered_ids,
     done_row,
     entry_of,
-    frame_of,
     stat_row,
     state_row,
-    state_rows,
-    task_stats,
     touched_row,
 )
 from varadhi.spark import state_store

@@ -10,7 +10,8 @@ import pyarrow as pa
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry, RunCounts
 from varadhi.core.policies import Endpoint, SubscriptionSpec
-from varadhi.core.state_rows import RESULT_COLUMNS, Kind, TaskStats, stat_row, state_row, task_stats
+from varadhi.core.state_frames import task_stats
+from varadhi.core.state_rows import RESULT_COLUMNS, Kind, TaskStats, stat_row, state_row
 from varadhi.spark.batch import (
     KEY_TEXT,
     BatchContext,

@@ -148,6 +148,7 @@ def test_the_batch_commit_protocol_imports_no_spark_kafka_or_other_varadhi_modul
     assert internal("varadhi.spark.shard.commit") <= {
         "varadhi.core",
         "varadhi.core.faults",
+        "varadhi.core.state_frames",
         "varadhi.core.state_rows",
     }
 

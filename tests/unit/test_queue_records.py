@@ -11,7 +11,8 @@ import pytest
 from varadhi.core import messages as m
 from varadhi.core.errors import VaradhiError
 from varadhi.core.queue_records import OutRecord, out_record
-from varadhi.core.state_rows import OutRow, StateRow, out_rows
+from varadhi.core.state_frames import out_rows
+from varadhi.core.state_rows import OutRow, StateRow
 from varadhi.kafka.catalog import decode_record
 
 

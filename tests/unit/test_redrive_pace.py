@@ -22,7 +22,8 @@ from varadhi.core.redrive_pace import (
     portion_size,
 )
 from varadhi.core.state_copy import StateCopy
-from varadhi.core.state_rows import Kind, RedriveProgress, entry_of, frame_of, state_row, state_rows
+from varadhi.core.state_frames import frame_of, state_rows
+from varadhi.core.state_rows import Kind, RedriveProgress, entry_of, state_row
 from varadhi.kafka.dlq import Parked, barrier_rows, pick_of, redrive_rows
 
 DLQ = "s-dlq.0"

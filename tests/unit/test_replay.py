@@ -23,7 +23,7 @@ from varadhi.core.delivery import Outcome, Request, Wait
 from varadhi.core.errors import InvalidArgument
 from varadhi.core.group_state import Entry
 from varadhi.core.policies import Endpoint, RetryPolicy, SubscriptionSpec
-from varadhi.core.state_rows import frame_of
+from varadhi.core.state_frames import frame_of
 from varadhi.kafka.topics import add_storage, new_topic, switch_produce
 from varadhi.ops.replay import (
     HTTP_REPLAY,

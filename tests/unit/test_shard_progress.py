@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from varadhi.core.state_rows import Kind, StateRow, state_rows
+from varadhi.core.state_frames import state_rows
+from varadhi.core.state_rows import Kind, StateRow
 from varadhi.spark.shard.stats import LISTED_BLOCKED_GROUPS, ShardStats, summarize
 
 

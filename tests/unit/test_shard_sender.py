@@ -15,7 +15,7 @@ from varadhi.core import routing, subscription_spec
 from varadhi.core.errors import Fenced, VaradhiError
 from varadhi.core.messages import H_TRUNCATED
 from varadhi.core.queue_records import MAX_REQUEST_BYTES
-from varadhi.core.state_rows import out_rows
+from varadhi.core.state_frames import out_rows
 from varadhi.kafka import subscriptions as subs
 from varadhi.kafka.topics import CompositeTopic, StorageTopic
 from varadhi.spark.shard.sender import QueueSender, plan, targets, transactional_id

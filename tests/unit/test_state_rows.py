@@ -1,5 +1,6 @@
-"""The codecs of a micro-batch's rows (`varadhi.core.state_rows`), pure: every kind written and read
-back, through the Arrow types Spark uses for the state table and the executors' results."""
+"""The codecs of a micro-batch's rows (`varadhi.core.state_rows`, and `varadhi.core.state_frames`
+for the rows as pandas frames), pure: every kind written and read back, through the Arrow types
+Spark uses for the state table and the executors' results."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry, RunCounts
+from varadhi.core.state_frames import delivered_ids, frame_of, normalise, state_rows, task_stats
 from varadhi.core.state_rows import (
     COLUMN_NAMES,
     RESULT_COLUMNS,
@@ -21,19 +23,14 @@ from varadhi.core.state_rows import (
     StateRow,
     TaskStats,
     decode_scanned,
-    delivered_ids,
     done_row,
     entry_of,
-    frame_of,
     meta_row,
-    normalise,
     redrive_row,
     retry_headers,
     retry_state,
     stat_row,
     state_row,
-    state_rows,
-    task_stats,
     touched_row,
 )
 from varadhi.spark.batch import _ARROW_TYPES as ARROW_TYPES  # the types Spark hands Arrow over in

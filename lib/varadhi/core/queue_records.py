@@ -1,7 +1,7 @@
 """The Kafka records a shard (or a shard-count change) writes to a subscription's RQ and DLQ.
 
 An `out` row of the state table, typed (`varadhi.core.state_rows.OutRow`, from the table's frame by
-`state_rows.out_rows`), becomes one record: key = the text form of the group id, value = the
+`state_frames.out_rows`), becomes one record: key = the text form of the group id, value = the
 body, headers = the message's headers plus the retry headers of `varadhi.core.messages` (origin,
 attempts, due and failure times, reason, status: `state_rows.retry_headers`).
 

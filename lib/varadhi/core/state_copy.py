@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 import pandas as pd
 
+from varadhi.core.state_frames import frame_of, normalise, state_rows
 from varadhi.core.state_rows import (
     COLUMN_NAMES,
     Kind,
@@ -27,11 +28,8 @@ from varadhi.core.state_rows import (
     StateRow,
     decode_progress,
     decode_scanned,
-    frame_of,
     meta_row,
-    normalise,
     redrive_row,
-    state_rows,
 )
 
 

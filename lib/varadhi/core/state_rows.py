@@ -1,4 +1,4 @@
-"""The rows of a shard's micro-batch: their kinds, their columns, and every codec for them.
+"""The rows of a shard's micro-batch: their kinds, their columns, and their codecs.
 
 One schema carries four things, told apart by the `kind` column (`Kind`):
 
@@ -56,18 +56,20 @@ map<string,bigint> (what the endpoint answered, `batch.http_counts`).
 RQ and DLQ records carry an `out` row in Kafka headers (`retry_headers` of its typed `OutRow`,
 read back by `retry_state`). Changing a persisted column's name or type is a format change: tables written
 by earlier versions must still read (`StateStore` reads a table into `STATE_COLUMNS`).
+
+The rows as pandas frames (what Spark's Arrow conversion hands over) are the business of
+`varadhi.core.state_frames`. This module imports no pandas: the library runtime and the command
+line use the rows' kinds and record codecs, and pandas would cost each of their starts ~0.45 s
+of CPU.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from typing import Any, NamedTuple
-
-import pandas as pd
 
 from varadhi.core import messages as m
 from varadhi.core.group_state import Entry, RunCounts
@@ -118,7 +120,7 @@ COLUMN_NAMES = [name for name, _ in STATE_COLUMNS]
 
 class StateRow(NamedTuple):
     """One row of `STATE_COLUMNS`, typed: numbers are ints or None, text is str or None (never
-    NaN). Built by the encoders below and by `state_rows` from a frame."""
+    NaN). Built by the encoders below and by `state_frames.state_rows` from a frame."""
 
     kind: str
     group_key: str | None = None
@@ -279,9 +281,9 @@ def decode_scanned(text: str) -> Scanned:
 @dataclass(frozen=True)
 class OutRow:
     """An `out` row as the RQ/DLQ record it becomes, typed once where the rows leave the table
-    (`out_rows`): its `target` ("rq" or "dlq"), its group (`group_key` places the record on a
-    partition, `group_id` is its key: None for an ungrouped message), and the message with its
-    retry state."""
+    (`state_frames.out_rows`): its `target` ("rq" or "dlq"), its group (`group_key` places the
+    record on a partition, `group_id` is its key: None for an ungrouped message), and the message
+    with its retry state."""
 
     target: str
     group_key: str
@@ -319,11 +321,6 @@ class OutRow:
             reason=row.reason,
             status=row.status,
         )
-
-
-def out_rows(frame: pd.DataFrame) -> list[OutRow]:
-    """The `out` rows of a state-columns frame (`StateStore.outs`), typed (`state_rows`)."""
-    return [OutRow.of(row) for row in state_rows(frame)]
 
 
 def retry_headers(row: OutRow) -> dict[str, str | None]:
@@ -414,111 +411,3 @@ def stat_row(stats: TaskStats) -> dict[str, Any]:
 
 def done_row(dedup_id: str, delivered_ms: int) -> dict[str, Any]:
     return {"kind": Kind.DONE, "msg_id": dedup_id, "delivered_ms": delivered_ms}
-
-
-def task_stats(result: pd.DataFrame) -> list[TaskStats]:
-    """The `stat` rows of an executor result (pure)."""
-    rows = result[result["kind"] == Kind.STAT]
-    out = []
-    for values in zip(*(rows[c].tolist() for c, _ in STAT_COLUMNS), strict=True):
-        named = dict(zip((f.name for f in fields(TaskStats)), values, strict=True))
-        http = named.pop("http")
-        seconds = named.pop("seconds")
-        out.append(
-            TaskStats(
-                **{k: _int(v) or 0 for k, v in named.items()},
-                seconds=0.0 if _missing(seconds) else float(seconds),
-                http={str(k): int(n) for k, n in _pairs(http)},
-            )
-        )
-    return out
-
-
-def delivered_ids(result: pd.DataFrame) -> list[tuple[str, int]]:
-    """(dedup id, delivered at) of the `done` rows of an executor result (pure)."""
-    done = result[result["kind"] == Kind.DONE]
-    return [(str(i), int(t)) for i, t in zip(done["msg_id"], done["delivered_ms"], strict=True)]
-
-
-def _pairs(v) -> list[tuple[str, int]]:
-    """A map column's value as pairs: Spark gives a dict, or Arrow a list of pairs."""
-    if isinstance(v, dict):
-        return list(v.items())
-    if isinstance(v, list | tuple):
-        return list(v)
-    return []
-
-
-# -- frames ---------------------------------------------------------------------------------------
-
-_INT_TYPES = {"int": "Int32", "bigint": "Int64"}
-
-
-def frame_of(rows: list, columns: list[tuple[str, str]] = STATE_COLUMNS) -> pd.DataFrame:
-    """Rows (`StateRow`s, or dicts of column values) as a frame Arrow converts to `columns`:
-    text, binary and map columns are object columns holding None for a missing value (an
-    all-missing column would otherwise be float NaN, which pyspark's Arrow conversion rejects).
-    """
-    names = [name for name, _ in columns]
-    frame = pd.DataFrame.from_records(
-        [r._asdict() if isinstance(r, tuple) else r for r in rows], columns=names
-    )
-    return none_for_missing(frame, columns)
-
-
-def none_for_missing(
-    frame: pd.DataFrame, columns: list[tuple[str, str]] = STATE_COLUMNS
-) -> pd.DataFrame:
-    """Make `frame`'s text, binary and map columns object columns holding None for missing
-    values (in place; returns `frame`)."""
-    for name, kind in columns:
-        if kind in ("string", "binary") or kind.startswith("map<"):
-            column = frame[name].astype(object)
-            frame[name] = column.where(column.notna(), None)
-    return frame
-
-
-def normalise(frame: pd.DataFrame) -> pd.DataFrame:
-    """`frame` with exactly the state columns (others dropped, missing ones added), in types that
-    convert to STATE_SCHEMA exactly: nullable ints, text and binary as object columns holding
-    None (vectorised: this runs on every state commit)."""
-    frame = none_for_missing(frame.reindex(columns=COLUMN_NAMES).reset_index(drop=True))
-    return nullable_ints(frame)
-
-
-def nullable_ints(
-    frame: pd.DataFrame, columns: list[tuple[str, str]] = STATE_COLUMNS
-) -> pd.DataFrame:
-    """Make `frame`'s int and bigint columns nullable ints (Int32, Int64: a missing value is NA,
-    not a float NaN) (in place; returns `frame`)."""
-    for name, kind in columns:
-        if kind in _INT_TYPES:
-            frame[name] = pd.array(frame[name], dtype=_INT_TYPES[kind])
-    return frame
-
-
-def state_rows(frame: pd.DataFrame) -> list[StateRow]:
-    """A frame's rows as typed `StateRow`s (columns it lacks are None): missing numbers (NaN,
-    NA) become None, ints become Python ints, bodies bytes."""
-    n = len(frame)
-    values = []
-    for name, kind in STATE_COLUMNS:
-        if name not in frame.columns:
-            values.append([None] * n)
-            continue
-        column = frame[name].tolist()
-        if kind in _INT_TYPES:
-            values.append([_int(v) for v in column])
-        elif kind == "binary":
-            values.append([None if _missing(v) else bytes(v) for v in column])
-        else:
-            values.append([v if isinstance(v, str) else None for v in column])
-    return [StateRow._make(r) for r in zip(*values, strict=True)] if n else []
-
-
-def _missing(v) -> bool:
-    return v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v))
-
-
-def _int(v) -> int | None:
-    return None if _missing(v) else int(v)

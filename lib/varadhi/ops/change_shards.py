@@ -314,7 +314,8 @@ class ChangeShards:
         )
 
     def _step_state(self, plan: Plan) -> dict[str, Any]:
-        from varadhi.core.state_rows import STATE_SCHEMA, normalise
+        from varadhi.core.state_frames import normalise
+        from varadhi.core.state_rows import STATE_SCHEMA
         from varadhi.spark.state_store import StateStore
 
         wh = self.catalog.settings.warehouse
@@ -467,7 +468,7 @@ class ChangeShards:
             return
 
         from varadhi.core.queue_records import MAX_REQUEST_BYTES, out_record
-        from varadhi.core.state_rows import out_rows
+        from varadhi.core.state_frames import out_rows
 
         targets = {"rq": plan.rq_target, "dlq": plan.dlq_target}
         limits = topics.max_message_bytes(self.catalog, [st.name for st in targets.values()])

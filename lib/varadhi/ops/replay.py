@@ -91,7 +91,8 @@ from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
 from varadhi.core.group_state import Entry, request_of
 from varadhi.core.policies import RequestShaping, RetryPolicy, SubscriptionSpec
 from varadhi.core.retry import decide
-from varadhi.core.state_rows import Kind, frame_of, nullable_ints
+from varadhi.core.state_frames import frame_of, nullable_ints
+from varadhi.core.state_rows import Kind
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import dlq, subscriptions, topics
 from varadhi.kafka.catalog import Catalog, key

@@ -64,6 +64,7 @@ from varadhi.core.group_state import Entry, GroupRun, RunCounts, merge
 from varadhi.core.policies import SubscriptionSpec
 from varadhi.core.rate_limit import TaskPace
 from varadhi.core.retry import linger_ms
+from varadhi.core.state_frames import frame_of, normalise, state_rows
 from varadhi.core.state_rows import (
     RESULT_COLUMNS,
     Kind,
@@ -71,12 +72,9 @@ from varadhi.core.state_rows import (
     TaskStats,
     done_row,
     entry_of,
-    frame_of,
-    normalise,
     retry_state,
     stat_row,
     state_row,
-    state_rows,
     touched_row,
 )
 from varadhi.core.trace import Tracer

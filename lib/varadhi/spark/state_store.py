@@ -60,13 +60,8 @@ import pandas as pd
 from pyspark.sql import SparkSession
 
 from varadhi.core.state_copy import StateCopy
-from varadhi.core.state_rows import (
-    COLUMN_NAMES,
-    STATE_SCHEMA,
-    Kind,
-    normalise,
-    read_before,
-)
+from varadhi.core.state_frames import normalise
+from varadhi.core.state_rows import COLUMN_NAMES, STATE_SCHEMA, Kind, read_before
 from varadhi.spark.warehouse_fs import HadoopFS
 
 log = logging.getLogger("varadhi.spark.state_store")

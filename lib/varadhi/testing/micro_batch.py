@@ -37,7 +37,8 @@ from varadhi.core import messages as m
 from varadhi.core.policies import SubscriptionSpec
 from varadhi.core.queue_records import out_record
 from varadhi.core.state_copy import StateCopy
-from varadhi.core.state_rows import StateRow, out_rows
+from varadhi.core.state_frames import out_rows
+from varadhi.core.state_rows import StateRow
 from varadhi.spark.batch import (
     BatchContext,
     ForwardRule,

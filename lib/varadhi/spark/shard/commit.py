@@ -49,7 +49,8 @@ from typing import Any, Protocol
 import pandas as pd
 
 from varadhi.core.faults import crash_point
-from varadhi.core.state_rows import Kind, StateRow, task_stats
+from varadhi.core.state_frames import task_stats
+from varadhi.core.state_rows import Kind, StateRow
 
 log = logging.getLogger("varadhi.spark.shard.job")
 

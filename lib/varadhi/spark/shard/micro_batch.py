@@ -28,7 +28,8 @@ from pyspark.sql import DataFrame, Observation
 from varadhi.core import filters
 from varadhi.core.circuit import probe_retry
 from varadhi.core.rate_limit import RateGovernor, TaskPace, throttled
-from varadhi.core.state_rows import RESULT_SCHEMA, STATE_SCHEMA, StateRow, delivered_ids
+from varadhi.core.state_frames import delivered_ids
+from varadhi.core.state_rows import RESULT_SCHEMA, STATE_SCHEMA, StateRow
 from varadhi.kafka import dlq as dlq_ops
 from varadhi.kafka import subscriptions, topics
 from varadhi.spark import journal

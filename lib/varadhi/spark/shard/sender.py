@@ -3,7 +3,7 @@
 `QueueSender` holds the shard's transactional producer (transactional id per subscription,
 shard count and shard: `transactional_id`) and the largest record each RQ/DLQ storage topic
 takes. `QueueSender.to(sub, rq, dlq)` is the `varadhi.spark.shard.commit.OutSender` port of one
-micro-batch: `send(outs)` types the batch's `out` rows once (`state_rows.out_rows`) and writes
+micro-batch: `send(outs)` types the batch's `out` rows once (`state_frames.out_rows`) and writes
 each to the storage topic its `target` names (the RQ's or DLQ's produce topic) on the partition of its group among those this shard owns
 (`routing.internal_partition`, so the group's shard reads it again), all in one Kafka
 transaction: all or none are visible to read_committed readers.
@@ -34,7 +34,8 @@ from kafka.errors import KafkaError
 from varadhi.core import routing
 from varadhi.core.errors import Fenced
 from varadhi.core.queue_records import MAX_REQUEST_BYTES, OutRecord, out_record
-from varadhi.core.state_rows import OutRow, out_rows
+from varadhi.core.state_frames import out_rows
+from varadhi.core.state_rows import OutRow
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import jvm_errors, subscriptions, topics
 from varadhi.kafka.catalog import Catalog
