@@ -8,7 +8,9 @@ upper case, dots as underscores). `load` parses, resolves and validates it into 
 
 - `python_kwargs()`: kafka-python's arguments (`security_protocol`, `ssl_cafile`, `sasl_*`, ...);
 - `spark_options()`: the Spark Kafka source/sink's `kafka.`-prefixed options (the Java client
-  takes the properties as written, with references resolved).
+  takes the properties as written, with references resolved);
+- `librdkafka_config()`: librdkafka's (confluent-kafka's) properties, for the library runtime's
+  fetching (`varadhi.kafka.clients.fetch_consumer`).
 
 Supported: security.protocol PLAINTEXT, SSL, SASL_PLAINTEXT, SASL_SSL; TLS with a PEM CA file
 (`ssl.truststore.type=PEM`, `ssl.truststore.location`), a PEM client key and certificate chain for
@@ -45,15 +47,17 @@ clients' OAUTHBEARER tokens come from `varadhi.kafka.oauth_tokens`.
 from __future__ import annotations
 
 import difflib
+import logging
 import os
 import re
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from varadhi.core.errors import KafkaConfigError
 from varadhi.kafka.oauth_tokens import (
+    ClientCredentialsTokenProvider,
     MskIamTokenProvider,
     UnsecuredJwtProvider,
     client_credentials_provider,
@@ -66,6 +70,8 @@ from varadhi.kafka.topic_settings import (
     TopicSettings,
     topic_settings,
 )
+
+log = logging.getLogger(__name__)
 
 CONFIG_ENV = "VARADHI_KAFKA_CONFIG"
 ENV_PREFIX = "VARADHI_KAFKA_"
@@ -87,7 +93,7 @@ PRODUCT_KEYS: dict[str, str] = {
 #: Every property this product understands (Java client names), with what it is for.
 KNOWN: dict[str, str] = {
     "bootstrap.servers": "host:port[,host:port...] (--bootstrap and $VARADHI_BOOTSTRAP win)",
-    "client.dns.lookup": "Java clients only: use_all_dns_ips or resolve_canonical_bootstrap_servers_only",
+    "client.dns.lookup": "Java clients and librdkafka: use_all_dns_ips or resolve_canonical_bootstrap_servers_only",
     "security.protocol": "PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL",
     "ssl.truststore.type": "PEM (the Python clients read PEM only)",
     "ssl.truststore.location": "a PEM file of the CA certificates that sign the brokers' certificates",
@@ -104,6 +110,31 @@ KNOWN: dict[str, str] = {
     "sasl.oauthbearer.token.endpoint.url": "OAUTHBEARER: the OAuth token endpoint",
     "sasl.oauthbearer.scope.claim.name": "Java clients: OAUTHBEARER scope claim name",
     "sasl.oauthbearer.sub.claim.name": "Java clients: OAUTHBEARER subject claim name",
+}
+
+#: What `KafkaConfig.librdkafka_config` does with each property it accepts: mapped to librdkafka's
+#: own, or used for the mapping, or of no use to librdkafka (the Java clients' PEM store types and
+#: store passwords, their OAUTHBEARER claim names). A property of `KNOWN` missing here is refused
+#: there, never dropped.
+RDKAFKA_HANDLED: dict[str, str] = {
+    "bootstrap.servers": "bootstrap.servers (varadhi.kafka.clients.fetch_consumer's)",
+    "client.dns.lookup": "client.dns.lookup",
+    "security.protocol": "security.protocol",
+    "ssl.truststore.type": "PEM only (validated); librdkafka reads PEM",
+    "ssl.truststore.location": "ssl.ca.location",
+    "ssl.truststore.password": "ignored for PEM",
+    "ssl.keystore.type": "PEM only (validated); librdkafka reads PEM",
+    "ssl.keystore.location": "ssl.certificate.location and ssl.key.location",
+    "ssl.keystore.password": "ignored for PEM",
+    "ssl.key.password": "ssl.key.password",
+    "ssl.endpoint.identification.algorithm": "ssl.endpoint.identification.algorithm https/none",
+    "sasl.mechanism": "sasl.mechanism",
+    "sasl.jaas.config": "sasl.username and sasl.password, or the OAUTHBEARER token provider's",
+    "sasl.login.callback.handler.class": "which OAUTHBEARER token provider (oauth_flavor)",
+    "sasl.client.callback.handler.class": "which OAUTHBEARER token provider (oauth_flavor)",
+    "sasl.oauthbearer.token.endpoint.url": "the client-credentials token provider's",
+    "sasl.oauthbearer.scope.claim.name": "Java clients only",
+    "sasl.oauthbearer.sub.claim.name": "Java clients only",
 }
 
 
@@ -349,28 +380,93 @@ class KafkaConfig:
         mechanism = self.mechanism
         if mechanism:
             kw["sasl_mechanism"] = mechanism
-            options = self._jaas_options()
-            flavor = self.oauth_flavor
-            if flavor == "msk-iam":
-                kw["sasl_oauth_token_provider"] = MskIamTokenProvider(
-                    self.get("varadhi.aws.region") or "",
-                    profile=options.get("awsProfileName"),
-                    role_arn=options.get("awsRoleArn"),
-                    session_name=options.get("awsRoleSessionName"),
-                )
-            elif flavor == "unsecured":
-                kw["sasl_oauth_token_provider"] = UnsecuredJwtProvider.from_jaas(options)
-            elif flavor == "client-credentials":
-                kw["sasl_oauth_token_provider"] = client_credentials_provider(
-                    self.get("sasl.oauthbearer.token.endpoint.url") or "",
-                    options.get("clientId", ""),
-                    options.get("clientSecret", ""),
-                    options.get("scope"),
-                )
+            if mechanism == "OAUTHBEARER":
+                kw["sasl_oauth_token_provider"] = self._token_provider()
             else:
+                options = self._jaas_options()
                 kw["sasl_plain_username"] = options["username"]
                 kw["sasl_plain_password"] = options["password"]
         return kw
+
+    def _token_provider(
+        self,
+    ) -> MskIamTokenProvider | UnsecuredJwtProvider | ClientCredentialsTokenProvider:
+        """The OAUTHBEARER token provider of this configuration's `oauth_flavor` (a new one
+        each call, except client credentials: one per credentials in the process)."""
+        options = self._jaas_options()
+        flavor = self.oauth_flavor
+        if flavor == "msk-iam":
+            return MskIamTokenProvider(
+                self.get("varadhi.aws.region") or "",
+                profile=options.get("awsProfileName"),
+                role_arn=options.get("awsRoleArn"),
+                session_name=options.get("awsRoleSessionName"),
+            )
+        if flavor == "unsecured":
+            return UnsecuredJwtProvider.from_jaas(options)
+        return client_credentials_provider(
+            self.get("sasl.oauthbearer.token.endpoint.url") or "",
+            options.get("clientId", ""),
+            options.get("clientSecret", ""),
+            options.get("scope"),
+        )
+
+    def librdkafka_config(self) -> dict[str, Any]:
+        """librdkafka's (confluent-kafka's) properties for this configuration, without
+        bootstrap.servers (`varadhi.kafka.clients.fetch_consumer` adds it); nothing for
+        PLAINTEXT. How each property maps is `RDKAFKA_HANDLED`:
+
+        - TLS: `ssl.ca.location` (without it, librdkafka's default CAs), the PEM keystore as
+          both `ssl.certificate.location` and `ssl.key.location`, `ssl.key.password`, and
+          `ssl.endpoint.identification.algorithm` https (the default) or none (empty);
+        - PLAIN and SCRAM: `sasl.mechanism`, `sasl.username`, `sasl.password`;
+        - OAUTHBEARER: `oauth_cb`, a function on the same token provider `python_kwargs` makes
+          (`varadhi.kafka.oauth_tokens`), answering (token, expiry in epoch seconds).
+          Hazard: confluent-kafka turns an exception raised in `oauth_cb` during the
+          consumer's construction into an unrelated error (a SystemError, or a 10 s wait), so
+          `fetch_consumer` asks it for the first token before.
+
+        Raises KafkaConfigError for a property or mechanism it has no mapping for (a setting is
+        never dropped), and as `python_kwargs` does for a token provider that cannot be made."""
+        unmapped = sorted(
+            k for k, _ in self.resolved if k not in RDKAFKA_HANDLED and not k.startswith("varadhi.")
+        )
+        if unmapped:
+            raise KafkaConfigError(
+                f"{unmapped[0]} has no librdkafka equivalent: the library runtime cannot fetch "
+                f"with this Kafka client configuration"
+            )
+        conf: dict[str, Any] = {}
+        if self.get("client.dns.lookup"):
+            conf["client.dns.lookup"] = self.get("client.dns.lookup")
+        if self.protocol == "PLAINTEXT":
+            return conf
+        conf["security.protocol"] = self.protocol
+        if self.uses_tls:
+            if self.get("ssl.truststore.location"):
+                conf["ssl.ca.location"] = self.get("ssl.truststore.location")
+            if self.get("ssl.keystore.location"):
+                conf["ssl.certificate.location"] = self.get("ssl.keystore.location")
+                conf["ssl.key.location"] = self.get("ssl.keystore.location")
+                if self.get("ssl.key.password"):
+                    conf["ssl.key.password"] = self.get("ssl.key.password")
+            algorithm = self.get("ssl.endpoint.identification.algorithm", "https")
+            conf["ssl.endpoint.identification.algorithm"] = "https" if algorithm else "none"
+        mechanism = self.mechanism
+        if mechanism == "OAUTHBEARER":
+            conf["sasl.mechanism"] = mechanism
+            conf["oauth_cb"] = _oauth_cb(self._token_provider())
+        elif mechanism in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+            options = self._jaas_options()
+            conf["sasl.mechanism"] = mechanism
+            conf["sasl.username"] = options["username"]
+            conf["sasl.password"] = options["password"]
+        elif mechanism:
+            raise KafkaConfigError(
+                f"sasl.mechanism {mechanism} has no librdkafka mapping: the library runtime "
+                f"cannot fetch with this Kafka client configuration"
+            )
+        return conf
 
     def spark_options(self) -> dict[str, str]:
         """The Spark Kafka source/sink's options (`kafka.` + the Java client property), without
@@ -451,6 +547,24 @@ class KafkaConfig:
 
 
 PLAINTEXT = KafkaConfig()
+
+
+def _oauth_cb(
+    provider: MskIamTokenProvider | UnsecuredJwtProvider | ClientCredentialsTokenProvider,
+) -> Callable[[str | None], tuple[str, float]]:
+    """confluent-kafka's `oauth_cb` on `provider`: (token, expiry in epoch seconds), called by
+    librdkafka when it needs a token (at 80% of the last one's life). Its argument, librdkafka's
+    `sasl.oauthbearer.config`, is not used. A provider's error is logged (librdkafka reports
+    only "OAuth callback raised exception") and raised."""
+
+    def oauth_cb(_sasl_oauthbearer_config: str | None) -> tuple[str, float]:
+        try:
+            return provider.token_and_expiry()
+        except Exception as e:
+            log.warning("no OAUTHBEARER token for librdkafka: %s: %s", type(e).__name__, e)
+            raise
+
+    return oauth_cb
 
 
 def env_name(key: str) -> str:

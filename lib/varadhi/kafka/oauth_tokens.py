@@ -1,6 +1,8 @@
 """kafka-python's OAUTHBEARER token providers, one per login the Kafka client configuration
 supports (`varadhi.kafka.config.oauth_flavor`); `KafkaConfig.python_kwargs()` builds the one its
-properties name. The Java clients (Spark) log in with their own handlers instead.
+properties name, and `KafkaConfig.librdkafka_config()` the same one for librdkafka's `oauth_cb`
+(which needs each token's expiry too: `token_and_expiry()`). The Java clients (Spark) log in with
+their own handlers instead.
 
 - client credentials: the OAuth 2 client-credentials grant against the token endpoint, one provider
   per (endpoint, client, secret, scope) in the process (`client_credentials_provider`);
@@ -59,12 +61,24 @@ class ClientCredentialsTokenProvider(AbstractTokenProvider):
         except InvalidArgument as e:
             raise KafkaConfigError(str(e)) from None
         self.url, self.client_id, self.scope = url, client_id, scope
-        self._cached = endpoint_auth.CachedToken(
-            lambda: endpoint_auth.request_token(url, client_id, secret, scope)
-        )
+        self._fetched: tuple[str, float] = ("", 0.0)  # the last token, its expiry (epoch s)
+
+        def fetch() -> tuple[str, float]:
+            token, lifetime = endpoint_auth.request_token(url, client_id, secret, scope)
+            self._fetched = (token, time.time() + lifetime)
+            return token, lifetime
+
+        self._cached = endpoint_auth.CachedToken(fetch)
 
     def token(self) -> str:
         return self._cached.get()
+
+    def token_and_expiry(self) -> tuple[str, float]:
+        """The current token and when it expires (epoch seconds, from the endpoint's
+        `expires_in`). Hazard: when another thread fetched a newer token meanwhile, that newer
+        one is returned (with its own expiry)."""
+        self._cached.get()
+        return self._fetched
 
     def extensions(self) -> dict:
         return {}
@@ -114,15 +128,19 @@ class UnsecuredJwtProvider(AbstractTokenProvider):
         return cls(claims, lifetime)
 
     def token(self) -> str:
+        return self.token_and_expiry()[0]
+
+    def token_and_expiry(self) -> tuple[str, float]:
+        """The current token and its `exp` claim (epoch seconds)."""
         with self._lock:
             now = time.time()
             if self._token is None or now > self._expires - self.lifetime / 10:
-                self._expires = now + self.lifetime
-                payload = {**self.claims, "iat": round(now, 3), "exp": round(self._expires, 3)}
+                self._expires = round(now + self.lifetime, 3)
+                payload = {**self.claims, "iat": round(now, 3), "exp": self._expires}
                 self._token = ".".join(
                     [_b64url({"alg": "none"}), _b64url(payload), ""]
                 )  # header.payload. (no signature)
-            return self._token
+            return self._token, self._expires
 
     def __repr__(self) -> str:
         return f"UnsecuredJwtProvider(sub={self.claims.get('sub')})"
@@ -171,6 +189,10 @@ class MskIamTokenProvider(AbstractTokenProvider):
         self._lock = threading.Lock()
 
     def token(self) -> str:
+        return self.token_and_expiry()[0]
+
+    def token_and_expiry(self) -> tuple[str, float]:
+        """The current token and when it expires (epoch seconds, the signer's)."""
         with self._lock:
             if self._token is None or time.time() * 1000 > self._expires_ms - 60_000:
                 if self.role_arn:
@@ -185,7 +207,7 @@ class MskIamTokenProvider(AbstractTokenProvider):
                 else:
                     token, expires_ms = self._signer.generate_auth_token(self.region)
                 self._token, self._expires_ms = token, int(expires_ms)
-            return self._token
+            return self._token, self._expires_ms / 1000
 
     def __repr__(self) -> str:
         return f"MskIamTokenProvider({self.region})"
