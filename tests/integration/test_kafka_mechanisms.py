@@ -4,19 +4,25 @@ wiped afterwards: mutual TLS (SSL listener requiring client certificates), PLAIN
 SCRAM-SHA-512 (SASL_SSL listener) and OAUTHBEARER with unsecured JWTs (SASL_SSL listener with
 Kafka's unsecured validator). For each, with the client properties file `scripts/kafka` wrote for
 alice: `varadhi --command-config FILE topic create`, three messages through the producer library,
-and a Spark batch `kafka` source reading them back with the same file's Spark options. A client
-without a certificate on the mutual-TLS listener is refused in one clear line."""
+and a Spark batch `kafka` source reading them back with the same file's Spark options, and the
+library runtime's librdkafka fetch consumer (`clients.fetch_consumer`, manual assignment) reading
+them back too. A client without a certificate on the mutual-TLS listener is refused in one clear
+line; so are a fetch consumer with a wrong password, without a certificate, or with a mechanism
+the listener does not offer (librdkafka would retry them without end)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
 import pytest
+from confluent_kafka import OFFSET_BEGINNING, TopicPartition
 
 from varadhi.cli import main as cli_main
+from varadhi.core.errors import KafkaUnavailable
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import config as kafka_config
 from varadhi.kafka.producer import Producer
@@ -165,3 +171,101 @@ def test_a_mechanism_not_offered_is_named_even_when_the_client_saw_only_the_clos
     ok = Settings(bootstrap=scram.bootstrap, catalog_topic="c", warehouse="w", kafka=scram)
     assert "SCRAM-SHA-512" in kafka_clients.offered_mechanisms(ok)
     assert "does not offer" not in kafka_clients.explain(ok, "socket disconnected")
+
+
+# -- the library runtime's fetching: librdkafka (confluent-kafka) with the same properties -------
+
+#: One generous deadline for a bounded consume loop: a loaded machine's TLS and SASL exchanges
+#: take seconds; librdkafka itself retries a refused login without end.
+FETCH_DEADLINE_S = 120
+
+
+def _fetch(settings: Settings, topic: str, until) -> tuple[list[str], KafkaUnavailable | None]:
+    """Consume partition 0 of `topic` from its beginning with a fetch consumer of `settings`
+    (manual assignment, no commits) until `until(values)` or the consumer's first permanent
+    failure: (the values read, that failure or None)."""
+    consumer = kafka_clients.fetch_consumer(
+        settings, **{"group.id": f"fetch-{uuid.uuid4().hex[:6]}", "enable.auto.commit": False}
+    )
+    values: list[str] = []
+    deadline = time.monotonic() + FETCH_DEADLINE_S
+    try:
+        consumer.assign([TopicPartition(topic, 0, OFFSET_BEGINNING)])
+        while not until(values) and consumer.failure() is None:
+            assert time.monotonic() < deadline, f"neither the records nor a failure: {values}"
+            for message in consumer.consume(num_messages=100, timeout=0.2):
+                assert message.error() is None, message.error()
+                values.append(message.value().decode())
+        return values, consumer.failure()
+    finally:
+        consumer.close()
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
+def test_the_fetch_consumer_reads_what_the_producer_wrote(broker, places, cli, mechanism):
+    """librdkafka with `KafkaConfig.librdkafka_config()` (via `fetch_consumer`) and a manual
+    assignment reads back, over each listener and mechanism, what the project's producer wrote
+    with the same client properties file."""
+    config = broker.client_config("alice", mechanism)
+    cfg = kafka_config.load(config, environ={})
+    topic = f"fetch-{mechanism}-{uuid.uuid4().hex[:6]}"
+    code, out, err = cli(config, "topic", "create", topic, "--partitions", "1")
+    assert code == 0, err
+    settings = Settings(
+        bootstrap=cfg.bootstrap, catalog_topic=places[0], warehouse=places[1], kafka=cfg
+    )
+    bodies = [f"fetched {mechanism} {i}" for i in range(3)]
+    with Producer(topic, settings) as producer:
+        for body in bodies:
+            producer.send(body, group_id="g").get(timeout=60)
+        storage = producer.topic.produce_topic.name
+
+    values, failure = _fetch(settings, storage, lambda got: len(got) >= len(bodies))
+    assert failure is None and values == bodies
+
+
+def _refused(settings: Settings) -> str:
+    """The line of the failure a fetch consumer of `settings` ends with (assigned a topic that
+    need not exist: the client fails before it asks)."""
+    values, failure = _fetch(settings, "no-such-topic", lambda got: False)
+    assert values == [] and failure is not None
+    line = str(failure)
+    assert "\n" not in line
+    return line
+
+
+def test_a_fetch_consumer_with_a_wrong_password_ends_with_the_explained_line(broker, tmp_path):
+    """librdkafka retries a refused login without end; the fetch consumer's `failure()` ends
+    the loop with `explain`'s line, as kafka-python's clients give it."""
+    text = Path(broker.client_config("alice", "scram-sha-512")).read_text()
+    config = tmp_path / "wrong-password.properties"
+    password = "not-alices-password-123"
+    config.write_text(re.sub(r'password="[^"]*"', f'password="{password}"', text))
+    cfg = kafka_config.load(str(config), environ={})
+    line = _refused(Settings(bootstrap=cfg.bootstrap, kafka=cfg))
+    assert line.startswith(
+        f"cannot connect to Kafka at {broker.bootstrap} (SASL_SSL, SCRAM-SHA-512 as alice): "
+        f"authentication failed (wrong user name, password or mechanism): "
+    ), line
+    assert password not in line
+
+
+def test_a_fetch_consumer_without_a_client_certificate_ends_with_the_explained_line(
+    broker, tmp_path
+):
+    with_cert = Path(broker.client_config("alice", "mtls")).read_text()
+    config = tmp_path / "no-cert.properties"
+    config.write_text(re.sub(r"(?m)^ssl\.keystore\..*\n", "", with_cert))
+    cfg = kafka_config.load(str(config), environ={})
+    line = _refused(Settings(bootstrap=cfg.bootstrap, kafka=cfg))
+    assert f"cannot connect to Kafka at {broker.listeners['MTLS']} (SSL)" in line, line
+    assert "requires a client certificate (mutual TLS)" in line, line
+
+
+def test_a_fetch_consumer_with_a_mechanism_the_listener_does_not_offer(broker, tmp_path):
+    text = Path(broker.client_config("alice", "oauthbearer")).read_text()
+    config = tmp_path / "oauth-at-the-scram-port.properties"
+    config.write_text(text.replace(broker.listeners["OAUTH"], broker.bootstrap))
+    cfg = kafka_config.load(str(config), environ={})
+    line = _refused(Settings(bootstrap=cfg.bootstrap, kafka=cfg))
+    assert "the listener does not offer sasl.mechanism OAUTHBEARER" in line, line

@@ -1,7 +1,7 @@
 """librdkafka's (confluent-kafka's) view of the Kafka client configuration, without a broker:
 `KafkaConfig.librdkafka_config()` for each protocol and mechanism, the OAUTHBEARER `oauth_cb`
 on the same token providers as kafka-python's (a real https token endpoint for client
-credentials), the refusals."""
+credentials), the refusals, and which librdkafka errors a fetch consumer treats as permanent."""
 
 from __future__ import annotations
 
@@ -9,10 +9,13 @@ import base64
 import json
 import time
 
+import confluent_kafka
 import pytest
 
 from varadhi.core.errors import KafkaConfigError
+from varadhi.kafka import clients
 from varadhi.kafka import config as kc
+from varadhi.kafka.settings import Settings
 from varadhi.testing.oauth_server import OAuthServer
 from varadhi.testing.tls import test_pki
 
@@ -220,3 +223,64 @@ def test_what_has_no_mapping_is_refused_not_dropped(resolved, message):
     cfg = kc.KafkaConfig(resolved=tuple(sorted(resolved.items())))
     with pytest.raises(KafkaConfigError, match=message):
         cfg.librdkafka_config()
+
+
+def test_a_fetch_consumer_keeps_its_own_error_callback():
+    settings = Settings(bootstrap="127.0.0.1:9", catalog_topic="c", warehouse="w")
+    with pytest.raises(TypeError, match="error_cb is its own"):
+        clients.fetch_consumer(settings, **{"error_cb": print})
+
+
+E = confluent_kafka.KafkaError
+REFUSED_CERT = (
+    "ssl://127.0.0.1:1/bootstrap: Receive failed: error:0A000412:SSL routines::ssl/tls alert "
+    "bad certificate: SSL alert number 42 (after 0ms in state APIVERSION_QUERY)"
+)
+UNTRUSTED = (
+    "ssl://127.0.0.1:1/bootstrap: SSL handshake failed: error:0A000086:SSL routines::"
+    "certificate verify failed: broker certificate could not be verified"
+)
+
+
+@pytest.mark.parametrize(
+    "error, permanent",
+    [
+        (E(E._AUTHENTICATION, "SASL authentication error: Authentication failed"), True),
+        (E(E.SASL_AUTHENTICATION_FAILED, "OAuth token not set"), True),
+        (E(E._TRANSPORT, REFUSED_CERT), True),
+        (E(E._SSL, UNTRUSTED), True),
+        (E(E._FATAL, "fatal", fatal=True), True),
+        (E(E._TRANSPORT, "Connect to ipv4#127.0.0.1:1 failed: Connection refused"), False),
+        (E(E._ALL_BROKERS_DOWN, "1/1 brokers are down"), False),
+        (E(E._TRANSPORT, "Disconnected (after 5ms in state UP)"), False),
+        # the oauth_cb raised (the token endpoint down): librdkafka asks it again later
+        (
+            E(
+                E._AUTHENTICATION,
+                "Failed to acquire SASL OAUTHBEARER token: OAuth callback raised exception",
+            ),
+            False,
+        ),
+    ],
+)
+def test_which_librdkafka_errors_are_permanent(error, permanent):
+    assert clients.permanent(error) is permanent
+
+
+def test_a_token_the_provider_cannot_get_raises_its_own_error_before_any_consumer(caplog):
+    """confluent-kafka turns an exception of `oauth_cb` during its construction into a
+    SystemError or a 10 s wait: fetch_consumer asks for the first token before, and the
+    provider's typed error is raised (and logged by the callback)."""
+    from varadhi.core.endpoint_auth import TokenError
+    from varadhi.testing.secure_kafka import free_port_pair
+
+    closed = f"https://127.0.0.1:{free_port_pair(1)}/token"  # nothing listens there
+    cfg = _oauth(
+        'clientId="app" clientSecret="cs-not-shown"',
+        **{"sasl.oauthbearer.token.endpoint.url": closed},
+    )
+    settings = Settings(bootstrap="127.0.0.1:9", catalog_topic="c", warehouse="w", kafka=cfg)
+    with pytest.raises(TokenError, match="could not be used"):
+        clients.fetch_consumer(settings, **{"group.id": "g"})
+    assert "no OAUTHBEARER token for librdkafka: TokenError" in caplog.text
+    assert "cs-not-shown" not in caplog.text

@@ -2,10 +2,12 @@
 `KafkaConfig` of `lib/varadhi/kafka/config.py`).
 
 `consumer`, `producer` and `admin` return kafka-python clients with the configured security
-(TLS, SASL); `spark_options` gives the Spark Kafka sink's `kafka.*` options and
-`spark_source_options` the source's. A client that cannot be created (nothing listens, TLS
-refused, wrong credentials) raises `KafkaUnavailable` with one line saying which, within the
-client's timeout, secrets never included.
+(TLS, SASL); `fetch_consumer` a librdkafka (confluent-kafka) consumer with the same security,
+for the library runtime's fetching; `spark_options` gives the Spark Kafka sink's `kafka.*`
+options and `spark_source_options` the source's. A client that cannot be created (nothing
+listens, TLS refused, wrong credentials) raises `KafkaUnavailable` with one line saying which,
+within the client's timeout, secrets never included (librdkafka's client connects later:
+`FetchConsumer.failure` gives that line).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import time
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any, Protocol
 
+import confluent_kafka
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import (
@@ -40,9 +43,14 @@ CONNECT_TIMEOUT_MS = 10_000
 #: What a client's bootstrap failures say when the cause is authentication, not the network.
 _AUTH_FAILURE = r"Authentication|Authorization|UnsupportedSaslMechanism"
 #: TLS alerts of a broker refusing the client's certificate (or its absence): mutual TLS.
+#: Python's ssl names them `SSLV3_ALERT_BAD_CERTIFICATE`, OpenSSL's text (librdkafka's errors)
+#: `ssl/tls alert bad certificate`.
 _CERT_REFUSED = re.compile(
-    r"ALERT_(BAD_CERTIFICATE|CERTIFICATE_REQUIRED|CERTIFICATE_UNKNOWN|UNKNOWN_CA)"
+    r"ALERT[_ ](BAD[_ ]CERTIFICATE|CERTIFICATE[_ ]REQUIRED|CERTIFICATE[_ ]UNKNOWN|UNKNOWN[_ ]CA)",
+    re.IGNORECASE,
 )
+#: A broker's refusal of the SASL credentials: kafka-python's error, librdkafka's text.
+_SASL_REFUSED = re.compile(r"SaslAuthenticationFailed|SASL authentication error")
 
 
 class HasKafka(Protocol):
@@ -227,6 +235,104 @@ def admin(settings: HasKafka, **kwargs: Any) -> KafkaAdminClient:
     return _build(KafkaAdminClient, settings, kwargs)
 
 
+#: librdkafka's error codes of a broker refusing the client's credentials (retried without end).
+_RDKAFKA_REFUSED = frozenset(
+    {
+        confluent_kafka.KafkaError._AUTHENTICATION,
+        confluent_kafka.KafkaError.SASL_AUTHENTICATION_FAILED,
+    }
+)
+#: librdkafka's text of a TLS handshake that can never succeed: the broker's certificate not
+#: trusted, or the broker refusing the client's (`_CERT_REFUSED`).
+_TLS_REFUSED = re.compile(f"certificate verify failed|{_CERT_REFUSED.pattern}", re.IGNORECASE)
+#: librdkafka's `_AUTHENTICATION` text when the `oauth_cb` raised (the token endpoint not
+#: answering, say): librdkafka keeps its session and asks again later, as kafka-python would.
+_TOKEN_NOT_HAD = "Failed to acquire SASL OAUTHBEARER token"
+#: The tail of librdkafka's connection errors: `(after 302ms in state AUTH_REQ)`.
+_RDKAFKA_STATE = re.compile(r" \(after \d+ms in state \w+\)$")
+
+
+def permanent(error: confluent_kafka.KafkaError) -> bool:
+    """Whether a librdkafka error reports what its retrying will not get past: fatal, the
+    credentials refused, or a TLS handshake refused by either side. Not an unreachable or
+    restarting broker (`_TRANSPORT`, `_ALL_BROKERS_DOWN` without a TLS refusal), nor a token
+    the OAUTHBEARER provider could not get this time (pure)."""
+    text = error.str() or ""
+    return (
+        error.fatal()
+        or (error.code() in _RDKAFKA_REFUSED and _TOKEN_NOT_HAD not in text)
+        or bool(_TLS_REFUSED.search(text))
+    )
+
+
+def unavailable(settings: HasKafka, error: confluent_kafka.KafkaError) -> KafkaUnavailable:
+    """The typed error for what librdkafka reported (`_AUTHENTICATION`,
+    `SASL_AUTHENTICATION_FAILED`, `_TRANSPORT`, `_ALL_BROKERS_DOWN`, ...): `KafkaUnavailable`
+    with `explain`'s line, as for kafka-python's clients (probes the first bootstrap server)."""
+    text = _RDKAFKA_STATE.sub("", error.str() or "")
+    return KafkaUnavailable(explain(settings, f"{error.name()}: {text}"))
+
+
+#: The Python logger of librdkafka's log lines (served by a fetch consumer's poll/consume).
+RDKAFKA_LOGGER = "varadhi.kafka.rdkafka"
+
+
+class FetchConsumer(confluent_kafka.Consumer):
+    """A librdkafka consumer (`fetch_consumer`) that remembers the first failure its client
+    cannot get past by retrying (`permanent`), which librdkafka reports only to `error_cb`
+    and otherwise retries without end: a consume loop calls `failure()` and raises it.
+
+    Hazard: librdkafka reports errors, and asks for OAUTHBEARER tokens, only from the
+    consumer's `poll`/`consume` calls; a consumer not polled notices nothing."""
+
+    def __init__(self, settings: HasKafka, config: dict[str, Any]) -> None:
+        self._settings = settings
+        self._failed: confluent_kafka.KafkaError | None = None
+        self._failure: KafkaUnavailable | None = None
+        super().__init__({**config, "error_cb": self._on_error})
+
+    def _on_error(self, error: confluent_kafka.KafkaError) -> None:
+        if self._failed is None and permanent(error):
+            self._failed = error  # explained in `failure`, not in librdkafka's callback
+
+    def failure(self) -> KafkaUnavailable | None:
+        """The typed error of the first permanent failure librdkafka reported (`unavailable`'s
+        line, made on the first call after it: `explain` probes the cluster), or None."""
+        if self._failed is not None and self._failure is None:
+            self._failure = unavailable(self._settings, self._failed)
+        return self._failure
+
+
+def fetch_consumer(settings: HasKafka, **config: Any) -> FetchConsumer:
+    """A librdkafka consumer of the cluster: the bootstrap servers, the security properties of
+    `KafkaConfig.librdkafka_config()`, then the caller's librdkafka properties (`group.id`,
+    `isolation.level`, `enable.auto.commit`, ...; pass dotted names as `**{"group.id": g}`).
+    Its `error_cb` is its own (`FetchConsumer.failure`); librdkafka's log lines go to the
+    `RDKAFKA_LOGGER` Python logger unless the caller names a `logger`.
+
+    Nothing connects here (librdkafka connects in the background); an OAUTHBEARER provider is
+    asked for its first token here, so that its own typed error (`TokenError`,
+    `KafkaConfigError`) is raised, not confluent-kafka's. A consumer librdkafka cannot create
+    (a key it cannot decrypt, a property it does not know) raises `KafkaUnavailable` with
+    `explain`'s line. Hazard: with OAUTHBEARER, confluent-kafka's construction waits about
+    a second for librdkafka to take the token."""
+    if "error_cb" in config:
+        raise TypeError("fetch_consumer's error_cb is its own: read FetchConsumer.failure()")
+    security = config_of(settings).librdkafka_config()
+    if "oauth_cb" in security:
+        security["oauth_cb"](None)
+    merged = {
+        "bootstrap.servers": settings.bootstrap,
+        "logger": logging.getLogger(RDKAFKA_LOGGER),
+        **security,
+        **config,
+    }
+    try:
+        return FetchConsumer(settings, merged)
+    except confluent_kafka.KafkaException as e:
+        raise unavailable(settings, e.args[0]) from None
+
+
 def explain(settings: HasKafka, error: BaseException | str) -> str:
     """One line: what failed connecting to the cluster (probes the first bootstrap server)."""
     cfg = config_of(settings)
@@ -238,10 +344,10 @@ def explain(settings: HasKafka, error: BaseException | str) -> str:
         offered = offered_mechanisms(settings) if cfg.mechanism else None
         if offered is not None and cfg.mechanism not in offered:
             cause = _not_offered(cfg.mechanism, offered)
-        elif "SaslAuthenticationFailed" in text:
+        elif _SASL_REFUSED.search(text):
             cause = (
                 "authentication failed (wrong user name, password or mechanism): "
-                + cause.rsplit("Error: ", 1)[-1]
+                + re.split(r"(?i)error: ", cause)[-1]
             )
         elif "UnsupportedSaslMechanism" in text:
             cause = _not_offered(cfg.mechanism, offered)
