@@ -50,6 +50,14 @@ def guard(consumer: KafkaConsumer) -> None:
     coordinator.need_rejoin = MethodType(need_rejoin, coordinator)
 
 
+def joining(consumer: KafkaConsumer) -> bool:
+    """Whether `consumer` (guarded) needs a join or has one under way. Its polls must then
+    wait: a join's task finished while no poll awaited it is done again (kafka-python drops a
+    finished task's answer), so a member that only ever polls without a timeout joins again
+    and again, for good (seen: every poll of 0 or 5 ms while the member read on)."""
+    return consumer._coordinator.need_rejoin()
+
+
 def subscribe(consumer: KafkaConsumer, topics: list[str], listener) -> None:
     """Subscribe `consumer` to `topics` so that its first join assigns with their partitions
     known and is its only one: a join made before the coordinator's metadata snapshot of the

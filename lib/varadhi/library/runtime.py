@@ -9,7 +9,9 @@ per message, or with `delivery.mode: batch` up to `max_messages` messages of dif
 request, the shards' wire format and per-message answers) or through a Python `handler`
 (`varadhi.library.handler`).
 
-Threads. One thread owns the Kafka consumer: it polls, hands records to the `Scheduler`,
+Threads. One thread owns the Kafka consumers, the group's (kafka-python: membership and
+commits) and the fetcher (librdkafka, assigned what the group gave: `varadhi.library.fetch`):
+it polls both (`_poll`), hands records to the `Scheduler`,
 reads only the RQ while `max_pending` messages are held (`_full`), and commits (`offsets.Ledger`: the lowest
 unfinished offset and, in the metadata, what finished above it). Delivery runs on another
 thread (the engine's loop, `max_in_flight` requests at a time, its streams the messages handed
@@ -174,6 +176,7 @@ from varadhi.library.blocking import Blocking, RedriveHold
 from varadhi.library.crossing_state import CrossingState, KafkaBoundary
 from varadhi.library.dedup import DedupMemory
 from varadhi.library.dedup_topic import DedupReader
+from varadhi.library.fetch import Fetcher, Record
 from varadhi.library.keys import OrderingKey
 from varadhi.library.ledgers import Ledgers
 from varadhi.library.member_trace import MemberTrace, trace_target
@@ -195,6 +198,8 @@ CATALOG_CHECK_S = 5.0
 #: How often a member publishes its progress document (also on a pause, a resume and a stop).
 PROGRESS_S = 5.0
 POLL_MS = 50
+#: The most records one poll of the fetcher returns.
+MAX_RECORDS = 1000
 #: While the member holds `max_pending` messages (`_full`), how often it polls to read the RQ
 #: on (what the main topic gives then is read again later): a key's retry copy can free it.
 FULL_POLL_S = 0.5
@@ -287,6 +292,7 @@ class Consumer:
         self._suspended: Suspension | None = None  # the subscription's, as last seen
         self._pause_asked = False  # the subscription is paused, as last seen
         self._next_publish = 0.0  # monotonic time of the next progress document
+        self._next_member_poll = 0.0  # monotonic time of the membership consumer's next poll
         self.member = member_id()
         self._state = "new"
         self._error: str | None = None
@@ -432,8 +438,12 @@ class Consumer:
             auto_offset_reset="earliest",
             isolation_level="read_committed",
             partition_assignment_strategy=[SlotAssignor(sub.shard_count)],
-            max_poll_records=1000,
             **_session_kwargs(self.options.session_timeout_ms),
+        )
+        # reads what the member holds: librdkafka, assigned by `_rebalanced` (`fetch`)
+        self._fetch = Fetcher(
+            kafka_clients.fetch_consumer(self.settings, **Fetcher.config(self.member)),
+            kafka_clients.principal(self.settings),
         )
         # kafka-python 3.0.12 could lose a join redone for new metadata: the member then held
         # nothing, for good (`join_guard`)
@@ -457,6 +467,7 @@ class Consumer:
             self._state = "failed"
             for client in (self._consumer, self._offsets):
                 client.close(autocommit=False)
+            self._fetch.close()
             if self._dedup_reader is not None:
                 self._dedup_reader.close()
             self._producer.close(timeout=10)
@@ -561,7 +572,6 @@ class Consumer:
 
     # -- the Kafka thread ---------------------------------------------------------------------
     def _consume(self) -> None:
-        consumer = self._consumer
         next_commit = time.monotonic() + self.options.commit_interval_s
         next_check = time.monotonic() + CATALOG_CHECK_S
         next_full_poll = 0.0
@@ -572,7 +582,7 @@ class Consumer:
                     time.sleep(POLL_MS / 1000)
                     batches = {}
                 else:  # paused, it polls on (paused partitions give nothing): it stays a member
-                    batches = consumer.poll(timeout_ms=POLL_MS)
+                    batches = self._poll()
                     if rq_only:
                         next_full_poll = time.monotonic() + FULL_POLL_S
                 if self._assigned is not None:
@@ -609,7 +619,8 @@ class Consumer:
             except BaseException as e:  # noqa: BLE001
                 self._fail(e)
             finally:
-                consumer.close(autocommit=False)
+                self._consumer.close(autocommit=False)
+                self._fetch.close()
                 self._offsets.close(autocommit=False)
                 self._producer.close(timeout=10)
                 self._catalog.close()
@@ -625,6 +636,24 @@ class Consumer:
                 except BaseException as e:  # noqa: BLE001 - its last word only
                     log.info("%s: last progress document not sent (%s)", self.name, e)
                 self._progress.close()
+
+    def _poll(self) -> dict[TopicPartition, list[Record]]:
+        """One turn of reading. The membership consumer's poll runs the group's rebalances
+        (it fetches nothing: every partition it is assigned is paused, `_assign`). While the
+        fetcher has nothing to read (nothing assigned, or all paused), or a join is needed or
+        under way (`join_guard.joining`: a poll must await it), that poll waits up to `POLL_MS`
+        and nothing is read (a join revoked every partition: nothing would be handed out).
+        Otherwise it polls without waiting, at most every `POLL_MS`, and takes what the
+        fetcher read, waiting up to `POLL_MS` for the first record."""
+        now = time.monotonic()
+        if not self._fetch.reading() or join_guard.joining(self._consumer):
+            self._consumer.poll(timeout_ms=POLL_MS)
+            self._next_member_poll = now + POLL_MS / 1000
+            return {}
+        if now >= self._next_member_poll:
+            self._consumer.poll(timeout_ms=0)
+            self._next_member_poll = now + POLL_MS / 1000
+        return self._fetch.poll(POLL_MS, MAX_RECORDS)
 
     # -- re-drives ----------------------------------------------------------------------------
     def _redrive(self) -> None:
@@ -677,8 +706,8 @@ class Consumer:
         ledger = self._ledgers.get(tp)
         if ledger is None or self._crossing.held(tp):  # not set up yet, or past its slot's frontier
             self._read_again(tp, records)
-            if ledger is not None and tp in self._consumer.assignment():
-                self._consumer.pause(tp)
+            if ledger is not None:
+                self._fetch.pause(tp)
             return
         works = []
         dropped = 0
@@ -727,17 +756,16 @@ class Consumer:
     def _read_again(self, tp: TopicPartition, records) -> None:
         """Drop `records` (polled while the member is full, before `tp` was set up, or past
         its slot's frontier): the partition, if still assigned, is read again from the first."""
-        if tp in self._consumer.assignment():
-            self._consumer.seek(tp, records[0].offset)
+        self._fetch.seek(tp, records[0].offset)
 
     def _caught_up(self) -> None:
         """Hand out a slot's messages once its RQ was read to the end it had at assignment."""
-        consumer = self._consumer
-        owned = consumer.assignment()  # may change under us: the listener runs elsewhere
+        fetch = self._fetch
+        owned = fetch.assignment()
         done = set()
         for slot, ends in self._catch_up.items():
             for tp, end in list(ends.items()):
-                if tp in owned and consumer.position(tp) >= end:
+                if tp in owned and fetch.position(tp) >= end:
                     del ends[tp]
             if not ends:
                 done.add(slot)
@@ -778,7 +806,7 @@ class Consumer:
         if self._blocking is not None:
             blocked_count = partial(group_state_topic.blocked_count, self.settings, self.name)
         boundary = KafkaBoundary(
-            self._consumer, self._offsets, self._rq, self._sub.shard_count, blocked_count
+            self._fetch, self._offsets, self._rq, self._sub.shard_count, blocked_count
         )
         moved, waiting = state.cross(mq, now_ms, boundary)
         for slot, name in moved:
@@ -899,25 +927,19 @@ class Consumer:
         self._publish(force=True)
 
     def _pause_reading(self) -> None:
-        consumer = self._consumer
-        unpaused = consumer.assignment() - consumer.paused()
-        if unpaused:
-            consumer.pause(*unpaused)
+        fetch = self._fetch
+        fetch.pause(*(fetch.assignment() - fetch.paused()))
 
     def _resume_reading(self) -> None:
         """Read again every paused partition but those past their slot's frontier."""
-        consumer = self._consumer
-        free = [tp for tp in consumer.paused() if not self._crossing.held(tp)]
-        if free:
-            consumer.resume(*free)
+        fetch = self._fetch
+        fetch.resume(*(tp for tp in fetch.paused() if not self._crossing.held(tp)))
 
     def _hold_reading(self) -> None:
         """Pause the assigned partitions past their slot's frontier (`CrossingState.held`)."""
-        consumer = self._consumer
+        fetch = self._fetch
         state = self._crossing
-        held = [tp for tp in consumer.assignment() - consumer.paused() if state.held(tp)]
-        if held:
-            consumer.pause(*held)
+        fetch.pause(*(tp for tp in fetch.assignment() - fetch.paused() if state.held(tp)))
 
     def _publish(self, force: bool = False) -> None:
         """The member's progress document (at most every `PROGRESS_S` unless forced)."""
@@ -994,6 +1016,8 @@ class Consumer:
         self._close(set(lost))  # no commit: the group gave them to others meanwhile
 
     def _assign(self, assigned) -> None:
+        # the membership consumer never fetches: the fetcher reads (`_poll`)
+        self._consumer.pause(*assigned)
         self._fenced.joined()
         with self._lock:
             self._assigned = set(assigned)
@@ -1023,6 +1047,7 @@ class Consumer:
                 for slot in slots:
                     self._catch_up.pop(slot, None)
                 self._crossing.forget(slots)
+            self._fetch.unassign(gone)
         new = [tp for tp in assigned if self._ledgers.get(tp) is None]
         rq_tps = [tp for tp in new if tp.topic == self._rq.name]
         # The member's own consumer is not asked: its blocking calls made between a revoke and
@@ -1036,13 +1061,17 @@ class Consumer:
                     self.settings, self.name, self._slots_of(new), self._sub.shard_count, self._dlq
                 )
             ends = offsets.end_offsets(rq_tps) if rq_tps else {}
+            starts: dict[TopicPartition, int | None] = {}  # where the fetcher reads from
             for tp in new:
                 committed = offsets.committed(tp, metadata=True)
                 if committed is None or committed.offset < 0:
                     ledgers[tp] = (Ledger(0), None)  # reading starts at the log's start
+                    starts[tp] = None
                 else:
                     offset, metadata = committed.offset, committed.metadata or ""
                     ledgers[tp] = (Ledger(offset, decode(offset, metadata)), (offset, metadata))
+                    starts[tp] = offset
+            self._fetch.assign(starts)  # read from the next poll on, by this thread
         except BaseException:
             with self._lock:  # set it up at the next turn, unless a newer one came meanwhile
                 if self._assigned is None:

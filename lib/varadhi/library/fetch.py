@@ -1,0 +1,201 @@
+"""The library member's fetching: librdkafka (confluent-kafka) reading the partitions the
+member holds, by manual assignment, while kafka-python keeps the group membership.
+
+Why two clients. kafka-python decodes records in Python: about a third of a healthy member's
+CPU went to its fetch path (docs/benchmarks.md). librdkafka decodes them in C on its own
+threads. Group membership stays with kafka-python: the slot assignor (`varadhi.library.assign`)
+is a Python assignor, which librdkafka cannot run; the member's kafka-python consumer joins,
+heartbeats and commits, and never fetches (every partition it is assigned stays paused:
+`Membership`).
+
+`Fetcher` has the calls of kafka-python's consumer that the member makes on its fetch
+position (`poll`, `pause`, `resume`, `paused`, `seek`, `position`, `assignment`), plus
+`assign` (a partition from an offset) and `unassign`. Records come back as `Record`s (offset,
+key, value, headers, as kafka-python's records have them).
+
+Contract. Only the member's Kafka thread calls a `Fetcher`: the assignment changes where the
+member sets up a rebalance (`assign`, `unassign`), never in the rebalance listener. A record of
+a partition not assigned, or paused, is never returned (librdkafka drops what it prefetched
+for a partition that is paused, sought or unassigned). `position(tp)` is the offset of the next
+record the member gets: librdkafka's position once it returned one (past transaction markers),
+else where it was assigned or last sought.
+
+Errors. A record's error that Kafka will not cure by itself stops the member: a missing Read
+ACL on a topic (`NotAuthorized`, exit 4), a fatal client error, an authentication failure.
+Other errors (a broker away, a leader moving) are librdkafka's to retry; they are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException
+from confluent_kafka import TopicPartition as RdPartition
+from kafka import TopicPartition
+
+from varadhi.core.errors import KafkaUnavailable, NotAuthorized, VaradhiError
+from varadhi.kafka.clients import FetchConsumer
+
+log = logging.getLogger(__name__)
+
+#: What librdkafka may hold of fetched records, in KiB (its default, 64 MiB, is more than a member
+#: that holds at most `Options.max_pending` messages uses).
+QUEUED_KIB = 32768
+
+#: How long a look-up of a log's start may take (s).
+LOOKUP_S = 10.0
+
+#: Errors that stop the member (the rest librdkafka retries by itself).
+_AUTHORIZATION = frozenset(
+    {KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED}
+)
+_STOPPING = frozenset(
+    {KafkaError._AUTHENTICATION, KafkaError.SASL_AUTHENTICATION_FAILED, KafkaError._SSL}
+)
+
+
+class Record(NamedTuple):
+    """A record as the member reads it (kafka-python's `ConsumerRecord` fields it uses)."""
+
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+
+
+class Fetcher:
+    """See the module docstring. `consumer` is a librdkafka consumer that never subscribes;
+    `principal` names the user in a `NotAuthorized`. A failure its client reported and
+    will not get past by retrying (`FetchConsumer.failure`: credentials or a certificate
+    refused) is raised by the next `poll`."""
+
+    def __init__(self, consumer: FetchConsumer, principal: str | None = None):
+        self._consumer = consumer
+        self._principal = principal
+        self._assigned: set[TopicPartition] = set()
+        self._paused: set[TopicPartition] = set()
+        self._starts: dict[TopicPartition, int] = {}  # where assigned or last sought
+
+    @staticmethod
+    def config(client_id: str) -> dict[str, Any]:
+        """The librdkafka properties of a member's fetcher (the connection's come from the
+        client configuration). `group.id` is required by librdkafka but never used: the
+        fetcher neither subscribes nor commits."""
+        return {
+            "client.id": client_id,
+            "group.id": f"{client_id}-fetch-unused",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": False,
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",
+            "queued.max.messages.kbytes": QUEUED_KIB,
+        }
+
+    # -- the assignment ----------------------------------------------------------------------
+    def assign(self, starts: dict[TopicPartition, int | None]) -> None:
+        """Read each partition of `starts` from its offset, or from the log's start for None
+        (again from there if held already). Raises `KafkaUnavailable` when a log's start is not
+        known within `LOOKUP_S` (the caller tries again)."""
+        if not starts:
+            return
+        starts = {tp: self._log_start(tp) if at is None else at for tp, at in starts.items()}
+        again = [tp for tp in starts if tp in self._assigned]
+        self.unassign(again)
+        self._consumer.incremental_assign(
+            [RdPartition(tp.topic, tp.partition, offset) for tp, offset in starts.items()]
+        )
+        self._assigned |= set(starts)
+        self._starts.update(starts)
+
+    def _log_start(self, tp: TopicPartition) -> int:
+        try:
+            low, _ = self._consumer.get_watermark_offsets(
+                RdPartition(tp.topic, tp.partition), timeout=LOOKUP_S
+            )
+        except KafkaException as e:
+            raise KafkaUnavailable(f"the start of {tp.topic}/{tp.partition} not known: {e}") from e
+        return low
+
+    def unassign(self, tps) -> None:
+        """Stop reading `tps` (those not assigned are ignored)."""
+        held = [tp for tp in tps if tp in self._assigned]
+        if not held:
+            return
+        self._consumer.incremental_unassign([RdPartition(tp.topic, tp.partition) for tp in held])
+        for tp in held:
+            self._assigned.discard(tp)
+            self._paused.discard(tp)
+            self._starts.pop(tp, None)
+
+    def reading(self) -> bool:
+        """Whether a partition is assigned and not paused."""
+        return len(self._paused) < len(self._assigned)
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._assigned)
+
+    # -- the position --------------------------------------------------------------------------
+    def pause(self, *tps: TopicPartition) -> None:
+        held = [tp for tp in tps if tp in self._assigned and tp not in self._paused]
+        if held:
+            self._consumer.pause([RdPartition(tp.topic, tp.partition) for tp in held])
+            self._paused.update(held)
+
+    def resume(self, *tps: TopicPartition) -> None:
+        held = [tp for tp in tps if tp in self._paused]
+        if held:
+            self._consumer.resume([RdPartition(tp.topic, tp.partition) for tp in held])
+            self._paused.difference_update(held)
+
+    def paused(self) -> set[TopicPartition]:
+        return set(self._paused)
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        """Read `tp` again from `offset` (what librdkafka fetched beyond it is dropped)."""
+        if tp not in self._assigned:
+            return
+        self._consumer.seek(RdPartition(tp.topic, tp.partition, offset))
+        self._starts[tp] = offset
+
+    def position(self, tp: TopicPartition) -> int:
+        """The offset of the next record `poll` returns of `tp` (module docstring)."""
+        found = self._consumer.position([RdPartition(tp.topic, tp.partition)])[0].offset
+        return found if found != OFFSET_INVALID and found >= 0 else self._starts[tp]
+
+    # -- reading ------------------------------------------------------------------------------
+    def poll(self, timeout_ms: int, max_records: int) -> dict[TopicPartition, list[Record]]:
+        """The records librdkafka has, at most `max_records`, waiting up to `timeout_ms` for the
+        first; by partition, in offset order. Raises on an error that stops the member."""
+        messages = self._consumer.consume(max_records, timeout_ms / 1000)
+        failure = self._consumer.failure()
+        if failure is not None:
+            raise failure
+        out: dict[TopicPartition, list[Record]] = {}
+        current: tuple[str, int] | None = None
+        batch: list[Record] = []
+        assigned, paused = self._assigned, self._paused
+        for m in messages:
+            error = m.error()
+            if error is not None:
+                self._on_error(error, m.topic())
+                continue
+            where = (m.topic(), m.partition())
+            if where != current:
+                current = where
+                tp = TopicPartition(*where)
+                batch = out.setdefault(tp, []) if tp in assigned and tp not in paused else []
+            batch.append(Record(m.offset(), m.key(), m.value(), m.headers() or []))
+        return {tp: records for tp, records in out.items() if records}
+
+    def _on_error(self, error: KafkaError, topic: str | None) -> None:
+        code = error.code()
+        if code in _AUTHORIZATION and topic:
+            raise NotAuthorized("Read", "Topic", topic, self._principal)
+        if error.fatal() or code in _STOPPING:
+            raise VaradhiError(f"Kafka: {error.str()}")
+        log.debug("fetch: %s (librdkafka retries)", error.str())
+
+    def close(self) -> None:
+        self._consumer.close()
