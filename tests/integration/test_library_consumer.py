@@ -782,6 +782,11 @@ def test_a_member_put_out_of_the_group_forgets_what_it_held_even_if_given_it_aga
             "g1 waiting behind its retry",
             consumer,
         )
+        # paused, the member reads nothing after its set-up: what it holds then is what the
+        # set-up left (its fetcher reads the slots again from the commit once resumed)
+        client = Client(settings)
+        client.pause(spec.name)
+        wait_for(lambda: consumer.health()["state"] == "paused", "the member paused", consumer)
         held = set(consumer._consumer.assignment())
         rebalances = consumer.counters()["rebalances"]
         listener = _Listener(consumer)
@@ -793,6 +798,14 @@ def test_a_member_put_out_of_the_group_forgets_what_it_held_even_if_given_it_aga
         )
         assert consumer.counters()["pending"] == 0  # forgotten, to be read from the commit
         assert consumer.health()["slots"] == [0, 1]
+        read = consumer.counters()["read"]
+        client.resume(spec.name)
+        wait_for(
+            lambda: consumer.counters()["pending"] == 3 and consumer.counters()["read"] > read,
+            "g1 read again from the commit, waiting behind its retry",
+            consumer,
+        )
+        assert consumer.counters()["delivered"] == len(ids) - 3  # all else was committed
     finally:
         consumer.stop()
 

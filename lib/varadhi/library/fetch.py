@@ -167,8 +167,17 @@ class Fetcher:
     # -- reading ------------------------------------------------------------------------------
     def poll(self, timeout_ms: int, max_records: int) -> dict[TopicPartition, list[Record]]:
         """The records librdkafka has, at most `max_records`, waiting up to `timeout_ms` for the
-        first; by partition, in offset order. Raises on an error that stops the member."""
-        messages = self._consumer.consume(max_records, timeout_ms / 1000)
+        first (not for more: the member's latency); by partition, in offset order. Raises on an
+        error that stops the member."""
+        # librdkafka's consume waits for all `max_records` or the timeout: at a low rate every
+        # record would wait the timeout out. So: what is there; else the first that comes, and
+        # what came with it.
+        consumer = self._consumer
+        messages = consumer.consume(max_records, 0)
+        if not messages:
+            messages = consumer.consume(1, timeout_ms / 1000)
+            if messages and max_records > 1:
+                messages += consumer.consume(max_records - 1, 0)
         failure = self._consumer.failure()
         if failure is not None:
             raise failure
