@@ -16,7 +16,8 @@ key, value, headers, as kafka-python's records have them).
 Contract. Only the member's Kafka thread calls a `Fetcher`: the assignment changes where the
 member sets up a rebalance (`assign`, `unassign`), never in the rebalance listener. A record of
 a partition not assigned, or paused, is never returned (librdkafka drops what it prefetched
-for a partition that is paused, sought or unassigned). `position(tp)` is the offset of the next
+for a partition that is paused, sought or unassigned; one of a paused partition that comes all
+the same is sought back to, read after the resume). `position(tp)` is the offset of the next
 record the member gets: librdkafka's position once it returned one (past transaction markers),
 else where it was assigned or last sought.
 
@@ -184,7 +185,7 @@ class Fetcher:
         out: dict[TopicPartition, list[Record]] = {}
         current: tuple[str, int] | None = None
         batch: list[Record] = []
-        assigned, paused = self._assigned, self._paused
+        assigned = self._assigned
         for m in messages:
             error = m.error()
             if error is not None:
@@ -194,9 +195,13 @@ class Fetcher:
             if where != current:
                 current = where
                 tp = TopicPartition(*where)
-                batch = out.setdefault(tp, []) if tp in assigned and tp not in paused else []
+                batch = out.setdefault(tp, []) if tp in assigned else []
             batch.append(Record(m.offset(), m.key(), m.value(), m.headers() or []))
-        return {tp: records for tp, records in out.items() if records}
+        # librdkafka drops what it fetched of a partition once paused; should any come all the
+        # same, its position moved past them: they are read again after the resume, not lost
+        for tp in self._paused & out.keys():
+            self.seek(tp, out.pop(tp)[0].offset)
+        return out
 
     def _on_error(self, error: KafkaError, topic: str | None) -> None:
         code = error.code()
