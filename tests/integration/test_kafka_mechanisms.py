@@ -63,6 +63,24 @@ def cli(places, capsys, monkeypatch):
     return run
 
 
+def _produced(broker, places, cli, mechanism: str, prefix: str) -> tuple[Settings, str, list]:
+    """A topic made with the CLI over `mechanism`'s listener and three messages written to it
+    by the project's producer: the settings, its storage topic and the bodies."""
+    config = broker.client_config("alice", mechanism)
+    cfg = kafka_config.load(config, environ={})
+    topic = f"{prefix}-{mechanism}-{uuid.uuid4().hex[:6]}"
+    code, out, err = cli(config, "topic", "create", topic, "--partitions", "1")
+    assert code == 0, err
+    settings = Settings(
+        bootstrap=cfg.bootstrap, catalog_topic=places[0], warehouse=places[1], kafka=cfg
+    )
+    bodies = [f"{prefix} {mechanism} {i}" for i in range(3)]
+    with Producer(topic, settings) as producer:
+        for body in bodies:
+            producer.send(body, group_id="g").get(timeout=60)
+        return settings, producer.topic.produce_topic.name, bodies
+
+
 def test_the_script_records_one_listener_per_kind(broker):
     assert set(broker.listeners) == {"SASL_SSL", "MTLS", "OAUTH"}
     assert broker.listeners["SASL_SSL"] == broker.bootstrap
@@ -77,24 +95,12 @@ def test_the_script_records_one_listener_per_kind(broker):
 @pytest.mark.spark
 @pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_topic_create_produce_and_spark_read(broker, places, cli, spark, mechanism):
-    config = broker.client_config("alice", mechanism)
-    cfg = kafka_config.load(config, environ={})
+    cfg = kafka_config.load(broker.client_config("alice", mechanism), environ={})
     assert cfg.summary() == {
         "mtls": "SSL, client certificate",
         "oauthbearer": "SASL_SSL, OAUTHBEARER as alice",
     }.get(mechanism, f"SASL_SSL, {mechanism.upper()} as alice")
-    topic = f"mech-{mechanism}-{uuid.uuid4().hex[:6]}"
-    code, out, err = cli(config, "topic", "create", topic, "--partitions", "1")
-    assert code == 0, err
-
-    settings = Settings(
-        bootstrap=cfg.bootstrap, catalog_topic=places[0], warehouse=places[1], kafka=cfg
-    )
-    bodies = [f"{mechanism} {i}" for i in range(3)]
-    with Producer(topic, settings) as producer:
-        for body in bodies:
-            producer.send(body, group_id="g").get(timeout=60)
-        storage = producer.topic.produce_topic.name
+    settings, storage, bodies = _produced(broker, places, cli, mechanism, "mech")
 
     options = kafka_clients.spark_options(settings)
     assert options["kafka.bootstrap.servers"] == cfg.bootstrap
@@ -206,20 +212,7 @@ def test_the_fetch_consumer_reads_what_the_producer_wrote(broker, places, cli, m
     """librdkafka with `KafkaConfig.librdkafka_config()` (via `fetch_consumer`) and a manual
     assignment reads back, over each listener and mechanism, what the project's producer wrote
     with the same client properties file."""
-    config = broker.client_config("alice", mechanism)
-    cfg = kafka_config.load(config, environ={})
-    topic = f"fetch-{mechanism}-{uuid.uuid4().hex[:6]}"
-    code, out, err = cli(config, "topic", "create", topic, "--partitions", "1")
-    assert code == 0, err
-    settings = Settings(
-        bootstrap=cfg.bootstrap, catalog_topic=places[0], warehouse=places[1], kafka=cfg
-    )
-    bodies = [f"fetched {mechanism} {i}" for i in range(3)]
-    with Producer(topic, settings) as producer:
-        for body in bodies:
-            producer.send(body, group_id="g").get(timeout=60)
-        storage = producer.topic.produce_topic.name
-
+    settings, storage, bodies = _produced(broker, places, cli, mechanism, "fetch")
     values, failure = _fetch(settings, storage, lambda got: len(got) >= len(bodies))
     assert failure is None and values == bodies
 
