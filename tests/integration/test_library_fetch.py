@@ -42,7 +42,7 @@ def produce(settings, name: str, count: int, partition: int = 0, transactional: 
 
 def fetcher(settings) -> Fetcher:
     member = f"test-fetch-{time.monotonic_ns()}"
-    return Fetcher(kafka_clients.fetch_consumer(settings, **Fetcher.config(member)))
+    return Fetcher(kafka_clients.fetch_consumer(settings, **Fetcher.config(member)), settings)
 
 
 def read(fetch: Fetcher, count: int, only: TopicPartition | None = None) -> list:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from kafka import TopicPartition
 
+from varadhi.kafka.settings import Settings
 from varadhi.library.fetch import Fetcher
+
+#: Nothing connects: the stand-in consumer answers.
+SETTINGS = Settings(bootstrap="127.0.0.1:9")
 
 
 class _Message:
@@ -61,7 +65,7 @@ class _Consumer:
 def test_a_paused_partitions_records_that_come_all_the_same_are_read_again_not_lost():
     t0, t1 = TopicPartition("t", 0), TopicPartition("t", 1)
     consumer = _Consumer([_Message("t", 0, 5), _Message("t", 1, 7), _Message("t", 0, 6)])
-    fetch = Fetcher(consumer)
+    fetch = Fetcher(consumer, SETTINGS)
     fetch.assign({t0: 5, t1: 7})
     fetch.pause(t0)
     got = fetch.poll(50, 100)
@@ -72,7 +76,7 @@ def test_a_paused_partitions_records_that_come_all_the_same_are_read_again_not_l
 def test_records_of_a_partition_not_assigned_are_dropped():
     t0 = TopicPartition("t", 0)
     consumer = _Consumer([_Message("t", 0, 1), _Message("u", 0, 2)])
-    fetch = Fetcher(consumer)
+    fetch = Fetcher(consumer, SETTINGS)
     fetch.assign({t0: 1})
     got = fetch.poll(50, 100)
     assert {tp: [r.offset for r in rs] for tp, rs in got.items()} == {t0: [1]}

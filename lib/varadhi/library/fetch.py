@@ -6,7 +6,7 @@ CPU went to its fetch path (docs/benchmarks.md). librdkafka decodes them in C on
 threads. Group membership stays with kafka-python: the slot assignor (`varadhi.library.assign`)
 is a Python assignor, which librdkafka cannot run; the member's kafka-python consumer joins,
 heartbeats and commits, and never fetches (every partition it is assigned stays paused:
-`Membership`).
+`varadhi.library.runtime`'s `_assign`).
 
 `Fetcher` has the calls of kafka-python's consumer that the member makes on its fetch
 position (`poll`, `pause`, `resume`, `paused`, `seek`, `position`, `assignment`), plus
@@ -21,9 +21,11 @@ the same is sought back to, read after the resume). `position(tp)` is the offset
 record the member gets: librdkafka's position once it returned one (past transaction markers),
 else where it was assigned or last sought.
 
-Errors. A record's error that Kafka will not cure by itself stops the member: a missing Read
-ACL on a topic (`NotAuthorized`, exit 4), a fatal client error, an authentication failure.
-Other errors (a broker away, a leader moving) are librdkafka's to retry; they are logged.
+Errors. An error that Kafka will not cure by itself stops the member: a missing Read ACL on a
+topic (`NotAuthorized`, exit 4), or what `varadhi.kafka.clients.permanent` calls permanent (a
+fatal client error, credentials or a certificate refused), reported with a record or to the
+client's error callback (`FetchConsumer.failure`), with `explain`'s line. Other errors (a
+broker away, a leader moving) are librdkafka's to retry; they are logged.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from __future__ import annotations
 import logging
 from typing import Any, NamedTuple
 
-from confluent_kafka import OFFSET_INVALID, KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka import TopicPartition as RdPartition
 from kafka import TopicPartition
 
-from varadhi.core.errors import KafkaUnavailable, NotAuthorized, VaradhiError
+from varadhi.core.errors import KafkaUnavailable, NotAuthorized
+from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka.clients import FetchConsumer
 
 log = logging.getLogger(__name__)
@@ -47,12 +50,9 @@ QUEUED_KIB = 32768
 #: How long a look-up of a log's start may take (s).
 LOOKUP_S = 10.0
 
-#: Errors that stop the member (the rest librdkafka retries by itself).
+#: A record's errors that stop the member as `NotAuthorized`.
 _AUTHORIZATION = frozenset(
     {KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError.GROUP_AUTHORIZATION_FAILED}
-)
-_STOPPING = frozenset(
-    {KafkaError._AUTHENTICATION, KafkaError.SASL_AUTHENTICATION_FAILED, KafkaError._SSL}
 )
 
 
@@ -66,14 +66,14 @@ class Record(NamedTuple):
 
 
 class Fetcher:
-    """See the module docstring. `consumer` is a librdkafka consumer that never subscribes;
-    `principal` names the user in a `NotAuthorized`. A failure its client reported and
-    will not get past by retrying (`FetchConsumer.failure`: credentials or a certificate
-    refused) is raised by the next `poll`."""
+    """See the module docstring. `consumer` is a librdkafka consumer that never subscribes,
+    made from `settings` (`kafka_clients.fetch_consumer`), which also name the user in a
+    `NotAuthorized` and explain a permanent error. A failure its client reported and will not
+    get past by retrying (`FetchConsumer.failure`) is raised by the next `poll`."""
 
-    def __init__(self, consumer: FetchConsumer, principal: str | None = None):
+    def __init__(self, consumer: FetchConsumer, settings: kafka_clients.HasKafka):
         self._consumer = consumer
-        self._principal = principal
+        self._settings = settings
         self._assigned: set[TopicPartition] = set()
         self._paused: set[TopicPartition] = set()
         self._starts: dict[TopicPartition, int] = {}  # where assigned or last sought
@@ -163,7 +163,7 @@ class Fetcher:
     def position(self, tp: TopicPartition) -> int:
         """The offset of the next record `poll` returns of `tp` (module docstring)."""
         found = self._consumer.position([RdPartition(tp.topic, tp.partition)])[0].offset
-        return found if found != OFFSET_INVALID and found >= 0 else self._starts[tp]
+        return found if found >= 0 else self._starts[tp]  # OFFSET_INVALID: none returned yet
 
     # -- reading ------------------------------------------------------------------------------
     def poll(self, timeout_ms: int, max_records: int) -> dict[TopicPartition, list[Record]]:
@@ -204,11 +204,10 @@ class Fetcher:
         return out
 
     def _on_error(self, error: KafkaError, topic: str | None) -> None:
-        code = error.code()
-        if code in _AUTHORIZATION and topic:
-            raise NotAuthorized("Read", "Topic", topic, self._principal)
-        if error.fatal() or code in _STOPPING:
-            raise VaradhiError(f"Kafka: {error.str()}")
+        if error.code() in _AUTHORIZATION and topic:
+            raise NotAuthorized("Read", "Topic", topic, kafka_clients.principal(self._settings))
+        if kafka_clients.permanent(error):
+            raise kafka_clients.unavailable(self._settings, error)
         log.debug("fetch: %s (librdkafka retries)", error.str())
 
     def close(self) -> None:

@@ -443,7 +443,7 @@ class Consumer:
         # reads what the member holds: librdkafka, assigned by `_rebalanced` (`fetch`)
         self._fetch = Fetcher(
             kafka_clients.fetch_consumer(self.settings, **Fetcher.config(self.member)),
-            kafka_clients.principal(self.settings),
+            self.settings,
         )
         # kafka-python 3.0.12 could lose a join redone for new metadata: the member then held
         # nothing, for good (`join_guard`)
