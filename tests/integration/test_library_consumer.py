@@ -1129,3 +1129,26 @@ def test_a_split_of_the_slots_waits_for_pending_retries_and_redrivable_dead_lett
         code, out, err = varadhi_cli(*change, spec.name, "--to", "4")
         assert code == 0 and "now has 4 slots" in out, err
         assert client.subscription(spec.name).shard_count == 4
+
+
+def test_a_fetcher_that_cannot_be_made_fails_the_start_and_closes_what_it_opened(
+    settings, catalog, make_topic, unique_name, monkeypatch
+):
+    """The librdkafka consumer is made after the member's kafka-python clients (an OAUTHBEARER
+    token endpoint that refuses, say): its refusal fails the start and closes them, as any
+    other refusal of the start does (they were once left open, the member `starting`)."""
+    from varadhi.core.errors import KafkaConfigError
+    from varadhi.kafka import clients as kafka_clients
+
+    spec = subscription(catalog, make_topic, unique_name, "http://127.0.0.1:9/unused")
+
+    def refuse(*args, **kwargs):
+        raise KafkaConfigError("the token endpoint refused the client")
+
+    monkeypatch.setattr(kafka_clients, "fetch_consumer", refuse)
+    consumer = Consumer(spec.name, settings)
+    with pytest.raises(KafkaConfigError, match="token endpoint refused"):
+        consumer.start()
+    assert consumer.health()["state"] == "failed"
+    assert consumer._consumer._closed and consumer._offsets._closed
+    assert consumer._producer._closed

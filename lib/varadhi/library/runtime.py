@@ -440,14 +440,17 @@ class Consumer:
             partition_assignment_strategy=[SlotAssignor(sub.shard_count)],
             **_session_kwargs(self.options.session_timeout_ms),
         )
-        # reads what the member holds: librdkafka, assigned by `_rebalanced` (`fetch`)
-        self._fetch = Fetcher(
-            kafka_clients.fetch_consumer(self.settings, **Fetcher.config(self.member)),
-            self.settings,
-        )
-        # kafka-python 3.0.12 could lose a join redone for new metadata: the member then held
-        # nothing, for good (`join_guard`)
+        fetch = None
         try:
+            # reads what the member holds: librdkafka, assigned by `_rebalanced` (`fetch`); made
+            # here, so that a refusal (an OAUTHBEARER token not had) closes what was opened
+            fetch = Fetcher(
+                kafka_clients.fetch_consumer(self.settings, **Fetcher.config(self.member)),
+                self.settings,
+            )
+            self._fetch = fetch
+            # kafka-python 3.0.12 could lose a join redone for new metadata: the member then
+            # held nothing, for good (`join_guard`)
             join_guard.guard(self._consumer)
             # a member whose session may have ended hands out nothing (`fence`)
             self._fenced = fence.Fence(self._consumer)
@@ -467,7 +470,8 @@ class Consumer:
             self._state = "failed"
             for client in (self._consumer, self._offsets):
                 client.close(autocommit=False)
-            self._fetch.close()
+            if fetch is not None:
+                fetch.close()
             if self._dedup_reader is not None:
                 self._dedup_reader.close()
             self._producer.close(timeout=10)
