@@ -6,9 +6,11 @@ Kafka's unsecured validator). For each, with the client properties file `scripts
 alice: `varadhi --command-config FILE topic create`, three messages through the producer library,
 and a Spark batch `kafka` source reading them back with the same file's Spark options, and the
 library runtime's librdkafka fetch consumer (`clients.fetch_consumer`, manual assignment) reading
-them back too. A client without a certificate on the mutual-TLS listener is refused in one clear
-line; so are a fetch consumer with a wrong password, without a certificate, or with a mechanism
-the listener does not offer (librdkafka would retry them without end)."""
+them back too, with two more written by the member's librdkafka producer (`acked_producer`). A
+client without a certificate on the mutual-TLS listener is refused in one clear line; so are a
+fetch consumer with a wrong password, without a certificate, or with a mechanism the listener
+does not offer, and the producer's writes with a wrong password (librdkafka would retry them
+without end)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from varadhi.cli import main as cli_main
 from varadhi.core.errors import KafkaUnavailable
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import config as kafka_config
+from varadhi.kafka.acked_producer import acked_producer
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
 from varadhi.testing.secure_kafka import secured_broker
@@ -208,13 +211,48 @@ def _fetch(settings: Settings, topic: str, until) -> tuple[list[str], KafkaUnava
 
 
 @pytest.mark.parametrize("mechanism", MECHANISMS)
-def test_the_fetch_consumer_reads_what_the_producer_wrote(broker, places, cli, mechanism):
-    """librdkafka with `KafkaConfig.librdkafka_config()` (via `fetch_consumer`) and a manual
-    assignment reads back, over each listener and mechanism, what the project's producer wrote
-    with the same client properties file."""
+def test_librdkafkas_fetch_consumer_and_producer_over_each_mechanism(
+    broker, places, cli, mechanism
+):
+    """librdkafka with `KafkaConfig.librdkafka_config()` reads back, over each listener and
+    mechanism, what the project's producer wrote with the same client properties file, and
+    what the library member's producer (`acked_producer`) wrote after it (via `fetch_consumer`
+    and a manual assignment)."""
     settings, storage, bodies = _produced(broker, places, cli, mechanism, "fetch")
-    values, failure = _fetch(settings, storage, lambda got: len(got) >= len(bodies))
-    assert failure is None and values == bodies
+    more = [f"acked {mechanism} {i}" for i in range(2)]
+    producer = acked_producer(settings)
+    try:
+        for body in more:
+            producer.send(storage, value=body.encode(), partition=0).get(FETCH_DEADLINE_S)
+    finally:
+        producer.close(FETCH_DEADLINE_S)
+    values, failure = _fetch(settings, storage, lambda got: len(got) >= len(bodies) + 2)
+    assert failure is None and values == bodies + more
+
+
+def test_the_members_producer_with_a_wrong_password_fails_its_writes_with_the_line(
+    broker, tmp_path
+):
+    """librdkafka retries a refused login without end, reporting it only to the error
+    callback: `acked_producer` fails every write not acknowledged with `explain`'s line."""
+    text = Path(broker.client_config("alice", "scram-sha-512")).read_text()
+    config = tmp_path / "wrong-password.properties"
+    password = "not-alices-password-456"
+    config.write_text(re.sub(r'password="[^"]*"', f'password="{password}"', text))
+    cfg = kafka_config.load(str(config), environ={})
+    producer = acked_producer(Settings(bootstrap=cfg.bootstrap, kafka=cfg))
+    try:
+        ack = producer.send("any-topic", value=b"x", partition=0)
+        with pytest.raises(KafkaUnavailable) as refused:
+            ack.get(FETCH_DEADLINE_S)
+    finally:
+        producer.close(5)
+    line = str(refused.value)
+    assert line.startswith(
+        f"cannot connect to Kafka at {broker.bootstrap} (SASL_SSL, SCRAM-SHA-512 as alice): "
+        f"authentication failed (wrong user name, password or mechanism): "
+    ), line
+    assert password not in line and "\n" not in line
 
 
 def _refused(settings: Settings) -> str:

@@ -212,3 +212,98 @@ class Fetcher:
 
     def close(self) -> None:
         self._consumer.close()
+
+
+class Reading:
+    """A member's reading in two fetchers (`Fetcher`'s calls, each routed by topic): one for
+    its RQ, one for the main topic's storage topics.
+
+    Why two. A member that holds `max_pending` messages reads the RQ alone (`poll(...,
+    main=False)`): a retry's copy read back can free the messages that wait behind its key. With
+    one librdkafka consumer the RQ's records queue behind thousands of the main topic's that
+    it fetched ahead (up to `QUEUED_KIB`); dropping and fetching those again each turn starved
+    the RQ (bench/library.py with 10% of attempts failing stalled for 35 s at `max_pending`).
+    Each consumer has its own queue: the main topic's records wait in theirs, fetched once.
+
+    Every poll takes the RQ's records first. Hazard: while only the main topic has records to
+    wait for, an RQ record that comes during that wait is taken at the next poll (up to
+    `timeout_ms` later; a retry waits its backoff of at least 100 ms anyway)."""
+
+    def __init__(self, main: Fetcher, rq: Fetcher, rq_topic: str):
+        self._main = main
+        self._rq = rq
+        self._rq_topic = rq_topic
+
+    @classmethod
+    def of(cls, settings: kafka_clients.HasKafka, member: str, rq_topic: str) -> Reading:
+        """Both fetchers, made with `settings` (`kafka_clients.fetch_consumer`) and named after
+        `member`; the first is closed if the second cannot be made."""
+        main = Fetcher(kafka_clients.fetch_consumer(settings, **Fetcher.config(member)), settings)
+        try:
+            rq = Fetcher(
+                kafka_clients.fetch_consumer(settings, **Fetcher.config(f"{member}-rq")), settings
+            )
+        except BaseException:
+            main.close()
+            raise
+        return cls(main, rq, rq_topic)
+
+    def _of(self, tp: TopicPartition) -> Fetcher:
+        return self._rq if tp.topic == self._rq_topic else self._main
+
+    def _split(self, tps) -> tuple[list[TopicPartition], list[TopicPartition]]:
+        rq = [tp for tp in tps if tp.topic == self._rq_topic]
+        return [tp for tp in tps if tp.topic != self._rq_topic], rq
+
+    def assign(self, starts: dict[TopicPartition, int | None]) -> None:
+        main, rq = self._split(starts)
+        self._main.assign({tp: starts[tp] for tp in main})
+        self._rq.assign({tp: starts[tp] for tp in rq})
+
+    def unassign(self, tps) -> None:
+        main, rq = self._split(tps)
+        self._main.unassign(main)
+        self._rq.unassign(rq)
+
+    def reading(self) -> bool:
+        return self._main.reading() or self._rq.reading()
+
+    def assignment(self) -> set[TopicPartition]:
+        return self._main.assignment() | self._rq.assignment()
+
+    def pause(self, *tps: TopicPartition) -> None:
+        main, rq = self._split(tps)
+        self._main.pause(*main)
+        self._rq.pause(*rq)
+
+    def resume(self, *tps: TopicPartition) -> None:
+        main, rq = self._split(tps)
+        self._main.resume(*main)
+        self._rq.resume(*rq)
+
+    def paused(self) -> set[TopicPartition]:
+        return self._main.paused() | self._rq.paused()
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self._of(tp).seek(tp, offset)
+
+    def position(self, tp: TopicPartition) -> int:
+        return self._of(tp).position(tp)
+
+    def poll(
+        self, timeout_ms: int, max_records: int, main: bool = True
+    ) -> dict[TopicPartition, list[Record]]:
+        """The RQ's records librdkafka has, then (if `main`) the main topic's, at most
+        `max_records` in all, waiting up to `timeout_ms` for the first (`Fetcher.poll`)."""
+        out = self._rq.poll(0 if main else timeout_ms, max_records)
+        if main:
+            taken = sum(map(len, out.values()))
+            if taken < max_records:
+                out.update(self._main.poll(0 if taken else timeout_ms, max_records - taken))
+        return out
+
+    def close(self) -> None:
+        try:
+            self._main.close()
+        finally:
+            self._rq.close()

@@ -12,11 +12,12 @@ request, the shards' wire format and per-message answers) or through a Python `h
 Threads. One thread owns the Kafka consumers, the group's (kafka-python: membership and
 commits) and the fetcher (librdkafka, assigned what the group gave: `varadhi.library.fetch`):
 it polls both (`_poll`), hands records to the `Scheduler`,
-reads only the RQ while `max_pending` messages are held (`_full`), and commits (`offsets.Ledger`: the lowest
+reads only the RQ while `max_pending` messages are held (`_full`, `fetch.Reading`), and commits (`offsets.Ledger`: the lowest
 unfinished offset and, in the metadata, what finished above it). Delivery runs on another
 thread (the engine's loop, `max_in_flight` requests at a time, its streams the messages handed
 out: `sources`) or on `max_in_flight` handler threads; with nothing to hand out they wait to be
-woken (`_await_work`), not polling. The RQ and DLQ are written by an idempotent producer; a message's offset counts as
+woken (`_await_work`), not polling. The RQ and DLQ are written by an idempotent librdkafka
+producer (`varadhi.kafka.acked_producer`); a message's offset counts as
 finished only once its outcome is final: delivered, or its RQ/DLQ copy acknowledged. A fourth
 thread applies `dlq unsideline` re-drives to the slots the member holds (`_redrive`,
 `varadhi.library.redrive`): it puts dead letters back on the RQ, where they are read as retries.
@@ -96,12 +97,9 @@ shares the counts with the other members, so it acts on the subscription's error
 
 Pause. The member reads the subscription from the catalog every `CATALOG_CHECK_S`. While it
 is paused the member hands out nothing more (deliveries in flight end, their outcomes are
-written and committed), pauses every partition it is assigned (kafka-python's `pause`; it goes
-on polling, so it stays in the group) and reports `paused`; after a resume it resumes them and
-delivers on. What it held when paused stays held, in order, and goes first. Hazard: `pause`
-is not used for `max_pending` (`_full`) because kafka-python 3.0.12 stopped fetching
-partitions paused and resumed many times under load; a subscription's pause is one pause and
-one resume, which the tests cover, but not under load.
+written and committed), pauses every partition the fetcher reads (the membership consumer goes on
+polling, so it stays in the group) and reports `paused`; after a resume it resumes them and
+delivers on. What it held when paused stays held, in order, and goes first.
 
 Offset reset. A member stops (and one being started refuses) while an offset reset of the
 subscription is under way (`position`): the reset commits the group's new offsets once no member
@@ -155,6 +153,7 @@ from varadhi.core.retry import Decision
 from varadhi.core.trace import Next
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
+from varadhi.kafka.acked_producer import acked_producer
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.progress import ProgressPublisher
 from varadhi.kafka.settings import Settings
@@ -176,7 +175,7 @@ from varadhi.library.blocking import Blocking, RedriveHold
 from varadhi.library.crossing_state import CrossingState, KafkaBoundary
 from varadhi.library.dedup import DedupMemory
 from varadhi.library.dedup_topic import DedupReader
-from varadhi.library.fetch import Fetcher, Record
+from varadhi.library.fetch import Reading, Record
 from varadhi.library.keys import OrderingKey
 from varadhi.library.ledgers import Ledgers
 from varadhi.library.member_trace import MemberTrace, trace_target
@@ -200,9 +199,6 @@ PROGRESS_S = 5.0
 POLL_MS = 50
 #: The most records one poll of the fetcher returns.
 MAX_RECORDS = 1000
-#: While the member holds `max_pending` messages (`_full`), how often it polls to read the RQ
-#: on (what the main topic gives then is read again later): a key's retry copy can free it.
-FULL_POLL_S = 0.5
 #: How long the member's producer gathers RQ, DLQ, GroupState and dedup records into one
 #: request. A retry waits its backoff (>= 100 ms) anyway, and a finished offset is committed
 #: every `commit_interval_s`; at 1 ms every retry was a produce request of its own, and the
@@ -406,8 +402,8 @@ class Consumer:
             )
         )
         self._trace = MemberTrace(traced, sub.shard_count)
-        self._producer = kafka_clients.producer(
-            self.settings, acks="all", linger_ms=LINGER_MS, max_request_size=MAX_REQUEST_BYTES
+        self._producer = acked_producer(
+            self.settings, **{"linger.ms": LINGER_MS, "message.max.bytes": MAX_REQUEST_BYTES}
         )
         self._writer = QueueWriter(
             self._producer, self._queues, self._ledgers.finished, self._write_failed
@@ -444,10 +440,7 @@ class Consumer:
         try:
             # reads what the member holds: librdkafka, assigned by `_rebalanced` (`fetch`); made
             # here, so that a refusal (an OAUTHBEARER token not had) closes what was opened
-            fetch = Fetcher(
-                kafka_clients.fetch_consumer(self.settings, **Fetcher.config(self.member)),
-                self.settings,
-            )
+            fetch = Reading.of(self.settings, self.member, self._rq.name)
             self._fetch = fetch
             # kafka-python 3.0.12 could lose a join redone for new metadata: the member then
             # held nothing, for good (`join_guard`)
@@ -578,27 +571,18 @@ class Consumer:
     def _consume(self) -> None:
         next_commit = time.monotonic() + self.options.commit_interval_s
         next_check = time.monotonic() + CATALOG_CHECK_S
-        next_full_poll = 0.0
         try:
             while not self._stopping.is_set():
-                rq_only = self._full() and not self._paused
-                if rq_only and time.monotonic() < next_full_poll:
-                    time.sleep(POLL_MS / 1000)
-                    batches = {}
-                else:  # paused, it polls on (paused partitions give nothing): it stays a member
-                    batches = self._poll()
-                    if rq_only:
-                        next_full_poll = time.monotonic() + FULL_POLL_S
+                # paused, it polls on (paused partitions give nothing): it stays a member; full,
+                # it reads the RQ alone (a retry's copy read back can free what waits behind it)
+                batches = self._poll(main=self._paused or not self._full())
                 if self._assigned is not None:
                     self._transient_ok(self._rebalanced, "the new assignment is not set up")
-                if self._paused:  # partitions a rebalance gave it since
-                    self._pause_reading()
                 self._ledgers.apply_finished()
                 for tp, records in batches.items():
-                    if rq_only and tp.topic != self._rq.name:
-                        self._read_again(tp, records)
-                    else:
-                        self._ingest(tp, records)
+                    self._ingest(tp, records)
+                if self._paused:  # partitions a rebalance gave it since
+                    self._pause_reading()
                 self._caught_up()
                 self._transient_ok(self._cross, "the storage-topic boundary is not checked")
                 now = time.monotonic()
@@ -641,14 +625,15 @@ class Consumer:
                     log.info("%s: last progress document not sent (%s)", self.name, e)
                 self._progress.close()
 
-    def _poll(self) -> dict[TopicPartition, list[Record]]:
+    def _poll(self, main: bool) -> dict[TopicPartition, list[Record]]:
         """One turn of reading. The membership consumer's poll runs the group's rebalances
         (it fetches nothing: every partition it is assigned is paused, `_assign`). While the
         fetcher has nothing to read (nothing assigned, or all paused), or a join is needed or
         under way (`join_guard.joining`: a poll must await it), that poll waits up to `POLL_MS`
         and nothing is read (a join revoked every partition: nothing would be handed out).
         Otherwise it polls without waiting, at most every `POLL_MS`, and takes what the
-        fetcher read, waiting up to `POLL_MS` for the first record."""
+        fetcher read (the RQ's alone unless `main`), waiting up to `POLL_MS` for the first
+        record."""
         now = time.monotonic()
         if not self._fetch.reading() or join_guard.joining(self._consumer):
             self._consumer.poll(timeout_ms=POLL_MS)
@@ -657,7 +642,7 @@ class Consumer:
         if now >= self._next_member_poll:
             self._consumer.poll(timeout_ms=0)
             self._next_member_poll = now + POLL_MS / 1000
-        return self._fetch.poll(POLL_MS, MAX_RECORDS)
+        return self._fetch.poll(POLL_MS, MAX_RECORDS, main)
 
     # -- re-drives ----------------------------------------------------------------------------
     def _redrive(self) -> None:
@@ -750,16 +735,14 @@ class Consumer:
         return self._intake.work(tp, r, index, self._slot(tp))
 
     def _full(self) -> bool:
-        """Whether reading the main topic waits (`intake.full`). The RQ is read on: every
-        `FULL_POLL_S` the member polls, takes what the RQ gives and reads the main topic's
-        records again later (`_read_again`)."""
+        """Whether reading the main topic waits (`intake.full`)."""
         with self._lock:
             catching_up = any(self._catch_up.values())
             return intake.full(self._sched.pending, self.options.max_pending, catching_up)
 
     def _read_again(self, tp: TopicPartition, records) -> None:
-        """Drop `records` (polled while the member is full, before `tp` was set up, or past
-        its slot's frontier): the partition, if still assigned, is read again from the first."""
+        """Drop `records` (polled before `tp` was set up, or past its slot's frontier): the
+        partition, if still assigned, is read again from the first."""
         self._fetch.seek(tp, records[0].offset)
 
     def _caught_up(self) -> None:
