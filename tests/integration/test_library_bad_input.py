@@ -41,7 +41,13 @@ def test_every_kind_of_bad_input_is_delivered_or_dead_lettered_and_the_member_li
         "runtime": "library",
         "on_dead_letter": "skip",
         "max_message_bytes": 200_000,
-        "retry": {"max_attempts": 3, "min_backoff": "100ms", "max_backoff": "200ms", "jitter": 0},
+        "retry": {
+            "max_attempts": 3,
+            "min_backoff": "100ms",
+            "max_backoff": "200ms",
+            "jitter": 0,
+            "in_place_window": 0,
+        },  # fmt: skip
         "circuit_breaker": {"enabled": False},
     }
     all_cases = cases()

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from dataclasses import replace
 
 import pytest
 
 from varadhi import Client
-from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy
+from varadhi.core.policies import CircuitPolicy, Endpoint
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.library import Consumer, Options, Success
@@ -50,7 +51,7 @@ def test_a_failing_endpoint_opens_the_circuit_only_probes_go_out_and_healed_all_
         min_requests=5, window_ms=10_000, open_for_ms=1_000, max_open_for_ms=2_000, probes=2
     )
     # retries due in about a second (the endpoint's Retry-After), never dead-lettered here
-    retry = RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0, max_attempts=1_000)
+    retry = replace(FAST_RETRY, max_attempts=1_000)
     with TestEndpoint(retry_after_s=1) as endpoint:
         spec = library_spec(
             unique_name("lib"),
@@ -169,7 +170,7 @@ def test_a_handlers_failures_open_the_circuit_of_its_member_too(
     policy = CircuitPolicy(
         min_requests=5, window_ms=10_000, open_for_ms=500, max_open_for_ms=1_000, probes=1
     )
-    retry = RetryPolicy(min_backoff_ms=100, max_backoff_ms=200, jitter=0.0, max_attempts=1_000)
+    retry = replace(FAST_RETRY, min_backoff_ms=100, max_backoff_ms=200, max_attempts=1_000)
     spec = library_spec(
         unique_name("lib"),
         make_topic(4),

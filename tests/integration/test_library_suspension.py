@@ -8,23 +8,24 @@ circuit's probes find the endpoint healthy and it ends the suspension itself."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 
 from varadhi.cli import main as cli
-from varadhi.core.policies import CircuitPolicy, Endpoint, RetryPolicy
+from varadhi.core.policies import CircuitPolicy, Endpoint
 from varadhi.kafka.progress import member_documents, progress_documents
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.library import Consumer
 from varadhi.ops import status
 from varadhi.testing.endpoint import TestEndpoint
-from varadhi.testing.library import lost, order_violations, produce_rounds, wait_for
+from varadhi.testing.library import FAST_RETRY, lost, order_violations, produce_rounds, wait_for
 from varadhi.testing.library import subscription_spec as library_spec
 
 pytestmark = pytest.mark.kafka
 
 #: Retried about every 200 ms and never dead-lettered here: every message waits out the outage.
-RETRY = RetryPolicy(min_backoff_ms=200, max_backoff_ms=200, jitter=0.0, max_attempts=1_000)
+RETRY = replace(FAST_RETRY, max_backoff_ms=200, max_attempts=1_000)
 
 
 def _keys(ids: list[str]) -> dict[str, list[str]]:

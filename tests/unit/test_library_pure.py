@@ -213,6 +213,23 @@ def test_a_retried_head_blocks_its_key_until_its_rq_copy_is_back_and_due():
     assert s.take(5_000) is follower
 
 
+def test_a_head_retried_in_place_stays_first_and_goes_again_once_due_never_before():
+    s = Scheduler()
+    head, follower, other = work(0, "a"), work(1, "a"), work(2, "b")
+    for w in (head, follower, other):
+        s.add(w)
+    assert s.take(0) is head
+    head.entry.attempts, head.entry.due_ms = 1, 5_000
+    s.retry_in_place(head)
+    assert s.pending == 3  # it is still held, with its body
+    assert s.take(10) is other  # other keys go on
+    assert s.take(4_999) is None  # neither the retry before its due time, nor its follower
+    assert s.next_due_ms() == 5_000
+    assert s.take(5_000) is head and head.entry.value == b"x"
+    s.done(head)
+    assert s.take(5_000) is follower
+
+
 def test_an_rq_copy_joins_the_key_its_message_left_whatever_its_own_key_reads():
     s = Scheduler()
     head, follower = work(0, "k1"), work(1, "k1")

@@ -23,8 +23,10 @@ thread applies `dlq unsideline` re-drives to the slots the member holds (`_redri
 `varadhi.library.redrive`): it puts dead letters back on the RQ, where they are read as retries.
 
 Order. Within a slot, a key's messages are handed out one at a time in origin order
-(`scheduler`); a failed one goes to the RQ (every retry does: the shards' wait in the task is
-not used) and its key waits until the copy is read back, due and delivered. When a slot is
+(`scheduler`); a failed one whose retry falls due within `retry.in_place_window_ms` of its
+first failure waits in memory as its key's head (its offset unfinished), as a shard's task
+waits for it; any other retry goes to the RQ and its key waits until the copy is read back,
+due and delivered. When a slot is
 assigned, nothing of it is handed out before its RQ partitions were read to the end they had
 then (`_caught_up`), so a key with a retry pending from before a restart or rebalance is
 blocked behind its copy before any of its later messages is delivered.
@@ -149,7 +151,7 @@ from varadhi.core.group_state import (
 )
 from varadhi.core.policies import CircuitPolicy
 from varadhi.core.queue_records import MAX_REQUEST_BYTES
-from varadhi.core.retry import Decision
+from varadhi.core.retry import Decision, retries_in_place
 from varadhi.core.trace import Next
 from varadhi.kafka import clients as kafka_clients
 from varadhi.kafka import subscriptions, topics
@@ -314,6 +316,7 @@ class Consumer:
                 "attempts",
                 "failures",
                 "retried",
+                "retried_in_place",
                 "dead_lettered",
                 "duplicates",
                 "sidelined",
@@ -1251,8 +1254,10 @@ class Consumer:
         self._writer.send("dlq", work, also)
 
     def _settle(self, work: Work, decision: Decision, outcome: Outcome) -> None:
-        """Act on an attempt's decision: finish, write to the RQ (the key waits for it) or to
-        the DLQ (the key goes on in skip mode, is blocked behind it in block mode); trace the
+        """Act on an attempt's decision: finish, retry in place (`retry.retries_in_place`: due
+        within `in_place_window_ms` of the message's first failure, it waits in memory as its
+        key's head, its offset unfinished), write to the RQ (the key waits for it) or to the
+        DLQ (the key goes on in skip mode, is blocked behind it in block mode); trace the
         attempt. A handler's `outcome` has no
         status, and its decision's reason as its detail."""
         e = work.entry
@@ -1281,11 +1286,18 @@ class Consumer:
         target: Next = "dlq"
         if decision.action == "retry":
             e.due_ms = decision.due_ms or now
-            target, why = retry_target(out_bytes(e), self._queues.rq_limit)
-            if why is not None:
-                e.reason = f"{e.reason}; {why}"
+            if retries_in_place(self._spec.retry, e.first_failure_ms, e.due_ms):
+                target = "retry"
+            else:
+                target, why = retry_target(out_bytes(e), self._queues.rq_limit)
+                if why is not None:
+                    e.reason = f"{e.reason}; {why}"
         with self._lock:
-            if target == "rq":
+            if target == "retry":
+                self._counts["retried"] += 1
+                self._counts["retried_in_place"] += 1
+                self._sched.retry_in_place(work)
+            elif target == "rq":
                 self._counts["retried"] += 1
                 self._sched.to_rq(work)
             else:
@@ -1293,7 +1305,7 @@ class Consumer:
                 self._counts["dead_lettered"] += parked
             self._lock.notify_all()
         self._trace.attempt(work, outcome, target)
-        if target == "rq" or self._blocking is None:
+        if target == "rq" or (target == "dlq" and self._blocking is None):
             self._writer.send(target, work)
 
     def _remember_delivered(self, work: Work, now: int) -> list:

@@ -174,6 +174,14 @@ class Scheduler:
             self._awaited[(work.slot, work.entry.origin)] = work.key
             self.pending -= 1
 
+    def retry_in_place(self, work: Work) -> None:
+        """`work` (a head handed out) failed and waits here for its retry, due at its entry's
+        `due_ms`: it stays its key's head, with its body, and is handed out again once due
+        (`take`), never before."""
+        q = self._end(work)
+        if q is not None:
+            self._schedule(work.queue)
+
     def to_dlq(self, work: Work) -> list[Work] | None:
         """`work` (a head handed out, with a key) was dead-lettered in block mode: it stays as
         its key's block. Returns the main-topic messages held behind it, taken out of the

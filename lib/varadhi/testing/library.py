@@ -71,7 +71,7 @@ def produce_rounds(settings: Settings, topic: str, groups: int, start: int, stop
     return ids
 
 
-FAST_RETRY = RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0)
+FAST_RETRY = RetryPolicy(min_backoff_ms=200, max_backoff_ms=1_000, jitter=0.0, in_place_window_ms=0)
 
 
 def subscription_spec(
@@ -79,7 +79,8 @@ def subscription_spec(
 ) -> SubscriptionSpec:
     """A `runtime: library` subscription as the tests and benches run one: dead letters skipped
     (a key goes on), the circuit off (a test of failures then sees every attempt), retries due
-    within a second (`FAST_RETRY`); `fields` sets any other field of the spec, or one of those
+    within a second, every one through the RQ (`FAST_RETRY`: the path most tests check; the
+    retries in place: tests/integration/test_library_in_place.py); `fields` sets any other field of the spec, or one of those
     (the circuit's tests turn it on, block mode's tests set `on_dead_letter: block`)."""
     defaults: dict[str, Any] = {
         "on_dead_letter": "skip",
