@@ -142,3 +142,27 @@ def test_the_runs_with_failures_read_the_same_backlog_unless_told_otherwise(deli
     assert delivery.parse_args([]).fail_messages == 200_000
     args = delivery.parse_args(["--messages", "1000000", "--fail-messages", "300000"])
     assert args.fail_messages == 300_000
+
+
+def _library(fail, steady, window=2000):
+    return {
+        "run": f"library: 1 member, {fail}",
+        "library_members": 1,
+        "fail_rate": fail,
+        "in_place_window_ms": window,
+        "steady_msg_s": steady,
+        "delivering_msg_s": steady,
+    }
+
+
+def test_each_retry_schedule_of_the_library_is_judged_against_the_healthy_run(delivery):
+    """A run with retries in place (the default window) and one with every retry through the
+    RQ (`--in-place-windows 2000 0`) each get their own verdict, saying which schedule."""
+    rows = [_library(0.0, 10_000), _library(0.1, 8_500), _library(0.1, 6_000, window=0)]
+    targets = delivery.library_targets(rows)
+    in_place = targets["library 10% failures >= 0.8x"]
+    through_rq = targets["library 10% failures >= 0.8x (in place 0 s)"]
+    assert in_place["verdict"] == "met" and "steady 0.85" in in_place["detail"]
+    assert "within 2 s of the first failure wait in the member" in in_place["detail"]
+    assert through_rq["verdict"] == "NOT met" and "steady 0.60" in through_rq["detail"]
+    assert "every retry goes through the RQ" in through_rq["detail"]
