@@ -230,17 +230,22 @@ def test_librdkafkas_fetch_consumer_and_producer_over_each_mechanism(
     assert failure is None and values == bodies + more
 
 
+def _with_password(broker, tmp_path, password: str) -> Settings:
+    """alice's SCRAM-SHA-512 settings with `password` instead of hers."""
+    text = Path(broker.client_config("alice", "scram-sha-512")).read_text()
+    config = tmp_path / "wrong-password.properties"
+    config.write_text(re.sub(r'password="[^"]*"', f'password="{password}"', text))
+    cfg = kafka_config.load(str(config), environ={})
+    return Settings(bootstrap=cfg.bootstrap, kafka=cfg)
+
+
 def test_the_members_producer_with_a_wrong_password_fails_its_writes_with_the_line(
     broker, tmp_path
 ):
     """librdkafka retries a refused login without end, reporting it only to the error
     callback: `acked_producer` fails every write not acknowledged with `explain`'s line."""
-    text = Path(broker.client_config("alice", "scram-sha-512")).read_text()
-    config = tmp_path / "wrong-password.properties"
     password = "not-alices-password-456"
-    config.write_text(re.sub(r'password="[^"]*"', f'password="{password}"', text))
-    cfg = kafka_config.load(str(config), environ={})
-    producer = acked_producer(Settings(bootstrap=cfg.bootstrap, kafka=cfg))
+    producer = acked_producer(_with_password(broker, tmp_path, password))
     try:
         ack = producer.send("any-topic", value=b"x", partition=0)
         with pytest.raises(KafkaUnavailable) as refused:
@@ -268,12 +273,8 @@ def _refused(settings: Settings) -> str:
 def test_a_fetch_consumer_with_a_wrong_password_ends_with_the_explained_line(broker, tmp_path):
     """librdkafka retries a refused login without end; the fetch consumer's `failure()` ends
     the loop with `explain`'s line, as kafka-python's clients give it."""
-    text = Path(broker.client_config("alice", "scram-sha-512")).read_text()
-    config = tmp_path / "wrong-password.properties"
     password = "not-alices-password-123"
-    config.write_text(re.sub(r'password="[^"]*"', f'password="{password}"', text))
-    cfg = kafka_config.load(str(config), environ={})
-    line = _refused(Settings(bootstrap=cfg.bootstrap, kafka=cfg))
+    line = _refused(_with_password(broker, tmp_path, password))
     assert line.startswith(
         f"cannot connect to Kafka at {broker.bootstrap} (SASL_SSL, SCRAM-SHA-512 as alice): "
         f"authentication failed (wrong user name, password or mechanism): "

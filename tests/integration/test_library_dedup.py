@@ -12,24 +12,16 @@ from kafka import KafkaProducer
 from varadhi.cli import main as cli
 from varadhi.core import messages as m
 from varadhi.core.policies import Endpoint
-from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.library import Consumer
 from varadhi.library.dedup_topic import topic_name
 from varadhi.ops.lifecycle import existing_topics
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import delivered
+from varadhi.testing.library import produce_ids, wait_for
 from varadhi.testing.library import subscription_spec as library_spec
-from varadhi.testing.library import wait_for
 
 pytestmark = pytest.mark.kafka
-
-
-def _send(settings, topic: str, ids: list[str]) -> None:
-    with Producer(topic, settings) as producer:
-        for msg_id in ids:
-            producer.send(msg_id.encode(), group_id=msg_id.split("-")[0], message_id=msg_id)
-        producer.flush()
 
 
 def test_a_message_delivered_within_the_window_is_not_delivered_again_by_any_member(
@@ -45,12 +37,12 @@ def test_a_message_delivered_within_the_window_is_not_delivered_again_by_any_mem
         )
         SubscriptionService(catalog).create(spec)
         first = [f"{g}-{n}" for n in range(3) for g in ("a", "b")]
-        _send(settings, spec.topic, first)
+        produce_ids(settings, spec.topic, first)
         consumer = Consumer(spec.name, settings).start()
         try:
             wait_for(lambda: len(delivered(endpoint)) == 6, "the first six delivered", consumer)
             # copies of two delivered messages, then a new one of each key (order: after them)
-            _send(settings, spec.topic, ["a-1", "b-2", "a-3", "b-3"])
+            produce_ids(settings, spec.topic, ["a-1", "b-2", "a-3", "b-3"])
             # without a message id: the payload is the id (the bodies are the same); on one
             # partition, so one after the other (copies in two slots' queues may be handed out
             # at the same time, before either is remembered: at least once)
@@ -77,7 +69,7 @@ def test_a_message_delivered_within_the_window_is_not_delivered_again_by_any_mem
             consumer.stop()
 
         # A member started afterwards knows what was delivered before it (the dedup topic).
-        _send(settings, spec.topic, ["a-0", "b-4"])
+        produce_ids(settings, spec.topic, ["a-0", "b-4"])
         later = Consumer(spec.name, settings).start()
         try:
             wait_for(lambda: "b-4" in delivered(endpoint), "the new message", later)

@@ -9,13 +9,12 @@ from __future__ import annotations
 import pytest
 
 from varadhi.core.policies import Endpoint, RetryPolicy
-from varadhi.kafka.producer import Producer
 from varadhi.kafka.subscriptions import SubscriptionService
 from varadhi.kafka.topics import TopicService
 from varadhi.library import Consumer
 from varadhi.testing.endpoint import TestEndpoint
 from varadhi.testing.harness import read_queue
-from varadhi.testing.library import subscription_spec, wait_for
+from varadhi.testing.library import produce_ids, subscription_spec, wait_for
 
 pytestmark = pytest.mark.kafka
 
@@ -32,13 +31,6 @@ def _subscription(catalog, unique_name, url: str, retry: RetryPolicy = RETRY) ->
     return spec.name, topic
 
 
-def _produce(settings, topic: str, ids: list[str]) -> None:
-    with Producer(topic, settings) as producer:
-        for msg_id in ids:
-            producer.send(msg_id.encode(), group_id=msg_id.split("-")[0], message_id=msg_id)
-        producer.flush()
-
-
 def test_a_retry_due_within_the_window_waits_in_the_member_never_before_its_due_time(
     settings, catalog, unique_name
 ):
@@ -48,7 +40,7 @@ def test_a_retry_due_within_the_window_waits_in_the_member_never_before_its_due_
     with TestEndpoint() as endpoint:
         endpoint.set_script("k-0", [500, 500])  # no Retry-After: the backoff alone
         name, topic = _subscription(catalog, unique_name, endpoint.url)
-        _produce(settings, topic, ids)
+        produce_ids(settings, topic, ids)
         consumer = Consumer(name, settings).start()
         try:
             wait_for(lambda: consumer.counters()["delivered"] == 4, "every message", consumer)
@@ -77,7 +69,7 @@ def test_a_retry_due_past_the_window_goes_through_the_rq(settings, catalog, uniq
     with TestEndpoint(retry_after_s=3) as endpoint:
         endpoint.set_script("k-0", [503])
         name, topic = _subscription(catalog, unique_name, endpoint.url)
-        _produce(settings, topic, ["k-0", "k-1"])
+        produce_ids(settings, topic, ["k-0", "k-1"])
         consumer = Consumer(name, settings).start()
         try:
             wait_for(lambda: consumer.counters()["delivered"] == 2, "both messages", consumer)
@@ -100,7 +92,7 @@ def test_a_member_stopped_while_a_retry_waits_in_place_leaves_it_to_the_next(
     with TestEndpoint() as endpoint:
         endpoint.set_script("k-0", [503])
         name, topic = _subscription(catalog, unique_name, endpoint.url, slow)
-        _produce(settings, topic, ["k-0", "k-1"])
+        produce_ids(settings, topic, ["k-0", "k-1"])
         first = Consumer(name, settings).start()
         try:
             wait_for(lambda: first.counters()["retried_in_place"] == 1, "the retry", first)

@@ -57,6 +57,15 @@ def wait_for(condition, what: str, *consumers: Any, deadline_s: float = DEADLINE
         time.sleep(0.05)
 
 
+def produce_ids(settings: Settings, topic: str, ids: Iterable[str]) -> None:
+    """One message per id (the id as the body), of the group named by the id's part before its
+    first `-` (`k-0` is group `k`'s), in this order."""
+    with Producer(topic, settings) as producer:
+        for msg_id in ids:
+            producer.send(msg_id.encode(), group_id=msg_id.split("-")[0], message_id=msg_id)
+        producer.flush()
+
+
 def produce_rounds(settings: Settings, topic: str, groups: int, start: int, stop: int) -> list[str]:
     """Messages `g<i>-<n>` of groups `g<i>` (the id as the body), n from `start` to `stop`,
     round by round; their ids in produce order."""
