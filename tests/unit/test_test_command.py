@@ -97,18 +97,16 @@ def test_a_postgres_that_does_not_start_stops_the_run(tmp_path):
 
 # The stubs of a whole run: the main suite (.venv) and each older line's tier (.venv-sparkXY)
 # print what they are and exit with the code in their file `<name>.code` (0 if none). The main
-# suite passes only once both tiers have started, within a generous deadline: the tiers run
-# next to it, not after it.
+# suite passes only once the tiers of the lines in $TIERS_EXPECTED have started, within a
+# generous deadline: the tiers run next to it, not after it.
 MAIN_SUITE = """
 case "$*" in
   *compileall*) exit 0 ;;
   *"spark.lines"*) echo "4.0 3.5"; exit 0 ;;
 esac
-for _ in $(seq 600); do
-  [[ -e "$ROOT_DIR/tier-4.0.started" && -e "$ROOT_DIR/tier-3.5.started" ]] && break
-  sleep 0.1
-done
-[[ -e "$ROOT_DIR/tier-4.0.started" && -e "$ROOT_DIR/tier-3.5.started" ]] || exit 9
+started() { for line in $TIERS_EXPECTED; do [[ -e "$ROOT_DIR/tier-$line.started" ]] || return 1; done; }
+for _ in $(seq 600); do started && break; sleep 0.1; done
+started || exit 9
 echo "main suite ran: $*"
 exit "$(cat "$ROOT_DIR/main.code" 2>/dev/null || echo 0)"
 """
@@ -119,15 +117,24 @@ exit "$(cat "$ROOT_DIR/tier-$VARADHI_SPARK_LINE.code" 2>/dev/null || echo 0)"
 """
 
 
-def _whole_run(root: Path, codes: dict[str, int]) -> subprocess.CompletedProcess:
+def _whole_run(
+    root: Path, codes: dict[str, int], lines: str | None = None
+) -> subprocess.CompletedProcess:
+    """A whole run of the stubs; `lines`: VARADHI_COMPAT_LINES (None: unset, every older line)."""
     script = _checkout(root, python=MAIN_SUITE)
     for line in ("4.0", "3.5"):
         _stub(root / f".venv-spark{line.replace('.', '')}" / "bin" / "python", TIER)
     for name, code in codes.items():
         (root / f"{name}.code").write_text(str(code))
+    env = _env(
+        ROOT_DIR=str(root), TMPDIR=str(root), TIERS_EXPECTED="4.0 3.5" if lines is None else lines
+    )
+    env.pop("VARADHI_COMPAT_LINES", None)
+    if lines is not None:
+        env["VARADHI_COMPAT_LINES"] = lines
     return subprocess.run(
         ["bash", str(script)],
-        env=_env(ROOT_DIR=str(root), TMPDIR=str(root)),
+        env=env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -166,6 +173,15 @@ def test_a_failing_tier_fails_the_run_and_every_result_is_shown(tmp_path, codes,
     if expected == 1:
         assert f"the compatibility tier failed on Spark {failed}" in done.stderr
     assert list(tmp_path.glob("varadhi-test.*")), "a failed run's files are kept"
+
+
+@pytest.mark.parametrize("lines", ["3.5", ""])
+def test_the_compat_lines_variable_picks_the_tiers(tmp_path, lines):
+    done = _whole_run(tmp_path, {}, lines=lines)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "main suite ran" in done.stdout
+    ran = [line for line in ("4.0", "3.5") if f"tier {line} ran" in done.stdout]
+    assert ran == lines.split(), done.stdout
 
 
 def _gone(pid: int) -> bool:
