@@ -147,7 +147,7 @@ def test_a_whole_run_runs_the_tiers_next_to_the_main_suite_and_shows_them(tmp_pa
     out = done.stdout
     main = out.index("main suite ran: -m pytest -n")
     tiers = [
-        out.index(f"tier {line} ran at nice 19: -m pytest -m compat") for line in ("4.0", "3.5")
+        out.index(f"tier {line} ran at nice 10: -m pytest -m compat") for line in ("4.0", "3.5")
     ]
     assert main < tiers[0] < tiers[1], out  # the main suite's output (its durations) first
     assert "--basetemp" in out and "tests/compat" in out
