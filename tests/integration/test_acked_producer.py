@@ -93,3 +93,20 @@ def test_close_flushes_what_was_sent_and_the_producer_ends_its_thread(settings, 
         ack.get(0)  # close waited for every acknowledgement
     assert producer._closed and not producer._thread.is_alive()
     assert len(_read(settings, topic, 0, 20)) == 20
+
+
+def test_close_does_not_wait_for_writes_that_no_broker_takes():
+    """Nothing listens at the bootstrap server (loopback, refused): close gives up on the
+    pending write after its own timeout instead of librdkafka's message timeout (librdkafka's
+    close waited for it: 2 minutes by default, the member's stop with it)."""
+    import time
+
+    from varadhi.kafka.settings import Settings
+
+    producer = acked_producer(Settings(bootstrap="127.0.0.1:9"), **{"message.timeout.ms": 90_000})
+    producer.send("any-topic", value=b"x", partition=0)
+    started = time.monotonic()
+    producer.close(0.5)
+    # Far below the 90 s message timeout it would wait out, with room for a loaded machine.
+    assert time.monotonic() - started < 45
+    assert producer._closed

@@ -208,7 +208,9 @@ class AckedProducer:
                 self._lock.wait(left)
 
     def close(self, timeout: float | None = None) -> None:
-        """Flush what can be in `timeout`, then stop the I/O thread and close the client."""
+        """Flush what can be in `timeout`, then stop the I/O thread and close the client. What
+        librdkafka still holds is purged first: its close would otherwise wait for it, up to
+        `message.timeout.ms` (a cluster that refuses the login or is gone: 2 minutes)."""
         if self._closed:
             return
         try:
@@ -217,6 +219,7 @@ class AckedProducer:
             log.warning("producer closed with writes unacknowledged: %s", e)
         self._closing.set()
         self._thread.join()
+        self._producer.purge(in_queue=True, in_flight=True, blocking=False)
         self._producer.close()
         self._closed = True
 
