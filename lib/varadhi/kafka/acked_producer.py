@@ -264,16 +264,11 @@ def acked_producer(settings: clients.HasKafka, **config: Any) -> AckedProducer:
     line. Nothing connects here."""
     if "error_cb" in config:
         raise TypeError("acked_producer's error_cb is its own")
-    security = clients.config_of(settings).librdkafka_config()
-    if "oauth_cb" in security:
-        security["oauth_cb"](None)
     merged = {
-        "bootstrap.servers": settings.bootstrap,
-        "logger": logging.getLogger(clients.RDKAFKA_LOGGER),
         "enable.idempotence": True,
         "message.timeout.ms": MESSAGE_TIMEOUT_MS,
         "batch.size": BATCH_BYTES,
-        **security,
+        **clients.librdkafka_base(settings),
         **config,
     }
     return AckedProducer(settings, merged)

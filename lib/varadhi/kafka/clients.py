@@ -303,6 +303,22 @@ class FetchConsumer(confluent_kafka.Consumer):
         return self._failure
 
 
+def librdkafka_base(settings: HasKafka) -> dict[str, Any]:
+    """The properties every librdkafka client of the cluster starts from: the bootstrap
+    servers, the `RDKAFKA_LOGGER` logger and the security properties of
+    `KafkaConfig.librdkafka_config()`. An OAUTHBEARER provider is asked for its first token
+    here, so that its own typed error (`TokenError`, `KafkaConfigError`) is raised, not
+    confluent-kafka's."""
+    security = config_of(settings).librdkafka_config()
+    if "oauth_cb" in security:
+        security["oauth_cb"](None)
+    return {
+        "bootstrap.servers": settings.bootstrap,
+        "logger": logging.getLogger(RDKAFKA_LOGGER),
+        **security,
+    }
+
+
 def fetch_consumer(settings: HasKafka, **config: Any) -> FetchConsumer:
     """A librdkafka consumer of the cluster: the bootstrap servers, the security properties of
     `KafkaConfig.librdkafka_config()`, then the caller's librdkafka properties (`group.id`,
@@ -318,17 +334,8 @@ def fetch_consumer(settings: HasKafka, **config: Any) -> FetchConsumer:
     a second for librdkafka to take the token."""
     if "error_cb" in config:
         raise TypeError("fetch_consumer's error_cb is its own: read FetchConsumer.failure()")
-    security = config_of(settings).librdkafka_config()
-    if "oauth_cb" in security:
-        security["oauth_cb"](None)
-    merged = {
-        "bootstrap.servers": settings.bootstrap,
-        "logger": logging.getLogger(RDKAFKA_LOGGER),
-        **security,
-        **config,
-    }
     try:
-        return FetchConsumer(settings, merged)
+        return FetchConsumer(settings, {**librdkafka_base(settings), **config})
     except confluent_kafka.KafkaException as e:
         raise unavailable(settings, e.args[0]) from None
 
