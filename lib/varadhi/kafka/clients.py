@@ -29,9 +29,13 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import ConfigResource, ConfigResourceType
 from kafka.errors import (
     AuthorizationError,
+    BrokerResponseError,
+    IllegalSaslStateError,
     KafkaError,
+    SaslAuthenticationFailedError,
     TopicAuthorizationFailedError,
     UnknownTopicOrPartitionError,
+    UnsupportedSaslMechanismError,
 )
 
 from varadhi.core.errors import KafkaUnavailable, NotAuthorized, NotFound
@@ -367,6 +371,27 @@ def explain(settings: HasKafka, error: BaseException | str) -> str:
                 "(not signed by a CA the broker trusts, or expired)"
             ) + f" ({cause.rsplit('] ', 1)[-1]})"
     return f"cannot connect to {where}: {cause}"
+
+
+#: Broker answers that belong to a login: `explain` tells them (they stop a client as a failing
+#: connection does), not `failure`'s "refused".
+_LOGIN_ANSWERS = (
+    SaslAuthenticationFailedError,
+    UnsupportedSaslMechanismError,
+    IllegalSaslStateError,
+)
+
+
+def failure(settings: HasKafka, error: BaseException) -> str:
+    """One line for a Kafka error that stops a client. A broker that answered a request with an
+    error (kafka-python's `BrokerResponseError`: a join asking for a session timeout outside the
+    broker's range, a record too large) refused it: `Kafka at ... refused a request: <error>`,
+    without probing the connection, which works. Anything else (no broker, a login or TLS
+    refused) is a failure to connect: `explain`."""
+    if isinstance(error, BrokerResponseError) and not isinstance(error, _LOGIN_ANSWERS):
+        what = f"{type(error).__name__}: {getattr(error, 'description', '') or error}"
+        return f"Kafka at {settings.bootstrap} refused a request: {what}"
+    return explain(settings, error)
 
 
 def _not_offered(mechanism: str | None, offered: Sequence[str] | None) -> str:

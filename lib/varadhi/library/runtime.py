@@ -1332,7 +1332,7 @@ class Consumer:
         elif isinstance(error, AuthorizationError):
             error = kafka_clients.refused(self.settings, error, operation)
         elif isinstance(error, KafkaError):
-            error = VaradhiError(f"Kafka: {kafka_clients.explain(self.settings, error)}")
+            error = VaradhiError(f"Kafka: {kafka_clients.failure(self.settings, error)}")
         log.error("%s: consumer stops: %s", self.name, error, exc_info=error)
         with self._lock:
             if self._error is None:
