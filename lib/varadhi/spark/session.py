@@ -191,6 +191,19 @@ def s3a_classpath() -> str | None:
     return str(folder / "*") if (folder / ".complete").is_file() else None
 
 
+#: A local master's executor lives in the driver's JVM, so a heartbeat it misses means only that
+#: the JVM got no CPU (a starved machine, a stopped process): yet the driver then removes it
+#: ("Removing executor driver with no recent heartbeats", after `spark.network.timeout`, 120 s),
+#: and its block manager's re-registration fails in local mode (a NullPointerException in
+#: `BlockManagerMasterEndpoint.register`, "Issue communicating with driver in heartbeater"). A
+#: test session on Spark 4.0 starved that way at its start (a compatibility tier at nice 10
+#: on a machine with a core kept busy, 2026-12-07), and later hung in two Delta table loads
+#: until its test's timeout: the removal is the one fault its log shows. The executor's
+#: heartbeat timeout (which `spark.network.timeout` only defaults) is a day for local
+#: masters; clusters keep Spark's.
+LOCAL_EXECUTOR_SETTINGS = {"spark.storage.blockManagerHeartbeatTimeoutMs": str(86_400_000)}
+
+
 def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> SparkSession:
     """The active session, or a new one. `local=True` builds `local[cores]` with the jars found
     by configuration (module docstring), the UI off and few shuffle partitions (small, fast
@@ -228,8 +241,12 @@ def get_spark(app_name: str = "varadhi", local: bool = True, cores: int = 2) -> 
             archive = class_archive.archive_path(running_spark_version())  # scripts/setup's
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
         os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        master = os.environ.get("VARADHI_SPARK_MASTER", f"local[{cores}]")
+        if master.startswith("local"):
+            for key, value in LOCAL_EXECUTOR_SETTINGS.items():
+                builder = builder.config(key, value)
         builder = (
-            builder.master(os.environ.get("VARADHI_SPARK_MASTER", f"local[{cores}]"))
+            builder.master(master)
             .config("spark.ui.enabled", "false")
             .config("spark.sql.shuffle.partitions", str(cores))
             .config("spark.default.parallelism", str(cores))
