@@ -73,7 +73,10 @@ def assert_in_order(delivered: list[tuple[str, str]]) -> None:
 
 def test_http_order_retry_dead_letter_and_restart(settings, catalog, make_topic, unique_name):
     # A 503 asks for a retry in 10 minutes (Retry-After): it stays pending through the restarts.
-    with TestEndpoint(retry_after_s=600) as endpoint:
+    # Each answer takes 50 ms, so requests the member has out at once meet at the endpoint
+    # (`max_concurrent` below); answered at once, a loaded machine's endpoint saw them one by
+    # one (a fresh-clone run with a core kept busy).
+    with TestEndpoint(retry_after_s=600, latency_ms=50) as endpoint:
         spec = subscription(catalog, make_topic, unique_name, endpoint.url + "/hook")
         endpoint.set_script("g1-2", [500, 200])  # retried once, through the RQ
         endpoint.set_script("g2-3", [400])  # dead-lettered; g2 goes on (skip)
