@@ -27,11 +27,9 @@ def test_a_write_whose_broker_dies_inside_its_transaction_fails_instead_of_hangi
 ):
     broker = LocalBroker(tmp_path / "kafka")
     broker.start()
+    settings = Settings(bootstrap=broker.bootstrap, catalog_topic="__cat", warehouse=str(tmp_path))
+    catalog = Catalog(settings, timeout_s=5)
     try:
-        settings = Settings(
-            bootstrap=broker.bootstrap, catalog_topic="__cat", warehouse=str(tmp_path)
-        )
-        catalog = Catalog(settings, timeout_s=5)
         catalog.mutate(lambda snap: {"topic/a": {"n": 1}})  # topic, producer, fence: all up
         crash_point = faults.crash_point
 
@@ -57,4 +55,5 @@ def test_a_write_whose_broker_dies_inside_its_transaction_fails_instead_of_hangi
         [error] = outcome
         assert isinstance(error, KafkaUnavailable | ConcurrentModification), repr(error)
     finally:
+        catalog.close()  # its clients would look for the dead broker for the rest of the run
         broker.wipe()
