@@ -7,6 +7,7 @@ test_kafka_mechanisms.py.)"""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
@@ -14,6 +15,7 @@ from kafka.admin import NewTopic
 from kafka.errors import KafkaError
 
 from varadhi.kafka.acked_producer import acked_producer
+from varadhi.kafka.settings import Settings
 
 pytestmark = pytest.mark.kafka
 
@@ -99,10 +101,6 @@ def test_close_does_not_wait_for_writes_that_no_broker_takes():
     """Nothing listens at the bootstrap server (loopback, refused): close gives up on the
     pending write after its own timeout instead of librdkafka's message timeout (librdkafka's
     close waited for it: 2 minutes by default, the member's stop with it)."""
-    import time
-
-    from varadhi.kafka.settings import Settings
-
     producer = acked_producer(Settings(bootstrap="127.0.0.1:9"), **{"message.timeout.ms": 90_000})
     producer.send("any-topic", value=b"x", partition=0)
     started = time.monotonic()
