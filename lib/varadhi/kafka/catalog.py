@@ -44,7 +44,6 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, KafkaAdminClient, NewTopic
 from kafka.errors import (
     KafkaError,
-    KafkaTimeoutError,
     TopicAlreadyExistsError,
     TopicAuthorizationFailedError,
 )
@@ -326,7 +325,9 @@ class Catalog:
                         )
                     last_offset = max(f.get(timeout=self.timeout_s).offset for f in futures)
                     faults.crash_point("catalog_in_transaction")
-                    _commit_within(producer, self.timeout_s)
+                    kafka_clients.end_transaction(
+                        producer, commit=True, timeout_s=self.timeout_s, what="the catalog write"
+                    )
                 except KafkaError as e:  # fenced by a concurrent writer, or the broker went away
                     last = e
                     log.info("catalog write attempt %d failed (%s); retrying", attempt + 1, e)
@@ -372,35 +373,6 @@ class Catalog:
             if self._consumer is not None:
                 self._consumer.close()
                 self._consumer = None
-
-
-def _commit_within(producer: KafkaProducer, timeout_s: float) -> None:
-    """`producer.commit_transaction()`, waited for at most `timeout_s`; raises its error, or
-    `KafkaTimeoutError` when it did not end in time. kafka-python's waits without a limit
-    (Java's ends at `max.block.ms`): a broker gone inside the transaction held the write, and
-    with the catalog's lock every later write of the process (a shard's lease heartbeat), for
-    ever. After a timeout the caller discards the producer; whether the transaction committed is
-    the broker's to say, and the next attempt's fence (`init_transactions`) waits for that
-    before it reads the catalog again.
-
-    Hazard: the thread that called the commit stays blocked until kafka-python ends it, if ever:
-    one idle thread for each commit lost so."""
-    done = threading.Event()
-    failure: list[BaseException] = []
-
-    def commit() -> None:
-        try:
-            producer.commit_transaction()
-        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
-            failure.append(e)
-        finally:
-            done.set()
-
-    threading.Thread(target=commit, name="varadhi-catalog-commit", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise KafkaTimeoutError(f"the catalog transaction's commit did not end in {timeout_s} s")
-    if failure:
-        raise failure[0]
 
 
 def require(doc: Document | None, error: VaradhiError) -> Document:

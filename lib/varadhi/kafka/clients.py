@@ -32,6 +32,7 @@ from kafka.errors import (
     BrokerResponseError,
     IllegalSaslStateError,
     KafkaError,
+    KafkaTimeoutError,
     SaslAuthenticationFailedError,
     TopicAuthorizationFailedError,
     UnknownTopicOrPartitionError,
@@ -204,6 +205,42 @@ def _sasl_cut_short(settings: HasKafka, failures: list[str]) -> bool:
     return config_of(settings).mechanism is not None and any(
         "socket disconnected" in f or "SASL Authentication timed out" in f for f in failures
     )
+
+
+def end_transaction(producer: Any, *, commit: bool, timeout_s: float, what: str) -> None:
+    """Commit (`commit`) or abort `producer`'s open transaction, waiting `timeout_s` at most;
+    raises the producer's error, or `KafkaTimeoutError` (retriable: `transient`) when the call
+    did not end in time. `what` names the transaction in that error.
+
+    kafka-python's `commit_transaction` and `abort_transaction` wait without a limit (Java's end
+    at `max.block.ms`): a broker gone inside the transaction held the caller for ever (a shard's
+    catalog write in a three-node run with a broker killed). After a timeout the outcome is
+    unknown, so the caller must discard the producer (it is stuck in the call) and must not say
+    that nothing was committed; a new producer with the same transactional id waits in
+    `init_transactions` for the broker's verdict on the old transaction.
+
+    Hazard: the thread that made the call stays blocked until kafka-python ends it, if ever: one
+    idle daemon thread for each transaction lost so."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+    verb = "commit" if commit else "abort"
+
+    def end() -> None:
+        try:
+            producer.commit_transaction() if commit else producer.abort_transaction()
+        except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+            failure.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=end, name=f"varadhi-{verb}-transaction", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise KafkaTimeoutError(
+            f"{what}: the transaction's {verb} did not end in {timeout_s:g} s; whether it "
+            "committed is the broker's to say"
+        )
+    if failure:
+        raise failure[0]
 
 
 def consumer(settings: HasKafka, **kwargs: Any) -> KafkaConsumer:

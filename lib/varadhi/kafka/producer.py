@@ -44,7 +44,12 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from kafka import KafkaProducer
-from kafka.errors import AuthorizationError, KafkaConfigurationError, KafkaError
+from kafka.errors import (
+    AuthorizationError,
+    KafkaConfigurationError,
+    KafkaError,
+    KafkaTimeoutError,
+)
 from kafka.producer.future import FutureRecordMetadata, RecordMetadata
 
 from varadhi.core import names, routing
@@ -77,7 +82,13 @@ class SendFailed(VaradhiError):
     """Kafka did not take a message (or a `send_many` batch, which was then aborted).
 
     For `send` the message may still have been written (at-least-once: re-send with the same
-    message id); for `send_many` nothing was committed."""
+    message id); for `send_many` nothing was committed, except when it is `CommitOutcomeUnknown`."""
+
+
+class CommitOutcomeUnknown(SendFailed):
+    """A `send_many` transaction's commit did not end in the producer's `max_block_ms` (the broker
+    went away inside it): all of the batch may have been committed, or none. Sending it again with
+    the same message ids is safe for a subscription with dedup; otherwise readers may see it twice."""
 
 
 @dataclass(frozen=True)
@@ -338,6 +349,11 @@ class Producer:
         # its message.max.bytes is often about 1 MiB).
         request_size = max(1_048_576, max_message_bytes + 65_536)
         self._kafka_config = {**KAFKA_DEFAULTS, "max_request_size": request_size, **kafka_config}
+        # How long a transaction's commit or abort may wait: `max_block_ms`, as Java's client.
+        block_ms = self._kafka_config.get(
+            "max_block_ms", KafkaProducer.DEFAULT_CONFIG["max_block_ms"]
+        )
+        self._block_s = int(block_ms) / 1000
         self._transactional_id = transactional_id
         # Ungrouped messages go round-robin from a random start, so that many short-lived
         # producers (one CLI call each) do not all start on partition 0.
@@ -440,16 +456,32 @@ class Producer:
                     )
                 producer.flush()
                 metadata = [f.get() for f in futures]
-                producer.commit_transaction()
             except (KafkaError, ValueError) as e:
-                self._abort(producer)
-                raise SendFailed(
-                    f"transaction of {len(records)} messages aborted, nothing was committed: {e}"
-                ) from e
+                raise self._aborted(producer, len(records), e) from e
             except BaseException:  # e.g. KeyboardInterrupt: still leave no open transaction
                 self._abort(producer)
                 raise
+            what = f"producer {self.name}: send_many of {len(records)} messages"
+            try:
+                kafka_clients.end_transaction(
+                    producer, commit=True, timeout_s=self._block_s, what=what
+                )
+            except KafkaTimeoutError as e:
+                self._discard_transactional()  # stuck in the commit; a new one awaits its verdict
+                raise CommitOutcomeUnknown(str(e)) from e
+            except KafkaError as e:
+                raise self._aborted(producer, len(records), e) from e
+            except BaseException:  # interrupted while the commit runs: its outcome is unknown
+                self._discard_transactional()
+                raise
         return metadata
+
+    def _aborted(self, producer: KafkaProducer, count: int, error: Exception) -> SendFailed:
+        """Abort `producer`'s transaction of `count` messages, failed with `error`."""
+        self._abort(producer)
+        return SendFailed(
+            f"transaction of {count} messages aborted, nothing was committed: {error}"
+        )
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every `send` so far is acknowledged or failed (see `SendResult.get`)."""
@@ -558,9 +590,12 @@ class Producer:
             raise KafkaUnavailable(f"cannot reach Kafka at {self.settings.bootstrap}: {e}") from e
 
     def _abort(self, producer: KafkaProducer) -> None:
-        """Abort the open transaction; a producer that cannot abort (fenced) is discarded."""
+        """Abort the open transaction; a producer that cannot abort (fenced, or its broker gone:
+        `max_block_ms`) is discarded."""
         try:
-            producer.abort_transaction()
+            kafka_clients.end_transaction(
+                producer, commit=False, timeout_s=self._block_s, what=f"producer {self.name}"
+            )
         except KafkaError as e:
             log.warning("producer %s: abort failed (%s); discarding the producer", self.name, e)
             self._discard_transactional()

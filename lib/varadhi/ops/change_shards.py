@@ -103,6 +103,9 @@ from varadhi.spark.warehouse_fs import check_writable, for_path
 
 log = logging.getLogger(__name__)
 
+#: Seconds the state step's re-send waits for each record's acknowledgement, and for its commit.
+RESEND_TIMEOUT_S = 30
+
 
 class HandOverUnreadable(VaradhiError):
     """What an old shard's uncommitted batch delivered cannot be found out (its checkpoint or
@@ -500,8 +503,15 @@ class ChangeShards:
                     )
                 )
             for f in futures:
-                f.get(timeout=30)
-            producer.commit_transaction()
+                f.get(timeout=RESEND_TIMEOUT_S)
+            # a commit whose outcome is unknown fails the step; the re-run's `init_transactions`
+            # waits for the broker's verdict, and `_holds_committed` reads it
+            kafka_clients.end_transaction(
+                producer,
+                commit=True,
+                timeout_s=RESEND_TIMEOUT_S,
+                what=f"change-shards of {plan.name}",
+            )
         finally:
             producer.close(timeout=5)
 

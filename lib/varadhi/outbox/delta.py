@@ -52,7 +52,12 @@ from typing import Any
 import pandas as pd
 from kafka import KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
-from kafka.errors import AuthorizationError, KafkaError, TopicAlreadyExistsError
+from kafka.errors import (
+    AuthorizationError,
+    KafkaError,
+    KafkaTimeoutError,
+    TopicAlreadyExistsError,
+)
 
 from varadhi.core import names
 from varadhi.core.errors import InvalidArgument, KafkaUnavailable, VaradhiError
@@ -386,7 +391,16 @@ class DeltaOutbox:
             )
             for f in futures:  # a refused topic fails its sends by name (the commit does not)
                 f.get(timeout=self.send_timeout_s)
-            producer.commit_transaction()
+            what = f"delta outbox {self.name}: batch {batch_id}"
+            try:
+                kafka_clients.end_transaction(
+                    producer, commit=True, timeout_s=self.send_timeout_s, what=what
+                )
+            except KafkaTimeoutError as e:  # the broker's verdict unknown: not to be aborted
+                self._discard(producer)
+                raise DeltaOutboxError(
+                    f"{e}; the batch runs again, and its marker says whether it was sent"
+                ) from e
         except (KafkaError, ValueError) as e:
             self._abort(producer)
             # a missing ACL: one line naming it (a later send or the commit reports it as the
@@ -498,16 +512,28 @@ class DeltaOutbox:
         return self._producer
 
     def _abort(self, producer: KafkaProducer) -> None:
+        """Abort the open transaction (waiting `send_timeout_s` at most); a producer that cannot
+        abort is discarded."""
         try:
-            producer.abort_transaction()
+            kafka_clients.end_transaction(
+                producer,
+                commit=False,
+                timeout_s=self.send_timeout_s,
+                what=f"delta outbox {self.name}",
+            )
         except KafkaError as e:
             log.warning("delta outbox %s: abort failed (%s); new producer next", self.name, e)
-            try:
-                producer.close(timeout=1)
-            except KafkaError:
-                pass
-            self._producer = None
-            self._committed = None  # re-read after re-fencing
+            self._discard(producer)
+
+    def _discard(self, producer: KafkaProducer) -> None:
+        """Close `producer` and start the next batch with a new one, which fences it (and waits
+        for the broker's verdict on its transaction) before the marker is read again."""
+        try:
+            producer.close(timeout=1)
+        except KafkaError:
+            pass
+        self._producer = None
+        self._committed = None  # re-read after re-fencing
 
     def _ensure_marker_topic(self) -> None:
         try:

@@ -17,7 +17,8 @@ error is raised as it is (a `FencedLeaderEpochError` is a leader change, not a f
 Contracts: `start` fences the shard's earlier instances' producers (and aborts their open
 transaction) before anything is sent; nothing is sent for an empty batch; a topic's limit is
 read once per process (`topics.max_message_bytes`, at most `MAX_REQUEST_BYTES`) and a DLQ record
-above it is cut to fit while a retry above it fails the batch (`queue_records.out_record`).
+above it is cut to fit while a retry above it fails the batch (`queue_records.out_record`); a
+commit waits `SEND_TIMEOUT_S` at most (`kafka.clients.end_transaction`).
 The record plan (`plan`) is pure; the producer and the limit lookup are injected, so the send is
 unit-tested with an in-memory producer (tests/unit/test_shard_sender.py).
 """
@@ -103,7 +104,8 @@ def plan(
 class QueueSender:
     """One shard's transactional RQ/DLQ producer (see the module docstring). `label` names the
     shard in errors; `epoch` gives the shard's lease epoch (for `Fenced`); `max_message_bytes`
-    looks up a storage topic's `max.message.bytes`."""
+    looks up a storage topic's `max.message.bytes`; `commit_timeout_s` bounds the wait for a
+    transaction's commit."""
 
     def __init__(
         self,
@@ -112,8 +114,10 @@ class QueueSender:
         label: str,
         epoch: Callable[[], int | None],
         max_message_bytes: Callable[[str], int],
+        commit_timeout_s: float = SEND_TIMEOUT_S,
     ):
         self._producer = producer
+        self._commit_timeout_s = commit_timeout_s
         self.shard = shard
         self.label = label
         self._epoch = epoch
@@ -165,7 +169,11 @@ class QueueSender:
 
     def send(self, outs: list[OutRow], where: Targets) -> None:
         """Send the `out` rows `outs` in one Kafka transaction (nothing for none); raises
-        `Fenced` when a newer producer of the shard fenced this one."""
+        `Fenced` when a newer producer of the shard fenced this one, and kafka-python's
+        `KafkaTimeoutError` when the commit did not end in `commit_timeout_s` (a broker gone
+        inside the transaction: the outcome is unknown and this sender is done; the shard rides
+        the outage out with a new one, and the batch, committed in the state table, is sent
+        again by step 2 of `varadhi.spark.shard.commit`)."""
         if not outs:
             return
         producer = self._producer
@@ -184,7 +192,9 @@ class QueueSender:
                 )
             for f in futures:
                 f.get(timeout=SEND_TIMEOUT_S)
-            producer.commit_transaction()
+            kafka_clients.end_transaction(
+                producer, commit=True, timeout_s=self._commit_timeout_s, what=self.label
+            )
         except KafkaError as e:
             if jvm_errors.Fenced in jvm_errors.classify(e):
                 raise Fenced(f"producer of {self.label}", self._epoch() or 0, -1) from e
