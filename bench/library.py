@@ -12,7 +12,10 @@ a request: docs/delivery.md) is delivered by one `Consumer`
 to nginx answering 204 (to a batch: every message accepted) (500/503 for that fraction of attempts: bench/delivery.py's `nginx`, so
 its figures compare) until every message is delivered or dead-lettered. Reported per run: the
 rate from `start()` to the last message (start-up included), the time to the first delivery,
-and the process's CPU per message (this process also polls the counters, every 20 ms).
+and the process's CPU per message (this process also polls the counters, every 20 ms); and the
+same two in the steady window, from the 10th to the 90th percent of the messages delivered
+(bench/delivery.py's definition: the failures' retry tail and the start-up left out), with each
+failing run's steady rate over the healthy run's when `--fail` has a 0.
 Retries use the default policy (1 s backoff, through the RQ). Everything listens on 127.0.0.1;
 the bench uses its own catalog topic and leaves its topics behind (`varadhi topic delete`).
 """
@@ -77,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.messages):
             out.send(body, group_id=f"g{i % args.groups}")
         out.flush()
-    print("fail  msg/s  first delivery (s)  CPU us/msg  retried  dead-lettered")
+    print(
+        "fail  msg/s  first delivery (s)  CPU us/msg  steady msg/s  steady CPU us/msg"
+        "  retried  dead-lettered"
+    )
+    steady_rates: dict[float, float] = {}
     for fail in args.fail:
         with nginx(binary, fail) as endpoint:
             name = f"bench-lib-{uuid.uuid4().hex[:6]}"
@@ -98,9 +105,11 @@ def main(argv: list[str] | None = None) -> int:
             )
             consumer = Consumer(name, settings, options=options).start()
             first = None
+            window = Window(args.messages)
             try:
                 while True:
                     counts = consumer.counters()
+                    window.see(counts["delivered"])
                     if first is None and counts["delivered"]:
                         first = time.monotonic() - started
                     if counts["delivered"] + counts["dead_lettered"] >= args.messages:
@@ -114,13 +123,46 @@ def main(argv: list[str] | None = None) -> int:
                 used = time.process_time() - cpu
             finally:
                 consumer.stop()
+            steady_rates[fail] = window.rate()
             print(
                 f"{fail:<5} {args.messages / wall:>6.0f} {first:>19.2f}"
-                f" {used / args.messages * 1e6:>11.0f} {counts['retried']:>8}"
+                f" {used / args.messages * 1e6:>11.0f} {window.rate():>13.0f}"
+                f" {window.cpu_us():>18.0f} {counts['retried']:>8}"
                 f" {counts['dead_lettered']:>14}"
             )
     catalog.close()
+    healthy = steady_rates.get(0.0)
+    for fail, rate in steady_rates.items():
+        if healthy and fail:
+            print(f"steady with {fail:g} failing / healthy: {rate / healthy:.2f}")
     return 0
+
+
+class Window:
+    """The steady window of a run: from the 10th to the 90th percent of `messages` delivered,
+    its rate and CPU per message (this process's), as seen by polls of the counters."""
+
+    def __init__(self, messages: int):
+        self.low, self.high = messages // 10, messages - messages // 10
+        self.start: tuple[int, float, float] | None = None  # delivered, monotonic, CPU
+        self.end: tuple[int, float, float] | None = None
+
+    def see(self, delivered: int) -> None:
+        mark = (delivered, time.monotonic(), time.process_time())
+        if self.start is None and delivered >= self.low:
+            self.start = mark
+        if self.end is None and delivered >= self.high:
+            self.end = mark
+
+    def rate(self) -> float:
+        if self.start is None or self.end is None or self.end[0] == self.start[0]:
+            return float("nan")
+        return (self.end[0] - self.start[0]) / max(self.end[1] - self.start[1], 1e-3)
+
+    def cpu_us(self) -> float:
+        if self.start is None or self.end is None or self.end[0] == self.start[0]:
+            return float("nan")
+        return (self.end[2] - self.start[2]) / (self.end[0] - self.start[0]) * 1e6
 
 
 if __name__ == "__main__":
