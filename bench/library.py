@@ -123,11 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                 used = time.process_time() - cpu
             finally:
                 consumer.stop()
-            steady_rates[fail] = window.rate()
+            steady_rates[fail], steady_cpu_us = window.figures()
             print(
                 f"{fail:<5} {args.messages / wall:>6.0f} {first:>19.2f}"
-                f" {used / args.messages * 1e6:>11.0f} {window.rate():>13.0f}"
-                f" {window.cpu_us():>18.0f} {counts['retried']:>8}"
+                f" {used / args.messages * 1e6:>11.0f} {steady_rates[fail]:>13.0f}"
+                f" {steady_cpu_us:>18.0f} {counts['retried']:>8}"
                 f" {counts['dead_lettered']:>14}"
             )
     catalog.close()
@@ -154,15 +154,13 @@ class Window:
         if self.end is None and delivered >= self.high:
             self.end = mark
 
-    def rate(self) -> float:
+    def figures(self) -> tuple[float, float]:
+        """(messages a second, CPU µs a message) in the window; NaN for a window not seen."""
         if self.start is None or self.end is None or self.end[0] == self.start[0]:
-            return float("nan")
-        return (self.end[0] - self.start[0]) / max(self.end[1] - self.start[1], 1e-3)
-
-    def cpu_us(self) -> float:
-        if self.start is None or self.end is None or self.end[0] == self.start[0]:
-            return float("nan")
-        return (self.end[2] - self.start[2]) / (self.end[0] - self.start[0]) * 1e6
+            return float("nan"), float("nan")
+        n = self.end[0] - self.start[0]
+        seconds = max(self.end[1] - self.start[1], 1e-3)
+        return n / seconds, (self.end[2] - self.start[2]) / n * 1e6
 
 
 if __name__ == "__main__":
