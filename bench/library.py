@@ -2,7 +2,8 @@
 
     scripts/kafka start
     .venv/bin/python bench/library.py [--messages 50000] [--groups 5000] [--fail 0 0.1] [--circuit]
-        [--commit-interval S] [--batch N] [--max-in-flight N]
+        [--commit-interval S] [--batch N] [--max-in-flight N] [--in-place-window MS]
+        [--out FILE]
 
 One process, in this one: a topic of 12 partitions gets `--messages` 1 KiB messages over
 `--groups` group ids (the varadhi producer), then, per `--fail` rate, a fresh 2-shard
@@ -16,20 +17,32 @@ and the process's CPU per message (this process also polls the counters, every 2
 same two in the steady window, from the 10th to the 90th percent of the messages delivered
 (bench/delivery.py's definition: the failures' retry tail and the start-up left out), with each
 failing run's steady rate over the healthy run's when `--fail` has a 0.
-Retries use the default policy (1 s backoff, through the RQ). Everything listens on 127.0.0.1;
+Retries use the default policy (1 s backoff, growing; a retry due within the in-place window,
+2 s of the first failure, waits in memory, a later one goes through the RQ); `--in-place-window`
+sets that window (0: every retry through the RQ), so the two paths' costs can be told apart.
+`--out` writes the runs as JSON (bench/results/). Everything listens on 127.0.0.1;
 the bench uses its own catalog topic and leaves its topics behind (`varadhi topic delete`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 import uuid
+from pathlib import Path
 
 from common import nginx_binary
 from delivery import nginx
-from varadhi.core.policies import CircuitPolicy, DeliveryPolicy, Endpoint, SubscriptionSpec
+from varadhi.core.policies import (
+    CircuitPolicy,
+    DeliveryPolicy,
+    Endpoint,
+    RetryPolicy,
+    SubscriptionSpec,
+)
 from varadhi.kafka.catalog import Catalog
 from varadhi.kafka.producer import Producer
 from varadhi.kafka.settings import Settings
@@ -63,7 +76,21 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="Options.max_in_flight (default: the spec's consumption.max_in_flight)",
     )
+    p.add_argument(
+        "--in-place-window",
+        type=int,
+        metavar="MS",
+        default=RetryPolicy().in_place_window_ms,
+        help="retry.in_place_window (ms; 0: every retry through the RQ; default: the policy's)",
+    )
+    p.add_argument("--out", type=Path, help="write the runs to this JSON file")
     args = p.parse_args(argv)
+    if args.in_place_window < 0:
+        p.error("--in-place-window must be >= 0")
+    retry = RetryPolicy(
+        in_place_window_ms=args.in_place_window,
+        in_place_linger_ms=min(RetryPolicy().in_place_linger_ms, args.in_place_window),
+    )
     delivery = (
         DeliveryPolicy() if args.batch is None else DeliveryPolicy("batch", max_messages=args.batch)
     )
@@ -85,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         "  retried  dead-lettered"
     )
     steady_rates: dict[float, float] = {}
+    runs: list[dict] = []
     for fail in args.fail:
         with nginx(binary, fail) as endpoint:
             name = f"bench-lib-{uuid.uuid4().hex[:6]}"
@@ -97,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                 circuit_breaker=CircuitPolicy(enabled=args.circuit),
                 runtime="library",
                 delivery=delivery,
+                retry=retry,
             )
             SubscriptionService(catalog).create(spec)
             cpu, started = time.process_time(), time.monotonic()
@@ -124,6 +153,18 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 consumer.stop()
             steady_rates[fail], steady_cpu_us = window.figures()
+            runs.append(
+                {
+                    "fail": fail,
+                    "msg_s": round(args.messages / wall),
+                    "first_s": round(first, 2),
+                    "cpu_us": round(used / args.messages * 1e6),
+                    "steady_msg_s": round(steady_rates[fail]),
+                    "steady_cpu_us": round(steady_cpu_us),
+                    "retried": counts["retried"],
+                    "dead_lettered": counts["dead_lettered"],
+                }
+            )
             print(
                 f"{fail:<5} {args.messages / wall:>6.0f} {first:>19.2f}"
                 f" {used / args.messages * 1e6:>11.0f} {steady_rates[fail]:>13.0f}"
@@ -132,9 +173,21 @@ def main(argv: list[str] | None = None) -> int:
             )
     catalog.close()
     healthy = steady_rates.get(0.0)
-    for fail, rate in steady_rates.items():
-        if healthy and fail:
-            print(f"steady with {fail:g} failing / healthy: {rate / healthy:.2f}")
+    for run in runs:
+        if healthy and run["fail"]:
+            run["steady_ratio"] = round(run["steady_msg_s"] / healthy, 2)
+            print(f"steady with {run['fail']:g} failing / healthy: {run['steady_ratio']:.2f}")
+    if args.out is not None:
+        result = {
+            "bench": "bench/library.py",
+            "argv": sys.argv[1:] if argv is None else argv,
+            "date": time.strftime("%Y-%m-%d"),
+            "cores": os.cpu_count(),
+            "load_1m": os.getloadavg()[0],
+            "runs": runs,
+        }
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+        print(f"written to {args.out}")
     return 0
 
 
