@@ -42,8 +42,9 @@ def test_a_leader_change_in_a_query_failure_is_a_failure_not_a_fence():
         "The leader epoch in the request is older than the epoch on the broker.",
     )
     assert judge(failure(*job_aborted(epoch)), replayed=True) is Verdict.FAILED
+    # kafka-python's error of that name in a batch function: retriable, so ridden out (below).
     python = PYTHON.format("kafka.errors.FencedLeaderEpochError: [Error 74] FencedLeaderEpochError")
-    assert judge(failure(text=python), replayed=False) is Verdict.FAILED
+    assert judge(failure(text=python), replayed=False) is Verdict.KAFKA_AWAY
 
 
 def test_the_shard_s_own_fence_and_a_fenced_producer_are_fences():
@@ -140,3 +141,37 @@ def test_a_bounded_run_is_idle_only_when_all_holds_and_asks_kafka_last():
 def test_a_run_s_end_is_the_process_exit_code():
     # What supervisors and scripts read (docs/operations.md): 0 stopped, 3 fenced.
     assert (int(RunEnd.STOPPED), int(RunEnd.FENCED)) == (0, 3)
+
+
+def test_a_batch_that_met_kafka_away_is_ridden_out():
+    """A Kafka call of the batch function that failed with an error that may pass (kafka-python's
+    retriable errors, the product's `KafkaUnavailable`): the control loop rides it out. Before,
+    such a batch failed the shard (exit 1) although the same error between batches is ridden out."""
+    for line in (
+        "kafka.errors.KafkaTimeoutError: KafkaTimeoutError: Failed to get offsets by timestamps",
+        "kafka.errors.KafkaConnectionError: 111 ECONNREFUSED",
+        "kafka.errors.NotLeaderForPartitionError: [Error 6] NotLeaderForPartitionError",
+        "varadhi.core.errors.KafkaUnavailable: timed out reading the catalog topic __varadhi",
+    ):
+        found = failure(text=PYTHON.format(line))
+        assert judge(found, replayed=False) is Verdict.KAFKA_AWAY, line
+        assert found.of(jvm_errors.KafkaAway) == jvm_errors.KafkaAway(line)
+    # Not an error that passes by itself, or not the class itself: a failure.
+    for line in (
+        "kafka.errors.InvalidTopicError: [Error 17] InvalidTopicError",
+        "RuntimeError: HTTP 500 KafkaTimeoutError",
+        "my.kafka.errors.KafkaTimeoutError: x",
+        "kafka.errors.KafkaTimeoutErrorLater: x",
+    ):
+        assert judge(failure(text=PYTHON.format(line)), replayed=False) is Verdict.FAILED, line
+    # A fence, an expired lease or a missing ACL met with it (a traceback's chained causes) wins.
+    timeout = "kafka.errors.KafkaTimeoutError: KafkaTimeoutError: commit"
+    fenced = PYTHON.format(f"{timeout}\nvaradhi.core.errors.Fenced: lease s/2/0: fenced")
+    assert judge(failure(text=fenced), replayed=False) is Verdict.FENCED
+    expired = PYTHON.format(f"{timeout}\nvaradhi.core.errors.LeaseExpired: lease s/2/0")
+    assert judge(failure(text=expired), replayed=False) is Verdict.LEASE_EXPIRED
+    denied = PYTHON.format(
+        f"{timeout}\nkafka.errors.TopicAuthorizationFailedError: [Error 29] "
+        "TopicAuthorizationFailedError: s.rq.1"
+    )
+    assert judge(failure(text=denied), replayed=False) is Verdict.DENIED

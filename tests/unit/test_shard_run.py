@@ -366,3 +366,62 @@ def test_a_paused_shard_keeps_reporting_paused_while_it_waits(job, monkeypatch):
     lease = SimpleNamespace(check=lambda: None)
     assert job._wait_while(lease, job._still_paused, interval=lambda: 0) is False
     assert published == ["paused", "paused", "paused"]
+
+
+class CheckedLease:
+    """The lease calls a failed query's verdict makes: still this instance's, not expired."""
+
+    epoch, ttl_ms = 1, 15_000
+
+    def check(self):
+        pass
+
+    def fence_reason(self, _error):
+        return None
+
+    def expired(self):
+        return None
+
+
+class FailedQuery:
+    """A query that ended with `error` (pyspark's `exception()`; no JVM to ask)."""
+
+    isActive = False
+
+    def __init__(self, error):
+        self._error = error
+
+    def exception(self):
+        return self._error
+
+
+# What CI's broker-outage test met (shortened): a broker killed while a batch ran; the lease check
+# before the batch's state commit read the catalog and timed out inside the batch function.
+BATCH_MET_KAFKA_AWAY = (
+    "[FOREACH_BATCH_USER_FUNCTION_ERROR] An error occurred in the user provided function in "
+    "foreach batch sink. Reason: An exception was raised by the Python Proxy. Return Message: "
+    'Traceback (most recent call last):\n  File "/x/varadhi/spark/shard/commit.py", line 165, in '
+    'run\n    self.lease.check()\n  File "/x/varadhi/kafka/catalog.py", line 247, in _catch_up\n'
+    "kafka.errors.KafkaTimeoutError: KafkaTimeoutError: Failed to get offsets by timestamps in "
+    "35000 ms\n"
+)
+
+
+def test_a_batch_that_met_kafka_away_is_ridden_out_not_a_failed_shard(run):
+    """CI: a broker killed in the middle of a batch made the batch's lease check time out
+    reading the catalog; the query failed and the shard exited 1 (`query failed: ...`) instead
+    of riding the outage out as it does between batches. Now the failed query's verdict is
+    `KAFKA_AWAY`: `_ended` raises `KafkaUnavailable`, which the control loop rides out (the
+    batch, not committed, runs again in the next query)."""
+    run.parts.name, run.parts.shard, run.parts.lease = "orders-http", 0, CheckedLease()
+    run.parts.circuit = SimpleNamespace(state="closed")
+    inputs = SimpleNamespace(sub=SimpleNamespace(shard_count=2), circuit="closed")
+    with pytest.raises(KafkaUnavailable, match="KafkaTimeoutError: Failed to get offsets") as e:
+        run._ended(FailedQuery(RuntimeError(BATCH_MET_KAFKA_AWAY)), inputs, replayed=False)
+    outage = ControlOutage()
+    assert ShardJob._rides_out(e.value, CheckedLease(), outage)
+    # Any other failure of a batch function still fails the shard.
+    other = BATCH_MET_KAFKA_AWAY.replace("kafka.errors.KafkaTimeoutError", "ValueError")
+    with pytest.raises(Exception, match="query failed") as failed:
+        run._ended(FailedQuery(RuntimeError(other)), inputs, replayed=False)
+    assert not isinstance(failed.value, KafkaUnavailable)

@@ -21,7 +21,10 @@ message, top stack frames), the text everything says, and the typed facts found 
 - `LeaseExpired`: the shard's lease was not renewed for its TTL when a batch function checked it
   (`varadhi.core.errors.LeaseExpired`, by class): Kafka away, nobody known to hold the shard;
 - `ZombieCheckpointWriter`: another query wrote the checkpoint's offset or commit log first;
-- `KafkaMetricsNPE`: SPARK-55271, Spark 4.1's Kafka source failing after a re-run batch.
+- `KafkaMetricsNPE`: SPARK-55271, Spark 4.1's Kafka source failing after a re-run batch;
+- `KafkaAway`: a Kafka call of a batch function failed with an error that may pass by itself
+  (kafka-python's retriable errors, the product's `KafkaUnavailable`), by class: a broker away
+  or restarting in the middle of a batch.
 
 The product's own exceptions come back from a batch function as the text of a Python traceback,
 so they are recognised there by their fully qualified class name as a whole word (taken from the
@@ -44,7 +47,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kafka.errors import ProducerFencedError
+import kafka.errors
+from kafka.errors import KafkaError, ProducerFencedError
 
 from varadhi.core import errors
 
@@ -116,9 +120,36 @@ class KafkaMetricsNPE:
     query on the same checkpoint goes on normally."""
 
 
-Fact = Denied | StopRequested | Fenced | LeaseExpired | ZombieCheckpointWriter | KafkaMetricsNPE
+@dataclass(frozen=True)
+class KafkaAway:
+    """A batch function's Kafka call failed with an error that may pass by itself: one that
+    kafka-python marks retriable (a timeout, a connection refused, a leader moving) or the
+    product's `KafkaUnavailable` (`kafka_clients.transient`), named in the batch function's
+    Python traceback. The batch ended there, so nothing after that call was committed; the
+    shard may ride the outage out and run the batch again. `error`: the traceback's line of it
+    (class and message, at most 300 characters)."""
+
+    error: str
+
+
+Fact = (
+    Denied
+    | StopRequested
+    | Fenced
+    | LeaseExpired
+    | ZombieCheckpointWriter
+    | KafkaMetricsNPE
+    | KafkaAway
+)
 F = TypeVar(
-    "F", Denied, StopRequested, Fenced, LeaseExpired, ZombieCheckpointWriter, KafkaMetricsNPE
+    "F",
+    Denied,
+    StopRequested,
+    Fenced,
+    LeaseExpired,
+    ZombieCheckpointWriter,
+    KafkaMetricsNPE,
+    KafkaAway,
 )
 
 
@@ -203,6 +234,9 @@ def facts(chain: tuple[Link, ...], text: str) -> tuple[Fact, ...]:
     denied = denied_in(text)
     if denied is not None:
         found.append(denied)
+    away = _KAFKA_AWAY_TEXT.search(text)
+    if away is not None:
+        found.append(KafkaAway(away.group(0)[:300]))
     return tuple(found)
 
 
@@ -218,6 +252,15 @@ def _named(*classes: type) -> str:
 _STOP_TEXT = re.compile(_named(errors.StopRequested))
 #: The shard's lease found expired by a batch function, by class.
 _LEASE_EXPIRED_TEXT = re.compile(_named(errors.LeaseExpired))
+#: kafka-python's errors that may pass by itself (`retriable`, as `kafka_clients.transient`
+#: reads a raised one) and the product's `KafkaUnavailable`, by class, with the rest of the
+#: traceback's line (the message).
+_RETRIABLE_KAFKA = tuple(
+    c
+    for c in vars(kafka.errors).values()
+    if isinstance(c, type) and issubclass(c, KafkaError) and getattr(c, "retriable", False)
+)
+_KAFKA_AWAY_TEXT = re.compile(_named(errors.KafkaUnavailable, *_RETRIABLE_KAFKA) + r".*")
 
 #: Java exceptions that say a newer instance holds the shard: its transactional producer's id was
 #: taken over. Not Kafka's other "fenced" errors: `FencedLeaderEpochException` (a partition's

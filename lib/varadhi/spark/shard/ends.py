@@ -14,7 +14,11 @@ them into the shard's verdict, in this order:
 4. SPARK-55271 after a batch that re-ran one an earlier run planned (`KafkaMetricsNPE`, only
    when a batch completed since the query started): `SPARK_55271`, restart the query;
 5. a missing Kafka ACL (`Denied`): `DENIED`, the `NotAuthorized` error;
-6. anything else: `FAILED`, exit 1.
+6. a Kafka call of the batch function failed with an error that may pass (`KafkaAway`: a
+   broker away or restarting in the middle of a batch, a catalog read or an RQ/DLQ commit
+   timing out): `KAFKA_AWAY`, the control loop rides it out (`ShardJob._rides_out`: for at most
+   `CONTROL_OUTAGE_S` without a batch completing) and runs the batch again in a new query;
+7. anything else: `FAILED`, exit 1.
 
 Contract: the caller checks its lease before acting on any verdict but `FENCED` and
 `LEASE_EXPIRED` (a query that
@@ -67,6 +71,7 @@ class Verdict(StrEnum):
     ZOMBIE = "zombie"
     SPARK_55271 = "spark-55271"
     DENIED = "denied"
+    KAFKA_AWAY = "kafka-away"
     FAILED = "failed"
 
 
@@ -85,6 +90,8 @@ def judge(failure: jvm_errors.Diagnosis | None, replayed: bool) -> Verdict | Non
         return Verdict.SPARK_55271
     if jvm_errors.Denied in failure:
         return Verdict.DENIED
+    if jvm_errors.KafkaAway in failure:
+        return Verdict.KAFKA_AWAY
     return Verdict.FAILED
 
 

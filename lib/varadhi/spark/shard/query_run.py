@@ -255,6 +255,9 @@ class QueryRun:
                 p.label,
             )
             return QueryEnd.RESTART
+        away = failure.of(jvm_errors.KafkaAway)
+        if verdict is Verdict.KAFKA_AWAY and away is not None:  # ridden out by the control loop
+            raise KafkaUnavailable(f"{p.label}: a batch met Kafka away ({away.error})")
         denied = failure.of(jvm_errors.Denied)
         if verdict is Verdict.DENIED and denied is not None:
             raise kafka_clients.as_error(p.settings, denied)
