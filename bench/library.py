@@ -87,10 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.in_place_window < 0:
         p.error("--in-place-window must be >= 0")
-    retry = RetryPolicy(
-        in_place_window_ms=args.in_place_window,
-        in_place_linger_ms=min(RetryPolicy().in_place_linger_ms, args.in_place_window),
-    )
+    retry = RetryPolicy(in_place_window_ms=args.in_place_window)  # linger: capped at the window
     delivery = (
         DeliveryPolicy() if args.batch is None else DeliveryPolicy("batch", max_messages=args.batch)
     )
@@ -111,7 +108,6 @@ def main(argv: list[str] | None = None) -> int:
         "fail  msg/s  first delivery (s)  CPU us/msg  steady msg/s  steady CPU us/msg"
         "  retried  dead-lettered"
     )
-    steady_rates: dict[float, float] = {}
     runs: list[dict] = []
     for fail in args.fail:
         with nginx(binary, fail) as endpoint:
@@ -152,14 +148,14 @@ def main(argv: list[str] | None = None) -> int:
                 used = time.process_time() - cpu
             finally:
                 consumer.stop()
-            steady_rates[fail], steady_cpu_us = window.figures()
+            steady_rate, steady_cpu_us = window.figures()
             runs.append(
                 {
                     "fail": fail,
                     "msg_s": round(args.messages / wall),
                     "first_s": round(first, 2),
                     "cpu_us": round(used / args.messages * 1e6),
-                    "steady_msg_s": round(steady_rates[fail]),
+                    "steady_msg_s": round(steady_rate),
                     "steady_cpu_us": round(steady_cpu_us),
                     "retried": counts["retried"],
                     "dead_lettered": counts["dead_lettered"],
@@ -167,12 +163,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(
                 f"{fail:<5} {args.messages / wall:>6.0f} {first:>19.2f}"
-                f" {used / args.messages * 1e6:>11.0f} {steady_rates[fail]:>13.0f}"
+                f" {used / args.messages * 1e6:>11.0f} {steady_rate:>13.0f}"
                 f" {steady_cpu_us:>18.0f} {counts['retried']:>8}"
                 f" {counts['dead_lettered']:>14}"
             )
     catalog.close()
-    healthy = steady_rates.get(0.0)
+    healthy = next((run["steady_msg_s"] for run in runs if run["fail"] == 0), None)
     for run in runs:
         if healthy and run["fail"]:
             run["steady_ratio"] = round(run["steady_msg_s"] / healthy, 2)
